@@ -1,0 +1,31 @@
+# make demo: run the demo notebook headless on CPU ranks (or GPUs when present).
+# make test: the whole test suite (CPU, gloo). Both set up .venv themselves and may be run twice.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fsdp2nb-installed
+
+.PHONY: demo test lint bench lab gpu-check clean
+
+$(STAMP): pyproject.toml scripts/setup_venv.sh
+	bash scripts/setup_venv.sh $(VENV)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/run_demo.py notebooks/demo.ipynb
+
+test: $(STAMP)
+	$(PY) -m ruff check fsdp2nb tests benchmarks scripts
+	$(PY) -m pytest -q tests
+
+lab: $(STAMP)
+	$(VENV)/bin/pip install -q jupyterlab
+	$(VENV)/bin/jupyter lab notebooks/demo.ipynb
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+gpu-check: $(STAMP)
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache
