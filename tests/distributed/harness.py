@@ -1,0 +1,54 @@
+"""Run a function on N CPU ranks joined by gloo, and collect what each rank returns.
+
+`fn` must be importable (a module-level function of a test module) because ranks are spawned
+fresh processes. Each rank gets RANK/WORLD_SIZE/LOCAL_RANK set and an initialised process group;
+its return value must be picklable. An exception on any rank fails the call with that rank's
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank: int, fn: Callable, world_size: int, workdir: str, args: tuple, kwargs: dict) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
+    )
+    store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        outcome = ("ok", fn(*args, **kwargs))
+    except BaseException:  # report every failure, including KeyboardInterrupt and SystemExit
+        outcome = ("error", f"rank {rank}:\n{traceback.format_exc()}")
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(workdir, f"result-{rank}.pkl"), "wb") as f:
+        pickle.dump(outcome, f)
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results in rank order."""
+    with tempfile.TemporaryDirectory(prefix="fsdp2nb-ranks-") as workdir:
+        mp.start_processes(
+            _rank_main, args=(fn, world_size, workdir, args, kwargs), nprocs=world_size,
+            join=True, start_method="spawn",
+        )
+        outcomes = []
+        for rank in range(world_size):
+            with open(os.path.join(workdir, f"result-{rank}.pkl"), "rb") as f:
+                outcomes.append(pickle.load(f))
+    errors = [detail for status, detail in outcomes if status == "error"]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [value for _, value in outcomes]
