@@ -1,0 +1,84 @@
+"""How ranks come into being, behind one small interface.
+
+`LocalLauncher` starts a host agent on this machine that forks the ranks. Ranks on other hosts
+can come from any engine that can run `python -m fsdp2nb.worker.agent` (or one rank per process)
+with the same launch plan: torchrun, Slurm or Ray only need to implement `Launcher`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import asdict
+from typing import Protocol
+
+from fsdp2nb.pool.protocol import LaunchPlan
+
+
+class LaunchedRanks(Protocol):
+    """A handle on started ranks that the pool can stop."""
+
+    def is_running(self) -> bool: ...
+
+    def terminate(self, grace_s: float) -> None:
+        """End every rank: politely first, by force after `grace_s`. Safe to call twice."""
+
+
+class Launcher(Protocol):
+    def launch(self, plan: LaunchPlan, key: bytes) -> LaunchedRanks: ...
+
+
+class LocalAgent:
+    """The host agent process started by `LocalLauncher`."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def terminate(self, grace_s: float) -> None:
+        if self.is_running():
+            self.process.send_signal(signal.SIGTERM)  # the agent SIGTERMs, then SIGKILLs, its ranks
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # The agent has its own session: one killpg ends it and any rank that outlived it.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
+
+
+class LocalLauncher:
+    """Starts one agent for this host in its own session, so the kernel's SIGINT never reaches it."""
+
+    def launch(self, plan: LaunchPlan, key: bytes) -> LocalAgent:
+        agent_log = open(os.path.join(plan.log_dir, "agent.log"), "ab")  # noqa: SIM115
+        with agent_log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "fsdp2nb.worker.agent"], stdin=subprocess.PIPE, stdout=agent_log,
+                stderr=agent_log, start_new_session=True, env=_rank_environment(),
+            )
+        assert process.stdin is not None
+        process.stdin.write(json.dumps({"plan": asdict(plan), "key": key.hex()}).encode())
+        process.stdin.close()
+        return LocalAgent(process)
+
+
+def _rank_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    # The kernel's inline backend hook is not importable as a plain backend outside a kernel.
+    env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+    env.pop("JPY_PARENT_PID", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

@@ -1,0 +1,209 @@
+"""The kernel's handle on a pool of ranks: start, send requests, receive events, stop.
+
+A receiver thread drains the event socket at all times, so snapshots keep flowing between
+cells and a rank's output never backs up while the notebook is idle. Cell events go to a queue
+that the cell currently running consumes; snapshots update `snapshots` in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from fsdp2nb.pool import reaper
+from fsdp2nb.pool.launcher import LaunchedRanks, Launcher, LocalLauncher
+from fsdp2nb.pool.protocol import (
+    ControlMessage,
+    EventMessage,
+    LaunchPlan,
+    RankExited,
+    RankPlan,
+    RankReady,
+    RankSnapshot,
+    Shutdown,
+)
+from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.pool.transport import KEY_BYTES, KernelChannels, Signer
+
+logger = logging.getLogger(__name__)
+
+PoolState = Literal["stopped", "starting", "ready", "broken"]
+DEFAULT_START_TIMEOUT_S = 300.0
+_RECEIVE_POLL_MS = 100
+
+
+class PoolStartError(RuntimeError):
+    """The ranks did not all come up; the message carries what the failing rank printed."""
+
+
+class WorkerPool:
+    """N ranks forming one torch.distributed job, owned by the notebook kernel."""
+
+    def __init__(self, spec: PoolSpec, launcher: Launcher | None = None) -> None:
+        self.spec = spec
+        self.pool_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.state: PoolState = "stopped"
+        self.ranks: dict[int, RankReady] = {}
+        self.snapshots: dict[int, RankSnapshot] = {}
+        self.exited: dict[int, RankExited] = {}
+        self.snapshot_listeners: list[Callable[[RankSnapshot], None]] = []
+        self.log_dir = ""
+        self._launcher = launcher or LocalLauncher()
+        self._events: queue.Queue[EventMessage] = queue.Queue()
+        self._all_ready = threading.Event()
+        self._stop_receiving = threading.Event()
+        self._channels: KernelChannels | None = None
+        self._launched: LaunchedRanks | None = None
+        self._receiver: threading.Thread | None = None
+        self._runtime_dir = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Start the ranks and return once every one has joined the process group."""
+        reaper.reap_orphans()
+        self.state = "starting"
+        key = secrets.token_bytes(KEY_BYTES)
+        plan = self._plan()
+        self._channels = KernelChannels(Signer(key), plan.control_address, plan.events_address)
+        self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
+        self._receiver.start()
+        self._launched = self._launcher.launch(plan, key)
+        self._register()
+        try:
+            self._wait_until_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self._register()
+        self.state = "ready"
+
+    def _plan(self) -> LaunchPlan:
+        self._runtime_dir = tempfile.mkdtemp(prefix="fsdp2nb-")  # mkdtemp makes it 0700
+        self.log_dir = str(reaper.state_dir() / "logs" / self.pool_id)
+        os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
+        return LaunchPlan(
+            pool_id=self.pool_id, world_size=self.world_size, backend=self.spec.backend,
+            ranks=tuple(RankPlan(rank=r, local_rank=r, device=d) for r, d in enumerate(self.spec.devices)),
+            control_address=f"ipc://{self._runtime_dir}/control", events_address=f"ipc://{self._runtime_dir}/events",
+            runtime_dir=self._runtime_dir, log_dir=self.log_dir,
+            collective_timeout_s=self.spec.collective_timeout_s, kernel_pid=os.getpid(),
+            master_port=_unused_loopback_port(),
+        )
+
+    def _wait_until_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._all_ready.wait(0.05):
+            if self.exited or not self._launched.is_running():
+                raise PoolStartError(self._start_failure())
+            if time.monotonic() > deadline:
+                raise PoolStartError(f"the ranks did not start within {timeout_s:.0f} s (logs: {self.log_dir})")
+
+    def _start_failure(self) -> str:
+        for exit_report in self.exited.values():
+            tail = "\n".join(exit_report.stderr_tail[-10:])
+            return f"rank {exit_report.rank} exited while starting ({describe_exit(exit_report)}):\n{tail}"
+        return f"the host agent exited while starting the ranks; see {self.log_dir}/agent.log"
+
+    def _register(self) -> None:
+        processes = [reaper.process_key(self._launched.pid)] if hasattr(self._launched, "pid") else []
+        processes += [(info.pid, info.create_time) for info in self.ranks.values()]
+        reaper.record_pool(self.pool_id, reaper.process_key(os.getpid()), [p for p in processes if p])
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        """End every rank and release every resource; safe to call twice."""
+        if self.state == "stopped" and self._channels is None:
+            return
+        for rank in self.ranks:
+            if rank not in self.exited:
+                try:
+                    self.send(rank, Shutdown(), connect_timeout_s=0)
+                except ConnectionError:
+                    pass
+        if self._launched is not None:
+            self._launched.terminate(grace_s)
+        self._stop_receiving.set()
+        if self._receiver is not None:
+            self._receiver.join()
+        if self._channels is not None:
+            self._channels.close()
+        self._channels = None
+        shutil.rmtree(self._runtime_dir, ignore_errors=True)
+        reaper.forget_pool(self.pool_id)
+        self.state = "stopped"
+
+    def kill_now(self) -> None:
+        """End the ranks at once, without asking them first (used when they are stuck)."""
+        if self._launched is not None:
+            self._launched.terminate(grace_s=0.5)
+        self.stop(grace_s=0)
+
+    # --- messages -----------------------------------------------------------------------------
+
+    def send(self, rank: int, message: ControlMessage, connect_timeout_s: float = 5.0) -> None:
+        assert self._channels is not None, "the pool is not running"
+        self._channels.send(rank, message, connect_timeout_s)
+
+    def next_event(self, timeout_s: float) -> EventMessage | None:
+        try:
+            return self._events.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def drain_events(self) -> list[EventMessage]:
+        """Events that arrived while no cell was running (late output, exits)."""
+        drained = []
+        while True:
+            try:
+                drained.append(self._events.get_nowait())
+            except queue.Empty:
+                return drained
+
+    def _receive_loop(self) -> None:
+        while not self._stop_receiving.is_set():
+            event = self._channels.receive(_RECEIVE_POLL_MS)
+            if event is not None:
+                self._dispatch(event)
+
+    def _dispatch(self, event: EventMessage) -> None:
+        if isinstance(event, RankSnapshot):
+            self.snapshots[event.rank] = event
+            for listener in list(self.snapshot_listeners):
+                listener(event)
+            return
+        if isinstance(event, RankReady):
+            self.ranks[event.rank] = event
+            if len(self.ranks) == self.world_size:
+                self._all_ready.set()
+            return
+        if isinstance(event, RankExited):
+            self.exited[event.rank] = event
+            if self.state == "ready":
+                self.state = "broken"
+        self._events.put(event)
+
+
+def describe_exit(report: RankExited) -> str:
+    if report.signal_name:
+        return f"killed by {report.signal_name}"
+    return f"exit code {report.exit_code}"
+
+
+def _unused_loopback_port() -> int:
+    """A loopback port for MASTER_PORT, for code that builds its own store; the pool itself uses none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,172 @@
+"""Every message that crosses the boundary between the notebook kernel and the ranks.
+
+Messages are frozen dataclasses, pickled and signed by `transport`. Nothing here imports torch,
+so the kernel side stays light. User values (push/pull) travel as opaque pickled bytes inside a
+message and are unpickled only after the message's signature has been verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+StreamName = Literal["stdout", "stderr"]
+CellStatus = Literal["ok", "error"]
+RichKind = Literal["display", "result", "clear"]
+
+
+# --- kernel -> rank (control channel) ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunCell:
+    """Execute `code` in the rank's IPython shell as one notebook cell."""
+
+    cell_id: int
+    code: str
+
+
+@dataclass(frozen=True, slots=True)
+class PushValues:
+    """Bind names in every rank's namespace; `payload` is a pickled dict of name -> value."""
+
+    cell_id: int
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PullValue:
+    """Send back the value of `name`; every rank in the cell takes part (a DTensor is gathered)."""
+
+    cell_id: int
+    name: str
+    reply_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Interrupt:
+    """Raise KeyboardInterrupt in the rank's main thread if it is still running `cell_id`."""
+
+    cell_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Leave the rank's main loop and exit cleanly."""
+
+
+ControlMessage = RunCell | PushValues | PullValue | Interrupt | Shutdown
+
+
+# --- rank -> kernel (event channel) -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankReady:
+    """A rank joined the process group and can take cells."""
+
+    rank: int
+    pid: int
+    create_time: float
+    device: str
+    hostname: str
+    log_path: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOutput:
+    """Text a rank wrote to its stdout or stderr (file-descriptor level), in order per stream."""
+
+    rank: int
+    cell_id: int | None
+    stream: StreamName
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class RichOutput:
+    """A `display()` call, the cell's last expression (`result`), or `clear_output` (`clear`)."""
+
+    rank: int
+    cell_id: int | None
+    kind: RichKind
+    data: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """An exception raised by a cell, with IPython's formatted traceback lines."""
+
+    ename: str
+    evalue: str
+    traceback: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CellFinished:
+    """The rank finished a request; all of its output for that request has been sent before."""
+
+    rank: int
+    cell_id: int
+    status: CellStatus
+    error: ErrorInfo | None = None
+    value: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RankSnapshot:
+    """A periodic reading of one rank's resources, sent by its sampler thread (about 2 Hz)."""
+
+    rank: int
+    time: float
+    busy: bool
+    rss_bytes: int
+    cpu_percent: float
+    device_allocated_bytes: int = 0
+    device_reserved_bytes: int = 0
+    device_peak_bytes: int = 0
+    device_total_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RankExited:
+    """Sent by the host agent when a rank process ended, with the tail of its stderr."""
+
+    rank: int
+    pid: int
+    exit_code: int | None
+    signal_name: str | None
+    stderr_tail: tuple[str, ...]
+
+
+EventMessage = RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited
+
+
+# --- launch plan (kernel -> host agent, once) --------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """Where one rank runs: its global and local rank and its torch device string."""
+
+    rank: int
+    local_rank: int
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """Everything a host agent needs to start its ranks and connect them to the kernel."""
+
+    pool_id: str
+    world_size: int
+    backend: str
+    ranks: tuple[RankPlan, ...]
+    control_address: str
+    events_address: str
+    runtime_dir: str
+    log_dir: str
+    collective_timeout_s: float
+    kernel_pid: int
+    master_port: int

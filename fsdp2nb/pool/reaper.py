@@ -1,0 +1,85 @@
+"""A registry of running pools, so processes orphaned by a crashed kernel can be ended safely.
+
+Each pool writes its owner (the kernel) and its processes as (pid, start time) pairs. A pid alone
+could have been reused by an unrelated process; the pair cannot, so only exact matches are killed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+ProcessKey = tuple[int, float]
+
+
+def state_dir() -> Path:
+    """This user's private directory for pool registries and logs (0700)."""
+    path = Path(tempfile.gettempdir()) / f"fsdp2nb-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def process_key(pid: int) -> ProcessKey | None:
+    try:
+        return pid, psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _registry_dir() -> Path:
+    path = state_dir() / "pools"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def record_pool(pool_id: str, owner: ProcessKey, processes: list[ProcessKey]) -> None:
+    entry = {"owner": owner, "processes": processes}
+    target = _registry_dir() / f"{pool_id}.json"
+    temporary = target.with_suffix(".tmp")
+    temporary.write_text(json.dumps(entry))
+    os.replace(temporary, target)
+
+
+def forget_pool(pool_id: str) -> None:
+    (_registry_dir() / f"{pool_id}.json").unlink(missing_ok=True)
+
+
+def reap_orphans() -> int:
+    """Kill the processes of pools whose kernel is gone; returns how many were killed."""
+    num_killed = 0
+    for path in _registry_dir().glob("*.json"):
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _is_alive(tuple(entry["owner"])):
+            continue
+        for pid, create_time in entry["processes"]:
+            num_killed += _kill_if_same(pid, create_time)
+        path.unlink(missing_ok=True)
+    return num_killed
+
+
+def _is_alive(key: tuple) -> bool:
+    pid, create_time = key
+    current = process_key(pid)
+    return current is not None and abs(current[1] - create_time) < 0.01
+
+
+def _kill_if_same(pid: int, create_time: float) -> int:
+    if not _is_alive((pid, create_time)):
+        return 0
+    try:
+        psutil.Process(pid).kill()
+    except psutil.Error:
+        return 0
+    logger.warning("ended orphaned fsdp2nb process %d", pid)
+    return 1

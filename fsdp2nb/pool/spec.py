@@ -1,0 +1,132 @@
+"""What pool a user asked for: how many ranks, on which devices, with which backend.
+
+Parsing lives here (not in the magics) so that every way of starting a pool validates the same
+way. Counting GPUs must not initialise CUDA in the notebook kernel, so it reads the driver's
+/proc entries and CUDA_VISIBLE_DEVICES instead of asking torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+DEFAULT_NUM_CPU_RANKS = 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolSpec:
+    """A pool's shape; two cells share a pool only when their specs are equal."""
+
+    devices: tuple[str, ...]
+    """One torch device string per rank, e.g. ("cpu", "cpu") or ("cuda:0", "cuda:2")."""
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    """How long a collective may wait before the process group raises."""
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ValueError("devices is empty: a pool needs at least one rank")
+        kinds = {device.split(":")[0] for device in self.devices}
+        if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
+            raise ValueError(f"devices={self.devices!r} must be all 'cpu' or all 'cuda:N'")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be positive")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def uses_gpus(self) -> bool:
+        return self.devices[0].startswith("cuda")
+
+    @property
+    def backend(self) -> str:
+        # NCCL for GPU tensors plus gloo for CPU tensors (offloaded parameters, flags, RNG state).
+        return "cuda:nccl,cpu:gloo" if self.uses_gpus else "gloo"
+
+    def describe(self) -> str:
+        if self.uses_gpus:
+            return f"--gpus {','.join(d.split(':')[1] for d in self.devices)}"
+        return f"--cpu {self.world_size}"
+
+
+def visible_gpu_indices() -> list[int]:
+    """CUDA device indices a rank could use, found without initialising CUDA."""
+    try:
+        num_physical = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        num_physical = 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(num_physical))
+    entries = [entry for entry in visible.split(",") if entry.strip() and entry.strip() != "-1"]
+    return list(range(min(len(entries), num_physical)))
+
+
+def spec_from_options(
+    *, gpus: str | None, cpu: int | None, collective_timeout_s: float | None = None
+) -> PoolSpec:
+    """Turn `--gpus`/`--cpu` into a spec; raises ValueError with a one-line explanation."""
+    timeout = DEFAULT_COLLECTIVE_TIMEOUT_S if collective_timeout_s is None else collective_timeout_s
+    if timeout <= 0:
+        raise ValueError(f"--timeout {timeout:g} is not positive; give the collective timeout in seconds")
+    if gpus is not None and cpu is not None:
+        raise ValueError("--gpus and --cpu exclude each other: pick GPUs or CPU ranks")
+    if gpus is not None:
+        return PoolSpec(devices=tuple(f"cuda:{i}" for i in _parse_gpus(gpus)), collective_timeout_s=timeout)
+    num_ranks = DEFAULT_NUM_CPU_RANKS if cpu is None else cpu
+    if num_ranks < 1:
+        raise ValueError(f"--cpu {num_ranks} must be at least 1 (the number of CPU ranks)")
+    return PoolSpec(devices=("cpu",) * num_ranks, collective_timeout_s=timeout)
+
+
+def default_spec() -> PoolSpec:
+    """All visible GPUs, else two CPU ranks."""
+    gpus = visible_gpu_indices()
+    if gpus:
+        return PoolSpec(devices=tuple(f"cuda:{i}" for i in gpus))
+    return PoolSpec(devices=("cpu",) * DEFAULT_NUM_CPU_RANKS)
+
+
+def _parse_gpus(text: str) -> list[int]:
+    """`4` means the first four visible GPUs; `0,2,3` (or `1,`) names GPUs by index."""
+    visible = visible_gpu_indices()
+    if not visible:
+        raise ValueError(f"--gpus {text}: no CUDA GPU is visible here; use --cpu N for CPU ranks")
+    try:
+        numbers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus {text!r} is neither a count (4) nor a list of indices (0,2,3)") from None
+    if not numbers:
+        raise ValueError("--gpus needs a count (4) or a list of indices (0,2,3)")
+    if "," not in text:
+        count = numbers[0]
+        if count < 1:
+            raise ValueError(f"--gpus {count} must be at least 1 (a count of GPUs)")
+        if count > len(visible):
+            raise ValueError(f"--gpus {count} asks for more GPUs than the {len(visible)} visible")
+        return visible[:count]
+    bad = [i for i in numbers if i not in visible]
+    if bad:
+        raise ValueError(f"--gpus {text}: GPU index {bad[0]} is not among the visible GPUs {visible}")
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"--gpus {text} names a GPU twice")
+    return numbers
+
+
+def parse_rank_list(text: str, world_size: int) -> tuple[int, ...]:
+    """`0`, `0,2` or `1-3` -> sorted ranks, each checked against the world size."""
+    ranks: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            low, _, high = part.partition("-")
+            ranks.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ValueError(f"--ranks {text!r} is not a rank list such as 0 or 0,2 or 1-3") from None
+    if not ranks:
+        raise ValueError("--ranks needs at least one rank, such as 0 or 0,2")
+    outside = sorted(r for r in ranks if not 0 <= r < world_size)
+    if outside:
+        raise ValueError(f"--ranks {text}: rank {outside[0]} does not exist; the pool has ranks 0-{world_size - 1}")
+    return tuple(sorted(ranks))

@@ -1,0 +1,161 @@
+"""The host agent: one process per host that starts that host's ranks and watches over them.
+
+It imports torch and IPython once, then forks each rank from itself, so N ranks cost one heavy
+import instead of N. The agent never touches CUDA or opens sockets before forking, which keeps
+the fork safe. Afterwards it reports each rank's exit (code or signal, last stderr lines) and
+ends every rank when the kernel that started it goes away.
+
+Run as `python -m fsdp2nb.worker.agent`; the launch plan and pool key arrive as JSON on stdin.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+
+from fsdp2nb.pool.protocol import LaunchPlan, RankExited, RankPlan
+from fsdp2nb.pool.transport import RankChannels, Signer
+
+_WATCH_INTERVAL_S = 0.05
+_TERMINATE_GRACE_S = 3.0
+_STDERR_TAIL_LINES = 20
+_PR_SET_PDEATHSIG = 1
+
+
+def read_launch_request(stream) -> tuple[LaunchPlan, bytes]:
+    request = json.load(stream)
+    fields = dict(request["plan"])
+    fields["ranks"] = tuple(RankPlan(**entry) for entry in fields["ranks"])
+    return LaunchPlan(**fields), bytes.fromhex(request["key"])
+
+
+def _preload() -> None:
+    """Import what every rank needs before forking, so that each rank skips it."""
+    import IPython.core.interactiveshell  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+
+    import fsdp2nb.worker.rank  # noqa: F401
+    import fsdp2nb.worker.shell  # noqa: F401
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the process that forked it dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the agent's own watch still ends the ranks
+
+
+def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    exit_code = 1
+    try:
+        _die_with_parent()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        from fsdp2nb.worker.rank import run_rank
+
+        run_rank(plan, rank_plan, key)
+        exit_code = 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(exit_code)
+
+
+class Agent:
+    """Owns the ranks of one host; `run()` returns when they have all ended."""
+
+    def __init__(self, plan: LaunchPlan, key: bytes) -> None:
+        self.plan = plan
+        self.key = key
+        self.ranks_by_pid: dict[int, RankPlan] = {}
+        self.stopping = False
+        self.stop_requested = False
+
+    def run(self) -> None:
+        for rank_plan in self.plan.ranks:
+            self.ranks_by_pid[_fork_rank(self.plan, rank_plan, self.key)] = rank_plan
+        # Sockets only after forking: a ZeroMQ context must not be shared with a child.
+        self.channels = RankChannels(Signer(self.key), self.plan.events_address, control_address=None, rank=None)
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "stop_requested", True))
+        try:
+            self._watch()
+        finally:
+            self.channels.close()
+
+    def _watch(self) -> None:
+        while self.ranks_by_pid:
+            kernel_gone = os.getppid() != self.plan.kernel_pid  # nobody can use these ranks any more
+            if (kernel_gone or self.stop_requested) and not self.stopping:
+                self._stop()
+            self._reap_exited()
+            time.sleep(_WATCH_INTERVAL_S)
+
+    def _reap_exited(self) -> None:
+        while self.ranks_by_pid:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+            rank_plan = self.ranks_by_pid.pop(pid, None)
+            if rank_plan is not None and not self.stopping:
+                self.channels.send_event(self._exit_report(rank_plan.rank, pid, status))
+
+    def _exit_report(self, rank: int, pid: int, status: int) -> RankExited:
+        signal_name = None
+        exit_code = None
+        if os.WIFSIGNALED(status):
+            signal_name = signal.Signals(os.WTERMSIG(status)).name
+        else:
+            exit_code = os.waitstatus_to_exitcode(status)
+        return RankExited(rank=rank, pid=pid, exit_code=exit_code, signal_name=signal_name,
+                          stderr_tail=_log_tail(os.path.join(self.plan.log_dir, f"rank-{rank}.log")))
+
+    def _stop(self) -> None:
+        """SIGTERM every rank, then SIGKILL those still there after a grace period."""
+        self.stopping = True
+        _signal_all(self.ranks_by_pid, signal.SIGTERM)
+        deadline = time.monotonic() + _TERMINATE_GRACE_S
+        while self.ranks_by_pid and time.monotonic() < deadline:
+            self._reap_exited()
+            time.sleep(_WATCH_INTERVAL_S)
+        _signal_all(self.ranks_by_pid, signal.SIGKILL)
+
+
+def _signal_all(pids, signum: int) -> None:
+    for pid in list(pids):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _log_tail(path: str) -> tuple[str, ...]:
+    try:
+        with open(path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - 8192))
+            lines = log.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return ()
+    return tuple(lines[-_STDERR_TAIL_LINES:])
+
+
+def main() -> None:
+    plan, key = read_launch_request(sys.stdin)
+    _preload()
+    Agent(plan, key).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Capture a rank's stdout/stderr at the file-descriptor level and stream it out live.
+
+Writes to fd 1 and 2 (Python's print, `os.write`, C extensions) go into pipes; one reader
+thread per pipe forwards decoded text and tees raw bytes into the rank's log file. `sync()`
+writes a marker through the pipe and waits for the reader to see it: after that, everything
+written before the call has been forwarded, so a `CellFinished` can never overtake its output.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import os
+import secrets
+import sys
+import threading
+from collections.abc import Callable
+from typing import BinaryIO
+
+_READ_SIZE = 1 << 16
+
+
+class FdCapture:
+    """Redirects one file descriptor into a pipe drained by a forwarding thread."""
+
+    def __init__(self, fd: int, on_text: Callable[[str], None], log: BinaryIO) -> None:
+        self._fd = fd
+        self._on_text = on_text
+        self._log = log
+        self._marker = b"\x00fsdp2nb-sync-" + secrets.token_hex(8).encode() + b"\x00"
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._sync_lock = threading.Lock()
+        self._seen = threading.Condition()
+        self._markers_seen = 0
+        self._markers_sent = 0
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, fd)
+        os.close(write_end)
+        self._thread = threading.Thread(target=self._forward, args=(read_end,), daemon=True,
+                                        name=f"fsdp2nb-capture-{fd}")
+        self._thread.start()
+
+    def sync(self, timeout_s: float = 10.0) -> None:
+        """Return once everything written to the fd before this call has been forwarded."""
+        with self._sync_lock:
+            self._markers_sent += 1
+            target = self._markers_sent
+            os.write(self._fd, self._marker)
+            with self._seen:
+                self._seen.wait_for(lambda: self._markers_seen >= target, timeout_s)
+
+    def _forward(self, read_end: int) -> None:
+        pending = b""
+        while True:
+            data = os.read(read_end, _READ_SIZE)
+            if not data:
+                self._emit(pending)
+                return
+            pending = self._split_markers(pending + data)
+
+    def _split_markers(self, buffer: bytes) -> bytes:
+        """Forward text up to each marker, acknowledge it, and keep a possible partial marker."""
+        while (index := buffer.find(self._marker)) >= 0:
+            self._emit(buffer[:index])
+            buffer = buffer[index + len(self._marker):]
+            with self._seen:
+                self._markers_seen += 1
+                self._seen.notify_all()
+        keep = _partial_marker_length(buffer, self._marker)
+        self._emit(buffer[: len(buffer) - keep])
+        return buffer[len(buffer) - keep:]
+
+    def _emit(self, data: bytes) -> None:
+        if not data:
+            return
+        self._log.write(data)
+        self._log.flush()
+        text = self._decoder.decode(data)
+        if text:
+            self._on_text(text)
+
+
+def _partial_marker_length(buffer: bytes, marker: bytes) -> int:
+    """Length of the longest tail of `buffer` that could be the start of `marker`.
+
+    The marker's first byte (NUL) occurs inside it only at its ends, so only the last NUL in the
+    tail can begin a partial marker.
+    """
+    start = buffer.rfind(marker[:1], max(0, len(buffer) - len(marker) + 1))
+    if start >= 0 and marker.startswith(buffer[start:]):
+        return len(buffer) - start
+    return 0
+
+
+def write_through_streams() -> None:
+    """Make Python's sys.stdout/sys.stderr write straight to fd 1/2, so output is never held back."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        raw = io.FileIO(fd, "w", closefd=False)
+        setattr(sys, name, io.TextIOWrapper(raw, encoding="utf-8", errors="replace", write_through=True))

@@ -1,0 +1,235 @@
+"""One rank of a pool: joins the process group, then runs the notebook's requests until told to stop.
+
+Threads in a rank:
+- main: runs cells (user code must run on the main thread to receive KeyboardInterrupt);
+- control: the only reader of the control socket; queues requests for main and handles the
+  ones that must take effect while a cell runs (interrupts now, save requests later);
+- two capture threads (stdout, stderr) and the resource sampler, which only send events.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import socket
+import threading
+from datetime import timedelta
+
+import psutil
+
+from fsdp2nb.pool.protocol import (
+    CellFinished,
+    ControlMessage,
+    ErrorInfo,
+    Interrupt,
+    LaunchPlan,
+    PullValue,
+    PushValues,
+    RankPlan,
+    RankReady,
+    RichKind,
+    RichOutput,
+    RunCell,
+    Shutdown,
+    StreamOutput,
+)
+from fsdp2nb.pool.transport import RankChannels, Signer
+from fsdp2nb.worker.capture import FdCapture, write_through_streams
+from fsdp2nb.worker.sampler import ResourceSampler
+
+_CONTROL_POLL_MS = 200
+
+
+def torchrun_environment(plan: LaunchPlan, rank_plan: RankPlan) -> dict[str, str]:
+    """The variables torchrun would set for this rank, so library code that reads them works."""
+    return dict(
+        RANK=str(rank_plan.rank), LOCAL_RANK=str(rank_plan.local_rank), WORLD_SIZE=str(plan.world_size),
+        LOCAL_WORLD_SIZE=str(len(plan.ranks)), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(plan.master_port), GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo",
+        TORCHELASTIC_RUN_ID=plan.pool_id,
+    )
+
+
+class Rank:
+    """A rank's state and request loop; `serve()` returns when the kernel sends Shutdown."""
+
+    def __init__(self, plan: LaunchPlan, rank_plan: RankPlan, key: bytes) -> None:
+        self.plan = plan
+        self.rank = rank_plan.rank
+        self.device = rank_plan.device
+        self.log_path = os.path.join(plan.log_dir, f"rank-{self.rank}.log")
+        self._cell_id: int | None = None
+        self._requests: queue.Queue[ControlMessage] = queue.Queue()
+        self._main_thread_id = threading.get_ident()
+        self._channels = RankChannels(Signer(key), plan.events_address, control_address=plan.control_address,
+                                      rank=self.rank)
+        self._log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the rank
+        self._captures = {
+            "stdout": FdCapture(1, lambda text: self._send_stream("stdout", text), self._log),
+            "stderr": FdCapture(2, lambda text: self._send_stream("stderr", text), self._log),
+        }
+        write_through_streams()
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    # --- start-up -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        namespace = self._init_distributed()
+        from fsdp2nb.worker.shell import make_shell
+
+        self.shell = make_shell(namespace, self._send_rich)
+        self._sampler = ResourceSampler(self.rank, self.device, self._channels.send_event,
+                                        is_busy=lambda: self._cell_id is not None)
+        self._sampler.start()
+        threading.Thread(target=self._control_loop, daemon=True, name="fsdp2nb-control").start()
+        process = psutil.Process()
+        self._channels.send_event(RankReady(
+            rank=self.rank, pid=process.pid, create_time=process.create_time(), device=self.device,
+            hostname=socket.gethostname(), log_path=self.log_path,
+        ))
+
+    def _init_distributed(self) -> dict:
+        """Join the process group through a FileStore in the private runtime directory.
+
+        A FileStore, unlike a TCPStore, opens no listening socket (TCPStore binds every
+        interface), and there is no free-port race to lose.
+        """
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store = dist.FileStore(os.path.join(self.plan.runtime_dir, "rendezvous"), self.plan.world_size)
+        dist.init_process_group(
+            self.plan.backend, store=store, rank=self.rank, world_size=self.plan.world_size,
+            timeout=timedelta(seconds=self.plan.collective_timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+        mesh = init_device_mesh(device.type, (self.plan.world_size,), mesh_dim_names=("dp_shard",))
+        return dict(
+            rank=self.rank, local_rank=int(os.environ["LOCAL_RANK"]), world_size=self.plan.world_size,
+            device=device, mesh=mesh, torch=torch, dist=dist,
+        )
+
+    # --- request loop -------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        while True:
+            request = self._requests.get()
+            if isinstance(request, Shutdown):
+                return
+            self._cell_id = request.cell_id
+            try:
+                finished = self._handle(request)
+            except KeyboardInterrupt:  # arrived between the user's code and the reply
+                finished = self._failure(request.cell_id, _interrupted())
+            self._sync_output()
+            self._cell_id = None
+            self._channels.send_event(finished)
+
+    def _handle(self, request: RunCell | PushValues | PullValue) -> CellFinished:
+        if isinstance(request, RunCell):
+            from fsdp2nb.worker.shell import run_cell
+
+            error = run_cell(self.shell, request.code)
+            return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
+        if isinstance(request, PushValues):
+            self.shell.user_ns.update(pickle.loads(request.payload))
+            return self._success(request.cell_id)
+        return self._pull(request)
+
+    def _pull(self, request: PullValue) -> CellFinished:
+        if request.name not in self.shell.user_ns:
+            error = ErrorInfo(ename="NameError", evalue=f"name {request.name!r} is not defined on rank {self.rank}",
+                              traceback=())
+            return self._failure(request.cell_id, error)
+        value = _to_local_value(self.shell.user_ns[request.name])
+        if self.rank not in request.reply_ranks:
+            return self._success(request.cell_id)
+        try:
+            import cloudpickle
+
+            payload = cloudpickle.dumps(value)
+        except Exception as exc:
+            error = ErrorInfo(ename=type(exc).__name__,
+                              evalue=f"{request.name!r} cannot be sent to the notebook: {exc}", traceback=())
+            return self._failure(request.cell_id, error)
+        return CellFinished(rank=self.rank, cell_id=request.cell_id, status="ok", value=payload)
+
+    def _success(self, cell_id: int) -> CellFinished:
+        return CellFinished(rank=self.rank, cell_id=cell_id, status="ok")
+
+    def _failure(self, cell_id: int, error: ErrorInfo) -> CellFinished:
+        return CellFinished(rank=self.rank, cell_id=cell_id, status="error", error=error)
+
+    def _control_loop(self) -> None:
+        while True:
+            message = self._channels.receive_control(_CONTROL_POLL_MS)
+            if message is None:
+                continue
+            if isinstance(message, Interrupt):
+                self._interrupt(message.cell_id)
+                continue
+            self._requests.put(message)
+            if isinstance(message, Shutdown):
+                return
+
+    def _interrupt(self, cell_id: int) -> None:
+        if self._cell_id == cell_id:
+            signal.pthread_kill(self._main_thread_id, signal.SIGINT)
+
+    def _on_sigint(self, signum, frame) -> None:
+        # Only a running request is interrupted; a stray SIGINT between cells is ignored.
+        if self._cell_id is not None:
+            raise KeyboardInterrupt
+
+    # --- output -------------------------------------------------------------------------------
+
+    def _send_stream(self, stream: str, text: str) -> None:
+        self._channels.send_event(StreamOutput(rank=self.rank, cell_id=self._cell_id, stream=stream, text=text))
+
+    def _send_rich(self, kind: RichKind, data: dict, metadata: dict) -> None:
+        self._sync_output()  # text printed before a display must reach the notebook first
+        self._channels.send_event(RichOutput(rank=self.rank, cell_id=self._cell_id, kind=kind, data=data,
+                                             metadata=metadata))
+
+    def _sync_output(self) -> None:
+        for capture in self._captures.values():
+            capture.sync()
+
+    def close(self) -> None:
+        self._sampler.stop()
+        self._channels.close()
+
+
+def _interrupted() -> ErrorInfo:
+    return ErrorInfo(ename="KeyboardInterrupt", evalue="", traceback=("KeyboardInterrupt",))
+
+
+def _to_local_value(value):
+    """What the notebook receives for `value`: a DTensor's full tensor, any tensor on the CPU."""
+    try:
+        import torch
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return value
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        value = value.cpu()
+    return value
+
+
+def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes) -> None:
+    """Entry point of a rank process; returns when the pool shuts it down."""
+    os.environ.update(torchrun_environment(plan, rank_plan))
+    rank = Rank(plan, rank_plan, key)
+    rank.start()
+    try:
+        rank.serve()
+    finally:
+        rank.close()

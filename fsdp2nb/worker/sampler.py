@@ -1,0 +1,63 @@
+"""A thread in each rank that reports its memory and CPU use about twice a second."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+
+from fsdp2nb.pool.protocol import RankSnapshot
+
+SAMPLE_INTERVAL_S = 0.5
+
+
+class ResourceSampler:
+    """Sends a RankSnapshot every `interval_s` until stopped; `stop()` is safe to call twice."""
+
+    def __init__(self, rank: int, device: str, send: Callable[[RankSnapshot], None],
+                 is_busy: Callable[[], bool], interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        self._rank = rank
+        self._device = device
+        self._send = send
+        self._is_busy = is_busy
+        self._interval_s = interval_s
+        self._process = psutil.Process()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fsdp2nb-sampler")
+
+    def start(self) -> None:
+        self._process.cpu_percent()  # the first reading only sets the baseline
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def sample(self) -> RankSnapshot:
+        return RankSnapshot(
+            rank=self._rank, time=time.time(), busy=self._is_busy(),
+            rss_bytes=self._process.memory_info().rss, cpu_percent=self._process.cpu_percent(),
+            **_device_memory(self._device),
+        )
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            try:
+                self._send(self.sample())
+            except Exception:  # a failed reading must never take the rank down
+                continue
+
+
+def _device_memory(device: str) -> dict[str, int]:
+    if not device.startswith("cuda"):
+        return {}
+    import torch
+
+    index = int(device.split(":")[1])
+    return dict(
+        device_allocated_bytes=torch.cuda.memory_allocated(index),
+        device_reserved_bytes=torch.cuda.memory_reserved(index),
+        device_peak_bytes=torch.cuda.max_memory_allocated(index),
+        device_total_bytes=torch.cuda.get_device_properties(index).total_memory,
+    )
