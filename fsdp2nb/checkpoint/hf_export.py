@@ -1,0 +1,2 @@
+def export_hf_model(*a, **k):
+    raise NotImplementedError

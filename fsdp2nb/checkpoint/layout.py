@@ -1,0 +1,235 @@
+"""The on-disk layout of a checkpoint directory, and the file operations that keep it consistent.
+
+    directory/
+      LATEST                      "step-000100\n", replaced atomically after a save is committed
+      step-000100/
+        .metadata, __*_*.distcp   one DCP save of {"model", "optim"}
+        rank-00000.pt ...         each rank's RNG, scheduler and extra state
+        fsdp2nb-checkpoint.json   written last, before the rename: a directory without it is no checkpoint
+      .tmp-step-000200-<token>/   a save in progress (or abandoned by a crash)
+      .old-step-000100-<token>/   a checkpoint being replaced by a second save of the same step
+      .del-step-000050-<token>/   a checkpoint being removed by retention
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+LATEST_FILE = "LATEST"
+METADATA_FILE = "fsdp2nb-checkpoint.json"
+DCP_METADATA_FILE = ".metadata"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"step-(\d+)")
+_TMP_RE = re.compile(r"\.(tmp|old|del)-(step-\d+)-[0-9a-f]+")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointMetadata:
+    """What fsdp2nb-checkpoint.json records about one checkpoint."""
+
+    step: int
+    """Training step the checkpoint was taken at."""
+    world_size: int
+    """Number of ranks that wrote it (and rank files present)."""
+    wall_time: float
+    """Seconds since the epoch when the save was requested."""
+    trainable_only: bool
+    """True when frozen parameters (a LoRA base) were left out and must come from the base model."""
+    versions: dict[str, str] = field(default_factory=dict)
+    """Library versions of the writer (torch, transformers, peft, fsdp2nb)."""
+    rebuild: dict[str, object] = field(default_factory=dict)
+    """What a trainable-only checkpoint needs to be rebuilt: base model name, adapter configs."""
+    format_version: int = FORMAT_VERSION
+    """Layout version of this file."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointEntry:
+    """One step directory as listed by `Checkpointer.list()`."""
+
+    step: int
+    """Training step."""
+    path: str
+    """Absolute path of the step directory."""
+    wall_time: float | None
+    """Seconds since the epoch when it was saved; None when the metadata is missing."""
+    size_bytes: int
+    """Total size of its files."""
+    world_size: int | None
+    """Ranks that wrote it; None when the metadata is missing."""
+    valid: bool
+    """True when metadata, DCP metadata and every rank file are present."""
+
+
+def step_dir_name(step: int) -> str:
+    """`step-000100` for step 100."""
+    return f"step-{step:06d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed step directory name, or None for any other name."""
+    match = _STEP_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def tmp_dir_name(step: int, token: str) -> str:
+    return f".tmp-{step_dir_name(step)}-{token}"
+
+
+def old_dir_name(step: int, token: str) -> str:
+    return f".old-{step_dir_name(step)}-{token}"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Write `data` to `path` and fsync it; the caller fsyncs the directory."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so a reader sees the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write_durable(tmp, data)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_metadata(step_dir: Path, metadata: CheckpointMetadata) -> None:
+    payload = json.dumps(dataclasses.asdict(metadata), indent=1, sort_keys=True).encode()
+    write_durable(step_dir / METADATA_FILE, payload)
+    fsync_dir(step_dir)
+
+
+def read_metadata(step_dir: Path) -> CheckpointMetadata | None:
+    """The metadata of `step_dir`, or None when it is missing, unreadable or incomplete."""
+    try:
+        raw = json.loads((step_dir / METADATA_FILE).read_text())
+        names = {f.name for f in dataclasses.fields(CheckpointMetadata)}
+        return CheckpointMetadata(**{k: v for k, v in raw.items() if k in names})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def is_complete(step_dir: Path, metadata: CheckpointMetadata | None) -> bool:
+    """True when `step_dir` holds everything a load needs."""
+    if metadata is None or metadata.step != parse_step_dir(step_dir.name):
+        return False
+    if not (step_dir / DCP_METADATA_FILE).is_file():
+        return False
+    return all((step_dir / rank_file_name(r)).is_file() for r in range(metadata.world_size))
+
+
+def read_latest(directory: Path) -> int | None:
+    """The step LATEST names, or None when it is missing or garbled."""
+    try:
+        return parse_step_dir((directory / LATEST_FILE).read_text().strip())
+    except OSError:
+        return None
+
+
+def write_latest(directory: Path, step: int) -> None:
+    replace_atomically(directory / LATEST_FILE, f"{step_dir_name(step)}\n".encode())
+
+
+def dir_size(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:
+                pass  # removed while we looked: retention ran concurrently
+    return total
+
+
+def list_entries(directory: Path) -> list[CheckpointEntry]:
+    """Every committed step directory, sorted by step; invalid ones included and flagged."""
+    entries = []
+    for child in directory.iterdir() if directory.is_dir() else ():
+        step = parse_step_dir(child.name)
+        if step is None or not child.is_dir():
+            continue
+        metadata = read_metadata(child)
+        entries.append(CheckpointEntry(
+            step=step, path=str(child), wall_time=metadata.wall_time if metadata else None,
+            size_bytes=dir_size(child), world_size=metadata.world_size if metadata else None,
+            valid=is_complete(child, metadata),
+        ))
+    return sorted(entries, key=lambda e: e.step)
+
+
+def commit_step_dir(directory: Path, tmp_dir: Path, step: int, token: str) -> None:
+    """Rename a finished temporary directory into place; an existing same-step checkpoint is replaced.
+
+    The old directory is moved aside first and removed only after the new one is in place;
+    `recover_and_clean` puts it back if a crash leaves no `step-N` behind.
+    """
+    final = directory / step_dir_name(step)
+    aside = directory / old_dir_name(step, token)
+    if final.exists():
+        os.rename(final, aside)
+    os.rename(tmp_dir, final)
+    fsync_dir(directory)
+    if aside.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def recover_and_clean(directory: Path, keep_names: frozenset[str] = frozenset()) -> None:
+    """Remove abandoned temporary directories; restore a replaced checkpoint a crash left aside."""
+    for child in sorted(directory.iterdir()):
+        match = _TMP_RE.fullmatch(child.name)
+        if match is None or child.name in keep_names:
+            continue
+        final = directory / match.group(2)
+        if match.group(1) == "old" and not final.exists():
+            logger.warning("restoring %s: a replacing save of the same step did not finish", final.name)
+            os.rename(child, final)
+            continue
+        logger.info("removing abandoned %s", child.name)
+        shutil.rmtree(child, ignore_errors=True)
+    fsync_dir(directory)
+
+
+def apply_retention(directory: Path, keep: int | None, protected: frozenset[int]) -> list[int]:
+    """Delete the oldest valid checkpoints beyond `keep`, never one in `protected`; return deleted steps."""
+    if keep is None:
+        return []
+    valid = [e for e in list_entries(directory) if e.valid]
+    excess = len(valid) - keep
+    deleted = []
+    for entry in valid:
+        if excess <= 0:
+            break
+        if entry.step in protected:
+            continue
+        # Renamed first so that a crash halfway through the removal leaves no half-deleted `step-N`.
+        doomed = directory / f".del-{Path(entry.path).name}-{os.getpid():x}"
+        os.rename(entry.path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        deleted.append(entry.step)
+        excess -= 1
+    return deleted

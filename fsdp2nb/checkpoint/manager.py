@@ -1,0 +1,541 @@
+"""Checkpointer: atomic, optionally asynchronous checkpoints of a training run, with retention.
+
+A save runs in three parts. On the calling thread every rank agrees on a temporary directory and
+copies its shards off the live tensors (`dcp.async_save` staging; pinned memory on GPU). In the
+background, DCP writes and fsyncs the shards, each rank adds its RNG/scheduler file, the ranks
+agree that all succeeded, and rank 0 writes the metadata, renames the directory into place and
+replaces LATEST. A crash at any point leaves LATEST naming the previous, complete checkpoint.
+
+Background work talks over its own gloo group and the calling thread over another, so a save in
+flight never interleaves its collectives with `maybe_save`'s or the training step's.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import os
+import secrets
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from fsdp2nb.checkpoint import layout
+from fsdp2nb.checkpoint.faults import fault_point
+from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
+from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
+from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state
+from fsdp2nb.checkpoint.state import (
+    checked_training_state,
+    get_training_state,
+    has_frozen_params,
+    read_dcp_metadata,
+    set_training_state,
+)
+
+logger = logging.getLogger(__name__)
+
+_tracked: Checkpointer | None = None
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed (possibly in the background); raised at the next call of the checkpointer."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointStatus:
+    """A snapshot of a checkpointer for the dashboard; picklable, safe to send between processes."""
+
+    directory: str
+    """Absolute checkpoint directory."""
+    latest_step: int | None
+    """Step LATEST names (or the newest valid one); None when there is no checkpoint."""
+    saving_step: int | None
+    """Step of the save still being written, or None."""
+    last_error: str | None
+    """Text of the most recent failed save, or None."""
+    entries: tuple[CheckpointEntry, ...]
+    """Every step directory, oldest first."""
+
+
+@dataclass(frozen=True, slots=True)
+class _SaveJob:
+    step: int
+    token: str
+    tmp_dir: Path
+    wall_time: float
+
+
+@dataclass(slots=True)
+class _Tracked:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    extra: dict[str, Any]
+
+
+class _FaultAwareWriter(FileSystemWriter):
+    """FileSystemWriter with a fault-injection point after this rank's shards are on disk."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        super().__init__(path, sync_files=True)
+        self._rank = rank
+
+    def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - signature of the base class
+        written = super().write_data(plan, planner)
+        fault_point("write_shards", self._rank)
+        return written
+
+
+def tracked_checkpointer() -> Checkpointer:
+    """The Checkpointer that most recently called `track()` in this process."""
+    if _tracked is None:
+        raise RuntimeError(
+            "no checkpointer is tracking a model in this process: run "
+            "`Checkpointer(directory).track(model=model, optimizer=optimizer)` on every rank first"
+        )
+    return _tracked
+
+
+class Checkpointer:
+    """Saves and restores model, optimizer, scheduler, RNG and step under `directory`.
+
+    Create it on every rank (it makes two gloo groups). `keep` is how many valid checkpoints to
+    retain (None keeps all); `async_save` lets training continue while files are written.
+
+        ckpt = Checkpointer("/ckpt/run1", keep=3)
+        ckpt.track(model=model, optimizer=opt, scheduler=sched)
+        start = ckpt.load("latest") + 1 if ckpt.latest() is not None else 0
+        for step in range(start, num_steps):
+            train_step()
+            ckpt.maybe_save(step)          # saves when the notebook asked for one
+        ckpt.save(num_steps - 1); ckpt.wait()
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int | None = 3, async_save: bool = True,
+                 *, requests: SaveRequests | None = None) -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep={keep!r} must be None (keep all) or an int >= 1")
+        if not isinstance(async_save, bool):
+            raise ValueError(f"async_save={async_save!r} must be True or False")
+        self.directory = Path(directory).absolute()
+        self.keep = keep
+        self.async_save = async_save
+        self._requests = requests if requests is not None else process_requests()
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._rank = dist.get_rank() if self._distributed else 0
+        self._world_size = dist.get_world_size() if self._distributed else 1
+        # Two groups: the calling thread's collectives must never interleave with a background save's.
+        self._fg_group = dist.new_group(backend="gloo") if self._distributed else None
+        self._bg_group = dist.new_group(backend="gloo") if self._distributed else None
+        self._closed = False
+        self._check_writable()
+        self._tracked: _Tracked | None = None
+        self._last_step: int | None = None
+        self._lock = threading.Lock()
+        self._pending: tuple[int, Future] | None = None
+        self._error: BaseException | None = None
+        self._last_error_text: str | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2nb-ckpt")
+        self._stager = _make_stager() if async_save else None
+        if self._rank == 0:
+            layout.recover_and_clean(self.directory)
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        reason = _unwritable_reason(self.directory, self._rank)
+        failed = self._any_rank(reason is not None, self._fg_group)
+        if failed:
+            self._destroy_groups()
+            detail = reason or "not writable on another rank"
+            raise ValueError(f"directory={str(self.directory)!r} is not writable on rank {self._rank}: {detail}")
+
+    def track(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+              scheduler: Any = None, **extra_stateful: Any) -> Checkpointer:
+        """Name what save/load cover; extra objects need state_dict() and load_state_dict()."""
+        for name, obj in {"scheduler": scheduler, **extra_stateful}.items():
+            if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ValueError(f"{name}={type(obj).__name__} has no state_dict/load_state_dict")
+        global _tracked
+        self._tracked = _Tracked(model, optimizer, scheduler, dict(extra_stateful))
+        _tracked = self
+        return self
+
+    # ---- save ----------------------------------------------------------------------------------
+
+    def save(self, step: int | None = None) -> None:
+        """Save at `step` (default: the last step seen); collective, call on every rank."""
+        self._raise_background_error()
+        step = self._step_or_last(step)
+        tracked = self._require_tracked()
+        self.wait()
+        job = self._begin(step)
+        state = get_training_state(tracked.model, tracked.optimizer)
+        rank_state = self._capture_rank_state(tracked)
+        writer = _FaultAwareWriter(job.tmp_dir, self._rank)
+        self._last_step = step
+        if not self.async_save:
+            dcp.save(state, storage_writer=writer, process_group=self._bg_group,
+                     no_dist=not self._distributed)
+            self._finish(job, rank_state, None, tracked.model)
+            return
+        response = dcp.async_save(state, storage_writer=writer, process_group=self._bg_group,
+                                  async_stager=self._stager, no_dist=not self._distributed)
+        upload = response if isinstance(response, Future) else response.upload_completion
+        future = self._executor.submit(self._finish, job, rank_state, upload, tracked.model)
+        with self._lock:
+            self._pending = (step, future)
+
+    def maybe_save(self, step: int) -> bool:
+        """The safe point for a save requested from the notebook; True when one was started.
+
+        Every rank must call it at the same step: the ranks agree on the highest request id
+        posted anywhere, so a request that reached only some ranks still saves on all of them.
+        """
+        self._raise_background_error()
+        step = self._check_step(step)
+        self._last_step = step
+        wanted = self._all_max(self._requests.pending(), self._fg_group)
+        if wanted <= self._requests.served():
+            return False
+        self._requests.mark_served(wanted)
+        self.save(step)
+        return True
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise its error if it failed."""
+        with self._lock:
+            pending = self._pending
+        if pending is not None:
+            pending[1].exception()  # waits without raising; the error is raised below
+        self._raise_background_error()
+
+    def _begin(self, step: int) -> _SaveJob:
+        """Agree on a fresh temporary directory; rank 0 first sweeps away abandoned ones."""
+        if self._rank == 0:
+            layout.recover_and_clean(self.directory)
+            token = secrets.token_hex(4)
+            tmp_dir = self.directory / layout.tmp_dir_name(step, token)
+            tmp_dir.mkdir()
+            payload = [token, time.time()]
+        else:
+            payload = [None, None]
+        if self._distributed:
+            dist.broadcast_object_list(payload, src=0, group=self._fg_group)
+        token, wall_time = payload
+        tmp_dir = self.directory / layout.tmp_dir_name(step, token)
+        tmp_dir.mkdir(exist_ok=True)  # for storage that is not shared between hosts
+        return _SaveJob(step=step, token=token, tmp_dir=tmp_dir, wall_time=wall_time)
+
+    def _capture_rank_state(self, tracked: _Tracked) -> dict[str, Any]:
+        # Deep copies: training goes on mutating the live objects while this is written.
+        return {
+            "step": self._last_step,
+            "rng": capture_rng_state(),
+            "scheduler": copy.deepcopy(tracked.scheduler.state_dict()) if tracked.scheduler else None,
+            "extra": {name: copy.deepcopy(obj.state_dict()) for name, obj in tracked.extra.items()},
+        }
+
+    def _finish(self, job: _SaveJob, rank_state: dict[str, Any], upload: Future | None,
+                model: nn.Module) -> None:
+        """Wait for the shards, add this rank's file, then commit once every rank succeeded."""
+        error: BaseException | None = None
+        try:
+            if upload is not None:
+                upload.result()
+            buffer = io.BytesIO()
+            torch.save(rank_state, buffer)
+            layout.write_durable(job.tmp_dir / layout.rank_file_name(self._rank), buffer.getvalue())
+            layout.fsync_dir(job.tmp_dir)
+        except Exception as exc:  # reported to every rank below, then raised
+            error = exc
+        if self._any_rank(error is not None, self._bg_group):
+            where = f"here: {error!r}" if error is not None else "on another rank"
+            raise CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed {where}") from error
+        if self._rank == 0:
+            try:
+                self._commit(job, model)
+            except Exception as exc:
+                error = exc
+        if self._any_rank(error is not None, self._bg_group):
+            raise CheckpointSaveError(f"rank {self._rank}: commit of step {job.step} failed: {error!r}") from error
+        logger.info("checkpoint step %d committed to %s", job.step, self.directory)
+
+    def _commit(self, job: _SaveJob, model: nn.Module) -> None:
+        """Rank 0 only: metadata, rename into place, LATEST, retention."""
+        fault_point("before_metadata", self._rank)
+        layout.write_metadata(job.tmp_dir, self._metadata(job, model))
+        fault_point("before_rename", self._rank)
+        layout.commit_step_dir(self.directory, job.tmp_dir, job.step, job.token)
+        fault_point("before_latest", self._rank)
+        layout.write_latest(self.directory, job.step)
+        deleted = layout.apply_retention(self.directory, self.keep, frozenset({job.step}))
+        if deleted:
+            logger.info("retention removed steps %s", deleted)
+
+    def _metadata(self, job: _SaveJob, model: nn.Module) -> CheckpointMetadata:
+        trainable_only = has_frozen_params(model)
+        return CheckpointMetadata(
+            step=job.step, world_size=self._world_size, wall_time=job.wall_time,
+            trainable_only=trainable_only, versions=_library_versions(),
+            rebuild=_rebuild_info(model) if trainable_only else {},
+        )
+
+    # ---- load ----------------------------------------------------------------------------------
+
+    def load(self, target: int | str | os.PathLike = "latest") -> int:
+        """Restore "latest", a step, or a step directory's path; returns the step. Collective."""
+        self.wait()
+        tracked = self._require_tracked()
+        step_dir = self._resolve_collectively(target)
+        metadata = layout.read_metadata(step_dir)
+        assert metadata is not None  # _resolve_collectively only returns complete directories
+        rank_state = self._read_rank_state(step_dir, metadata)
+        state = checked_training_state(tracked.model, tracked.optimizer, read_dcp_metadata(step_dir), step_dir)
+        dcp.load(state, checkpoint_id=step_dir, process_group=self._fg_group, no_dist=not self._distributed)
+        set_training_state(tracked.model, tracked.optimizer, state)
+        self._restore_rank_state(tracked, rank_state, metadata)
+        self._last_step = metadata.step
+        logger.info("loaded checkpoint step %d from %s", metadata.step, step_dir)
+        return metadata.step
+
+    def _resolve_collectively(self, target: int | str | os.PathLike) -> Path:
+        """Rank 0 picks the directory and every rank gets the same answer (or the same error)."""
+        if isinstance(target, bool) or not isinstance(target, (int, str, os.PathLike)):
+            raise ValueError(f"target={target!r} must be 'latest', a step (int >= 0) or a step directory path")
+        if isinstance(target, int):
+            self._check_step(target)
+        answer: list[Any] = [None]
+        if self._rank == 0:
+            try:
+                answer = [str(self._resolve(target))]
+            except ValueError as exc:
+                answer = [exc]
+        if self._distributed:
+            dist.broadcast_object_list(answer, src=0, group=self._fg_group)
+        if isinstance(answer[0], ValueError):
+            raise ValueError(str(answer[0]))
+        return Path(answer[0])
+
+    def _resolve(self, target: int | str | os.PathLike) -> Path:
+        if target == "latest":
+            step = self._latest_valid_step()
+            if step is None:
+                raise ValueError(f"no complete checkpoint in {self.directory}")
+            return self.directory / layout.step_dir_name(step)
+        if isinstance(target, str) and target.isdigit():
+            target = int(target)
+        if isinstance(target, int):
+            step_dir = self.directory / layout.step_dir_name(target)
+            if not layout.is_complete(step_dir, layout.read_metadata(step_dir)):
+                steps = [e.step for e in layout.list_entries(self.directory) if e.valid]
+                raise ValueError(f"step={target} has no complete checkpoint in {self.directory}; available: {steps}")
+            return step_dir
+        step_dir = Path(target).absolute()
+        if not layout.is_complete(step_dir, layout.read_metadata(step_dir)):
+            raise ValueError(f"path={str(target)!r} is not a complete checkpoint directory")
+        return step_dir
+
+    def _read_rank_state(self, step_dir: Path, metadata: CheckpointMetadata) -> dict[str, Any]:
+        # A different world size cannot reuse per-rank files: take rank 0's (scheduler and extras
+        # are the same on every rank) and leave the generators as they are.
+        source_rank = self._rank if metadata.world_size == self._world_size else 0
+        return torch.load(step_dir / layout.rank_file_name(source_rank), weights_only=True)
+
+    def _restore_rank_state(self, tracked: _Tracked, rank_state: dict[str, Any],
+                            metadata: CheckpointMetadata) -> None:
+        if tracked.scheduler is not None and rank_state["scheduler"] is not None:
+            tracked.scheduler.load_state_dict(rank_state["scheduler"])
+        for name, obj in tracked.extra.items():
+            if name in rank_state["extra"]:
+                obj.load_state_dict(rank_state["extra"][name])
+            else:
+                logger.warning("checkpoint step %d has no state for %r", metadata.step, name)
+        if metadata.world_size == self._world_size:
+            restore_rng_state(rank_state["rng"])
+        else:
+            logger.warning("RNG state not restored: saved on %d ranks, loading on %d",
+                           metadata.world_size, self._world_size)
+
+    # ---- inspection --------------------------------------------------------------------------
+
+    def list(self) -> tuple[CheckpointEntry, ...]:
+        """Every step directory, oldest first, with `valid` telling which can be loaded."""
+        self._raise_background_error()
+        return tuple(layout.list_entries(self.directory))
+
+    def latest(self) -> int | None:
+        """The step `load("latest")` would restore, or None."""
+        self._raise_background_error()
+        return self._latest_valid_step()
+
+    def status(self) -> CheckpointStatus:
+        """A snapshot for the dashboard; never raises a background error (it reports it)."""
+        self._collect()
+        with self._lock:
+            saving = self._pending[0] if self._pending is not None else None
+            error_text = self._last_error_text
+        return CheckpointStatus(
+            directory=str(self.directory), latest_step=self._latest_valid_step(), saving_step=saving,
+            last_error=error_text, entries=tuple(layout.list_entries(self.directory)),
+        )
+
+    def _latest_valid_step(self) -> int | None:
+        step = layout.read_latest(self.directory)
+        if step is not None:
+            step_dir = self.directory / layout.step_dir_name(step)
+            if layout.is_complete(step_dir, layout.read_metadata(step_dir)):
+                return step
+        valid = [e.step for e in layout.list_entries(self.directory) if e.valid]
+        if valid:
+            logger.warning("LATEST is missing or names no complete checkpoint; using step %d", valid[-1])
+        return valid[-1] if valid else None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release threads and groups; safe to call twice."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            global _tracked
+            if _tracked is self:
+                _tracked = None
+            self._executor.shutdown(wait=True)
+            if self._stager is not None:
+                self._stager.close()
+            self._destroy_groups()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _destroy_groups(self) -> None:
+        for group in (self._fg_group, self._bg_group):
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._fg_group = self._bg_group = None
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        """Move a finished background save's outcome into the error slot."""
+        with self._lock:
+            if self._pending is None or not self._pending[1].done():
+                return
+            step, future = self._pending
+            self._pending = None
+            exc = future.exception()
+            if exc is not None:
+                self._error = exc
+                self._last_error_text = f"step {step}: {exc}"
+
+    def _raise_background_error(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the checkpointer of {self.directory} is closed")
+        self._collect()
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointSaveError(f"an earlier background save failed: {error}") from error
+
+    def _require_tracked(self) -> _Tracked:
+        if self._tracked is None:
+            raise RuntimeError("nothing to checkpoint: call ckpt.track(model=..., optimizer=...) first")
+        return self._tracked
+
+    def _step_or_last(self, step: int | None) -> int:
+        if step is not None:
+            return self._check_step(step)
+        if self._last_step is None:
+            raise ValueError("step=None but no step has been seen yet: pass save(step)")
+        return self._last_step
+
+    @staticmethod
+    def _check_step(step: int) -> int:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be an int >= 0")
+        return step
+
+    def _any_rank(self, flag: bool, group: dist.ProcessGroup | None) -> bool:
+        return self._all_max(int(flag), group) > 0
+
+    def _all_max(self, value: int, group: dist.ProcessGroup | None) -> int:
+        if not self._distributed:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return int(tensor.item())
+
+
+def _make_stager() -> DefaultStager:
+    """Copy shards off the live tensors before returning; through pinned memory when on GPU."""
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
+
+
+def _unwritable_reason(directory: Path, rank: int) -> str | None:
+    """Why files cannot be created in `directory` (created if missing), or None when they can."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # os.access is not enough as root; a real write also catches read-only mounts and /proc.
+        probe = directory / f".probe-{rank}-{os.getpid()}"
+        layout.write_durable(probe, b"ok")
+        probe.unlink()
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc.strerror or exc}"
+    return None
+
+
+def _library_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {}
+    for name in ("torch", "transformers", "peft", "fsdp2nb"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def _rebuild_info(model: nn.Module) -> dict[str, object]:
+    """What a trainable-only checkpoint needs besides itself: the base model and adapter configs."""
+    info: dict[str, object] = {}
+    config = getattr(model, "config", None)
+    if config is not None:
+        info["base_model_name_or_path"] = getattr(config, "_name_or_path", "")
+        info["model_type"] = getattr(config, "model_type", "")
+    peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, dict):
+        info["peft_config"] = {name: _jsonable(cfg.to_dict()) for name, cfg in peft_config.items()}
+    return info
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_jsonable(v) for v in value]
+        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -1,0 +1,61 @@
+"""Save requests posted from the notebook, consumed at a safe point of the training loop.
+
+The rank's control thread posts a request while the main thread trains; `Checkpointer.maybe_save`
+reads the highest posted id and makes every rank agree on it collectively. Ids (rather than a flag)
+let a request that reaches one rank late be recognised as one that was already served.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+
+class SaveRequests:
+    """Thread-safe record of the highest save request id posted and the highest one served."""
+
+    __slots__ = ("_lock", "_posted", "_served", "_counter")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._posted = 0
+        self._served = 0
+        self._counter = itertools.count(1)
+
+    def post(self, request_id: int | None = None) -> int:
+        """Ask for a save; `request_id` (>= 1) should be the same on every rank for the same request."""
+        with self._lock:
+            if request_id is None:
+                request_id = max(self._posted, self._served) + 1
+            if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 1:
+                raise ValueError(f"request_id={request_id!r} must be an int >= 1")
+            self._posted = max(self._posted, request_id)
+            return request_id
+
+    def pending(self) -> int:
+        """The highest posted id not yet served, or 0 when nothing is waiting."""
+        with self._lock:
+            return self._posted if self._posted > self._served else 0
+
+    def mark_served(self, request_id: int) -> None:
+        """Record that every request up to `request_id` has been saved (agreed across ranks)."""
+        with self._lock:
+            self._served = max(self._served, request_id)
+
+    def served(self) -> int:
+        """The highest id served so far."""
+        with self._lock:
+            return self._served
+
+
+_PROCESS_REQUESTS = SaveRequests()
+
+
+def process_requests() -> SaveRequests:
+    """The request record shared by this process's control thread and its checkpointers."""
+    return _PROCESS_REQUESTS
+
+
+def post_save_request(request_id: int | None = None) -> int:
+    """Ask the tracked checkpointer to save at its next `maybe_save`; safe from any thread."""
+    return _PROCESS_REQUESTS.post(request_id)
