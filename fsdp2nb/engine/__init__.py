@@ -1,0 +1,12 @@
+"""FSDP2 for transformers models: sharding, sliced checkpoint loading, LoRA, gradient clipping.
+
+Needs only an initialised torch.distributed process group; usable from torchrun scripts as well
+as from notebook ranks.
+"""
+
+from fsdp2nb.engine.config import EngineConfig
+from fsdp2nb.engine.engine import FSDP2Engine
+from fsdp2nb.engine.loader import load_model
+from fsdp2nb.engine.sharded_load import LoadReport
+
+__all__ = ["EngineConfig", "FSDP2Engine", "LoadReport", "load_model"]

@@ -1,0 +1,56 @@
+"""Turn a local path or a Hub id into a local checkpoint directory, downloading once per node."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# Only what loading needs: weights, their index, config and tokenizer/processor files.
+HUB_PATTERNS: tuple[str, ...] = ("*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.tiktoken", "*.py")
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it (1/true/yes/on)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _default_download(repo_id: str, *, local_files_only: bool) -> str:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(repo_id, local_files_only=local_files_only, allow_patterns=list(HUB_PATTERNS))
+
+
+def resolve_model_dir(
+    name_or_path: str | os.PathLike, *, download: Callable[..., str] = _default_download
+) -> str:
+    """A local directory for `name_or_path`.
+
+    A local path is used as is. A Hub id is fetched by local rank 0 of each node (offline when
+    HF_HUB_OFFLINE is set); the other local ranks wait at a barrier and then resolve it from the
+    node's cache without network access.
+    """
+    path = os.fspath(name_or_path)
+    if os.path.isdir(path):
+        return path
+    distributed = dist.is_available() and dist.is_initialized()
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() if distributed else 0))
+    failure: BaseException | None = None
+    resolved = ""
+    if local_rank == 0:
+        try:
+            resolved = download(path, local_files_only=hub_offline())
+        except BaseException as error:  # reach the barrier first so other ranks do not hang
+            failure = error
+    if distributed:
+        dist.barrier()
+    if failure is not None:
+        raise failure
+    if local_rank != 0:
+        resolved = download(path, local_files_only=True)
+    logger.info("resolved %s to %s", path, resolved)
+    return resolved

@@ -1,0 +1,100 @@
+"""load_model: from a path or Hub id to a sharded model ready to train, in one call."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp2nb.engine.config import INIT_CHOICES, check_bool, check_choice
+from fsdp2nb.engine.engine import FSDP2Engine
+from fsdp2nb.engine.hub import resolve_model_dir
+from fsdp2nb.engine.lora import apply_lora, materialize_adapter_init, shared_seed
+from fsdp2nb.engine.wrapping import cast_frozen_parameters
+
+logger = logging.getLogger(__name__)
+
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    *,
+    init: str = "meta",
+    lora: Any = None,
+    mixed_precision: str | None = None,
+    activation_checkpointing: bool = False,
+    engine: FSDP2Engine | None = None,
+    allow_missing: Sequence[str] = (),
+) -> tuple[nn.Module, Any]:
+    """Load a causal LM sharded over all ranks, plus its tokenizer or processor (None if it has none).
+
+    `init`: "meta" (each rank reads its own slices), "rank0" (rank 0 reads, the rest receive a
+    broadcast) or "default" (every rank runs from_pretrained). `lora` is a peft.LoraConfig.
+    `mixed_precision` overrides the default engine's ("bf16"); with an explicit `engine` it must
+    match or be None. `allow_missing` lists fnmatch patterns of keys that may be absent (init="meta").
+    """
+    check_choice("init", init, INIT_CHOICES)
+    check_bool("activation_checkpointing", activation_checkpointing)
+    engine = _engine_for(engine, mixed_precision)
+    directory = resolve_model_dir(name_or_path)
+    model = _build(directory, init)
+    initial_values: dict[str, torch.Tensor] = {}
+    if lora is not None:
+        seed = shared_seed()
+        model = apply_lora(model, lora, seed=seed)
+        if init == "meta":
+            initial_values = materialize_adapter_init(model, seed=seed)
+    # Frozen weights never change: keep them in the compute dtype; trainable ones stay fp32.
+    cast_frozen_parameters(model.parameters(), engine.compute_dtype)
+    engine.shard_model(
+        model, directory, activation_checkpointing=activation_checkpointing,
+        allow_missing=allow_missing, initial_values=initial_values,
+    )
+    return model, load_processor(directory)
+
+
+def _engine_for(engine: FSDP2Engine | None, mixed_precision: str | None) -> FSDP2Engine:
+    if engine is None:
+        return FSDP2Engine(mixed_precision=mixed_precision or "bf16")
+    if mixed_precision is not None and mixed_precision != engine.config.mixed_precision:
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} conflicts with the engine's "
+            f"{engine.config.mixed_precision!r}; allowed: None or {engine.config.mixed_precision!r}"
+        )
+    return engine
+
+
+def _build(directory: str, init: str) -> nn.Module:
+    """The model with real weights where `init` wants them and on meta elsewhere, fp32 storage."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    real = init == "default" or (init == "rank0" and dist.get_rank() == 0)
+    if real:
+        return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config._name_or_path = directory
+    return model
+
+
+def load_processor(directory: str | os.PathLike) -> Any:
+    """AutoProcessor where a processor config exists, else AutoTokenizer where tokenizer files exist, else None."""
+    path = Path(directory)
+    if any((path / name).is_file() for name in _PROCESSOR_FILES):
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(path)
+    if any((path / name).is_file() for name in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    return None

@@ -1,0 +1,154 @@
+"""Fill a materialised, fully_shard-ed model with the checkpoint slices this rank owns.
+
+Each parameter is a DTensor; DTensor tells us which block of the full tensor this rank holds
+(`compute_local_shape_and_global_offset` with the parameter's own mesh and placements), and only
+that block is read from disk and then cast to the parameter's dtype. Buffers are not sharded and
+are read whole.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fsdp2nb.engine.checkpoint_files import CheckpointFiles, open_reader, tensor_shape
+from fsdp2nb.engine.key_mapping import checkpoint_to_model_keys, hf_key, unwrap_peft
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class LoadReport:
+    """What one rank's sharded load did."""
+
+    num_loaded: int = 0
+    """State-dict entries (tied aliases counted once) filled from the checkpoint."""
+    initialized: list[str] = field(default_factory=list)
+    """Keys filled from in-memory initial values (new LoRA adapters)."""
+    zero_filled: list[str] = field(default_factory=list)
+    """Keys absent from the checkpoint but allowed by `allow_missing`; they were set to zero."""
+    unexpected: list[str] = field(default_factory=list)
+    """Checkpoint keys no model entry asked for."""
+    bytes_requested: int = 0
+    """Checkpoint bytes this rank asked the readers for (slice sizes in the stored dtype)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    keys: tuple[str, ...]  # every state-dict name of one tensor (more than one when tied)
+    tensor: torch.Tensor
+
+
+def state_dict_targets(model: nn.Module) -> list[_Target]:
+    """One target per distinct parameter/persistent buffer, with all names it is known by."""
+    names: dict[int, list[str]] = defaultdict(list)
+    tensors: dict[int, torch.Tensor] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        names[id(tensor)].append(key)
+        tensors[id(tensor)] = tensor
+    return [_Target(tuple(keys), tensors[ident]) for ident, keys in names.items()]
+
+
+def local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(the local storage of `tensor`, the index of that block inside the full tensor)."""
+    if isinstance(tensor, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        local = tensor.to_local()
+    else:
+        shape, offset, local = tuple(tensor.shape), (0,) * tensor.dim(), tensor
+    return local, tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+
+
+@torch.no_grad()
+def load_sharded(
+    model: nn.Module,
+    files: CheckpointFiles,
+    *,
+    initial_values: dict[str, torch.Tensor] | None = None,
+    allow_missing: Sequence[str] = (),
+) -> LoadReport:
+    """Copy this rank's block of every parameter and persistent buffer from `files`.
+
+    `initial_values` holds full tensors, keyed by model key, for entries that are new rather than
+    loaded (LoRA adapters). `allow_missing` holds fnmatch patterns of model keys that may be absent
+    from the checkpoint. Any other absent key raises KeyError naming it.
+    """
+    initial_values = initial_values or {}
+    report = LoadReport()
+    hf_model, is_peft = unwrap_peft(model)
+    targets = state_dict_targets(model)
+    wanted = {hf_key(k, is_peft) for t in targets for k in t.keys if k not in initial_values}
+    source_of = checkpoint_to_model_keys(hf_model, files.key_to_file, wanted)
+    by_file: dict[str, list[tuple[str, _Target]]] = defaultdict(list)
+    used: set[str] = set()
+    for target in targets:
+        ckpt_key = _checkpoint_key(target, source_of, is_peft)
+        if ckpt_key is not None:
+            by_file[files.key_to_file[ckpt_key]].append((ckpt_key, target))
+            used.add(ckpt_key)
+        else:
+            _fill_without_checkpoint(target, initial_values, allow_missing, report)
+    for file_name, entries in by_file.items():
+        _copy_from_file(files, file_name, entries, report)
+    report.unexpected = sorted(set(files.key_to_file) - used)
+    if report.unexpected:
+        logger.warning("checkpoint keys not used by the model: %s", report.unexpected)
+    return report
+
+
+def _checkpoint_key(target: _Target, source_of: dict[str, str], is_peft: bool) -> str | None:
+    for key in target.keys:
+        found = source_of.get(hf_key(key, is_peft))
+        if found is not None:
+            return found
+    return None
+
+
+def _fill_without_checkpoint(
+    target: _Target, initial_values: dict[str, torch.Tensor], allow_missing: Sequence[str], report: LoadReport
+) -> None:
+    local, index = local_block(target.tensor)
+    for key in target.keys:
+        if key in initial_values:
+            local.copy_(initial_values[key][index])
+            report.initialized.append(key)
+            return
+    if any(fnmatch.fnmatchcase(key, pattern) for key in target.keys for pattern in allow_missing):
+        local.zero_()
+        report.zero_filled.extend(target.keys)
+        logger.warning("not in the checkpoint, set to zero (allowed): %s", list(target.keys))
+        return
+    raise KeyError(
+        f"checkpoint has no tensor for model key(s) {list(target.keys)}; pass allow_missing=[...] "
+        "with a matching pattern to start them at zero"
+    )
+
+
+def _copy_from_file(
+    files: CheckpointFiles, file_name: str, entries: list[tuple[str, _Target]], report: LoadReport
+) -> None:
+    with open_reader(files, file_name) as reader:
+        for ckpt_key, target in entries:
+            full_shape = tensor_shape(reader, ckpt_key)
+            if full_shape != tuple(target.tensor.shape):
+                raise ValueError(
+                    f"checkpoint key {ckpt_key!r} has shape {full_shape} but model key "
+                    f"{target.keys[0]!r} expects {tuple(target.tensor.shape)}"
+                )
+            local, index = local_block(target.tensor)
+            if local.numel() == 0:
+                report.num_loaded += 1
+                continue
+            piece = reader.read(ckpt_key, index)
+            report.bytes_requested += piece.numel() * piece.element_size()
+            # Cast only the slice: converting the whole tensor first would touch every byte of it.
+            local.copy_(piece.to(local.dtype))
+            report.num_loaded += 1
