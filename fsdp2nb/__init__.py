@@ -1,1 +1,45 @@
-"""fsdp2nb: persistent FSDP2 ranks behind a %%fsdp2 cell magic."""
+"""fsdp2nb: persistent FSDP2 ranks behind a %%fsdp2 cell magic.
+
+`%load_ext fsdp2nb` registers the magics and imports no torch: the engine and checkpoint names
+below are resolved on first use, so loading the extension costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+from typing import Any
+
+__all__ = ["Checkpointer", "FSDP2Engine", "load_ipython_extension", "load_model", "unload_ipython_extension"]
+
+_LAZY_NAMES = {
+    "FSDP2Engine": "fsdp2nb.engine",
+    "load_model": "fsdp2nb.engine",
+    "Checkpointer": "fsdp2nb.checkpoint",
+}
+_session = None
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdp2nb' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_ipython_extension(ipython) -> None:
+    """Register %fsdp2 and %%fsdp2; loading twice keeps the one session."""
+    global _session
+    from fsdp2nb.frontend.magics import FSDP2Magics
+    from fsdp2nb.frontend.session import NotebookSession
+
+    if _session is None:
+        _session = NotebookSession()
+        atexit.register(_session.stop)
+    ipython.register_magics(FSDP2Magics(ipython, _session))
+
+
+def unload_ipython_extension(ipython) -> None:
+    """Stop the pool; the magics stay registered but start a new pool on next use."""
+    if _session is not None:
+        _session.stop()

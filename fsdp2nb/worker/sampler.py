@@ -42,11 +42,13 @@ class ResourceSampler:
         )
 
     def _run(self) -> None:
-        while not self._stopped.wait(self._interval_s):
+        while True:
             try:
                 self._send(self.sample())
             except Exception:  # a failed reading must never take the rank down
-                continue
+                pass
+            if self._stopped.wait(self._interval_s):
+                return
 
 
 def _device_memory(device: str) -> dict[str, int]:

@@ -1,0 +1,176 @@
+"""The `%fsdp2` line magic and `%%fsdp2` cell magic: parse, build one request, call the session."""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import MagicArgumentParser
+
+from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
+from fsdp2nb.pool.pool import PoolStartError, WorkerPool
+from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list, spec_from_options
+
+_COMMANDS = ("start", "stop", "restart", "status", "push", "pull")
+
+
+def _add_pool_options(parser: argparse.ArgumentParser) -> None:
+    """The options that choose a pool, shared by `%%fsdp2`, `start` and `restart`."""
+    group = parser.add_argument_group("pool")
+    group.add_argument("--gpus", metavar="N|I,J,..", help="N GPUs (the first N visible) or a list of GPU indices")
+    group.add_argument("--cpu", type=int, metavar="N", help="N CPU ranks joined by gloo")
+    group.add_argument("--timeout", type=float, metavar="SECONDS", help="collective timeout (default 600 s)")
+
+
+def _parser(prog: str, description: str) -> MagicArgumentParser:
+    return MagicArgumentParser(prog=prog, description=description, add_help=False)
+
+
+def _cell_parser() -> MagicArgumentParser:
+    parser = _parser("%%fsdp2", "Run the cell on every rank of the pool.")
+    _add_pool_options(parser)
+    parser.add_argument("--ranks", metavar="R,..", help="run on these ranks only, e.g. 0 or 0,2 or 1-3")
+    return parser
+
+
+def _line_parsers() -> dict[str, MagicArgumentParser]:
+    parsers = {name: _parser(f"%fsdp2 {name}", "") for name in _COMMANDS}
+    _add_pool_options(parsers["start"])
+    _add_pool_options(parsers["restart"])
+    parsers["push"].add_argument("names", nargs="+", metavar="NAME")
+    parsers["pull"].add_argument("name", metavar="NAME")
+    target = parsers["pull"].add_mutually_exclusive_group()
+    target.add_argument("--rank", type=int, default=None, help="the rank to pull from (default 0)")
+    target.add_argument("--all", action="store_true", help="pull from every rank: a dict rank -> value")
+    return parsers
+
+
+@magics_class
+class FSDP2Magics(Magics):
+    """Registers `%fsdp2` / `%%fsdp2` on a shell; all state lives in the session."""
+
+    def __init__(self, shell, session: NotebookSession) -> None:
+        super().__init__(shell)
+        self.session = session
+        self._cell_parser = _cell_parser()
+        self._line_parsers = _line_parsers()
+
+    @line_cell_magic
+    def fsdp2(self, line: str, cell: str | None = None):
+        """Run notebook cells on persistent torch.distributed ranks.
+
+        Cell magic: the first %%fsdp2 cell starts the pool, later cells reuse it and its state::
+
+            %%fsdp2 --cpu 2              # 2 CPU ranks joined by gloo
+            %%fsdp2 --gpus 4             # ranks 0-3 on the first 4 visible GPUs (NCCL)
+            %%fsdp2 --gpus 0,2,3         # ranks on GPUs 0, 2 and 3
+            %%fsdp2 --ranks 0            # only rank 0 of the running pool
+            x = torch.ones(1) * rank
+            dist.all_reduce(x)
+
+        Every rank has `rank`, `local_rank`, `world_size`, `device`, `mesh` (a 1-D DeviceMesh),
+        `torch` and `dist` defined. Output is labelled by rank; a line every rank prints is shown
+        once as [all]. The stop button interrupts every rank.
+
+        Line magic::
+
+            %fsdp2 start --cpu 4 [--timeout 300]   # start a pool without running a cell
+            %fsdp2 status                           # rank, pid, device, state, memory
+            %fsdp2 push lr batch_size               # send notebook variables to every rank
+            w = %fsdp2 pull w --rank 1              # bring a value back (a DTensor arrives whole)
+            ws = %fsdp2 pull loss --all             # {rank: value}
+            %fsdp2 restart [--cpu 2]                # fresh pool, rank state is lost
+            %fsdp2 stop
+        """
+        try:
+            if cell is not None:
+                return self._run_cell(line, cell)
+            return self._run_command(line)
+        except (ValueError, PoolMismatchError) as error:
+            raise UsageError(str(error)) from None
+        except PoolStartError as error:
+            raise UsageError(f"the pool did not start: {error}") from None
+
+    # --- %%fsdp2 --------------------------------------------------------------------------------
+
+    def _run_cell(self, line: str, cell: str) -> None:
+        options = self._cell_parser.parse_args(shlex.split(line))
+        spec = _spec_or_none(options)
+        world_size = self.session.pool.world_size if self.session.pool and spec is None else None
+        world_size = world_size or (spec or default_spec()).world_size
+        ranks = parse_rank_list(options.ranks, world_size) if options.ranks else tuple(range(world_size))
+        if not cell.strip():
+            cell = ""
+        pool = self.session.pool_for(spec, default_spec)
+        self.session.run_cell(pool, cell, ranks)
+
+    # --- %fsdp2 COMMAND -----------------------------------------------------------------------
+
+    def _run_command(self, line: str):
+        words = shlex.split(line)
+        if not words or words[0] not in _COMMANDS:
+            given = f"'{words[0]}'" if words else "nothing"
+            raise UsageError(f"%fsdp2 takes one of {', '.join(_COMMANDS)}, got {given}; see %fsdp2?")
+        command, options = words[0], self._line_parsers[words[0]].parse_args(words[1:])
+        return getattr(self, f"_command_{command}")(options)
+
+    def _command_start(self, options) -> None:
+        pool = self.session.start(_spec_or_none(options) or default_spec())
+        print(f"started {pool.world_size} ranks ({pool.spec.describe()})")
+
+    def _command_restart(self, options) -> None:
+        pool = self.session.restart(_spec_or_none(options))
+        print(f"restarted: {pool.world_size} fresh ranks ({pool.spec.describe()}); rank state was cleared")
+
+    def _command_stop(self, options) -> None:
+        print("pool stopped" if self.session.stop() else "no pool is running")
+
+    def _command_status(self, options) -> None:
+        from fsdp2nb.frontend.status import status_table
+
+        print(status_table(self.session.pool))
+
+    def _command_push(self, options) -> None:
+        pool = self._running_pool()
+        missing = [name for name in options.names if name not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"cannot push {missing[0]!r}: it is not defined in the notebook")
+        values = {name: self.shell.user_ns[name] for name in options.names}
+        self.session.push(pool, _pickle_for_ranks(values))
+
+    def _command_pull(self, options):
+        pool = self._running_pool()
+        reply_ranks = tuple(range(pool.world_size)) if options.all else (options.rank or 0,)
+        if not options.all:
+            parse_rank_list(str(reply_ranks[0]), pool.world_size)
+        payloads = self.session.pull(pool, options.name, reply_ranks)
+        values = {rank: pickle.loads(payload) for rank, payload in payloads.items()}
+        return values if options.all else values[reply_ranks[0]]
+
+    def _running_pool(self) -> WorkerPool:
+        pool = self.session.pool
+        if pool is None or pool.state != "ready":
+            raise UsageError("no pool is running; start one with `%fsdp2 start --cpu N` or a %%fsdp2 cell")
+        return pool
+
+
+def _spec_or_none(options) -> PoolSpec | None:
+    if options.gpus is None and options.cpu is None and options.timeout is None:
+        return None
+    return spec_from_options(gpus=options.gpus, cpu=options.cpu, collective_timeout_s=options.timeout)
+
+
+def _pickle_for_ranks(values: dict) -> bytes:
+    """Pickle notebook values; cloudpickle also carries functions and classes defined in the notebook."""
+    import cloudpickle
+
+    for name, value in values.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as error:
+            raise UsageError(f"cannot push {name!r}: it cannot be pickled ({type(error).__name__}: {error}); "
+                             "push data (numbers, tensors, dicts), not live objects") from None
+    return cloudpickle.dumps(values)

@@ -1,0 +1,192 @@
+"""How rank output looks in the notebook: labelled lines, repeated lines shown once, tracebacks.
+
+Lines are held back for a short window so that a line every rank prints (a loss, a banner) can
+be shown once as `[all]` instead of N times. Lines that differ are shown per rank, grouped by
+text, so eight ranks printing two distinct values give two lines, not eight.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from fsdp2nb.pool.protocol import ErrorInfo
+
+MERGE_WINDOW_S = 0.05
+PARTIAL_LINE_WINDOW_S = 0.5
+MAX_CHARS_PER_RANK = 200_000
+
+Write = Callable[[str, str], None]  # (stream name, text)
+
+
+def rank_label(ranks: Iterable[int], world_size: int) -> str:
+    """`[all]`, `[3]`, `[0,2]` or `[0-3,6]`; empty when the pool has a single rank."""
+    ranks = sorted(ranks)
+    if world_size == 1:
+        return ""
+    if len(ranks) == world_size and world_size > 1:
+        return "[all]"
+    parts, start = [], ranks[0]
+    for previous, current in zip(ranks, ranks[1:] + [None], strict=True):
+        if current != previous + 1 if current is not None else True:
+            parts.append(str(start) if start == previous else f"{start}-{previous}")
+            start = current
+    return f"[{','.join(parts)}]"
+
+
+@dataclass
+class _RankStream:
+    partial: str = ""
+    partial_since: float = 0.0
+    lines: deque = field(default_factory=deque)  # (line with its newline, arrival time)
+    shown_chars: int = 0
+    truncated: bool = False
+    done: bool = False
+
+
+class StreamMerger:
+    """Buffers each rank's stdout/stderr into lines and writes them, merged across ranks."""
+
+    def __init__(self, ranks: tuple[int, ...], world_size: int, write: Write,
+                 log_paths: dict[int, str] | None = None, max_chars_per_rank: int = MAX_CHARS_PER_RANK) -> None:
+        self._ranks = ranks
+        self._world_size = world_size
+        self._write = write
+        self._log_paths = log_paths or {}
+        self._max_chars = max_chars_per_rank
+        self._streams = {name: {r: _RankStream() for r in ranks} for name in ("stdout", "stderr")}
+
+    def feed(self, rank: int, stream: str, text: str, now: float | None = None) -> None:
+        state = self._streams[stream].get(rank)
+        if state is None or state.truncated:
+            return
+        now = time.monotonic() if now is None else now
+        if state.shown_chars + len(text) > self._max_chars:
+            text = text[: max(0, self._max_chars - state.shown_chars)]
+            self._truncate(rank, stream, state, text, now)
+            return
+        state.shown_chars += len(text)
+        self._split_lines(state, text, now)
+
+    def _split_lines(self, state: _RankStream, text: str, now: float) -> None:
+        pieces = (state.partial + text).split("\n")
+        if len(pieces) > 1 and not state.partial:
+            state.partial_since = now
+        for line in pieces[:-1]:
+            state.lines.append((line + "\n", now))
+        if pieces[-1] and (len(pieces) > 1 or not state.partial):
+            state.partial_since = now
+        state.partial = pieces[-1]
+
+    def _truncate(self, rank: int, stream: str, state: _RankStream, text: str, now: float) -> None:
+        self._split_lines(state, text, now)
+        if state.partial:
+            state.lines.append((state.partial + "\n", now))
+            state.partial = ""
+        where = self._log_paths.get(rank, "the rank's log file")
+        state.lines.append((f"... output truncated after {self._max_chars:,} characters; "
+                            f"the full output is in {where}\n", now))
+        state.truncated = True
+
+    def rank_done(self, rank: int) -> None:
+        for streams in self._streams.values():
+            if rank in streams:
+                streams[rank].done = True
+
+    def poll(self, now: float | None = None) -> None:
+        """Write every line that is due: complete across ranks, or older than the merge window."""
+        now = time.monotonic() if now is None else now
+        for name, streams in self._streams.items():
+            self._release_stale_partials(streams, now)
+            while self._flush_heads(name, streams, now, force=False):
+                pass
+
+    def flush(self) -> None:
+        """Write everything held back (at the end of a cell, or before a rich output)."""
+        for name, streams in self._streams.items():
+            for state in streams.values():
+                if state.partial:
+                    state.lines.append((state.partial, 0.0))
+                    state.partial = ""
+            while self._flush_heads(name, streams, 0.0, force=True):
+                pass
+
+    def _release_stale_partials(self, streams: dict[int, _RankStream], now: float) -> None:
+        """A line without its newline (a progress bar) is shown after a while anyway."""
+        for state in streams.values():
+            if state.partial and now - state.partial_since > PARTIAL_LINE_WINDOW_S:
+                state.lines.append((state.partial, state.partial_since))
+                state.partial = ""
+
+    def _flush_heads(self, stream: str, streams: dict[int, _RankStream], now: float, force: bool) -> bool:
+        waiting = {r: s for r, s in streams.items() if s.lines}
+        if not waiting:
+            return False
+        everyone_here = all(r in waiting or s.done or s.truncated for r, s in streams.items())
+        oldest = min(s.lines[0][1] for s in waiting.values())
+        if not (force or everyone_here or now - oldest > MERGE_WINDOW_S):
+            return False
+        groups: dict[str, list[int]] = {}
+        for rank, state in waiting.items():
+            groups.setdefault(state.lines.popleft()[0], []).append(rank)
+        for line, ranks in groups.items():
+            label = rank_label(ranks, self._world_size)
+            self._write(stream, f"{label} {line}" if label else line)
+        return True
+
+
+class RankError(Exception):
+    """One or more ranks raised; IPython shows each distinct traceback once, root cause first."""
+
+    def __init__(self, errors: list[tuple[int, ErrorInfo]], world_size: int, notes: tuple[str, ...] = ()) -> None:
+        self.errors = errors
+        self.world_size = world_size
+        self.notes = notes
+        first_rank, first = errors[0]
+        super().__init__(f"rank {first_rank} raised {first.ename}: {first.evalue}")
+
+    def grouped(self) -> list[tuple[list[int], ErrorInfo]]:
+        """Distinct tracebacks in the order they were first reported, with the ranks that raised each."""
+        groups: dict[tuple, tuple[list[int], ErrorInfo]] = {}
+        for rank, error in self.errors:
+            key = (error.ename, error.evalue, _without_cell_numbers(error.traceback))
+            groups.setdefault(key, ([], error))[0].append(rank)
+        return list(groups.values())
+
+    def _render_traceback_(self) -> list[str]:
+        lines: list[str] = []
+        for ranks, error in self.grouped():
+            label = rank_label(ranks, self.world_size) or "[rank 0]"
+            noun = "rank" if len(ranks) == 1 else "ranks"
+            lines.append(f"\x1b[1m{label} {noun} {', '.join(map(str, sorted(ranks)))} raised {error.ename}\x1b[0m")
+            lines.extend(error.traceback or (f"{error.ename}: {error.evalue}",))
+        lines.extend(self.notes)
+        return lines
+
+
+class CellSyntaxError(Exception):
+    """A cell that does not parse: reported once, in the notebook, and run on no rank."""
+
+    def __init__(self, error: SyntaxError) -> None:
+        super().__init__(f"{error.msg} (line {error.lineno})")
+        self.error = error
+
+    def _render_traceback_(self) -> list[str]:
+        import traceback
+
+        lines = traceback.format_exception_only(SyntaxError, self.error)
+        return [line.rstrip("\n") for line in lines] + ["(the cell ran on no rank)"]
+
+
+def _without_cell_numbers(traceback_lines: tuple[str, ...]) -> tuple[str, ...]:
+    # Ranks number their cells alike, but a rank that joined later would differ: ignore `In[n]`.
+    import re
+
+    return tuple(re.sub(r"In\[\d+\]", "In[]", line) for line in traceback_lines)
+
+
+def write_to_kernel(stream: str, text: str) -> None:
+    (sys.stdout if stream == "stdout" else sys.stderr).write(text)

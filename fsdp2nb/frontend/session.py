@@ -1,0 +1,289 @@
+"""The notebook side of a pool: runs a request on the ranks and renders what comes back.
+
+One `NotebookSession` lives in the kernel per loaded extension. It owns at most one pool, and
+every magic is one call into it. Waiting for the ranks happens on the kernel's main thread, so
+the stop button (SIGINT -> KeyboardInterrupt) lands here and is turned into an interrupt of
+every rank that is still running.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fsdp2nb.frontend.render import CellSyntaxError, RankError, StreamMerger, rank_label, write_to_kernel
+from fsdp2nb.pool.pool import WorkerPool, describe_exit
+from fsdp2nb.pool.protocol import (
+    CellFinished,
+    ControlMessage,
+    ErrorInfo,
+    EventMessage,
+    Interrupt,
+    PullValue,
+    PushValues,
+    RankExited,
+    RichOutput,
+    RunCell,
+    StreamOutput,
+)
+from fsdp2nb.pool.spec import PoolSpec
+
+logger = logging.getLogger(__name__)
+
+ERROR_GRACE_S = 3.0
+"""After a rank fails, how long the others may go on before they are interrupted."""
+INTERRUPT_GRACE_S = 5.0
+"""After an interrupt, how long ranks may take to return before the pool is restarted."""
+_POLL_S = 0.02
+
+
+class PoolMismatchError(RuntimeError):
+    """A cell asked for a pool other than the running one."""
+
+
+@dataclass
+class _CellProgress:
+    """What the kernel knows about one request while it runs."""
+
+    ranks: tuple[int, ...]
+    finished: dict[int, CellFinished]
+    errors: list[tuple[int, ErrorInfo]]
+    results: list[tuple[int, RichOutput]]
+    first_error_at: float | None = None
+    interrupted_at: float | None = None
+
+    @property
+    def running(self) -> list[int]:
+        return [r for r in self.ranks if r not in self.finished]
+
+
+class NotebookSession:
+    """Owns the pool of one kernel; the magics call its methods."""
+
+    def __init__(self, pool_factory: Callable[[PoolSpec], WorkerPool] = WorkerPool) -> None:
+        self.pool: WorkerPool | None = None
+        self._pool_factory = pool_factory
+        self._cell_ids = itertools.count(1)
+
+    # --- pool lifecycle -----------------------------------------------------------------------
+
+    def start(self, spec: PoolSpec) -> WorkerPool:
+        if self.pool is not None and self.pool.state in ("ready", "starting"):
+            raise PoolMismatchError(
+                f"a pool ({self.pool.spec.describe()}) is already running; `%fsdp2 restart` replaces it")
+        self.stop()
+        started = time.perf_counter()
+        pool = self._pool_factory(spec)
+        pool.start()
+        self.pool = pool
+        logger.info("started %d ranks in %.1f s", spec.world_size, time.perf_counter() - started)
+        return pool
+
+    def stop(self) -> bool:
+        """Stop the pool if there is one; returns whether there was. Safe to call twice."""
+        pool, self.pool = self.pool, None
+        if pool is None:
+            return False
+        pool.stop()
+        return True
+
+    def restart(self, spec: PoolSpec | None = None) -> WorkerPool:
+        spec = spec or (self.pool.spec if self.pool else None)
+        if spec is None:
+            raise PoolMismatchError("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
+        self.stop()
+        return self.start(spec)
+
+    def pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec]) -> WorkerPool:
+        """The running pool if it matches `spec` (None: any), else a new one. Never drops state silently."""
+        pool = self.pool
+        if pool is not None and pool.state == "broken":
+            raise PoolMismatchError(f"the pool is broken ({self._broken_reason()}); "
+                                    "`%fsdp2 restart` starts a fresh one (rank state is lost)")
+        if pool is None:
+            return self.start(spec or default())
+        if spec is not None and spec != pool.spec:
+            raise PoolMismatchError(
+                f"this cell asks for {spec.describe()} but the running pool is {pool.spec.describe()}; "
+                f"`%fsdp2 restart {spec.describe()}` replaces it (rank state is lost)")
+        return pool
+
+    def _broken_reason(self) -> str:
+        if self.pool and self.pool.exited:
+            report = next(iter(self.pool.exited.values()))
+            return f"rank {report.rank} exited, {describe_exit(report)}"
+        return "a rank stopped answering"
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def run_cell(self, pool: WorkerPool, code: str, ranks: tuple[int, ...]) -> None:
+        """Run `code` on `ranks`, streaming output; raises RankError if any rank raised."""
+        check_syntax(code)
+        self.run_request(pool, ranks, lambda cell_id: RunCell(cell_id=cell_id, code=code))
+
+    def push(self, pool: WorkerPool, payload: bytes) -> None:
+        self.run_request(pool, tuple(range(pool.world_size)),
+                         lambda cell_id: PushValues(cell_id=cell_id, payload=payload))
+
+    def pull(self, pool: WorkerPool, name: str, reply_ranks: tuple[int, ...]) -> dict[int, bytes]:
+        progress = self.run_request(pool, tuple(range(pool.world_size)),
+                                    lambda cell_id: PullValue(cell_id=cell_id, name=name, reply_ranks=reply_ranks))
+        return {rank: progress.finished[rank].value for rank in reply_ranks}
+
+    def run_request(self, pool: WorkerPool, ranks: tuple[int, ...],
+                    make_request: Callable[[int], ControlMessage]) -> _CellProgress:
+        cell_id = next(self._cell_ids)
+        merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
+                              {r: info.log_path for r, info in pool.ranks.items()})
+        self._show_events_between_cells(pool)
+        for rank in ranks:
+            pool.send(rank, make_request(cell_id))
+        progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
+        try:
+            self._wait(pool, cell_id, progress, merger)
+        finally:
+            merger.flush()
+            sys.stdout.flush()
+        _show_results(progress.results, pool.world_size)
+        if progress.errors:
+            raise RankError(progress.errors, pool.world_size)
+        return progress
+
+    def _wait(self, pool: WorkerPool, cell_id: int, progress: _CellProgress, merger: StreamMerger) -> None:
+        while progress.running:
+            try:
+                event = pool.next_event(_POLL_S)
+                if event is not None:
+                    self._handle(event, cell_id, progress, merger, pool.world_size)
+                merger.poll()
+                self._enforce_deadlines(pool, cell_id, progress, merger)
+            except KeyboardInterrupt:
+                if progress.interrupted_at is None:
+                    self._interrupt(pool, cell_id, progress)
+                # A second stop-button press while waiting means: do not wait any longer.
+                else:
+                    self._recover(pool, progress, merger, "the ranks did not return after a second interrupt")
+
+    def _handle(self, event: EventMessage, cell_id: int, progress: _CellProgress, merger: StreamMerger,
+                world_size: int) -> None:
+        if isinstance(event, RankExited):
+            merger.flush()
+            raise RankError([(event.rank, _exit_error(event))], world_size,
+                            notes=self._after_dead_rank(event))
+        if getattr(event, "cell_id", cell_id) != cell_id:
+            return  # late output of an earlier, abandoned request
+        if isinstance(event, StreamOutput):
+            merger.feed(event.rank, event.stream, event.text)
+        elif isinstance(event, RichOutput):
+            self._show_rich(event, merger, progress, world_size)
+        elif isinstance(event, CellFinished):
+            progress.finished[event.rank] = event
+            merger.rank_done(event.rank)
+            if event.error is not None:
+                progress.errors.append((event.rank, event.error))
+                progress.first_error_at = progress.first_error_at or time.monotonic()
+
+    def _show_rich(self, event: RichOutput, merger: StreamMerger, progress: _CellProgress, world_size: int) -> None:
+        if event.kind == "result":
+            progress.results.append((event.rank, event))
+            return
+        merger.flush()
+        from IPython.display import clear_output, publish_display_data
+
+        if event.kind == "clear":
+            clear_output(wait=bool(event.data.get("wait")))
+            return
+        label = rank_label([event.rank], world_size)
+        if label:
+            sys.stdout.write(f"{label}\n")
+            sys.stdout.flush()
+        publish_display_data(event.data, event.metadata)
+
+    def _enforce_deadlines(self, pool: WorkerPool, cell_id: int, progress: _CellProgress,
+                           merger: StreamMerger) -> None:
+        """A rank failed while others wait (likely in a collective): interrupt, then restart."""
+        now = time.monotonic()
+        if progress.interrupted_at is None and progress.first_error_at is not None:
+            if now - progress.first_error_at > ERROR_GRACE_S:
+                self._interrupt(pool, cell_id, progress)
+        elif progress.interrupted_at is not None and now - progress.interrupted_at > INTERRUPT_GRACE_S:
+            stuck = ", ".join(map(str, progress.running))
+            self._recover(pool, progress, merger, f"rank(s) {stuck} did not return within "
+                                                  f"{INTERRUPT_GRACE_S:g} s of the interrupt")
+
+    def _interrupt(self, pool: WorkerPool, cell_id: int, progress: _CellProgress) -> None:
+        progress.interrupted_at = time.monotonic()
+        for rank in progress.running:
+            try:
+                pool.send(rank, Interrupt(cell_id=cell_id), connect_timeout_s=0)
+            except ConnectionError:
+                pass
+
+    def _recover(self, pool: WorkerPool, progress: _CellProgress, merger: StreamMerger, why: str) -> None:
+        """Replace a pool whose ranks are stuck, then end the cell saying that state was lost."""
+        merger.flush()
+        errors = progress.errors or [(progress.running[0], ErrorInfo("KeyboardInterrupt", "", ()))]
+        stuck = tuple(progress.running)
+        self.stop()
+        self.start(pool.spec)
+        note = (f"{why}; the pool was restarted ({pool.spec.describe()}) and all rank state was lost "
+                f"(stuck: rank(s) {', '.join(map(str, stuck))})")
+        raise RankError(errors, pool.world_size, notes=(f"\x1b[1;31m{note}\x1b[0m",))
+
+    def _after_dead_rank(self, event: RankExited) -> tuple[str, ...]:
+        spec = self.pool.spec if self.pool else None
+        self.stop()
+        if spec is None:
+            return ()
+        self.start(spec)
+        return (f"\x1b[1;31mrank {event.rank} died; the pool was restarted ({spec.describe()}) "
+                "and all rank state was lost\x1b[0m",)
+
+    def _show_events_between_cells(self, pool: WorkerPool) -> None:
+        """Output that ranks printed while no cell ran (a background thread, say) is shown now."""
+        for event in pool.drain_events():
+            if isinstance(event, StreamOutput) and event.cell_id is None:
+                label = rank_label([event.rank], pool.world_size)
+                write_to_kernel(event.stream, f"{label} (between cells) {event.text}")
+
+
+def check_syntax(code: str) -> None:
+    """Parse the cell as the kernel's IPython would; raise CellSyntaxError before any rank sees it."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    source = shell.transform_cell(code) if shell is not None else code
+    try:
+        ast.parse(source, "<fsdp2 cell>")
+    except SyntaxError as error:
+        raise CellSyntaxError(error) from None
+
+
+def _exit_error(event: RankExited) -> ErrorInfo:
+    tail = event.stderr_tail[-10:]
+    lines = (f"rank {event.rank} (pid {event.pid}) died: {describe_exit(event)}",
+             *(("last output lines:", *tail) if tail else ()))
+    return ErrorInfo(ename="RankDied", evalue=describe_exit(event), traceback=tuple(lines))
+
+
+def _show_results(results: list[tuple[int, RichOutput]], world_size: int) -> None:
+    """Each distinct last-expression value once, labelled with the ranks that produced it."""
+    if not results:
+        return
+    from IPython.display import publish_display_data
+
+    groups: dict[str, tuple[list[int], RichOutput]] = {}
+    for rank, result in sorted(results, key=lambda item: item[0]):
+        key = repr(sorted(result.data.items()))
+        groups.setdefault(key, ([], result))[0].append(rank)
+    for ranks, result in groups.values():
+        label = rank_label(ranks, world_size)
+        if label:
+            sys.stdout.write(f"Out{label}:\n")
+            sys.stdout.flush()
+        publish_display_data(result.data, result.metadata)

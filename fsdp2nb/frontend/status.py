@@ -1,0 +1,28 @@
+"""`%fsdp2 status`: one line per rank, from the latest snapshot each rank sent."""
+
+from __future__ import annotations
+
+from fsdp2nb.pool.pool import WorkerPool
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.0f} MiB"
+
+
+def status_table(pool: WorkerPool | None) -> str:
+    if pool is None:
+        return "no pool is running"
+    header = f"pool {pool.spec.describe()} ({pool.state}), logs in {pool.log_dir}"
+    rows = [("rank", "pid", "device", "state", "rss", "device memory")]
+    for rank in range(pool.world_size):
+        info, snapshot = pool.ranks.get(rank), pool.snapshots.get(rank)
+        state = "exited" if rank in pool.exited else ("busy" if snapshot and snapshot.busy else "idle")
+        rss = _mib(snapshot.rss_bytes) if snapshot else "-"
+        device_memory = "-"
+        if snapshot and snapshot.device_total_bytes:
+            device_memory = f"{_mib(snapshot.device_allocated_bytes)} / {_mib(snapshot.device_total_bytes)}"
+        rows.append((str(rank), str(info.pid if info else "-"), info.device if info else "-", state, rss,
+                     device_memory))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join([header, *lines])

@@ -1,0 +1,85 @@
+"""Drive a real ipykernel through jupyter_client, exactly as a notebook front end does."""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+from jupyter_client.manager import KernelManager
+
+
+@dataclass
+class CellRun:
+    """The iopub messages one execute request produced, in arrival order."""
+
+    status: str
+    messages: list[dict] = field(default_factory=list)
+
+    @property
+    def stdout(self) -> str:
+        return "".join(m["content"]["text"] for m in self.messages
+                       if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+
+    @property
+    def stderr(self) -> str:
+        return "".join(m["content"]["text"] for m in self.messages
+                       if m["msg_type"] == "stream" and m["content"]["name"] == "stderr")
+
+    @property
+    def error(self) -> dict | None:
+        errors = [m["content"] for m in self.messages if m["msg_type"] == "error"]
+        return errors[0] if errors else None
+
+    @property
+    def traceback_text(self) -> str:
+        import re
+
+        return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(self.error["traceback"])) if self.error else ""
+
+    @property
+    def displays(self) -> list[dict]:
+        return [m["content"] for m in self.messages if m["msg_type"] in ("display_data", "execute_result")]
+
+
+class Kernel:
+    """A started kernel with a blocking client; `stop()` shuts it down."""
+
+    def __init__(self) -> None:
+        self.manager = KernelManager(kernel_name="python3")
+        self.manager.start_kernel()
+        self.client = self.manager.blocking_client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.pid
+
+    def execute(self, code: str, timeout: float = 120, on_message=None) -> CellRun:
+        msg_id = self.client.execute(code)
+        run = CellRun(status="")
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no idle status within {timeout} s for: {code[:80]!r}")
+            try:
+                message = self.client.get_iopub_msg(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            if on_message is not None:
+                on_message(message)
+            if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+                break
+            if message["msg_type"] not in ("status", "execute_input"):
+                run.messages.append(message)
+        reply = self.client.get_shell_msg(timeout=10)
+        run.status = reply["content"]["status"]
+        return run
+
+    def stop(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=False)
