@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from fsdp2nb.pool.protocol import ErrorInfo
 
-MERGE_WINDOW_S = 0.05
+MERGE_WINDOW_S = 0.5
 PARTIAL_LINE_WINDOW_S = 0.5
 MAX_CHARS_PER_RANK = 200_000
 

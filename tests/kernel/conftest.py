@@ -1,0 +1,14 @@
+import pytest
+
+from tests.kernel.client import Kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """A real ipykernel with the extension loaded and a 2-rank CPU pool running."""
+    k = Kernel()
+    assert k.execute("%load_ext fsdp2nb").status == "ok"
+    run = k.execute("%fsdp2 start --cpu 2")
+    assert run.status == "ok", run.traceback_text
+    yield k
+    k.stop()

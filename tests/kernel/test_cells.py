@@ -1,0 +1,151 @@
+"""%%fsdp2 cells through a real kernel: state, streaming, labels, display, errors, push/pull."""
+
+import os
+import re
+import tempfile
+
+import pytest
+
+
+def test_state_persists_across_cells(kernel):
+    assert kernel.execute("%%fsdp2\ncounter = rank * 10").status == "ok"
+    run = kernel.execute("%%fsdp2\ncounter += 1\nprint('counter', counter)")
+    assert run.status == "ok"
+    assert "[0] counter 1\n" in run.stdout and "[1] counter 11\n" in run.stdout
+
+
+def test_namespace_and_process_group_are_ready(kernel):
+    run = kernel.execute("%%fsdp2\n"
+                         "import os\n"
+                         "t = torch.ones(1) * (rank + 1)\n"
+                         "dist.all_reduce(t)\n"
+                         "print(world_size, local_rank == rank, str(device), t.item(), mesh.size(),\n"
+                         "      os.environ['RANK'] == str(rank), os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'])")
+    assert run.status == "ok", run.traceback_text
+    assert "[all] 2 True cpu 3.0 2 True 2 127.0.0.1\n" in run.stdout
+
+
+def test_identical_lines_shown_once_and_differing_lines_labelled(kernel):
+    run = kernel.execute("%%fsdp2\nprint('same on every rank')\nprint('rank says', rank)")
+    assert run.stdout.count("same on every rank") == 1
+    assert "[all] same on every rank\n" in run.stdout
+    assert "[0] rank says 0\n" in run.stdout and "[1] rank says 1\n" in run.stdout
+
+
+def test_file_descriptor_output_and_stderr_are_captured(kernel):
+    run = kernel.execute("%%fsdp2\nimport os, sys\nos.write(1, b'raw fd write\\n')\n"
+                         "print('to stderr', file=sys.stderr)")
+    assert "[all] raw fd write\n" in run.stdout
+    assert "[all] to stderr\n" in run.stderr
+
+
+def test_output_streams_while_the_cell_runs(kernel):
+    """The cell waits for a file that the test creates only after seeing the cell's first line."""
+    flag = os.path.join(tempfile.mkdtemp(), "seen")
+    code = ("%%fsdp2 --ranks 0\nimport os, time\nprint('first line', flush=True)\n"
+            f"deadline = time.time() + 60\nwhile not os.path.exists({flag!r}) and time.time() < deadline:\n"
+            "    time.sleep(0.01)\nprint('flag seen' if os.path.exists(" + repr(flag) + ") else 'never saw flag')")
+
+    def on_message(message):
+        if message["msg_type"] == "stream" and "first line" in message["content"]["text"]:
+            open(flag, "w").close()
+
+    run = kernel.execute(code, on_message=on_message)
+    assert run.stdout.index("first line") < run.stdout.index("flag seen")
+
+
+def test_subset_of_ranks(kernel):
+    run = kernel.execute("%%fsdp2 --ranks 1\nprint('only', rank)")
+    assert run.stdout == "[1] only 1\n"
+
+
+def test_last_expression_and_rich_display(kernel):
+    run = kernel.execute("%%fsdp2\nfrom IPython.display import HTML, display\n"
+                         "display(HTML(f'<b>rank {rank}</b>'))\nrank * 2")
+    assert run.status == "ok"
+    html = [d["data"]["text/html"] for d in run.displays if "text/html" in d["data"]]
+    assert sorted(html) == ["<b>rank 0</b>", "<b>rank 1</b>"]
+    results = [d["data"]["text/plain"] for d in run.displays if "text/html" not in d["data"]]
+    assert sorted(results) == ["0", "2"]
+    assert "[0]" in run.stdout and "[1]" in run.stdout
+
+
+def test_error_on_one_rank_fails_the_cell_with_its_traceback(kernel):
+    run = kernel.execute("%%fsdp2\nif rank == 1:\n    raise ValueError('bad value on one rank')")
+    assert run.status == "error"
+    assert "[1] rank 1 raised ValueError" in run.traceback_text
+    assert "bad value on one rank" in run.traceback_text
+
+
+def test_identical_tracebacks_are_shown_once(kernel):
+    run = kernel.execute("%%fsdp2\n1 / 0")
+    assert run.status == "error"
+    assert run.traceback_text.count("ZeroDivisionError: division by zero") == 1
+    assert "[all] ranks 0, 1 raised ZeroDivisionError" in run.traceback_text
+
+
+def test_syntax_error_is_reported_once_and_runs_nowhere(kernel):
+    run = kernel.execute("%%fsdp2\nran_anyway = True\nx = (")
+    assert run.status == "error"
+    assert run.error["ename"] == "CellSyntaxError"
+    assert run.traceback_text.count("was never closed") == 1
+    check = kernel.execute("%%fsdp2\nprint('ran_anyway' in globals())")
+    assert check.stdout == "[all] False\n"
+
+
+def test_push_and_pull(kernel):
+    assert kernel.execute("lr = 3e-4\nscale = {'a': 2}\ndef triple(v):\n    return 3 * v").status == "ok"
+    assert kernel.execute("%fsdp2 push lr scale triple").status == "ok"
+    run = kernel.execute("%%fsdp2\nprint(lr, scale['a'], triple(rank))")
+    assert "[0] 0.0003 2 0\n" in run.stdout and "[1] 0.0003 2 3\n" in run.stdout
+    run = kernel.execute("%%fsdp2\nfrom torch.distributed.tensor import distribute_tensor, Shard\n"
+                         "full = torch.arange(10.0).reshape(5, 2)\n"
+                         "sharded = distribute_tensor(full, mesh, [Shard(0)])\n"
+                         "local_rows = sharded.to_local().shape[0]")
+    assert run.status == "ok", run.traceback_text
+    run = kernel.execute("pulled = %fsdp2 pull sharded --rank 1\n"
+                         "print(type(pulled).__name__, pulled.shape, pulled.sum().item())\n"
+                         "rows = %fsdp2 pull local_rows --all\nprint(rows)")
+    assert run.status == "ok", run.traceback_text
+    assert "Tensor torch.Size([5, 2]) 45.0" in run.stdout
+    assert "{0: 3, 1: 2}" in run.stdout
+
+
+def test_unpicklable_push_is_refused_clearly(kernel):
+    run = kernel.execute("import threading\nlock = threading.Lock()\n%fsdp2 push lock")
+    assert run.status == "error"
+    assert "UsageError: cannot push 'lock'" in run.stderr and "pickle" in run.stderr
+
+
+def test_pull_of_unknown_name_names_it(kernel):
+    run = kernel.execute("%fsdp2 pull no_such_name")
+    assert run.status == "error"
+    assert "no_such_name" in run.traceback_text
+
+
+def test_large_output_is_truncated_with_the_log_path(kernel):
+    run = kernel.execute("%%fsdp2\nimport sys\nline = 'x' * 99 + '\\n'\n"
+                         "for _ in range(100_000):\n    sys.stdout.write(line)\nprint('done', rank)", timeout=300)
+    assert run.status == "ok"
+    assert len(run.stdout) < 1_000_000
+    logs = re.findall(r"the full output is in (\S+\.log)", run.stdout)
+    assert len(logs) == 2
+    for path in logs:
+        assert os.path.getsize(path) >= 10_000_000
+
+
+def test_interrupt_raises_keyboard_interrupt_on_every_rank(kernel):
+    code = ("%%fsdp2\nimport time\nprint('sleeping', flush=True)\ntry:\n    time.sleep(120)\n"
+            "except KeyboardInterrupt:\n    print('interrupted on', rank, flush=True)\n    raise")
+    sent = []
+
+    def on_message(message):
+        if not sent and message["msg_type"] == "stream" and "sleeping" in message["content"]["text"]:
+            sent.append(True)
+            kernel.manager.interrupt_kernel()
+
+    run = kernel.execute(code, on_message=on_message, timeout=100)
+    assert run.status == "error"
+    assert "[0] interrupted on 0" in run.stdout and "[1] interrupted on 1" in run.stdout
+    assert "KeyboardInterrupt" in run.traceback_text
+    assert kernel.execute("%%fsdp2\nprint('still here')").stdout == "[all] still here\n"
