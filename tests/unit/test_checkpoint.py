@@ -1,0 +1,280 @@
+"""Checkpointer behaviour in one process: layout, retention, bad input, errors, LoRA state."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp2nb.checkpoint import (
+    Checkpointer,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    CheckpointStatus,
+    SaveRequests,
+    tracked_checkpointer,
+)
+from fsdp2nb.checkpoint import manager as manager_module
+from fsdp2nb.checkpoint.layout import METADATA_FILE, read_latest
+from fsdp2nb.checkpoint.state import read_dcp_metadata
+from fsdp2nb.testing.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _model_and_optimizer(seed: int = 0, **overrides):
+    model = make_tiny_model("llama", seed=seed, **overrides)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model, optimizer) -> None:
+    ids = torch.randint(0, 131, (2, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def trained():
+    model, optimizer = _model_and_optimizer()
+    _step(model, optimizer)
+    return model, optimizer
+
+
+def test_keep_zero_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"keep=0 must be"):
+        Checkpointer(tmp_path, keep=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["under_a_file", "proc"])
+def test_unwritable_directory_is_refused_at_creation(tmp_path, kind):
+    if kind == "under_a_file":
+        (tmp_path / "file").write_text("x")
+        target = tmp_path / "file" / "ckpt"
+    else:
+        target = Path("/proc/fsdp2nb-ckpt")
+    with pytest.raises(ValueError, match="is not writable on rank 0"):
+        Checkpointer(target)
+
+
+def test_bad_step_and_unknown_step_change_nothing(tmp_path, trained):
+    model, optimizer = trained
+    ckpt = Checkpointer(tmp_path, async_save=False).track(model=model, optimizer=optimizer)
+    with pytest.raises(ValueError, match=r"step=-1 must be an int >= 0"):
+        ckpt.save(-1)
+    with pytest.raises(ValueError, match="no step has been seen"):
+        ckpt.save()
+    ckpt.save(3)
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=r"step=4 has no complete checkpoint .* available: \[3\]"):
+        ckpt.load(4)
+    with pytest.raises(ValueError, match="target=1.5"):
+        ckpt.load(1.5)
+    for key, value in _snapshot(model).items():
+        assert torch.equal(value, before[key])
+    assert [e.step for e in ckpt.list()] == [3]
+    ckpt.close()
+
+
+def test_layout_metadata_and_latest(tmp_path, trained):
+    model, optimizer = trained
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(100)
+        ckpt.wait()
+        step_dir = tmp_path / "step-000100"
+        assert {".metadata", METADATA_FILE, "rank-00000.pt"} <= set(os.listdir(step_dir))
+        assert read_latest(tmp_path) == 100 and ckpt.latest() == 100
+        (entry,) = ckpt.list()
+        assert (entry.step, entry.world_size, entry.valid) == (100, 1, True) and entry.size_bytes > 0
+        keys = read_dcp_metadata(step_dir).state_dict_metadata
+        assert any(k.startswith("model.") for k in keys) and any(k.startswith("optim.") for k in keys)
+
+
+def test_directory_without_metadata_is_never_a_checkpoint(tmp_path, trained):
+    model, optimizer = trained
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(1)
+        ckpt.save(2)
+        (tmp_path / "step-000002" / METADATA_FILE).unlink()
+        assert [(e.step, e.valid) for e in ckpt.list()] == [(1, True), (2, False)]
+        assert ckpt.latest() == 1  # LATEST names step 2, which is incomplete
+        assert ckpt.load("latest") == 1
+        with pytest.raises(ValueError, match="step=2 has no complete checkpoint"):
+            ckpt.load(2)
+
+
+def test_retention_keeps_newest_and_never_deletes_latest(tmp_path, trained):
+    model, optimizer = trained
+    with Checkpointer(tmp_path, keep=2) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer)
+        for step in (1, 2, 3, 4):
+            ckpt.save(step)
+        ckpt.wait()
+        assert [e.step for e in ckpt.list()] == [3, 4]
+        ckpt.save(0)  # the oldest step, yet what LATEST names: step 3 goes instead
+        ckpt.wait()
+        assert [e.step for e in ckpt.list()] == [0, 4] and ckpt.latest() == 0
+
+
+def test_abandoned_temporary_directories_are_cleaned(tmp_path, trained):
+    model, optimizer = trained
+    abandoned = tmp_path / ".tmp-step-000007-deadbeef"
+    abandoned.mkdir()
+    (abandoned / "__0_0.distcp").write_bytes(b"partial")
+    with Checkpointer(tmp_path) as ckpt:
+        assert not abandoned.exists()
+        ckpt.track(model=model, optimizer=optimizer).save(7)
+        ckpt.wait()
+        assert [(e.step, e.valid) for e in ckpt.list()] == [(7, True)]
+
+
+def test_saving_a_step_twice_replaces_it_whole(tmp_path, trained):
+    model, optimizer = trained
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(5)
+        _step(model, optimizer)
+        expected = _snapshot(model)
+        ckpt.save(5)
+        ckpt.wait()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-000005"]
+        fresh, fresh_optimizer = _model_and_optimizer(seed=4)
+        ckpt.track(model=fresh, optimizer=fresh_optimizer)
+        assert ckpt.load(5) == 5
+        for key, value in _snapshot(fresh).items():
+            assert torch.equal(value, expected[key]), key
+
+
+def test_replaced_checkpoint_left_aside_by_a_crash_is_restored(tmp_path, trained):
+    model, optimizer = trained
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(5)
+    # What a crash between the two renames of a same-step replacement leaves behind.
+    os.rename(tmp_path / "step-000005", tmp_path / ".old-step-000005-0a1b")
+    with Checkpointer(tmp_path) as ckpt:
+        assert [(e.step, e.valid) for e in ckpt.list()] == [(5, True)]
+
+
+def test_mismatched_model_fails_before_changing_anything(tmp_path, trained):
+    model, optimizer = trained
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(1)
+    other, other_optimizer = _model_and_optimizer(seed=2, intermediate_size=72, num_hidden_layers=3)
+    before = _snapshot(other)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.track(model=other, optimizer=other_optimizer)
+        with pytest.raises(CheckpointMismatchError) as info:
+            ckpt.load("latest")
+    message = str(info.value)
+    assert "missing from checkpoint: model.model.layers.2" in message
+    assert "shape differs: model.model.layers.0.mlp.gate_proj.weight (70, 30) in checkpoint vs (72, 30) here" in message
+    for key, value in _snapshot(other).items():
+        assert torch.equal(value, before[key]), key
+    assert not other_optimizer.state  # the probe used to build optimizer keys was undone
+
+
+class _Unpicklable:
+    """An extra stateful whose state cannot be written: torch.save fails in the background."""
+
+    def state_dict(self) -> dict:
+        return {"fn": lambda: 0}  # deepcopy keeps a function; pickling a lambda fails
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_background_error_is_raised_at_the_next_call_and_reported(tmp_path, trained):
+    model, optimizer = trained
+    ckpt = Checkpointer(tmp_path, async_save=True)
+    ckpt.track(model=model, optimizer=optimizer).save(1)
+    ckpt.wait()
+    ckpt.track(model=model, optimizer=optimizer, bad=_Unpicklable())
+    ckpt.save(2)
+    ckpt._pending[1].exception()  # let the background save finish (fail) without consuming it
+    status = ckpt.status()
+    assert status.last_error is not None and "step 2" in status.last_error
+    with pytest.raises(CheckpointSaveError, match="earlier background save failed"):
+        ckpt.save(3)
+    assert ckpt.latest() == 1 and [e.step for e in ckpt.list()] == [1]
+    ckpt.close()
+    ckpt.close()  # a second close is a no-op
+
+
+def test_status_is_a_picklable_snapshot(tmp_path, trained):
+    model, optimizer = trained
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(2)
+        ckpt.wait()
+        status = ckpt.status()
+    assert isinstance(status, CheckpointStatus)
+    copy = pickle.loads(pickle.dumps(status))
+    assert copy == status and copy.latest_step == 2 and copy.saving_step is None
+    assert copy.entries[0].step == 2
+
+
+def test_tracked_checkpointer_is_the_last_to_track(tmp_path, trained, monkeypatch):
+    monkeypatch.setattr(manager_module, "_tracked", None)
+    with pytest.raises(RuntimeError, match=r"Checkpointer\(directory\)\.track"):
+        tracked_checkpointer()
+    model, optimizer = trained
+    first = Checkpointer(tmp_path / "a").track(model=model, optimizer=optimizer)
+    second = Checkpointer(tmp_path / "b").track(model=model, optimizer=optimizer)
+    assert tracked_checkpointer() is second
+    second.save(4)  # what `%fsdp2 save` runs; a later bare save() reuses the step
+    tracked_checkpointer().save()
+    second.wait()
+    assert second.latest() == 4
+    second.close()
+    first.close()
+
+
+def test_maybe_save_serves_each_request_once(tmp_path, trained):
+    model, optimizer = trained
+    requests = SaveRequests()
+    with Checkpointer(tmp_path, requests=requests) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer)
+        assert not ckpt.maybe_save(0)
+        request_id = requests.post()
+        assert ckpt.maybe_save(1) and not ckpt.maybe_save(2)
+        requests.post(request_id)  # the same request again: already served
+        assert not ckpt.maybe_save(3)
+        ckpt.wait()
+        assert ckpt.latest() == 1
+    with pytest.raises(ValueError, match="request_id=0"):
+        requests.post(0)
+
+
+def test_lora_saves_only_trainable_state_and_restores_it(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    def lora_model(seed: int):
+        base = make_tiny_model("llama", seed=0)
+        torch.manual_seed(seed)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                init_lora_weights=False))
+        params = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(params, lr=1e-2)
+
+    model, optimizer = lora_model(seed=1)
+    _step(model, optimizer)
+    expected = _snapshot(model)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(1)
+    saved = read_dcp_metadata(tmp_path / "step-000001").state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all("lora_" in k for k in model_keys)
+    metadata = (tmp_path / "step-000001" / METADATA_FILE).read_text()
+    assert '"trainable_only": true' in metadata and "q_proj" in metadata
+
+    fresh, fresh_optimizer = lora_model(seed=2)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.track(model=fresh, optimizer=fresh_optimizer).load(1)
+    for key, value in _snapshot(fresh).items():
+        assert torch.equal(value, expected[key]), key
