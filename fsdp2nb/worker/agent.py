@@ -19,6 +19,7 @@ import time
 
 from fsdp2nb.pool.protocol import LaunchPlan, RankExited, RankPlan
 from fsdp2nb.pool.transport import RankChannels, Signer
+from fsdp2nb.worker.capture import drain_pipe
 
 _WATCH_INTERVAL_S = 0.05
 _TERMINATE_GRACE_S = 3.0
@@ -53,17 +54,25 @@ def _die_with_parent() -> None:
         pass  # not Linux: the agent's own watch still ends the ranks
 
 
-def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes) -> int:
+def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes) -> tuple[int, list[int]]:
+    """Fork one rank; returns its pid and the read ends of its stdout/stderr pipes.
+
+    The agent keeps a copy of each read end so that, should the rank die, the agent can still
+    read what it wrote last (the rank's own forwarding thread dies with it).
+    """
+    pipes = {1: os.pipe(), 2: os.pipe()}
     pid = os.fork()
     if pid:
-        return pid
+        for _, write_end in pipes.values():
+            os.close(write_end)
+        return pid, [read_end for read_end, _ in pipes.values()]
     exit_code = 1
     try:
         _die_with_parent()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         from fsdp2nb.worker.rank import run_rank
 
-        run_rank(plan, rank_plan, key)
+        run_rank(plan, rank_plan, key, pipes)
         exit_code = 0
     except BaseException:
         import traceback
@@ -80,12 +89,14 @@ class Agent:
         self.plan = plan
         self.key = key
         self.ranks_by_pid: dict[int, RankPlan] = {}
+        self.pipes_by_pid: dict[int, list[int]] = {}
         self.stopping = False
         self.stop_requested = False
 
     def run(self) -> None:
         for rank_plan in self.plan.ranks:
-            self.ranks_by_pid[_fork_rank(self.plan, rank_plan, self.key)] = rank_plan
+            pid, self.pipes_by_pid[pid] = _fork_rank(self.plan, rank_plan, self.key)
+            self.ranks_by_pid[pid] = rank_plan
         # Sockets only after forking: a ZeroMQ context must not be shared with a child.
         self.channels = RankChannels(Signer(self.key), self.plan.events_address, control_address=None, rank=None)
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "stop_requested", True))
@@ -108,8 +119,18 @@ class Agent:
             if pid == 0:
                 return
             rank_plan = self.ranks_by_pid.pop(pid, None)
+            self._save_last_output(pid, rank_plan)
             if rank_plan is not None and not self.stopping:
                 self.channels.send_event(self._exit_report(rank_plan.rank, pid, status))
+
+    def _save_last_output(self, pid: int, rank_plan: RankPlan | None) -> None:
+        """Append what the dead rank wrote but never forwarded to its log, then close the pipes."""
+        for read_end in self.pipes_by_pid.pop(pid, []):
+            leftover = drain_pipe(read_end)
+            os.close(read_end)
+            if leftover and rank_plan is not None:
+                with open(os.path.join(self.plan.log_dir, f"rank-{rank_plan.rank}.log"), "ab") as log:
+                    log.write(leftover)
 
     def _exit_report(self, rank: int, pid: int, status: int) -> RankExited:
         signal_name = None

@@ -23,7 +23,8 @@ _READ_SIZE = 1 << 16
 class FdCapture:
     """Redirects one file descriptor into a pipe drained by a forwarding thread."""
 
-    def __init__(self, fd: int, on_text: Callable[[str], None], log: BinaryIO) -> None:
+    def __init__(self, fd: int, on_text: Callable[[str], None], log: BinaryIO,
+                 pipe: tuple[int, int] | None = None) -> None:
         self._fd = fd
         self._on_text = on_text
         self._log = log
@@ -33,7 +34,8 @@ class FdCapture:
         self._seen = threading.Condition()
         self._markers_seen = 0
         self._markers_sent = 0
-        read_end, write_end = os.pipe()
+        # A pipe made by the host agent lets it recover what this rank wrote just before dying.
+        read_end, write_end = pipe or os.pipe()
         os.dup2(write_end, fd)
         os.close(write_end)
         self._thread = threading.Thread(target=self._forward, args=(read_end,), daemon=True,
@@ -97,3 +99,18 @@ def write_through_streams() -> None:
     for fd, name in ((1, "stdout"), (2, "stderr")):
         raw = io.FileIO(fd, "w", closefd=False)
         setattr(sys, name, io.TextIOWrapper(raw, encoding="utf-8", errors="replace", write_through=True))
+
+
+def drain_pipe(read_end: int) -> bytes:
+    """Whatever is still buffered in a pipe, without blocking (used after its writer died)."""
+    os.set_blocking(read_end, False)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(read_end, _READ_SIZE)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -55,7 +55,8 @@ def torchrun_environment(plan: LaunchPlan, rank_plan: RankPlan) -> dict[str, str
 class Rank:
     """A rank's state and request loop; `serve()` returns when the kernel sends Shutdown."""
 
-    def __init__(self, plan: LaunchPlan, rank_plan: RankPlan, key: bytes) -> None:
+    def __init__(self, plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
+                 pipes: dict[int, tuple[int, int]] | None = None) -> None:
         self.plan = plan
         self.rank = rank_plan.rank
         self.device = rank_plan.device
@@ -66,9 +67,10 @@ class Rank:
         self._channels = RankChannels(Signer(key), plan.events_address, control_address=plan.control_address,
                                       rank=self.rank)
         self._log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the rank
+        pipes = pipes or {}
         self._captures = {
-            "stdout": FdCapture(1, lambda text: self._send_stream("stdout", text), self._log),
-            "stderr": FdCapture(2, lambda text: self._send_stream("stderr", text), self._log),
+            "stdout": FdCapture(1, lambda text: self._send_stream("stdout", text), self._log, pipes.get(1)),
+            "stderr": FdCapture(2, lambda text: self._send_stream("stderr", text), self._log, pipes.get(2)),
         }
         write_through_streams()
         signal.signal(signal.SIGINT, self._on_sigint)
@@ -224,10 +226,11 @@ def _to_local_value(value):
     return value
 
 
-def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes) -> None:
+def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
+             pipes: dict[int, tuple[int, int]] | None = None) -> None:
     """Entry point of a rank process; returns when the pool shuts it down."""
     os.environ.update(torchrun_environment(plan, rank_plan))
-    rank = Rank(plan, rank_plan, key)
+    rank = Rank(plan, rank_plan, key, pipes)
     rank.start()
     try:
         rank.serve()

@@ -4,8 +4,6 @@ import os
 import re
 import tempfile
 
-import pytest
-
 
 def test_state_persists_across_cells(kernel):
     assert kernel.execute("%%fsdp2\ncounter = rank * 10").status == "ok"

@@ -1,0 +1,45 @@
+"""Failures a pool must survive: a rank that raises mid-collective, a dead rank, a stuck rank."""
+
+
+
+def test_rank_raising_while_others_wait_in_a_collective(kernel):
+    run = kernel.execute("%%fsdp2\nkept = 'before'\nif rank == 1:\n    raise RuntimeError('root cause on rank 1')\n"
+                         "dist.barrier()", timeout=120)
+    assert run.status == "error"
+    text = run.traceback_text
+    assert text.index("root cause on rank 1") < text.find("KeyboardInterrupt") or "KeyboardInterrupt" not in text
+    assert "[1] rank 1 raised RuntimeError" in text.splitlines()[0]
+    assert "pool was restarted" in text
+    after = kernel.execute("%%fsdp2\nprint('kept' in globals(), world_size)")
+    assert after.status == "ok" and after.stdout == "[all] False 2\n"
+
+
+def test_dead_rank_ends_the_cell_with_its_signal_and_last_lines(kernel):
+    run = kernel.execute("%%fsdp2\nimport os, sys, time\nif rank == 1:\n"
+                         "    print('last words', file=sys.stderr, flush=True)\n    os.kill(os.getpid(), 9)\n"
+                         "time.sleep(60)", timeout=120)
+    assert run.status == "error"
+    text = run.traceback_text
+    assert "rank 1" in text and "SIGKILL" in text and "last words" in text
+    assert kernel.execute("%%fsdp2\nprint('fresh')").stdout == "[all] fresh\n"
+
+
+def test_os_exit_reports_the_exit_code(kernel):
+    run = kernel.execute("%%fsdp2 --ranks 0\nimport os\nos._exit(7)", timeout=120)
+    assert run.status == "error" and "exit code 7" in run.traceback_text
+
+
+def test_rank_ignoring_the_interrupt_gets_the_pool_restarted(kernel):
+    code = ("%%fsdp2\nimport signal, time\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "print('waiting', flush=True)\ntime.sleep(120)")
+    sent = []
+
+    def on_message(message):
+        if not sent and message["msg_type"] == "stream" and "waiting" in message["content"]["text"]:
+            sent.append(True)
+            kernel.manager.interrupt_kernel()
+
+    run = kernel.execute(code, on_message=on_message, timeout=100)
+    assert run.status == "error"
+    assert "state was lost" in run.traceback_text and "rank(s) 1" in run.traceback_text
+    assert kernel.execute("%%fsdp2\nprint('usable')").stdout == "[all] usable\n"

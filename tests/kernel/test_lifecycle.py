@@ -1,0 +1,98 @@
+"""Pool lifecycle through a kernel: bad input changes nothing, no orphans, loopback only, 4 ranks."""
+
+import os
+import signal
+
+import psutil
+import pytest
+
+from tests.kernel.client import Kernel
+
+BAD_INPUTS = [
+    ("%%fsdp2 --frobnicate\n1", "unrecognized arguments"),
+    ("%%fsdp2 --gpus 0\n1", "--gpus"),
+    ("%%fsdp2 --gpus -1\n1", "--gpus"),
+    ("%%fsdp2 --gpus 64\n1", "--gpus"),
+    ("%%fsdp2 --gpus 2\n1", "--cpu N"),
+    ("%%fsdp2 --gpus 1 --cpu 2\n1", "exclude each other"),
+    ("%%fsdp2 --cpu 2 --ranks 7\n1", "rank 7 does not exist"),
+    ("%%fsdp2 --cpu 0\n1", "at least 1"),
+    ("%%fsdp2 --cpu 2 --timeout -5\n1", "not positive"),
+    ("%fsdp2 push", "NAME"),
+    ("%fsdp2 pull x", "no pool is running"),
+    ("%fsdp2 launch", "takes one of"),
+]
+
+
+@pytest.fixture(scope="module")
+def bare_kernel():
+    k = Kernel()
+    assert k.execute("%load_ext fsdp2nb").status == "ok"
+    yield k
+    k.stop()
+
+
+@pytest.mark.parametrize(("code", "message"), BAD_INPUTS)
+def test_bad_input_gets_one_clear_line_and_starts_nothing(bare_kernel, code, message):
+    run = bare_kernel.execute(code)
+    assert run.status == "error"
+    usage = [line for line in run.stderr.splitlines() if line.startswith("UsageError")]
+    assert len(usage) == 1 and message in usage[0], run.stderr
+    assert bare_kernel.execute("%fsdp2 status").stdout.strip() == "no pool is running"
+    assert not psutil.Process(bare_kernel.pid).children(recursive=True)
+
+
+def test_load_ext_twice_and_stop_twice_are_harmless(bare_kernel):
+    assert bare_kernel.execute("%load_ext fsdp2nb").status == "ok"
+    assert bare_kernel.execute("%fsdp2 stop\n%fsdp2 stop").stdout == "no pool is running\nno pool is running\n"
+
+
+def _pool_processes(kernel_pid: int) -> list[psutil.Process]:
+    return psutil.Process(kernel_pid).children(recursive=True)
+
+
+def _wait_gone(processes: list[psutil.Process], timeout_s: float = 10) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_four_ranks_merge_lines_and_listen_only_on_loopback():
+    kernel = Kernel()
+    try:
+        kernel.execute("%load_ext fsdp2nb")
+        run = kernel.execute("%%fsdp2 --cpu 4\nprint('hello from', 'even' if rank % 2 == 0 else 'odd')\n"
+                             "dist.barrier()\nprint('together')")
+        assert run.status == "ok", run.traceback_text
+        assert "[0,2] hello from even\n" in run.stdout and "[1,3] hello from odd\n" in run.stdout
+        assert "[all] together\n" in run.stdout
+        processes = _pool_processes(kernel.pid)
+        assert len(processes) == 5  # the host agent and four ranks
+        listening = [c.laddr for p in processes for c in p.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert all(addr.ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for addr in listening), listening
+        unload = kernel.execute("%unload_ext fsdp2nb")
+        assert unload.status == "ok"
+        assert not _wait_gone(processes)
+    finally:
+        kernel.stop()
+
+
+@pytest.mark.parametrize("how", ["shutdown", "sigkill"])
+def test_no_worker_survives_the_kernel(how):
+    kernel = Kernel()
+    try:
+        kernel.execute("%load_ext fsdp2nb")
+        assert kernel.execute("%%fsdp2 --cpu 2\nx = 1").status == "ok"
+        processes = _pool_processes(kernel.pid)
+        assert len(processes) == 3
+        if how == "sigkill":
+            os.kill(kernel.pid, signal.SIGKILL)
+        else:
+            kernel.manager.shutdown_kernel(now=False)
+        assert not _wait_gone(processes), "pool processes outlived the kernel"
+    finally:
+        if how == "sigkill":
+            kernel.client.stop_channels()
+            kernel.manager.cleanup_resources()
+        elif kernel.manager.has_kernel:
+            kernel.stop()
