@@ -1,2 +1,285 @@
-def export_hf_model(*a, **k):
-    raise NotImplementedError
+"""Export a (sharded) model as a Hugging Face directory that `from_pretrained` loads.
+
+No rank ever holds the whole model. Tensors are assigned to ranks, balanced by size; for each
+tensor, in the same order on every rank, the full value is gathered (one tensor at a time) and
+kept only by its owner, which writes its tensors into its own safetensors files. Rank 0 then
+names the files `model-0000i-of-0000N.safetensors`, writes the index and the config.
+
+A peft model exports its adapter (adapter_model.safetensors + adapter_config.json, small enough
+to gather on rank 0); `merge_lora=True` also writes the merged full model under `output_dir/merged`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One output tensor: its Hugging Face key, element count and how to build its full value."""
+
+    key: str
+    numel: int
+    full: Callable[[], torch.Tensor]  # collective when sharded: every rank calls it, in order
+
+
+@dataclass(frozen=True, slots=True)
+class _WrittenFile:
+    """A safetensors file one rank wrote, reported to rank 0 for naming and indexing."""
+
+    path: str
+    keys: tuple[str, ...]
+    num_bytes: int
+
+
+def export_hf_model(model: nn.Module, output_dir: str | os.PathLike, *, processor=None,
+                    dtype: torch.dtype | None = None, merge_lora: bool = False,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write `model` (plain or peft, sharded or not) to `output_dir`; collective, call on every rank."""
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be >= 1")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r} must be None or a floating torch.dtype")
+    output_dir = Path(output_dir).absolute()
+    dtype = dtype or _model_dtype(model)
+    is_peft = isinstance(getattr(model, "peft_config", None), dict)
+    if merge_lora and not is_peft:
+        raise ValueError("merge_lora=True needs a peft model; this one has no peft_config")
+    _mkdir_collectively(output_dir)
+    if is_peft:
+        _export_adapter(model, output_dir, dtype)
+        if merge_lora:
+            merged_dir = output_dir / "merged"
+            _mkdir_collectively(merged_dir)
+            _export_full(_merged_entries(model), model.get_base_model().config, merged_dir, dtype,
+                         max_shard_bytes, model)
+    else:
+        _export_full(_plain_entries(model), model.config, output_dir, dtype, max_shard_bytes, model)
+    if processor is not None and _rank() == 0:
+        processor.save_pretrained(output_dir)
+    _barrier()
+    logger.info("exported %s to %s", type(model).__name__, output_dir)
+    return output_dir
+
+
+# ---- full model --------------------------------------------------------------------------------
+
+
+def _export_full(entries: list[_Entry], config, out: Path, dtype: torch.dtype, max_shard_bytes: int,
+                 model: nn.Module) -> None:
+    owners = _assign_owners(entries, _world_size())
+    written = _write_owned(entries, owners, out, dtype, max_shard_bytes)
+    all_written = _gather_to_rank0(written)
+    if _rank() == 0:
+        _name_files_and_index(out, [f for files in all_written for f in files])
+        _write_config(config, out, dtype)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(out)
+
+
+def _plain_entries(model: nn.Module) -> list[_Entry]:
+    """State dict keys as save_pretrained writes them; a tied tensor is written once, under its first key."""
+    seen: set[int] = set()
+    entries = []
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue  # tied weight (lm_head = embed_tokens): from_pretrained re-ties it
+        seen.add(id(tensor))
+        entries.append(_Entry(key, tensor.numel(), _full_getter(tensor)))
+    return entries
+
+
+def _merged_entries(model: nn.Module) -> list[_Entry]:
+    """The base model's keys with each LoRA delta (B @ A * scaling) folded into its base weight."""
+    adapter = _single_adapter(model)
+    prefix = "base_model.model."
+    seen: set[int] = set()
+    entries = []
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if "lora_" in key or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        hf_key = key.removeprefix(prefix).replace(".base_layer.", ".")
+        module_name = key.rsplit(".base_layer.", 1)[0] if ".base_layer." in key else None
+        getter = _full_getter(tensor)
+        if module_name is not None and key.endswith(".base_layer.weight"):
+            getter = _merged_getter(model.get_submodule(module_name), adapter, getter)
+        entries.append(_Entry(hf_key, tensor.numel(), getter))
+    return entries
+
+
+def _merged_getter(lora_module: nn.Module, adapter: str, base: Callable[[], torch.Tensor]):
+    if getattr(lora_module, "use_dora", {}).get(adapter, False):
+        raise NotImplementedError("merge_lora does not support DoRA adapters yet")
+
+    def full() -> torch.Tensor:
+        weight = base()
+        a = _full_getter(lora_module.lora_A[adapter].weight)()  # (r, in_features)
+        b = _full_getter(lora_module.lora_B[adapter].weight)()  # (out_features, r)
+        delta = (b.float() @ a.float()) * lora_module.scaling[adapter]
+        if getattr(lora_module, "fan_in_fan_out", False):
+            delta = delta.T
+        return (weight.float() + delta).to(weight.dtype)
+
+    return full
+
+
+def _assign_owners(entries: list[_Entry], world_size: int) -> list[int]:
+    """Greedy balance by element count, largest first; the same answer on every rank."""
+    loads = [0] * world_size
+    owners = [0] * len(entries)
+    for i in sorted(range(len(entries)), key=lambda i: (-entries[i].numel, i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[i] = rank
+        loads[rank] += entries[i].numel
+    return owners
+
+
+def _write_owned(entries: list[_Entry], owners: list[int], out: Path, dtype: torch.dtype,
+                 max_shard_bytes: int) -> list[_WrittenFile]:
+    rank = _rank()
+    written: list[_WrittenFile] = []
+    buffer: dict[str, torch.Tensor] = {}
+    buffered_bytes = 0
+    for entry, owner in zip(entries, owners, strict=True):
+        full = entry.full()  # every rank takes part in the gather; only the owner keeps the result
+        if owner != rank:
+            continue
+        tensor = full.to(dtype) if full.is_floating_point() else full
+        buffer[entry.key] = tensor.detach().cpu().contiguous()
+        buffered_bytes += tensor.numel() * tensor.element_size()
+        if buffered_bytes >= max_shard_bytes:
+            written.append(_flush(buffer, out / f".part-rank{rank:05d}-{len(written):05d}.safetensors"))
+            buffer, buffered_bytes = {}, 0
+    if buffer:
+        written.append(_flush(buffer, out / f".part-rank{rank:05d}-{len(written):05d}.safetensors"))
+    return written
+
+
+def _flush(tensors: dict[str, torch.Tensor], path: Path) -> _WrittenFile:
+    save_file(tensors, path, metadata={"format": "pt"})
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return _WrittenFile(path=str(path), keys=tuple(tensors), num_bytes=num_bytes)
+
+
+def _name_files_and_index(out: Path, files: list[_WrittenFile]) -> None:
+    """Rank 0: final file names and the index from_pretrained reads."""
+    for stale in out.glob("model*.safetensors*"):
+        stale.unlink()  # a previous export with another file count would confuse the loader
+    weight_map: dict[str, str] = {}
+    for i, written in enumerate(files, start=1):
+        name = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        os.replace(written.path, out / name)
+        weight_map.update(dict.fromkeys(written.keys, name))
+    index = {"metadata": {"total_size": sum(f.num_bytes for f in files)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (out / _INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def _write_config(config, out: Path, dtype: torch.dtype) -> None:
+    config = copy.deepcopy(config)
+    config.dtype = dtype
+    config.save_pretrained(out)
+
+
+# ---- peft adapter ------------------------------------------------------------------------------
+
+
+def _export_adapter(model: nn.Module, out: Path, dtype: torch.dtype) -> None:
+    """adapter_model.safetensors + adapter_config.json; the adapter is small, so rank 0 gathers it."""
+    from peft import get_peft_model_state_dict
+
+    adapter = _single_adapter(model)
+    full_state = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if "lora_" not in key and not tensor.requires_grad:
+            continue
+        full = _full_getter(tensor)()
+        if _rank() == 0:
+            full_state[key] = full.to(dtype) if full.is_floating_point() else full
+    if _rank() != 0:
+        return
+    adapter_state = get_peft_model_state_dict(model, state_dict=full_state, adapter_name=adapter)
+    save_file({k: v.contiguous() for k, v in adapter_state.items()}, out / "adapter_model.safetensors",
+              metadata={"format": "pt"})
+    model.peft_config[adapter].save_pretrained(out)
+
+
+def _single_adapter(model: nn.Module) -> str:
+    adapter = getattr(model, "active_adapter", "default")
+    if not isinstance(adapter, str):
+        raise NotImplementedError(f"export of several active adapters {adapter!r} is not supported")
+    return adapter
+
+
+# ---- small collective helpers ------------------------------------------------------------------
+
+
+def _full_getter(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def full() -> torch.Tensor:
+        value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        return value.detach()
+
+    return full
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _mkdir_collectively(path: Path) -> None:
+    if _rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    path.mkdir(parents=True, exist_ok=True)  # storage that is not shared between hosts
+
+
+def _gather_to_rank0(written: list[_WrittenFile]) -> list[list[_WrittenFile]]:
+    if not _distributed():
+        return [written]
+    gathered: list[list[_WrittenFile] | None] = [None] * _world_size() if _rank() == 0 else []
+    dist.gather_object(written, gathered if _rank() == 0 else None, dst=0)
+    return [files or [] for files in gathered]
+
+
+def iter_export_keys(model: nn.Module) -> Iterator[str]:
+    """The keys `export_hf_model` writes for a plain model, in order (for tests and tools)."""
+    return (entry.key for entry in _plain_entries(model))
