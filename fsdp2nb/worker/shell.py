@@ -12,6 +12,7 @@ from collections.abc import Callable
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
 from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
 
 from fsdp2nb.pool.protocol import ErrorInfo, RichKind
 
@@ -62,10 +63,13 @@ class RankShell(InteractiveShell):
 
 def make_shell(namespace: dict, sink: RichSink) -> RankShell:
     """A shell whose user namespace starts with `namespace` and whose displays go to `sink`."""
+    config = Config()
+    # N ranks writing one SQLite history file would contend on its lock for nothing.
+    config.HistoryManager.enabled = False
     # instance(): display() and get_ipython() find only the registered singleton.
     shell = RankShell.instance(
-        user_ns=namespace, displayhook_class=_RankDisplayHook, display_pub_class=_RankDisplayPublisher,
-        colors="linux", history_length=0,
+        config=config, user_ns=namespace, displayhook_class=_RankDisplayHook,
+        display_pub_class=_RankDisplayPublisher, colors="linux",
     )
     shell.displayhook.sink = sink
     shell.display_pub.sink = sink

@@ -1,0 +1,91 @@
+"""Empty-cell overhead and pool cold start, measured side by side in one run.
+
+- Added cost of an empty `%%fsdp2` cell: median over many runs of an empty `%%fsdp2` cell minus
+  an empty plain cell, in the same kernel, through jupyter_client as a notebook would.
+- Cold start: `%fsdp2 start --cpu N` until every rank has joined the process group, beside
+  `torchrun` of a script that imports torch and initialises the same gloo process group.
+Run: .venv/bin/python benchmarks/bench_pool.py [--runs 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.kernel.client import Kernel  # noqa: E402
+
+TORCHRUN_SCRIPT = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+"""
+
+
+def median_cell_ms(kernel: Kernel, code: str, runs: int) -> float:
+    samples = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        run = kernel.execute(code)
+        samples.append((time.perf_counter() - started) * 1000)
+        assert run.status == "ok", run.traceback_text
+    return statistics.median(samples)
+
+
+def pool_cold_start_s(kernel: Kernel, num_ranks: int) -> float:
+    kernel.execute("%fsdp2 stop")
+    started = time.perf_counter()
+    run = kernel.execute(f"%fsdp2 start --cpu {num_ranks}")
+    elapsed = time.perf_counter() - started
+    assert run.status == "ok", run.stderr
+    return elapsed
+
+
+def torchrun_cold_start_s(num_ranks: int) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(TORCHRUN_SCRIPT)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    started = time.perf_counter()
+    subprocess.run([torchrun, "--standalone", f"--nproc_per_node={num_ranks}", script.name],
+                   check=True, env=env, capture_output=True)
+    elapsed = time.perf_counter() - started
+    os.unlink(script.name)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--starts", type=int, default=3)
+    args = parser.parse_args()
+    kernel = Kernel()
+    rows = []
+    try:
+        kernel.execute("%load_ext fsdp2nb")
+        for num_ranks in (2, 4):
+            pool_starts = [pool_cold_start_s(kernel, num_ranks) for _ in range(args.starts)]
+            torchrun_starts = [torchrun_cold_start_s(num_ranks) for _ in range(args.starts)]
+            kernel.execute("%%fsdp2\npass")  # warm the cell path once
+            plain = median_cell_ms(kernel, "pass", args.runs)
+            empty = median_cell_ms(kernel, "%%fsdp2\npass", args.runs)
+            rows.append((num_ranks, plain, empty, empty - plain, statistics.median(pool_starts),
+                         statistics.median(torchrun_starts)))
+    finally:
+        kernel.stop()
+    print(f"\nempty cell: median of {args.runs} runs; cold start: median of {args.starts} starts")
+    print(f"{'ranks':>5} {'plain ms':>9} {'%%fsdp2 ms':>11} {'added ms':>9} {'pool start s':>13} "
+          f"{'torchrun s':>11} {'ratio':>6}")
+    for num_ranks, plain, empty, added, pool_s, torchrun_s in rows:
+        print(f"{num_ranks:>5} {plain:>9.2f} {empty:>11.2f} {added:>9.2f} {pool_s:>13.2f} {torchrun_s:>11.2f} "
+              f"{pool_s / torchrun_s:>6.2f}")
+    print("goals: added <= 1.5 ms on 2 ranks; cold start ratio <= 0.6")
+
+
+if __name__ == "__main__":
+    main()

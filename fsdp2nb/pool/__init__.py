@@ -1,0 +1,1 @@
+"""Process lifecycle, the signed transport and the message types shared by kernel and ranks. No torch."""

@@ -1,0 +1,78 @@
+from fsdp2nb.frontend.render import MERGE_WINDOW_S, RankError, StreamMerger, rank_label
+from fsdp2nb.pool.protocol import ErrorInfo
+from fsdp2nb.worker.capture import _partial_marker_length
+
+
+def _merger(ranks=(0, 1, 2, 3), **kwargs):
+    written = []
+    merger = StreamMerger(ranks, len(ranks), lambda stream, text: written.append(text), **kwargs)
+    return merger, written
+
+
+def test_labels():
+    assert rank_label([0, 1, 2, 3], 4) == "[all]"
+    assert rank_label([1, 3], 4) == "[1,3]"
+    assert rank_label([0, 1, 2, 5, 6], 8) == "[0-2,5-6]"
+    assert rank_label([0], 1) == ""
+
+
+def test_identical_lines_from_all_ranks_are_written_once():
+    merger, written = _merger()
+    for rank in range(4):
+        merger.feed(rank, "stdout", "loss 1.5\n", now=0.0)
+    merger.poll(now=0.0)
+    assert written == ["[all] loss 1.5\n"]
+
+
+def test_lines_wait_for_slow_ranks_only_within_the_window():
+    merger, written = _merger()
+    merger.feed(0, "stdout", "early\n", now=0.0)
+    merger.poll(now=MERGE_WINDOW_S / 2)
+    assert written == []
+    merger.poll(now=MERGE_WINDOW_S * 2)
+    assert written == ["[0] early\n"]
+
+
+def test_differing_lines_are_grouped_by_text():
+    merger, written = _merger()
+    for rank in range(4):
+        merger.feed(rank, "stdout", f"{'even' if rank % 2 == 0 else 'odd'}\n", now=0.0)
+    merger.poll(now=0.0)
+    assert written == ["[0,2] even\n", "[1,3] odd\n"]
+
+
+def test_finished_ranks_are_not_waited_for_and_partial_lines_flush_at_the_end():
+    merger, written = _merger(ranks=(0, 1))
+    merger.rank_done(1)
+    merger.feed(0, "stdout", "no newline", now=0.0)
+    merger.poll(now=0.0)
+    assert written == []
+    merger.flush()
+    assert written == ["[0] no newline"]
+
+
+def test_output_past_the_limit_is_truncated_with_the_log_path():
+    merger, written = _merger(ranks=(0, 1), log_paths={0: "/logs/rank-0.log"}, max_chars_per_rank=100)
+    merger.feed(0, "stdout", "x" * 60 + "\n" + "y" * 60 + "\n", now=0.0)
+    merger.feed(0, "stdout", "more and more\n", now=0.0)
+    merger.flush()
+    text = "".join(written)
+    assert "more and more" not in text and "/logs/rank-0.log" in text and len(text) < 300
+
+
+def test_rank_error_groups_identical_tracebacks_root_cause_first():
+    boom = ErrorInfo("ValueError", "boom", ("tb", "ValueError: boom"))
+    interrupted = ErrorInfo("KeyboardInterrupt", "", ("KeyboardInterrupt",))
+    error = RankError([(2, boom), (0, interrupted), (1, interrupted)], world_size=4)
+    lines = error._render_traceback_()
+    assert lines[0].endswith("[2] rank 2 raised ValueError\x1b[0m")
+    assert sum("raised KeyboardInterrupt" in line for line in lines) == 1
+    assert "ranks 0, 1" in next(line for line in lines if "KeyboardInterrupt" in line and "raised" in line)
+
+
+def test_partial_marker_detection():
+    marker = b"\x00sync-123\x00"
+    assert _partial_marker_length(b"text\x00syn", marker) == 4
+    assert _partial_marker_length(b"text\x00", marker) == 1
+    assert _partial_marker_length(b"text\x00x", marker) == 0
+    assert _partial_marker_length(b"plain", marker) == 0
