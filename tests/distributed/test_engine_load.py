@@ -77,16 +77,11 @@ def test_every_init_mode_loads_the_checkpoint_exactly(tmp_path, family, tied, wo
     assert sorted(units) == sorted(expected)
     if tied:
         assert torch.equal(per_rank[0]["meta"]["state"]["lm_head.weight"], stored["model.embed_tokens.weight"])
-
-
-def test_meta_loading_reads_each_checkpoint_element_once_across_ranks(tmp_path):
-    path = save_tiny_checkpoint(tmp_path / "ckpt", "llama")
-    per_rank = run_ranks(_load_every_way, 2, str(path))
-    checkpoint_bytes = sum(t.numel() * t.element_size() for t in load_file(path / "model.safetensors").values())
-    requested = [r["meta"]["bytes_requested"] for r in per_rank]
     # Shards of a 1-D mesh are disjoint and cover every tensor, so the slices add up exactly.
+    requested = [r["meta"]["bytes_requested"] for r in per_rank]
+    checkpoint_bytes = sum(t.numel() * t.element_size() for t in stored.values())
     assert sum(requested) == checkpoint_bytes
-    assert max(requested) < 0.6 * checkpoint_bytes
+    assert max(requested) < 1.1 * checkpoint_bytes / world_size + 1024  # small 1-D tensors split unevenly
 
 
 def _load_formats_and_failures(paths: dict[str, str]) -> dict:
