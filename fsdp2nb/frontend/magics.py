@@ -14,7 +14,7 @@ from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list, spec_from_options
 
-_COMMANDS = ("start", "stop", "restart", "status", "push", "pull")
+_COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load")
 
 
 def _add_pool_options(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +45,16 @@ def _line_parsers() -> dict[str, MagicArgumentParser]:
     target = parsers["pull"].add_mutually_exclusive_group()
     target.add_argument("--rank", type=int, default=None, help="the rank to pull from (default 0)")
     target.add_argument("--all", action="store_true", help="pull from every rank: a dict rank -> value")
+    parsers["save"].add_argument("step", nargs="?", type=_non_negative_int, default=None,
+                                 help="step to save as (default: the last step the checkpointer saw)")
+    parsers["load"].add_argument("target", nargs="?", default="latest", help="'latest' (default) or a step")
     return parsers
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"STEP must be a whole number >= 0, got {text!r}")
+    return int(text)
 
 
 @magics_class
@@ -82,6 +91,8 @@ class FSDP2Magics(Magics):
             %fsdp2 push lr batch_size               # send notebook variables to every rank
             w = %fsdp2 pull w --rank 1              # bring a value back (a DTensor arrives whole)
             ws = %fsdp2 pull loss --all             # {rank: value}
+            %fsdp2 save [STEP]                      # save through the ranks' tracked Checkpointer
+            %fsdp2 load [STEP|latest]               # restore model, optimizer, RNG and step
             %fsdp2 restart [--cpu 2]                # fresh pool, rank state is lost
             %fsdp2 stop
         """
@@ -149,6 +160,21 @@ class FSDP2Magics(Magics):
         payloads = self.session.pull(pool, options.name, reply_ranks)
         values = {rank: pickle.loads(payload) for rank, payload in payloads.items()}
         return values if options.all else values[reply_ranks[0]]
+
+    def _command_save(self, options) -> None:
+        self._run_on_ranks(f"save_checkpoint({options.step!r})")
+
+    def _command_load(self, options) -> None:
+        target = options.target
+        if target != "latest" and not target.isdigit():
+            raise UsageError(f"%fsdp2 load takes 'latest' or a step number, got {target!r}")
+        self._run_on_ranks(f"load_checkpoint({target if target.isdigit() else repr(target)})")
+
+    def _run_on_ranks(self, call: str) -> None:
+        """Run one fsdp2nb.worker.commands call on every rank, without touching the user's names."""
+        pool = self._running_pool()
+        code = f"__import__('fsdp2nb.worker.commands', fromlist=['_']).{call}"
+        self.session.run_cell(pool, code, tuple(range(pool.world_size)))
 
     def _running_pool(self) -> WorkerPool:
         pool = self.session.pool

@@ -29,6 +29,7 @@ from fsdp2nb.pool.protocol import (
     RankPlan,
     RankReady,
     RankSnapshot,
+    RequestSave,
     Shutdown,
 )
 from fsdp2nb.pool.spec import PoolSpec
@@ -65,6 +66,7 @@ class WorkerPool:
         self._launched: LaunchedRanks | None = None
         self._receiver: threading.Thread | None = None
         self._runtime_dir = ""
+        self._save_requests = 0
 
     @property
     def world_size(self) -> int:
@@ -156,6 +158,13 @@ class WorkerPool:
     def send(self, rank: int, message: ControlMessage, connect_timeout_s: float = 5.0) -> None:
         assert self._channels is not None, "the pool is not running"
         self._channels.send(rank, message, connect_timeout_s)
+
+    def request_save(self) -> int:
+        """Ask every rank to save at its next `maybe_save`; works while a cell runs. Returns the id."""
+        self._save_requests += 1
+        for rank in range(self.world_size):
+            self.send(rank, RequestSave(request_id=self._save_requests), connect_timeout_s=0)
+        return self._save_requests
 
     def next_event(self, timeout_s: float) -> EventMessage | None:
         try:

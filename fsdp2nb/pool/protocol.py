@@ -51,11 +51,21 @@ class Interrupt:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestSave:
+    """Ask the rank's tracked checkpointer to save at its next `maybe_save` (handled mid-cell).
+
+    Every rank gets the same `request_id`, so the ranks can agree that they serve one request.
+    """
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     """Leave the rank's main loop and exit cleanly."""
 
 
-ControlMessage = RunCell | PushValues | PullValue | Interrupt | Shutdown
+ControlMessage = RunCell | PushValues | PullValue | Interrupt | RequestSave | Shutdown
 
 
 # --- rank -> kernel (event channel) -----------------------------------------------------------
@@ -115,6 +125,17 @@ class CellFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckpointView:
+    """What the dashboard shows of a rank's tracked checkpointer (plain types: no torch needed)."""
+
+    directory: str
+    latest_step: int | None
+    saving_step: int | None
+    last_error: str | None
+    steps: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class RankSnapshot:
     """A periodic reading of one rank's resources, sent by its sampler thread (about 2 Hz)."""
 
@@ -127,6 +148,8 @@ class RankSnapshot:
     device_reserved_bytes: int = 0
     device_peak_bytes: int = 0
     device_total_bytes: int = 0
+    checkpoint: CheckpointView | None = None
+    """Rank 0 only, once a checkpointer tracks a model."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from fsdp2nb.pool.protocol import (
     PushValues,
     RankPlan,
     RankReady,
+    RequestSave,
     RichKind,
     RichOutput,
     RunCell,
@@ -175,6 +176,11 @@ class Rank:
                 continue
             if isinstance(message, Interrupt):
                 self._interrupt(message.cell_id)
+                continue
+            if isinstance(message, RequestSave):
+                from fsdp2nb.checkpoint.requests import post_save_request
+
+                post_save_request(message.request_id)
                 continue
             self._requests.put(message)
             if isinstance(message, Shutdown):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import psutil
 
-from fsdp2nb.pool.protocol import RankSnapshot
+from fsdp2nb.pool.protocol import CheckpointView, RankSnapshot
 
 SAMPLE_INTERVAL_S = 0.5
 
@@ -38,7 +39,7 @@ class ResourceSampler:
         return RankSnapshot(
             rank=self._rank, time=time.time(), busy=self._is_busy(),
             rss_bytes=self._process.memory_info().rss, cpu_percent=self._process.cpu_percent(),
-            **_device_memory(self._device),
+            checkpoint=_checkpoint_view() if self._rank == 0 else None, **_device_memory(self._device),
         )
 
     def _run(self) -> None:
@@ -63,3 +64,15 @@ def _device_memory(device: str) -> dict[str, int]:
         device_peak_bytes=torch.cuda.max_memory_allocated(index),
         device_total_bytes=torch.cuda.get_device_properties(index).total_memory,
     )
+
+
+def _checkpoint_view() -> CheckpointView | None:
+    """The tracked checkpointer's status, if this rank has one (never imports the module itself)."""
+    manager = sys.modules.get("fsdp2nb.checkpoint.manager")
+    tracked = getattr(manager, "_tracked", None)
+    if tracked is None:
+        return None
+    status = tracked.status()
+    return CheckpointView(directory=status.directory, latest_step=status.latest_step,
+                          saving_step=status.saving_step, last_error=status.last_error,
+                          steps=tuple(entry.step for entry in status.entries if entry.valid))

@@ -1,0 +1,95 @@
+"""The engine and the checkpointer driven from notebook cells, as a user would.
+
+Loads a tiny Llama-style safetensors checkpoint on 2 CPU ranks through `fsdp2nb.load_model`,
+trains, saves with `%fsdp2 save`, resumes with `%fsdp2 load`, takes a save requested from the
+kernel while a training cell runs, and resumes after a pool restart.
+"""
+
+import re
+
+import pytest
+
+SETUP = """%%fsdp2
+import fsdp2nb
+from fsdp2nb.testing import save_tiny_checkpoint
+if rank == 0:
+    save_tiny_checkpoint(model_dir, "llama")
+dist.barrier()
+model, tokenizer = fsdp2nb.load_model(model_dir, mixed_precision="fp32")
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+ckpt = fsdp2nb.Checkpointer(ckpt_dir, keep=2).track(model=model, optimizer=optimizer)
+
+def train_step(step):
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    fsdp2nb.FSDP2Engine(mixed_precision="fp32").clip_grad_norm_(model, 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+"""
+
+
+def _losses(text: str) -> list[str]:
+    return re.findall(r"loss ([0-9.]+)", text)
+
+
+@pytest.fixture(scope="module")
+def trained(kernel, tmp_path_factory):
+    root = tmp_path_factory.mktemp("training")
+    run = kernel.execute(f"model_dir = {str(root / 'model')!r}\nckpt_dir = {str(root / 'ckpt')!r}\n"
+                         "%fsdp2 push model_dir ckpt_dir")
+    assert run.status == "ok", run.stderr
+    run = kernel.execute(SETUP, timeout=300)
+    assert run.status == "ok", run.traceback_text + run.stderr
+    run = kernel.execute("%%fsdp2\nfor step in range(3):\n    loss = train_step(step)\n"
+                         "    if rank == 0: print(f'step {step} loss {loss:.6f}')")
+    assert run.status == "ok", run.traceback_text
+    return kernel
+
+
+def test_model_is_sharded_by_the_engine(trained):
+    run = trained.execute("%%fsdp2\nfrom torch.distributed.tensor import DTensor\n"
+                          "print(all(isinstance(p, DTensor) for p in model.parameters()), tokenizer is not None)")
+    assert run.stdout == "[all] True True\n"
+
+
+def test_save_and_load_magics_resume_exactly(trained):
+    saved = trained.execute("%fsdp2 save 3")
+    assert saved.status == "ok", saved.traceback_text
+    assert re.search(r"saved step 3 in \S+", saved.stdout)
+    code = ("%%fsdp2\nfor step in range(3, 5):\n    loss = train_step(step)\n"
+            "    if rank == 0: print(f'step {step} loss {loss:.6f}')")
+    first = trained.execute(code)
+    loaded = trained.execute("%fsdp2 load 3")
+    assert loaded.status == "ok" and "loaded step 3" in loaded.stdout, loaded.traceback_text
+    second = trained.execute(code)
+    assert _losses(first.stdout) == _losses(second.stdout) and len(_losses(first.stdout)) == 2
+
+
+def test_save_requested_while_a_cell_runs_happens_at_one_step_on_all_ranks(trained):
+    request = trained.execute("import threading, fsdp2nb\n"
+                              "threading.Timer(1.0, fsdp2nb._session.pool.request_save).start()")
+    assert request.status == "ok"
+    run = trained.execute("%%fsdp2\nimport time\nsaved_at = None\n"
+                          "for step in range(10, 100_000):\n    train_step(step)\n"
+                          "    if ckpt.maybe_save(step):\n        saved_at = step\n        break\n"
+                          "ckpt.wait()\nprint('saved at', saved_at)", timeout=200)
+    assert run.status == "ok", run.traceback_text
+    match = re.fullmatch(r"\[all\] saved at (\d+)\n", run.stdout)
+    assert match, run.stdout
+    trained.saved_step = int(match.group(1))
+
+
+def test_resume_after_pool_restart(trained):
+    step = getattr(trained, "saved_step", None)
+    if step is None:
+        pytest.skip("needs the mid-cell save of the previous test")
+    assert trained.execute("%fsdp2 restart").status == "ok"
+    assert trained.execute("%fsdp2 push model_dir ckpt_dir").status == "ok"
+    run = trained.execute(SETUP.replace("if rank == 0:\n    save_tiny_checkpoint(model_dir, \"llama\")\n", ""),
+                          timeout=300)
+    assert run.status == "ok", run.traceback_text
+    run = trained.execute("%%fsdp2\nprint('resumed at', ckpt.load('latest'))")
+    assert run.stdout == f"[all] resumed at {step}\n", run.traceback_text
