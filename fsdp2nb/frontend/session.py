@@ -143,10 +143,12 @@ class NotebookSession:
         self._show_events_between_cells(pool)
         for rank in ranks:
             pool.send(rank, make_request(cell_id))
+        pool.busy_ranks.update(ranks)
         progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
         try:
             self._wait(pool, cell_id, progress, merger)
         finally:
+            pool.busy_ranks.clear()
             merger.flush()
             sys.stdout.flush()
         _show_results(progress.results, pool.world_size)

@@ -16,7 +16,7 @@ def status_table(pool: WorkerPool | None) -> str:
     rows = [("rank", "pid", "device", "state", "rss", "device memory")]
     for rank in range(pool.world_size):
         info, snapshot = pool.ranks.get(rank), pool.snapshots.get(rank)
-        state = "exited" if rank in pool.exited else ("busy" if snapshot and snapshot.busy else "idle")
+        state = "exited" if rank in pool.exited else ("busy" if rank in pool.busy_ranks else "idle")
         rss = _mib(snapshot.rss_bytes) if snapshot else "-"
         device_memory = "-"
         if snapshot and snapshot.device_total_bytes:

@@ -56,6 +56,8 @@ class WorkerPool:
         self.ranks: dict[int, RankReady] = {}
         self.snapshots: dict[int, RankSnapshot] = {}
         self.exited: dict[int, RankExited] = {}
+        self.busy_ranks: set[int] = set()
+        """Ranks running a request from this kernel (kept by the session)."""
         self.snapshot_listeners: list[Callable[[RankSnapshot], None]] = []
         self.log_dir = ""
         self._launcher = launcher or LocalLauncher()
