@@ -1,7 +1,8 @@
 """Checkpointer: atomic, optionally asynchronous checkpoints of a training run, with retention.
 
 A save runs in three parts. On the calling thread every rank agrees on a temporary directory and
-copies its shards off the live tensors (`dcp.async_save` staging; pinned memory on GPU). In the
+copies its shards off the live tensors (`dcp.async_save` staging: reused buffers on CPU,
+pinned memory on GPU). In the
 background, DCP writes and fsyncs the shards, each rank adds its RNG/scheduler file, the ranks
 agree that all succeeded, and rank 0 writes the metadata, renames the directory into place and
 replaces LATEST. A crash at any point leaves LATEST naming the previous, complete checkpoint.
@@ -29,13 +30,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from fsdp2nb.checkpoint import layout
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
 from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state
+from fsdp2nb.checkpoint.staging import make_stager
 from fsdp2nb.checkpoint.state import (
     checked_training_state,
     get_training_state,
@@ -148,7 +149,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._last_error_text: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2nb-ckpt")
-        self._stager = _make_stager() if async_save else None
+        self._stager = make_stager() if async_save else None
         if self._rank == 0:
             layout.recover_and_clean(self.directory)
 
@@ -483,13 +484,6 @@ class Checkpointer:
         tensor = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         return int(tensor.item())
-
-
-def _make_stager() -> DefaultStager:
-    """Copy shards off the live tensors before returning; through pinned memory when on GPU."""
-    cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=cuda))
 
 
 def _unwritable_reason(directory: Path, rank: int) -> str | None:

@@ -1,0 +1,59 @@
+"""Staging for async saves: copy shards off the live tensors before training continues.
+
+On CPU the copy goes into buffers kept from one save to the next: allocating (and page-faulting)
+fresh memory every save costs several times the copy itself. A buffer is reused only after the
+save that used it has finished, which `Checkpointer.save` guarantees by waiting first.
+On GPU, DCP's DefaultStager copies through pinned host memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
+
+
+class ReusedBufferStager(AsyncStager):
+    """Copies CPU state into buffers cached by key path; DTensors keep their mesh and placements."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return self._copy(state_dict, "")
+
+    def close(self) -> None:
+        self._buffers.clear()
+
+    def _copy(self, obj: Any, path: str) -> Any:
+        if isinstance(obj, DTensor):
+            local = self._buffer(path, obj.to_local())
+            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+                                      shape=obj.shape, stride=obj.stride())
+        if isinstance(obj, torch.Tensor):
+            return self._buffer(path, obj)
+        if isinstance(obj, dict):
+            return {key: self._copy(value, f"{path}/{key}") for key, value in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(value, f"{path}/{i}") for i, value in enumerate(obj))
+        return copy.deepcopy(obj)
+
+    def _buffer(self, path: str, source: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+            self._buffers[path] = buffer
+        return buffer.copy_(source.detach())
+
+
+def make_stager() -> AsyncStager:
+    """The stager for this machine: reused CPU buffers, or pinned-memory staging when CUDA is present."""
+    if torch.cuda.is_available():
+        return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                            use_async_staging=False, use_non_blocking_copy=True))
+    return ReusedBufferStager()
