@@ -24,6 +24,7 @@ from fsdp2nb.pool.launcher import LaunchedRanks, Launcher, LocalLauncher
 from fsdp2nb.pool.protocol import (
     ControlMessage,
     EventMessage,
+    Interrupt,
     LaunchPlan,
     RankExited,
     RankPlan,
@@ -159,7 +160,8 @@ class WorkerPool:
 
     def send(self, rank: int, message: ControlMessage, connect_timeout_s: float = 5.0) -> None:
         assert self._channels is not None, "the pool is not running"
-        self._channels.send(rank, message, connect_timeout_s)
+        control = isinstance(message, (Interrupt, RequestSave))
+        self._channels.send(rank, message, control=control, connect_timeout_s=connect_timeout_s)
 
     def request_save(self) -> int:
         """Ask every rank to save at its next `maybe_save`; works while a cell runs. Returns the id."""

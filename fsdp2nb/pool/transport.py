@@ -1,8 +1,10 @@
 """Signed messages over ZeroMQ between the notebook kernel and its ranks.
 
 Two channels per pool, both Unix sockets in the pool's private (0700) runtime directory:
-- control: the kernel's ROUTER sends requests to one rank at a time (ranks connect DEALERs
-  named `rank-N`); a rank's control thread is the only reader of its socket.
+- control: the kernel's ROUTER sends requests to one rank at a time. Each rank connects two
+  DEALERs: `rank-N`, read by its main thread (cells, push, pull, shutdown), and
+  `rank-N-control`, read by its control thread (interrupts, save requests) so that those act
+  while a cell runs.
 - events: every rank process and host agent PUSHes to the kernel's PULL. Output, results,
   snapshots and exits share this one ordered stream per sender, so a rank's output always
   arrives before its `CellFinished`.
@@ -28,8 +30,10 @@ logger = logging.getLogger(__name__)
 KEY_BYTES = 32
 
 
-def rank_identity(rank: int) -> bytes:
-    return f"rank-{rank}".encode()
+def rank_identity(rank: int, *, control: bool = False) -> bytes:
+    """Each rank connects two DEALERs: one read by its main thread (requests that run code) and one
+    read by its control thread (requests that must act while code runs)."""
+    return f"rank-{rank}{'-control' if control else ''}".encode()
 
 
 class Signer:
@@ -72,9 +76,9 @@ class KernelChannels:
         self._events.bind(events_address)
         self._closed = False
 
-    def send(self, rank: int, message: Any, connect_timeout_s: float = 5.0) -> None:
+    def send(self, rank: int, message: Any, *, control: bool = False, connect_timeout_s: float = 5.0) -> None:
         """Send to one rank; waits briefly for a rank whose connection is still being set up."""
-        frames = [rank_identity(rank), *self._signer.pack(message)]
+        frames = [rank_identity(rank, control=control), *self._signer.pack(message)]
         deadline = time.monotonic() + connect_timeout_s
         while True:
             try:
@@ -110,14 +114,19 @@ class RankChannels:
         self._events.setsockopt(zmq.LINGER, 2000)
         self._events.connect(events_address)
         self._send_lock = threading.Lock()
-        self._control = None
+        self._requests = self._control = None
         if control_address is not None:
             assert rank is not None
-            self._control = self._context.socket(zmq.DEALER)
-            self._control.setsockopt(zmq.ROUTING_ID, rank_identity(rank))
-            self._control.setsockopt(zmq.LINGER, 0)
-            self._control.connect(control_address)
+            self._requests = self._dealer(control_address, rank_identity(rank))
+            self._control = self._dealer(control_address, rank_identity(rank, control=True))
         self._closed = False
+
+    def _dealer(self, address: str, identity: bytes) -> zmq.Socket:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.ROUTING_ID, identity)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(address)
+        return socket
 
     def send_event(self, message: Any) -> None:
         frames = self._signer.pack(message)
@@ -125,19 +134,27 @@ class RankChannels:
             if not self._closed:
                 self._events.send_multipart(frames, copy=False)
 
+    def receive_request(self, timeout_ms: int) -> Any | None:
+        """Called only from the rank's main thread."""
+        return self._receive(self._requests, timeout_ms)
+
     def receive_control(self, timeout_ms: int) -> Any | None:
         """Called only from the rank's control thread."""
-        assert self._control is not None
-        if not self._control.poll(timeout_ms):
+        return self._receive(self._control, timeout_ms)
+
+    def _receive(self, socket: zmq.Socket | None, timeout_ms: int) -> Any | None:
+        assert socket is not None
+        if not socket.poll(timeout_ms):
             return None
-        return self._signer.unpack(self._control.recv_multipart())
+        return self._signer.unpack(socket.recv_multipart())
 
     def close(self) -> None:
         with self._send_lock:
             if self._closed:
                 return
             self._closed = True
-        if self._control is not None:
-            self._control.close()
+        for socket in (self._requests, self._control):
+            if socket is not None:
+                socket.close()
         self._events.close()
         self._context.term()

@@ -1,8 +1,8 @@
 """Capture a rank's stdout/stderr at the file-descriptor level and stream it out live.
 
 Writes to fd 1 and 2 (Python's print, `os.write`, C extensions) go into pipes; one reader
-thread per pipe forwards decoded text and tees raw bytes into the rank's log file. `sync()`
-writes a marker through the pipe and waits for the reader to see it: after that, everything
+thread per pipe forwards decoded text and tees raw bytes into the rank's log file. `begin_sync()`
+writes a marker through the pipe and `end_sync()` waits for the reader to see it: after that, everything
 written before the call has been forwarded, so a `CellFinished` can never overtake its output.
 """
 
@@ -42,14 +42,16 @@ class FdCapture:
                                         name=f"fsdp2nb-capture-{fd}")
         self._thread.start()
 
-    def sync(self, timeout_s: float = 10.0) -> None:
-        """Return once everything written to the fd before this call has been forwarded."""
+    def begin_sync(self) -> int:
+        """Write a marker after everything written so far; `end_sync` waits until it is seen."""
         with self._sync_lock:
             self._markers_sent += 1
-            target = self._markers_sent
             os.write(self._fd, self._marker)
-            with self._seen:
-                self._seen.wait_for(lambda: self._markers_seen >= target, timeout_s)
+            return self._markers_sent
+
+    def end_sync(self, target: int, timeout_s: float = 10.0) -> None:
+        with self._seen:
+            self._seen.wait_for(lambda: self._markers_seen >= target, timeout_s)
 
     def _forward(self, read_end: int) -> None:
         pending = b""

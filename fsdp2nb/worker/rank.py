@@ -1,9 +1,9 @@
 """One rank of a pool: joins the process group, then runs the notebook's requests until told to stop.
 
 Threads in a rank:
-- main: runs cells (user code must run on the main thread to receive KeyboardInterrupt);
-- control: the only reader of the control socket; queues requests for main and handles the
-  ones that must take effect while a cell runs (interrupts now, save requests later);
+- main: reads requests and runs cells (user code must run on the main thread to receive
+  KeyboardInterrupt);
+- control: reads the requests that must act while a cell runs (interrupts, save requests);
 - two capture threads (stdout, stderr) and the resource sampler, which only send events.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue
 import signal
 import socket
 import threading
@@ -21,7 +20,6 @@ import psutil
 
 from fsdp2nb.pool.protocol import (
     CellFinished,
-    ControlMessage,
     ErrorInfo,
     Interrupt,
     LaunchPlan,
@@ -63,7 +61,7 @@ class Rank:
         self.device = rank_plan.device
         self.log_path = os.path.join(plan.log_dir, f"rank-{self.rank}.log")
         self._cell_id: int | None = None
-        self._requests: queue.Queue[ControlMessage] = queue.Queue()
+        self._interrupted_cell_id: int | None = None
         self._main_thread_id = threading.get_ident()
         self._channels = RankChannels(Signer(key), plan.events_address, control_address=plan.control_address,
                                       rank=self.rank)
@@ -122,11 +120,15 @@ class Rank:
 
     def serve(self) -> None:
         while True:
-            request = self._requests.get()
+            request = self._channels.receive_request(_CONTROL_POLL_MS)
+            if request is None:
+                continue
             if isinstance(request, Shutdown):
                 return
             self._cell_id = request.cell_id
             try:
+                if request.cell_id == self._interrupted_cell_id:
+                    raise KeyboardInterrupt  # the interrupt overtook the request
                 finished = self._handle(request)
             except KeyboardInterrupt:  # arrived between the user's code and the reply
                 finished = self._failure(request.cell_id, _interrupted())
@@ -172,21 +174,15 @@ class Rank:
     def _control_loop(self) -> None:
         while True:
             message = self._channels.receive_control(_CONTROL_POLL_MS)
-            if message is None:
-                continue
             if isinstance(message, Interrupt):
                 self._interrupt(message.cell_id)
-                continue
-            if isinstance(message, RequestSave):
+            elif isinstance(message, RequestSave):
                 from fsdp2nb.checkpoint.requests import post_save_request
 
                 post_save_request(message.request_id)
-                continue
-            self._requests.put(message)
-            if isinstance(message, Shutdown):
-                return
 
     def _interrupt(self, cell_id: int) -> None:
+        self._interrupted_cell_id = cell_id
         if self._cell_id == cell_id:
             signal.pthread_kill(self._main_thread_id, signal.SIGINT)
 
@@ -206,8 +202,10 @@ class Rank:
                                              metadata=metadata))
 
     def _sync_output(self) -> None:
-        for capture in self._captures.values():
-            capture.sync()
+        # Both markers first, then both waits: the two pipes drain in parallel.
+        targets = [(capture, capture.begin_sync()) for capture in self._captures.values()]
+        for capture, target in targets:
+            capture.end_sync(target)
 
     def close(self) -> None:
         self._sampler.stop()
