@@ -1,0 +1,42 @@
+import subprocess
+import sys
+
+from fsdp2nb.pool import reaper
+
+
+def _finished_process_key():
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    key = reaper.process_key(done.pid)
+    done.wait()
+    return key
+
+
+def test_orphans_of_a_dead_owner_are_killed_only_on_an_exact_match():
+    owner = _finished_process_key()
+    orphan = subprocess.Popen(["sleep", "60"])
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        orphan_key = reaper.process_key(orphan.pid)
+        bystander_pid, bystander_time = reaper.process_key(bystander.pid)
+        # The bystander's pid is listed with another start time: a reused pid must be left alone.
+        reaper.record_pool("test-orphans", owner, [orphan_key, (bystander_pid, bystander_time - 100)])
+        assert reaper.reap_orphans() >= 1
+        assert orphan.wait(timeout=5) != 0
+        assert bystander.poll() is None
+    finally:
+        for process in (orphan, bystander):
+            process.kill()
+            process.wait()
+        reaper.forget_pool("test-orphans")
+
+
+def test_pools_of_a_live_owner_are_left_alone():
+    worker = subprocess.Popen(["sleep", "60"])
+    try:
+        reaper.record_pool("test-live", reaper.process_key(worker.pid), [reaper.process_key(worker.pid)])
+        reaper.reap_orphans()
+        assert worker.poll() is None
+    finally:
+        worker.kill()
+        worker.wait()
+        reaper.forget_pool("test-live")
