@@ -104,6 +104,11 @@ class Rank:
         device = torch.device(self.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        elif "OMP_NUM_THREADS" not in os.environ:
+            # As torchrun does: CPU ranks sharing a host split its cores instead of oversubscribing.
+            num_threads = max(1, (os.cpu_count() or 1) // len(self.plan.ranks))
+            os.environ["OMP_NUM_THREADS"] = str(num_threads)
+            torch.set_num_threads(num_threads)
         store = dist.FileStore(os.path.join(self.plan.runtime_dir, "rendezvous"), self.plan.world_size)
         dist.init_process_group(
             self.plan.backend, store=store, rank=self.rank, world_size=self.plan.world_size,

@@ -1,0 +1,85 @@
+"""Training step time of the engine in a `%%fsdp2` cell against the same code under torchrun.
+
+Both run the same training code (engine-loaded Llama-style model, fp32, 2 CPU ranks) in one run
+of this script, alternating, and report the median step time of each.
+Run: .venv/bin/python benchmarks/bench_train_step.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.kernel.client import Kernel  # noqa: E402
+
+NUM_RANKS = 2
+DIMS = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=4, vocab_size=2048)
+
+TRAIN = """
+import time, statistics, torch, fsdp2nb
+model, _ = fsdp2nb.load_model(MODEL_DIR, mixed_precision="fp32")
+engine = fsdp2nb.FSDP2Engine(mixed_precision="fp32")
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+ids = torch.randint(0, 2048, (4, 128), generator=torch.Generator().manual_seed(0))
+times = []
+for step in range(25):
+    started = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    engine.clip_grad_norm_(model, 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    times.append(time.perf_counter() - started)
+median_ms = statistics.median(times[5:]) * 1000
+"""
+
+
+def in_cell(kernel: Kernel, model_dir: str) -> float:
+    code = "%%fsdp2\nMODEL_DIR = " + repr(model_dir) + TRAIN + "if rank == 0: print('MEDIAN', median_ms)"
+    run = kernel.execute(code, timeout=600)
+    assert run.status == "ok", run.traceback_text
+    return float(re.search(r"MEDIAN ([0-9.]+)", run.stdout).group(1))
+
+
+def under_torchrun(model_dir: str) -> float:
+    script = ("import torch.distributed as dist, os, json\ndist.init_process_group('gloo')\nMODEL_DIR = "
+              + repr(model_dir) + TRAIN + "if dist.get_rank() == 0: print('MEDIAN', median_ms)\n")
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as handle:
+        handle.write(script)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    result = subprocess.run([torchrun, "--standalone", f"--nproc_per_node={NUM_RANKS}", handle.name],
+                            check=True, capture_output=True, text=True, env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+    os.unlink(handle.name)
+    return float(re.search(r"MEDIAN ([0-9.]+)", result.stdout).group(1))
+
+
+def main() -> None:
+    from fsdp2nb.testing import save_tiny_checkpoint
+
+    model_dir = os.path.join(tempfile.mkdtemp(prefix="fsdp2nb-bench-"), "model")
+    save_tiny_checkpoint(model_dir, "llama", **DIMS)
+    kernel = Kernel()
+    cell, torchrun = [], []
+    try:
+        kernel.execute("%load_ext fsdp2nb")
+        assert kernel.execute(f"%fsdp2 start --cpu {NUM_RANKS}").status == "ok"
+        for _ in range(3):
+            cell.append(in_cell(kernel, model_dir))
+            torchrun.append(under_torchrun(model_dir))
+    finally:
+        kernel.stop()
+    cell_ms, torchrun_ms = statistics.median(cell), statistics.median(torchrun)
+    print(json.dumps({"cell_ms": cell, "torchrun_ms": torchrun}))
+    print(f"\nmedian step time on {NUM_RANKS} CPU ranks: %%fsdp2 cell {cell_ms:.1f} ms, torchrun {torchrun_ms:.1f} ms, "
+          f"ratio {cell_ms / torchrun_ms:.3f} (goal <= 1.02)")
+
+
+if __name__ == "__main__":
+    main()
