@@ -27,14 +27,15 @@ def rank_label(ranks: Iterable[int], world_size: int) -> str:
     ranks = sorted(ranks)
     if world_size == 1:
         return ""
-    if len(ranks) == world_size and world_size > 1:
+    if len(ranks) == world_size:
         return "[all]"
-    parts, start = [], ranks[0]
-    for previous, current in zip(ranks, ranks[1:] + [None], strict=True):
-        if current != previous + 1 if current is not None else True:
-            parts.append(str(start) if start == previous else f"{start}-{previous}")
-            start = current
-    return f"[{','.join(parts)}]"
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return "[" + ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs) + "]"
 
 
 @dataclass

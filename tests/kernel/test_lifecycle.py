@@ -96,3 +96,13 @@ def test_no_worker_survives_the_kernel(how):
             kernel.manager.cleanup_resources()
         elif kernel.manager.has_kernel:
             kernel.stop()
+
+
+def test_collective_timeout_is_settable_at_start(bare_kernel):
+    assert bare_kernel.execute("%fsdp2 start --cpu 2 --timeout 3").status == "ok"
+    try:
+        run = bare_kernel.execute("%%fsdp2 --ranks 0\ndist.barrier()", timeout=120)
+        assert run.status == "error"
+        assert "[0] rank 0 raised" in run.traceback_text and "imed out" in run.traceback_text
+    finally:
+        bare_kernel.execute("%fsdp2 stop")
