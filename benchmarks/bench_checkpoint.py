@@ -36,6 +36,8 @@ from tests.distributed.harness import run_ranks
 
 logger = logging.getLogger("bench_checkpoint")
 _CHUNK = 16 * 1024**2
+# Each rank flushes a file once it holds this much: its memory is bounded by this plus one full tensor.
+_EXPORT_SHARD_BYTES = 32 * 1024**2
 
 
 def _build(hidden: int, layers: int):
@@ -107,7 +109,7 @@ def _save_and_stall(root: str, hidden: int, layers: int, num_steps: int) -> dict
         dist.barrier()
         call_time = _timed_collectively(lambda: ckpt.save(1))
         during = []
-        while ckpt.status().saving_step is not None or len(during) < 2:
+        while _any_rank_saving(ckpt) or len(during) < 2:
             during.append(_timed_collectively(lambda: _step(model, optimizer)))
             if len(during) >= 4 * num_steps:
                 break
@@ -115,6 +117,13 @@ def _save_and_stall(root: str, hidden: int, layers: int, num_steps: int) -> dict
     excess = sum(max(0.0, t - baseline) for t in during)
     return dict(ckpt_bytes=ckpt_bytes, sync_time=min(sync_times), raw_time=raw_time, baseline=baseline,
                 call_time=call_time, excess=excess, wait_time=wait_time, steps_during=len(during))
+
+
+def _any_rank_saving(ckpt: Checkpointer) -> bool:
+    """Whether a save is still in flight anywhere; agreed so every rank runs the same number of steps."""
+    flag = torch.tensor([int(ckpt.status().saving_step is not None)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 class _PeakRss:
@@ -161,7 +170,7 @@ def _export_memory(root: str, hidden: int, layers: int, method: str) -> dict:
     meter = _PeakRss()
     start = time.perf_counter()
     if method == "ours":
-        export_hf_model(model, out, max_shard_bytes=64 * 1024**2)
+        export_hf_model(model, out, max_shard_bytes=_EXPORT_SHARD_BYTES)
     else:
         _naive_export(model, out)
     elapsed = time.perf_counter() - start

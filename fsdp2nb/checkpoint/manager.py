@@ -184,9 +184,9 @@ class Checkpointer:
         self.wait()
         job = self._begin(step)
         state = get_training_state(tracked.model, tracked.optimizer)
-        rank_state = self._capture_rank_state(tracked)
-        writer = _FaultAwareWriter(job.tmp_dir, self._rank)
         self._last_step = step
+        rank_state = self._capture_rank_state(tracked, step)
+        writer = _FaultAwareWriter(job.tmp_dir, self._rank)
         if not self.async_save:
             dcp.save(state, storage_writer=writer, process_group=self._bg_group,
                      no_dist=not self._distributed)
@@ -240,10 +240,10 @@ class Checkpointer:
         tmp_dir.mkdir(exist_ok=True)  # for storage that is not shared between hosts
         return _SaveJob(step=step, token=token, tmp_dir=tmp_dir, wall_time=wall_time)
 
-    def _capture_rank_state(self, tracked: _Tracked) -> dict[str, Any]:
+    def _capture_rank_state(self, tracked: _Tracked, step: int) -> dict[str, Any]:
         # Deep copies: training goes on mutating the live objects while this is written.
         return {
-            "step": self._last_step,
+            "step": step,
             "rng": capture_rng_state(),
             "scheduler": copy.deepcopy(tracked.scheduler.state_dict()) if tracked.scheduler else None,
             "extra": {name: copy.deepcopy(obj.state_dict()) for name, obj in tracked.extra.items()},
