@@ -48,6 +48,10 @@ from fsdp2nb.checkpoint.state import (
 logger = logging.getLogger(__name__)
 
 _tracked: Checkpointer | None = None
+# Temporary directories of saves in flight in this process, by any checkpointer: the sweep for
+# abandoned ones (on creation and before each save) must not take a live one for a leftover.
+_in_flight: set[Path] = set()
+_in_flight_lock = threading.Lock()
 
 
 class CheckpointSaveError(RuntimeError):
@@ -151,7 +155,7 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2nb-ckpt")
         self._stager = make_stager() if async_save else None
         if self._rank == 0:
-            layout.recover_and_clean(self.directory)
+            _sweep(self.directory)
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -226,7 +230,7 @@ class Checkpointer:
     def _begin(self, step: int) -> _SaveJob:
         """Agree on a fresh temporary directory; rank 0 first sweeps away abandoned ones."""
         if self._rank == 0:
-            layout.recover_and_clean(self.directory)
+            _sweep(self.directory)
             token = secrets.token_hex(4)
             tmp_dir = self.directory / layout.tmp_dir_name(step, token)
             tmp_dir.mkdir()
@@ -238,6 +242,8 @@ class Checkpointer:
         token, wall_time = payload
         tmp_dir = self.directory / layout.tmp_dir_name(step, token)
         tmp_dir.mkdir(exist_ok=True)  # for storage that is not shared between hosts
+        with _in_flight_lock:
+            _in_flight.add(tmp_dir)
         return _SaveJob(step=step, token=token, tmp_dir=tmp_dir, wall_time=wall_time)
 
     def _capture_rank_state(self, tracked: _Tracked, step: int) -> dict[str, Any]:
@@ -252,6 +258,14 @@ class Checkpointer:
     def _finish(self, job: _SaveJob, rank_state: dict[str, Any], upload: Future | None,
                 model: nn.Module) -> None:
         """Wait for the shards, add this rank's file, then commit once every rank succeeded."""
+        try:
+            self._finish_and_commit(job, rank_state, upload, model)
+        finally:
+            with _in_flight_lock:
+                _in_flight.discard(job.tmp_dir)
+
+    def _finish_and_commit(self, job: _SaveJob, rank_state: dict[str, Any], upload: Future | None,
+                           model: nn.Module) -> None:
         error: BaseException | None = None
         try:
             if upload is not None:
@@ -484,6 +498,13 @@ class Checkpointer:
         tensor = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         return int(tensor.item())
+
+
+def _sweep(directory: Path) -> None:
+    """Clean abandoned temporary directories, sparing those of saves in flight in this process."""
+    with _in_flight_lock:
+        live = frozenset(p.name for p in _in_flight if p.parent == directory)
+    layout.recover_and_clean(directory, keep_names=live)
 
 
 def _unwritable_reason(directory: Path, rank: int) -> str | None:

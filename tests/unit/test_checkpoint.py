@@ -278,3 +278,34 @@ def test_lora_saves_only_trainable_state_and_restores_it(tmp_path):
         ckpt.track(model=fresh, optimizer=fresh_optimizer).load(1)
     for key, value in _snapshot(fresh).items():
         assert torch.equal(value, expected[key]), key
+
+
+def test_a_new_checkpointer_spares_a_save_in_flight(tmp_path):
+    live = tmp_path / ".tmp-step-000001-0badc0de"
+    abandoned = tmp_path / ".tmp-step-000002-0badf00d"
+    live.mkdir()
+    abandoned.mkdir()
+    manager_module._in_flight.add(live)  # what Checkpointer.save registers until its commit ends
+    try:
+        Checkpointer(tmp_path).close()
+    finally:
+        manager_module._in_flight.discard(live)
+    assert live.exists() and not abandoned.exists()
+
+
+def test_rng_state_round_trips_through_weights_only_load(tmp_path):
+    import io
+    import random
+
+    import numpy as np
+
+    from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state
+
+    state = capture_rng_state()
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    restore_rng_state(torch.load(buffer, weights_only=True))
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert expected[:2] == again[:2] and torch.equal(expected[2], again[2])
