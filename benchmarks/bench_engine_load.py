@@ -68,6 +68,39 @@ def _peak_rss() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+class _AnonPeak:
+    """Samples RssAnon every few ms: private memory, without the checkpoint's page-cache pages that
+    an mmap-ed file adds to VmHWM while it is mapped (those are shared and reclaimable)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = _status_bytes("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _status_bytes("RssAnon"))
+
+    def __enter__(self) -> _AnonPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _status_bytes("RssAnon"))
+
+
 def _load_engine(path: str) -> int:
     from fsdp2nb.engine import FSDP2Engine, load_model
 
@@ -129,7 +162,9 @@ def _measure(method: str, path: str) -> dict[str, float]:
     import fsdp2nb.engine  # noqa: F401  (imports are not part of the load being timed)
 
     rss_before, io_before = _current_rss(), _io_counters()
+    anon_before = _status_bytes("RssAnon")
     dist.barrier()
+    sampler = _AnonPeak().__enter__()
     start = time.perf_counter()
     if os.environ.get("BENCH_PROFILE") and dist.get_rank() == 0:
         import cProfile
@@ -141,10 +176,12 @@ def _measure(method: str, path: str) -> dict[str, float]:
         requested = METHODS[method](path)
     dist.barrier()
     wall = time.perf_counter() - start
+    sampler.__exit__()
     io_after = _io_counters()
     return dict(
         wall=wall, requested=requested, read_bytes=io_after["read_bytes"] - io_before["read_bytes"],
         rchar=io_after["rchar"] - io_before["rchar"], peak_rss=_peak_rss(), rss_before=rss_before,
+        anon_growth=sampler.peak - anon_before,
     )
 
 
@@ -161,7 +198,7 @@ def _drop_page_cache() -> bool:
 def _table(results: dict[str, list[dict]], checkpoint_bytes: int, world_size: int, dropped: dict[str, bool]) -> str:
     gib = 1024**3
     head = (f"{'method':<16}{'wall s':>8}{'req/rank GiB':>14}{'req/ckpt*N':>12}{'disk read/rank GiB':>20}"
-            f"{'peak RSS/rank GiB (VmHWM)':>27}{'sum peak/ckpt':>15}{'sum (peak-start)/ckpt':>23}{'cache dropped':>15}")
+            f"{'peak RSS/rank GiB (VmHWM)':>27}{'sum peak/ckpt':>15}{'sum (peak-start)/ckpt':>23}{'sum anon growth/ckpt':>22}{'cache dropped':>15}")
     lines = [head, "-" * len(head)]
     for method, ranks in results.items():
         wall = max(r["wall"] for r in ranks)
@@ -170,10 +207,12 @@ def _table(results: dict[str, list[dict]], checkpoint_bytes: int, world_size: in
         peak = max(r["peak_rss"] for r in ranks)
         sum_peak = sum(r["peak_rss"] for r in ranks)
         sum_growth = sum(r["peak_rss"] - r["rss_before"] for r in ranks)
+        sum_anon = sum(r["anon_growth"] for r in ranks)
         lines.append(
             f"{method:<16}{wall:>8.1f}{req / gib:>14.3f}{req * world_size / checkpoint_bytes:>12.2f}"
             f"{disk / gib:>20.3f}{peak / gib:>27.2f}{sum_peak / checkpoint_bytes:>15.2f}"
-            f"{sum_growth / checkpoint_bytes:>23.2f}{dropped[method]!s:>15}"
+            f"{sum_growth / checkpoint_bytes:>23.2f}"
+            f"{sum_anon / checkpoint_bytes:>22.2f}{dropped[method]!s:>15}"
         )
     lines.append(f"checkpoint {checkpoint_bytes / gib:.3f} GiB on {world_size} ranks")
     if "engine" in results and "from_pretrained" in results:

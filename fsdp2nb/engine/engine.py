@@ -65,6 +65,11 @@ class FSDP2Engine:
         """The dtype parameters are gathered and used in."""
         return torch.bfloat16 if self.config.mixed_precision == "bf16" else torch.float32
 
+    @property
+    def _storage_device(self) -> torch.device:
+        """Where sharded parameters live: CPU memory when offloaded, else this rank's device."""
+        return torch.device("cpu") if self.config.offload_params else self.device
+
     def prepare_model(self, model: nn.Module, *, activation_checkpointing: bool = False) -> nn.Module:
         """Apply activation checkpointing (optional) and then fully_shard, block by block, then the root."""
         if activation_checkpointing:
@@ -131,11 +136,12 @@ class FSDP2Engine:
         from fsdp2nb.engine.hub import resolve_model_dir
 
         files = find_checkpoint_files(resolve_model_dir(path))
-        model.to_empty(device=self.device)
+        model.to_empty(device=self._storage_device)
         self.last_load_report = load_sharded(
             model, files, initial_values=initial_values, allow_missing=allow_missing
         )
         recompute_non_persistent_buffers(model, self.device)
+        move_buffers(model, self.device)
         verify_tied_embeddings(model)
         logger.info("rank %d loaded %d tensors from %s (%d bytes requested)", dist.get_rank(),
                     self.last_load_report.num_loaded, path, self.last_load_report.bytes_requested)
@@ -143,11 +149,12 @@ class FSDP2Engine:
 
     def _broadcast_from_rank0(self, model: nn.Module, full_state: dict[str, torch.Tensor]) -> nn.Module:
         if dist.get_rank() != 0:
-            model.to_empty(device=self.device)
+            model.to_empty(device=self._storage_device)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, full_state, options=options)
         # Rank 0's buffers are real; the other ranks rebuild theirs the same way from_pretrained does.
         recompute_non_persistent_buffers(model, self.device)
+        move_buffers(model, self.device)
         verify_tied_embeddings(model)
         return model
 
@@ -172,6 +179,17 @@ class FSDP2Engine:
         from fsdp2nb.checkpoint.state import load_training_state
 
         load_training_state(model, optimizer, ckpt_dir)
+
+
+@torch.no_grad()
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Put every buffer on the compute device; offloading covers parameters only, and
+    to_empty on CPU put the buffers there too."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.device != device:
+                persistent = name in module.state_dict(keep_vars=True)
+                module.register_buffer(name, buffer.to(device), persistent=persistent)
 
 
 def verify_tied_embeddings(model: nn.Module) -> None:
