@@ -123,8 +123,8 @@ class NotebookSession:
 
     def run_cell(self, pool: WorkerPool, code: str, ranks: tuple[int, ...]) -> None:
         """Run `code` on `ranks`, streaming output; raises RankError if any rank raised."""
-        check_syntax(code)
-        self.run_request(pool, ranks, lambda cell_id: RunCell(cell_id=cell_id, code=code))
+        transformed = transform_and_check(code)
+        self.run_request(pool, ranks, lambda cell_id: RunCell(cell_id=cell_id, code=code, transformed=transformed))
 
     def push(self, pool: WorkerPool, payload: bytes) -> None:
         self.run_request(pool, tuple(range(pool.world_size)),
@@ -149,8 +149,7 @@ class NotebookSession:
             self._wait(pool, cell_id, progress, merger)
         finally:
             pool.busy_ranks.clear()
-            merger.flush()
-            sys.stdout.flush()
+            merger.flush()  # ipykernel flushes its streams itself before a display or an error
         _show_results(progress.results, pool.world_size)
         if progress.errors:
             raise RankError(progress.errors, pool.world_size)
@@ -254,8 +253,9 @@ class NotebookSession:
                 write_to_kernel(event.stream, f"{label} (between cells) {event.text}")
 
 
-def check_syntax(code: str) -> None:
-    """Parse the cell as the kernel's IPython would; raise CellSyntaxError before any rank sees it."""
+def transform_and_check(code: str) -> str:
+    """IPython's input transformations, once for all ranks; a cell that does not parse raises
+    CellSyntaxError here, before any rank sees it."""
     from IPython import get_ipython
 
     shell = get_ipython()
@@ -264,6 +264,7 @@ def check_syntax(code: str) -> None:
         ast.parse(source, "<fsdp2 cell>")
     except SyntaxError as error:
         raise CellSyntaxError(error) from None
+    return source
 
 
 def _exit_error(event: RankExited) -> ErrorInfo:

@@ -83,7 +83,7 @@ class WorkerPool:
         self.state = "starting"
         key = secrets.token_bytes(KEY_BYTES)
         plan = self._plan()
-        self._channels = KernelChannels(Signer(key), plan.control_address, plan.events_address)
+        self._channels = KernelChannels(Signer(key), plan.address)
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
         self._receiver.start()
         self._launched = self._launcher.launch(plan, key)
@@ -103,7 +103,7 @@ class WorkerPool:
         return LaunchPlan(
             pool_id=self.pool_id, world_size=self.world_size, backend=self.spec.backend,
             ranks=tuple(RankPlan(rank=r, local_rank=r, device=d) for r, d in enumerate(self.spec.devices)),
-            control_address=f"ipc://{self._runtime_dir}/control", events_address=f"ipc://{self._runtime_dir}/events",
+            address=os.path.join(self._runtime_dir, "pool.sock"),
             runtime_dir=self._runtime_dir, log_dir=self.log_dir,
             collective_timeout_s=self.spec.collective_timeout_s, kernel_pid=os.getpid(),
             master_port=_unused_loopback_port(),

@@ -11,11 +11,20 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 StreamName = Literal["stdout", "stderr"]
+ChannelRole = Literal["requests", "control", "events"]
 CellStatus = Literal["ok", "error"]
 RichKind = Literal["display", "result", "clear"]
 
 
-# --- kernel -> rank (control channel) ---------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ChannelHello:
+    """The first message on every connection: which rank opened it and what it is for."""
+
+    role: ChannelRole
+    rank: int | None
+
+
+# --- kernel -> rank (requests and control channels) ---------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +33,8 @@ class RunCell:
 
     cell_id: int
     code: str
+    transformed: str | None = None
+    """`code` after IPython's input transformations (magics, `!`), when the kernel did them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +197,8 @@ class LaunchPlan:
     world_size: int
     backend: str
     ranks: tuple[RankPlan, ...]
-    control_address: str
-    events_address: str
+    address: str
+    """The kernel's Unix socket; every rank and agent connection starts there."""
     runtime_dir: str
     log_dir: str
     collective_timeout_s: float

@@ -1,39 +1,42 @@
-"""Signed messages over ZeroMQ between the notebook kernel and its ranks.
+"""Signed messages over Unix stream sockets between the notebook kernel and its ranks.
 
-Two channels per pool, both Unix sockets in the pool's private (0700) runtime directory:
-- control: the kernel's ROUTER sends requests to one rank at a time. Each rank connects two
-  DEALERs: `rank-N`, read by its main thread (cells, push, pull, shutdown), and
-  `rank-N-control`, read by its control thread (interrupts, save requests) so that those act
-  while a cell runs.
-- events: every rank process and host agent PUSHes to the kernel's PULL. Output, results,
-  snapshots and exits share this one ordered stream per sender, so a rank's output always
-  arrives before its `CellFinished`.
-Every message is `[hmac_sha256(key, payload), payload]`; a frame set that fails verification is
-dropped without being unpickled.
+The kernel listens on one socket in the pool's private (0700) runtime directory. Every rank opens
+three connections to it, each introduced by a signed `ChannelHello`:
+- requests: kernel -> rank, read by the rank's main thread (cells, push, pull, shutdown);
+- control: kernel -> rank, read by the rank's control thread (interrupts, save requests), so
+  these act while a cell runs;
+- events: rank -> kernel, shared by all the rank's threads (output, results, snapshots). One
+  ordered stream per process means a rank's output always arrives before its `CellFinished`.
+The host agent opens an events connection only.
+
+Framing is the standard library's `multiprocessing.connection.Connection` (length-prefixed
+bytes); each frame is `hmac_sha256(key, payload) + payload`, and a frame whose signature fails is
+dropped without being unpickled. Plain sockets wake the reader directly, where a ZeroMQ socket
+hands every message through an extra I/O thread on each side; on a busy 2-core machine that
+was most of an empty cell's cost.
 """
 
 from __future__ import annotations
 
-import errno
+import collections
 import hashlib
 import hmac
 import logging
 import pickle
+import socket
 import threading
 import time
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import zmq
+from fsdp2nb.pool.protocol import ChannelHello, ChannelRole
 
 logger = logging.getLogger(__name__)
 
 KEY_BYTES = 32
-
-
-def rank_identity(rank: int, *, control: bool = False) -> bytes:
-    """Each rank connects two DEALERs: one read by its main thread (requests that run code) and one
-    read by its control thread (requests that must act while code runs)."""
-    return f"rank-{rank}{'-control' if control else ''}".encode()
+_SIGNATURE_BYTES = hashlib.sha256().digest_size
+_ACCEPT_POLL_S = 0.2
+_HELLO_TIMEOUT_S = 10.0
 
 
 class Signer:
@@ -45,116 +48,180 @@ class Signer:
         self._key = key
         self.num_rejected = 0
 
-    def pack(self, message: Any) -> list[bytes]:
+    def pack(self, message: Any) -> bytes:
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        return [self._sign(payload), payload]
+        return self._sign(payload) + payload
 
-    def unpack(self, frames: list[bytes]) -> Any | None:
-        """The message, or None when the frames are malformed or their signature is wrong."""
-        if len(frames) != 2 or not hmac.compare_digest(frames[0], self._sign(frames[1])):
+    def unpack(self, frame: bytes) -> Any | None:
+        """The message, or None when the frame is malformed or its signature is wrong."""
+        signature, payload = frame[:_SIGNATURE_BYTES], frame[_SIGNATURE_BYTES:]
+        if len(frame) <= _SIGNATURE_BYTES or not hmac.compare_digest(signature, self._sign(payload)):
             self.num_rejected += 1
             logger.warning("dropped a message that failed signature verification")
             return None
-        return pickle.loads(frames[1])
+        return pickle.loads(payload)
 
     def _sign(self, payload: bytes) -> bytes:
         return hmac.new(self._key, payload, hashlib.sha256).digest()
 
 
-class KernelChannels:
-    """The kernel's end: binds both sockets; one thread sends control, one thread receives events."""
+class _Link:
+    """One connection with a lock, so several threads may send on it."""
 
-    def __init__(self, signer: Signer, control_address: str, events_address: str) -> None:
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self.lock = threading.Lock()
+
+    def send(self, frame: bytes) -> None:
+        with self.lock:
+            self.connection.send_bytes(frame)
+
+
+class KernelChannels:
+    """The kernel's end: accepts rank connections; `send` from one thread, `receive` from another."""
+
+    def __init__(self, signer: Signer, address: str) -> None:
         self._signer = signer
-        self._context = zmq.Context()
-        self._control = self._context.socket(zmq.ROUTER)
-        self._control.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._control.setsockopt(zmq.LINGER, 0)
-        self._control.bind(control_address)
-        self._events = self._context.socket(zmq.PULL)
-        self._events.setsockopt(zmq.LINGER, 0)
-        self._events.bind(events_address)
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(address)
+        self._server.listen(128)
+        self._server.settimeout(_ACCEPT_POLL_S)
+        self._links: dict[tuple[ChannelRole, int], _Link] = {}
+        self._links_changed = threading.Condition()
+        self._event_connections: list[Connection] = []
+        self._pending: collections.deque = collections.deque()
         self._closed = False
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="fsdp2nb-accept")
+        self._acceptor.start()
 
     def send(self, rank: int, message: Any, *, control: bool = False, connect_timeout_s: float = 5.0) -> None:
         """Send to one rank; waits briefly for a rank whose connection is still being set up."""
-        frames = [rank_identity(rank, control=control), *self._signer.pack(message)]
-        deadline = time.monotonic() + connect_timeout_s
-        while True:
-            try:
-                self._control.send_multipart(frames, copy=False)
-                return
-            except zmq.ZMQError as error:
-                if error.errno != errno.EHOSTUNREACH or time.monotonic() > deadline:
-                    raise ConnectionError(f"rank {rank} is not connected to the pool") from error
-                time.sleep(0.005)
+        role: ChannelRole = "control" if control else "requests"
+        with self._links_changed:
+            self._links_changed.wait_for(lambda: (role, rank) in self._links or self._closed, connect_timeout_s)
+            link = self._links.get((role, rank))
+        if link is None:
+            raise ConnectionError(f"rank {rank} is not connected to the pool")
+        try:
+            link.send(self._signer.pack(message))
+        except OSError as error:
+            raise ConnectionError(f"rank {rank} is not connected to the pool ({error})") from error
 
     def receive(self, timeout_ms: int) -> Any | None:
-        """The next verified event, or None after `timeout_ms` without one."""
-        if not self._events.poll(timeout_ms):
-            return None
-        return self._signer.unpack(self._events.recv_multipart())
+        """The next verified event, or None after `timeout_ms` without one. One thread only."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while not self._pending:
+            with self._links_changed:
+                connections = list(self._event_connections)
+            remaining = max(0.0, deadline - time.monotonic())
+            if connections:
+                # New connections appear while we wait: look again at least every accept period.
+                for connection in wait(connections, min(remaining, _ACCEPT_POLL_S)):
+                    self._read(connection)
+            else:
+                time.sleep(min(remaining, 0.01))
+            if not self._pending and time.monotonic() >= deadline:
+                return None
+        return self._pending.popleft()
+
+    def _read(self, connection: Connection) -> None:
+        try:
+            frame = connection.recv_bytes()
+        except (EOFError, OSError):
+            with self._links_changed:
+                self._event_connections.remove(connection)
+            connection.close()
+            return
+        message = self._signer.unpack(frame)
+        if message is not None:
+            self._pending.append(message)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._introduce, args=(client,), daemon=True).start()
+
+    def _introduce(self, client: socket.socket) -> None:
+        """Register a connection under the role its signed hello names; drop it otherwise."""
+        client.settimeout(None)
+        connection = Connection(client.detach())
+        hello = None
+        if connection.poll(_HELLO_TIMEOUT_S):
+            try:
+                hello = self._signer.unpack(connection.recv_bytes())
+            except (EOFError, OSError):
+                hello = None
+        if not isinstance(hello, ChannelHello):
+            connection.close()
+            return
+        with self._links_changed:
+            if hello.role == "events":
+                self._event_connections.append(connection)
+            else:
+                self._links[(hello.role, hello.rank)] = _Link(connection)
+            self._links_changed.notify_all()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._control.close()
-        self._events.close()
-        self._context.term()
+        self._server.close()
+        with self._links_changed:
+            self._links_changed.notify_all()
+            connections = [link.connection for link in self._links.values()] + self._event_connections
+            self._links.clear()
+            self._event_connections.clear()
+        for connection in connections:
+            connection.close()
 
 
 class RankChannels:
     """A rank's (or agent's) end. `send_event` may be called from any thread."""
 
-    def __init__(self, signer: Signer, events_address: str, *, control_address: str | None, rank: int | None):
+    def __init__(self, signer: Signer, address: str, *, rank: int | None) -> None:
         self._signer = signer
-        self._context = zmq.Context()
-        self._events = self._context.socket(zmq.PUSH)
-        self._events.setsockopt(zmq.LINGER, 2000)
-        self._events.connect(events_address)
-        self._send_lock = threading.Lock()
+        self._events = self._connect(address, "events", rank)
         self._requests = self._control = None
-        if control_address is not None:
-            assert rank is not None
-            self._requests = self._dealer(control_address, rank_identity(rank))
-            self._control = self._dealer(control_address, rank_identity(rank, control=True))
+        if rank is not None:
+            self._requests = self._connect(address, "requests", rank)
+            self._control = self._connect(address, "control", rank)
         self._closed = False
 
-    def _dealer(self, address: str, identity: bytes) -> zmq.Socket:
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.ROUTING_ID, identity)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(address)
-        return socket
+    def _connect(self, address: str, role: ChannelRole, rank: int | None) -> _Link:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(address)
+        link = _Link(Connection(client.detach()))
+        link.send(self._signer.pack(ChannelHello(role=role, rank=rank)))
+        return link
 
     def send_event(self, message: Any) -> None:
-        frames = self._signer.pack(message)
-        with self._send_lock:
-            if not self._closed:
-                self._events.send_multipart(frames, copy=False)
+        if not self._closed:
+            self._events.send(self._signer.pack(message))
 
     def receive_request(self, timeout_ms: int) -> Any | None:
-        """Called only from the rank's main thread."""
+        """Called only from the rank's main thread; raises EOFError once the kernel is gone."""
         return self._receive(self._requests, timeout_ms)
 
     def receive_control(self, timeout_ms: int) -> Any | None:
-        """Called only from the rank's control thread."""
+        """Called only from the rank's control thread; raises EOFError once the kernel is gone."""
         return self._receive(self._control, timeout_ms)
 
-    def _receive(self, socket: zmq.Socket | None, timeout_ms: int) -> Any | None:
-        assert socket is not None
-        if not socket.poll(timeout_ms):
+    def _receive(self, link: _Link | None, timeout_ms: int) -> Any | None:
+        assert link is not None
+        if not link.connection.poll(timeout_ms / 1000):
             return None
-        return self._signer.unpack(socket.recv_multipart())
+        return self._signer.unpack(link.connection.recv_bytes())
 
     def close(self) -> None:
-        with self._send_lock:
-            if self._closed:
-                return
-            self._closed = True
-        for socket in (self._requests, self._control):
-            if socket is not None:
-                socket.close()
-        self._events.close()
-        self._context.term()
+        if self._closed:
+            return
+        self._closed = True
+        for link in (self._events, self._requests, self._control):
+            if link is not None:
+                with link.lock:
+                    link.connection.close()

@@ -97,8 +97,8 @@ class Agent:
         for rank_plan in self.plan.ranks:
             pid, self.pipes_by_pid[pid] = _fork_rank(self.plan, rank_plan, self.key)
             self.ranks_by_pid[pid] = rank_plan
-        # Sockets only after forking: a ZeroMQ context must not be shared with a child.
-        self.channels = RankChannels(Signer(self.key), self.plan.events_address, control_address=None, rank=None)
+        # Connect only after forking, so that no rank inherits the agent's connection.
+        self.channels = RankChannels(Signer(self.key), self.plan.address, rank=None)
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "stop_requested", True))
         try:
             self._watch()

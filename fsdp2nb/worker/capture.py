@@ -8,11 +8,15 @@ written before the call has been forwarded, so a `CellFinished` can never overta
 
 from __future__ import annotations
 
+import array
 import codecs
+import fcntl
 import io
 import os
 import secrets
+import select
 import sys
+import termios
 import threading
 from collections.abc import Callable
 from typing import BinaryIO
@@ -36,11 +40,24 @@ class FdCapture:
         self._markers_sent = 0
         # A pipe made by the host agent lets it recover what this rank wrote just before dying.
         read_end, write_end = pipe or os.pipe()
+        self._read_end = read_end
+        self._busy = False
         os.dup2(write_end, fd)
         os.close(write_end)
         self._thread = threading.Thread(target=self._forward, args=(read_end,), daemon=True,
                                         name=f"fsdp2nb-capture-{fd}")
         self._thread.start()
+
+    def has_unforwarded_output(self) -> bool:
+        """Whether anything written so far may not have been forwarded yet.
+
+        The reader marks itself busy before it takes bytes out of the pipe and clears the mark
+        after forwarding them, so "pipe empty and reader not busy" means everything is through,
+        and an empty cell needs no marker round trip.
+        """
+        pending = array.array("i", [0])
+        fcntl.ioctl(self._read_end, termios.FIONREAD, pending)
+        return pending[0] > 0 or self._busy
 
     def begin_sync(self) -> int:
         """Write a marker after everything written so far; `end_sync` waits until it is seen."""
@@ -56,11 +73,14 @@ class FdCapture:
     def _forward(self, read_end: int) -> None:
         pending = b""
         while True:
+            select.select([read_end], [], [])
+            self._busy = True
             data = os.read(read_end, _READ_SIZE)
             if not data:
                 self._emit(pending)
                 return
             pending = self._split_markers(pending + data)
+            self._busy = bool(pending)
 
     def _split_markers(self, buffer: bytes) -> bytes:
         """Forward text up to each marker, acknowledge it, and keep a possible partial marker."""

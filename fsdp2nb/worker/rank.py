@@ -63,8 +63,7 @@ class Rank:
         self._cell_id: int | None = None
         self._interrupted_cell_id: int | None = None
         self._main_thread_id = threading.get_ident()
-        self._channels = RankChannels(Signer(key), plan.events_address, control_address=plan.control_address,
-                                      rank=self.rank)
+        self._channels = RankChannels(Signer(key), plan.address, rank=self.rank)
         self._log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the rank
         pipes = pipes or {}
         self._captures = {
@@ -125,7 +124,10 @@ class Rank:
 
     def serve(self) -> None:
         while True:
-            request = self._channels.receive_request(_CONTROL_POLL_MS)
+            try:
+                request = self._channels.receive_request(_CONTROL_POLL_MS)
+            except (EOFError, OSError):
+                return  # the kernel is gone
             if request is None:
                 continue
             if isinstance(request, Shutdown):
@@ -145,7 +147,7 @@ class Rank:
         if isinstance(request, RunCell):
             from fsdp2nb.worker.shell import run_cell
 
-            error = run_cell(self.shell, request.code)
+            error = run_cell(self.shell, request.code, request.transformed)
             return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
         if isinstance(request, PushValues):
             self.shell.user_ns.update(pickle.loads(request.payload))
@@ -178,7 +180,10 @@ class Rank:
 
     def _control_loop(self) -> None:
         while True:
-            message = self._channels.receive_control(_CONTROL_POLL_MS)
+            try:
+                message = self._channels.receive_control(_CONTROL_POLL_MS)
+            except (EOFError, OSError):
+                return
             if isinstance(message, Interrupt):
                 self._interrupt(message.cell_id)
             elif isinstance(message, RequestSave):
@@ -208,7 +213,8 @@ class Rank:
 
     def _sync_output(self) -> None:
         # Both markers first, then both waits: the two pipes drain in parallel.
-        targets = [(capture, capture.begin_sync()) for capture in self._captures.values()]
+        targets = [(capture, capture.begin_sync()) for capture in self._captures.values()
+                   if capture.has_unforwarded_output()]
         for capture, target in targets:
             capture.end_sync(target)
 

@@ -77,13 +77,39 @@ def make_shell(namespace: dict, sink: RichSink) -> RankShell:
     return shell
 
 
-def run_cell(shell: RankShell, code: str) -> ErrorInfo | None:
-    """Run one cell; the error it raised, if any."""
+def run_cell(shell: RankShell, code: str, transformed: str | None = None) -> ErrorInfo | None:
+    """Run one cell; the error it raised, if any.
+
+    `transformed` is the cell after IPython's input transformations, done once in the notebook
+    kernel for all ranks. With it, the rank skips re-transforming (and IPython's per-cell output
+    tee) and drives IPython's own `run_cell_async` directly, which keeps an empty cell cheap.
+    Cells with top-level `await` take IPython's full path.
+    """
     shell.last_error = None
-    result = shell.run_cell(code, store_history=True)
+    if transformed is None or shell.should_run_async(code, transformed_cell=transformed,
+                                                     preprocessing_exc_tuple=None):
+        result = shell.run_cell(code, store_history=True)
+    else:
+        result = None
+        try:
+            result = _run_synchronously(shell.run_cell_async(code, store_history=True,
+                                                             transformed_cell=transformed))
+        finally:
+            shell.events.trigger("post_execute")
+            shell.events.trigger("post_run_cell", result)
     if result.success:
         return None
     return shell.last_error or ErrorInfo(ename="Error", evalue="the cell failed", traceback=())
+
+
+def _run_synchronously(coroutine):
+    """Run a coroutine that never suspends (should_run_async said so) to its result."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("a cell that should not await suspended")
 
 
 def _flush_matplotlib_figures(result=None) -> None:

@@ -23,9 +23,9 @@ def test_round_trip_with_the_same_key():
 def test_forged_or_tampered_messages_are_dropped_unread():
     signer, forger = Signer(b"k" * 32), Signer(b"f" * 32)
     assert signer.unpack(forger.pack(_Tripwire())) is None
-    signature, payload = signer.pack(RunCell(cell_id=1, code="x"))
-    assert signer.unpack([signature, pickle.dumps(_Tripwire())]) is None
-    assert signer.unpack([payload]) is None
+    frame = signer.pack(RunCell(cell_id=1, code="x"))
+    assert signer.unpack(frame[:32] + pickle.dumps(_Tripwire())) is None
+    assert signer.unpack(frame[:20]) is None
     assert UNPICKLED == [] and signer.num_rejected == 3
 
 
