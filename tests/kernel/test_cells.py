@@ -147,3 +147,12 @@ def test_interrupt_raises_keyboard_interrupt_on_every_rank(kernel):
     assert "[0] interrupted on 0" in run.stdout and "[1] interrupted on 1" in run.stdout
     assert "KeyboardInterrupt" in run.traceback_text
     assert kernel.execute("%%fsdp2\nprint('still here')").stdout == "[all] still here\n"
+
+
+def test_matplotlib_figure_from_rank_0_is_shown_labelled(kernel):
+    run = kernel.execute("%%fsdp2 --ranks 0\nimport matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.title('r0')",
+                         timeout=120)
+    assert run.status == "ok", run.traceback_text
+    images = [d for d in run.displays if "image/png" in d["data"]]
+    assert len(images) == 1
+    assert "[0]" in run.stdout
