@@ -80,6 +80,17 @@ class Kernel:
         run.status = reply["content"]["status"]
         return run
 
+    def execute_and_interrupt(self, code: str, when_printed: str, timeout: float = 100) -> CellRun:
+        """Run `code` and press the stop button once its output first contains `when_printed`."""
+        pressed = []
+
+        def on_message(message):
+            if not pressed and message["msg_type"] == "stream" and when_printed in message["content"]["text"]:
+                pressed.append(True)
+                self.manager.interrupt_kernel()
+
+        return self.execute(code, timeout=timeout, on_message=on_message)
+
     def stop(self) -> None:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=False)

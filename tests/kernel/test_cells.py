@@ -135,14 +135,7 @@ def test_large_output_is_truncated_with_the_log_path(kernel):
 def test_interrupt_raises_keyboard_interrupt_on_every_rank(kernel):
     code = ("%%fsdp2\nimport time\nprint('sleeping', flush=True)\ntry:\n    time.sleep(120)\n"
             "except KeyboardInterrupt:\n    print('interrupted on', rank, flush=True)\n    raise")
-    sent = []
-
-    def on_message(message):
-        if not sent and message["msg_type"] == "stream" and "sleeping" in message["content"]["text"]:
-            sent.append(True)
-            kernel.manager.interrupt_kernel()
-
-    run = kernel.execute(code, on_message=on_message, timeout=100)
+    run = kernel.execute_and_interrupt(code, when_printed="sleeping")
     assert run.status == "error"
     assert "[0] interrupted on 0" in run.stdout and "[1] interrupted on 1" in run.stdout
     assert "KeyboardInterrupt" in run.traceback_text

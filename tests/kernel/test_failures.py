@@ -32,14 +32,7 @@ def test_os_exit_reports_the_exit_code(kernel):
 def test_rank_ignoring_the_interrupt_gets_the_pool_restarted(kernel):
     code = ("%%fsdp2\nimport signal, time\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
             "print('waiting', flush=True)\ntime.sleep(120)")
-    sent = []
-
-    def on_message(message):
-        if not sent and message["msg_type"] == "stream" and "waiting" in message["content"]["text"]:
-            sent.append(True)
-            kernel.manager.interrupt_kernel()
-
-    run = kernel.execute(code, on_message=on_message, timeout=100)
+    run = kernel.execute_and_interrupt(code, when_printed="waiting")
     assert run.status == "error"
     assert "state was lost" in run.traceback_text and "rank(s) 1" in run.traceback_text
     assert kernel.execute("%%fsdp2\nprint('usable')").stdout == "[all] usable\n"
