@@ -15,6 +15,7 @@ class CellRun:
 
     status: str
     messages: list[dict] = field(default_factory=list)
+    reply: dict = field(default_factory=dict)
 
     @property
     def stdout(self) -> str:
@@ -77,6 +78,9 @@ class Kernel:
             if message["msg_type"] not in ("status", "execute_input"):
                 run.messages.append(message)
         reply = self.client.get_shell_msg(timeout=10)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.client.get_shell_msg(timeout=10)
+        run.reply = reply
         run.status = reply["content"]["status"]
         return run
 
