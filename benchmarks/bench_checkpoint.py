@@ -7,8 +7,10 @@
 1. Save throughput: a synchronous Checkpointer.save (DCP shards, fsync, commit) against the same
    number of bytes written by every rank with plain file writes + fsync, in the same run.
    Goal: >= 60 % of the raw speed.
-2. Training stall per async save: time the training loop loses to one async save (the save()
-   call plus the slow-down of steps while files are written) against the synchronous save time.
+2. Training stall per async save, for both async writers (a thread, the default, and DCP's
+   writer process): in rounds of one run, k training steps alone against save() + the same k steps +
+   wait() (k steps outlast a synchronous save); the median difference (the save() call, the
+   slow-down of steps while files are written, any wait left) against the synchronous save time.
    Goal: <= 10 %.
 3. HF export peak memory on rank 0: export_hf_model (tensors gathered one at a time, each rank
    writes its own files) against a naive export that gathers the full state dict on rank 0 and
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -31,6 +34,7 @@ import torch.distributed as dist
 
 from fsdp2nb.checkpoint import Checkpointer, export_hf_model
 from fsdp2nb.checkpoint.layout import dir_size
+from fsdp2nb.checkpoint.manager import ASYNC_WRITERS
 from fsdp2nb.testing.tiny_models import make_tiny_model
 from tests.distributed.harness import run_ranks
 
@@ -81,7 +85,7 @@ def _raw_write(path: Path, num_bytes: int) -> None:
         os.fsync(f.fileno())
 
 
-def _save_and_stall(root: str, hidden: int, layers: int, num_steps: int) -> dict:
+def _save_and_stall(root: str, hidden: int, layers: int, rounds: int) -> dict:
     rank = dist.get_rank()
     model, optimizer = _build(hidden, layers)
     _step(model, optimizer)  # optimizer state exists, as in a real run
@@ -97,33 +101,60 @@ def _save_and_stall(root: str, hidden: int, layers: int, num_steps: int) -> dict
     raw_time = _timed_collectively(lambda: _raw_write(raw_path, rank_bytes))
     raw_path.unlink()
 
-    step_times = []
-    for _ in range(num_steps):
-        step_times.append(_timed_collectively(lambda: _step(model, optimizer)))
-    baseline = statistics.median(step_times)
-
-    with Checkpointer(Path(root) / "async", keep=1, async_save=True) as ckpt:
-        ckpt.track(model=model, optimizer=optimizer)
-        ckpt.save(0)
-        ckpt.wait()
-        dist.barrier()
-        call_time = _timed_collectively(lambda: ckpt.save(1))
-        during = []
-        while _any_rank_saving(ckpt) or len(during) < 2:
-            during.append(_timed_collectively(lambda: _step(model, optimizer)))
-            if len(during) >= 4 * num_steps:
-                break
-        wait_time = _timed_collectively(ckpt.wait)
-    excess = sum(max(0.0, t - baseline) for t in during)
-    return dict(ckpt_bytes=ckpt_bytes, sync_time=min(sync_times), raw_time=raw_time, baseline=baseline,
-                call_time=call_time, excess=excess, wait_time=wait_time, steps_during=len(during))
+    return dict(ckpt_bytes=ckpt_bytes, sync_time=min(sync_times), raw_time=raw_time,
+                **_async_stall(Path(root), model, optimizer, min(sync_times), rounds))
 
 
-def _any_rank_saving(ckpt: Checkpointer) -> bool:
-    """Whether a save is still in flight anywhere; agreed so every rank runs the same number of steps."""
-    flag = torch.tensor([int(ckpt.status().saving_step is not None)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+def _async_stall(root: Path, model, optimizer, sync_time: float, rounds: int) -> dict:
+    """Side by side in one run: k steps alone, and save() + the same k steps + wait() per writer.
+
+    k is chosen so that k steps last longer than a synchronous save: a perfect async save then
+    costs nothing. Each round runs the three variants in a rotated order, so drift (other load on
+    the machine, caches warming) falls on all of them alike; the stall of a writer in a round is
+    its time minus the plain steps' time of that round, and the median over rounds is reported.
+    """
+    step_time = statistics.median(_timed_collectively(lambda: _step(model, optimizer)) for _ in range(3))
+    num_steps = max(2, math.ceil(1.5 * sync_time / step_time))
+
+    def steps() -> None:
+        for _ in range(num_steps):
+            _step(model, optimizer)
+
+    times: dict[str, list[float]] = {name: [] for name in ("plain", *ASYNC_WRITERS)}
+    calls: dict[str, list[float]] = {name: [] for name in ASYNC_WRITERS}
+    waits: dict[str, list[float]] = {name: [] for name in ASYNC_WRITERS}
+    ckpts = {name: Checkpointer(root / f"async-{name}", keep=1, async_save=True, async_writer=name)
+             for name in ASYNC_WRITERS}
+    try:
+        for ckpt in ckpts.values():
+            ckpt.track(model=model, optimizer=optimizer)
+            ckpt.save(0)  # warm-up: staging buffers allocated, writer process started
+            ckpt.wait()
+
+        def save_steps_wait(name: str, step: int) -> None:
+            start = time.perf_counter()
+            ckpts[name].save(step)
+            calls[name].append(time.perf_counter() - start)
+            steps()
+            start = time.perf_counter()
+            ckpts[name].wait()
+            waits[name].append(time.perf_counter() - start)
+
+        variants = list(times)
+        for i in range(rounds):
+            for name in variants[i % 3:] + variants[:i % 3]:
+                run = steps if name == "plain" else lambda name=name, step=i + 1: save_steps_wait(name, step)
+                times[name].append(_timed_collectively(run))
+    finally:
+        for ckpt in ckpts.values():
+            ckpt.close()
+    result = dict(step_time=step_time, num_steps=num_steps, plain=statistics.median(times["plain"]))
+    for name in ASYNC_WRITERS:
+        stalls = [t - p for t, p in zip(times[name], times["plain"], strict=True)]
+        result[name] = dict(total=statistics.median(times[name]), stall=statistics.median(stalls),
+                            stall_range=(min(stalls), max(stalls)), call_time=statistics.median(calls[name]),
+                            wait_time=statistics.median(waits[name]))
+    return result
 
 
 class _PeakRss:
@@ -186,35 +217,47 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="paired rounds for the async stall")
+    parser.add_argument("--skip-export", action="store_true", help="only the save measurements")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("fsdp2nb").setLevel(logging.WARNING)
 
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-", dir=args.dir) as root:
-        save = run_ranks(_save_and_stall, args.world_size, root, args.hidden, args.layers, args.steps)[0]
-        ours = run_ranks(_export_memory, args.world_size, root, args.hidden, args.layers, "ours")[0]
-        naive = run_ranks(_export_memory, args.world_size, root, args.hidden, args.layers, "naive")[0]
+        save = run_ranks(_save_and_stall, args.world_size, root, args.hidden, args.layers, args.rounds)[0]
+        if not args.skip_export:
+            ours = run_ranks(_export_memory, args.world_size, root, args.hidden, args.layers, "ours")[0]
+            naive = run_ranks(_export_memory, args.world_size, root, args.hidden, args.layers, "naive")[0]
 
     save_speed = save["ckpt_bytes"] / save["sync_time"]
     raw_speed = save["ckpt_bytes"] / save["raw_time"]
-    stall = save["call_time"] + save["excess"] + save["wait_time"]
     rows = [
         ("checkpoint size (model + AdamW)", _mib(save["ckpt_bytes"]), ""),
         ("sync save", f"{save['sync_time']:.3f} s  {_mib(save_speed)}/s", ""),
         ("raw write + fsync, same bytes", f"{save['raw_time']:.3f} s  {_mib(raw_speed)}/s", ""),
         ("save throughput / raw", f"{save_speed / raw_speed:.0%}", "goal >= 60%"),
-        ("train step (median, no save)", f"{save['baseline']:.3f} s", ""),
-        ("async save() call", f"{save['call_time']:.3f} s", ""),
-        (f"extra step time while writing ({save['steps_during']} steps)", f"{save['excess']:.3f} s", ""),
-        ("wait() after those steps", f"{save['wait_time']:.3f} s", ""),
-        ("stall per async save / sync save", f"{stall / save['sync_time']:.0%}", "goal <= 10%"),
-        ("model size (fp32)", _mib(ours["model_bytes"]), ""),
-        ("HF export peak RSS rise, rank 0: export_hf_model", f"{_mib(ours['peak'])}  {ours['seconds']:.2f} s", ""),
-        ("HF export peak RSS rise, rank 0: gather to rank 0", f"{_mib(naive['peak'])}  {naive['seconds']:.2f} s", ""),
-        ("export_hf_model / gather-to-rank-0 peak", f"{ours['peak'] / max(naive['peak'], 1):.0%}", "lower is better"),
+        ("train step (median)", f"{save['step_time']:.3f} s", ""),
+        (f"{save['num_steps']} steps, no save (median of {args.rounds})", f"{save['plain']:.3f} s", ""),
     ]
+    for name in ASYNC_WRITERS:
+        r = save[name]
+        low, high = r["stall_range"]
+        rows += [
+            (f"[{name}] save() + {save['num_steps']} steps + wait() (median)", f"{r['total']:.3f} s", ""),
+            (f"[{name}]   of which the save() call", f"{r['call_time']:.3f} s", ""),
+            (f"[{name}]   of which wait() after the steps", f"{r['wait_time']:.3f} s", ""),
+            (f"[{name}] stall per async save (median, min..max)", f"{r['stall']:.3f} s  {low:.2f}..{high:.2f}", ""),
+            (f"[{name}] stall per async save / sync save", f"{r['stall'] / save['sync_time']:.0%}",
+             "goal <= 10%"),
+        ]
+    if not args.skip_export:
+        rows += [
+            ("model size (fp32)", _mib(ours["model_bytes"]), ""),
+            ("HF export peak RSS rise, rank 0: export_hf_model", f"{_mib(ours['peak'])}  {ours['seconds']:.2f} s", ""),
+            ("HF export peak RSS rise, rank 0: gather to rank 0", f"{_mib(naive['peak'])}  {naive['seconds']:.2f} s", ""),
+            ("export_hf_model / gather-to-rank-0 peak", f"{ours['peak'] / max(naive['peak'], 1):.0%}", "lower is better"),
+        ]
     width = max(len(r[0]) for r in rows)
     logger.info("world size %d, hidden %d, layers %d", args.world_size, args.hidden, args.layers)
     for name, value, goal in rows:

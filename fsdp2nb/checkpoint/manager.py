@@ -2,10 +2,12 @@
 
 A save runs in three parts. On the calling thread every rank agrees on a temporary directory and
 copies its shards off the live tensors (`dcp.async_save` staging: reused buffers on CPU,
-pinned memory on GPU). In the
-background, DCP writes and fsyncs the shards, each rank adds its RNG/scheduler file, the ranks
-agree that all succeeded, and rank 0 writes the metadata, renames the directory into place and
-replaces LATEST. A crash at any point leaves LATEST naming the previous, complete checkpoint.
+pinned memory on GPU). In the background, DCP serializes, writes and fsyncs the shards (from a
+thread, or with async_writer="process" in its persistent writer process, which receives the
+staged buffers through shared memory and leaves the training process's GIL alone). A thread of
+this process then adds the rank's RNG/scheduler file, the ranks agree that all succeeded, and rank 0
+writes the metadata, renames the directory into place and replaces LATEST. A crash at any point
+leaves LATEST naming the previous, complete checkpoint.
 
 Background work talks over its own gloo group and the calling thread over another, so a save in
 flight never interleaves its collectives with `maybe_save`'s or the training step's.
@@ -23,13 +25,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp2nb.checkpoint import layout
 from fsdp2nb.checkpoint.faults import fault_point
@@ -90,17 +93,26 @@ class _Tracked:
     extra: dict[str, Any]
 
 
-class _FaultAwareWriter(FileSystemWriter):
-    """FileSystemWriter with a fault-injection point after this rank's shards are on disk."""
+AsyncWriter = Literal["process", "thread"]
+ASYNC_WRITERS: tuple[AsyncWriter, ...] = ("process", "thread")
 
-    def __init__(self, path: Path, rank: int) -> None:
+
+class _ShardWriter(FileSystemWriter):
+    """FileSystemWriter that skips zip CRC32s when it runs in DCP's writer process.
+
+    torch.load never checks them, and computing them is about half the CPU time of serializing a
+    shard. The switch is process-wide, so it is only thrown in the writer process, which does
+    nothing else; in the training process the default stays.
+    """
+
+    def __init__(self, path: Path) -> None:
         super().__init__(path, sync_files=True)
-        self._rank = rank
+        self._owner_pid = os.getpid()
 
     def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - signature of the base class
-        written = super().write_data(plan, planner)
-        fault_point("write_shards", self._rank)
-        return written
+        if os.getpid() != self._owner_pid:
+            torch.serialization.set_crc32_options(False)
+        return super().write_data(plan, planner)
 
 
 def tracked_checkpointer() -> Checkpointer:
@@ -118,6 +130,11 @@ class Checkpointer:
 
     Create it on every rank (it makes two gloo groups). `keep` is how many valid checkpoints to
     retain (None keeps all); `async_save` lets training continue while files are written.
+    `async_writer` says where: "thread" (default) writes from a thread of this process; "process"
+    serializes and writes in DCP's persistent writer process, off this process's GIL (started by
+    the first async save, shared by every checkpointer of the process). On a 2-core CPU host the
+    process measured no better (benchmarks/bench_checkpoint.py prints both); it can pay off where
+    spare cores exist. Without a process group async saves always use a thread.
 
         ckpt = Checkpointer("/ckpt/run1", keep=3)
         ckpt.track(model=model, optimizer=opt, scheduler=sched)
@@ -129,14 +146,17 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 3, async_save: bool = True,
-                 *, requests: SaveRequests | None = None) -> None:
+                 *, async_writer: AsyncWriter = "thread", requests: SaveRequests | None = None) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep={keep!r} must be None (keep all) or an int >= 1")
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save={async_save!r} must be True or False")
+        if async_writer not in ASYNC_WRITERS:
+            raise ValueError(f"async_writer={async_writer!r} must be one of {ASYNC_WRITERS}")
         self.directory = Path(directory).absolute()
         self.keep = keep
         self.async_save = async_save
+        self.async_writer = async_writer
         self._requests = requests if requests is not None else process_requests()
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._distributed else 0
@@ -190,14 +210,18 @@ class Checkpointer:
         state = get_training_state(tracked.model, tracked.optimizer)
         self._last_step = step
         rank_state = self._capture_rank_state(tracked, step)
-        writer = _FaultAwareWriter(job.tmp_dir, self._rank)
+        writer = _ShardWriter(job.tmp_dir)
         if not self.async_save:
             dcp.save(state, storage_writer=writer, process_group=self._bg_group,
                      no_dist=not self._distributed)
             self._finish(job, rank_state, None, tracked.model)
             return
-        response = dcp.async_save(state, storage_writer=writer, process_group=self._bg_group,
-                                  async_stager=self._stager, no_dist=not self._distributed)
+        use_process = self.async_writer == "process" and self._distributed
+        response = dcp.async_save(
+            state, storage_writer=writer, process_group=self._bg_group, async_stager=self._stager,
+            no_dist=not self._distributed,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS if use_process else AsyncCheckpointerType.THREAD,
+        )
         upload = response if isinstance(response, Future) else response.upload_completion
         future = self._executor.submit(self._finish, job, rank_state, upload, tracked.model)
         with self._lock:
@@ -270,6 +294,7 @@ class Checkpointer:
         try:
             if upload is not None:
                 upload.result()
+            fault_point("write_shards", self._rank)  # this rank's shards are on disk
             buffer = io.BytesIO()
             torch.save(rank_state, buffer)
             layout.write_durable(job.tmp_dir / layout.rank_file_name(self._rank), buffer.getvalue())

@@ -54,6 +54,12 @@ def test_keep_zero_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_unknown_async_writer_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"async_writer='fork' must be one of \('process', 'thread'\)"):
+        Checkpointer(tmp_path, async_writer="fork")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("kind", ["under_a_file", "proc"])
 def test_unwritable_directory_is_refused_at_creation(tmp_path, kind):
     if kind == "under_a_file":
