@@ -1,15 +1,38 @@
-"""Load a ~0.5B-parameter Llama-style checkpoint onto 4 CPU ranks three ways and compare.
+"""Load a ~0.5B-parameter Llama-style checkpoint onto 4 CPU ranks several ways and compare.
 
-  engine        fsdp2nb.engine.load_model(init="meta"): shard on meta, each rank reads its own slices
-  naive         the pre-engine approach, rewritten here as a baseline: shard on meta, then every
-                rank reads every full tensor, casts it, and copies out its chunk
-  from_pretrained  every rank runs from_pretrained on the full model, then shards it
+  engine               fsdp2nb.load_model(init="meta"): shard on meta, each rank reads its own slices
+  naive                shard on meta, then every rank copies every full tensor into private memory
+                       (`get_tensor(key).clone()`) and keeps its chunk: a loader that reads whole tensors
+  from_pretrained      every rank runs from_pretrained(dtype=float32) on the full model, then shards it
+                       (what load_model(init="default") does)
+  from_pretrained_bf16 the same with dtype=bfloat16, the usual way to ask for half precision: the cast
+                       gives every rank a private bf16 copy of the whole model before sharding (its
+                       shards are bf16, half the size of the others')
 
 Run from the repository root:  .venv/bin/python benchmarks/bench_engine_load.py
-The checkpoint (fp32 safetensors by default, so its size equals the fp32 training storage) is
-cached under /tmp between runs. Before each method the page cache is dropped when this process
-may write /proc/sys/vm/drop_caches, so /proc/self/io read_bytes counts real disk reads; the
-table says whether that worked. "requested" is the checkpoint bytes the loader asked for.
+
+What is measured, per rank, over the load only (imports, including modeling_llama, happen first):
+
+* anon: growth of RssAnon (private memory) from just before the load to its peak, sampled by a
+  thread every 2 ms. The rank's own shard is allocated inside the window, so it is part of this
+  number; "overhead" is anon growth minus that shard.
+* file: growth of RssFile to its peak. safetensors maps the checkpoint (mmap), and pages a rank
+  touches count here. They are shared, clean page cache: one copy on the machine however many
+  ranks map them, and the kernel can drop them at any time. They are not memory a rank owns.
+* hwm: the kernel's exact peak of total RSS (anon + file + shmem) in the window, reset at its start
+  through /proc/self/clear_refs, minus the RSS before. A cross-check for short spikes the sampler
+  could miss.
+* requested: checkpoint bytes the loader asked for; disk: /proc/self/io read_bytes, real reads,
+  meaningful only because the page cache is dropped before each method (the table says if it was).
+  Ranks share the page cache, so a page is read from disk once, by whichever rank faults it first,
+  and kernel readahead (read_ahead_kb) charges whole windows to that rank.
+
+Why from_pretrained looks cheap here: with safetensors 0.8 and transformers 5, `get_tensor` and
+`get_slice(...)[rows]` return views into the mapped file, and from_pretrained keeps those views when
+the requested dtype equals the stored one (its fp32 model is a set of views of the file, not a
+copy). Sharding then copies only the rank's chunk, touching only those pages, so no rank ever holds
+a private copy of a full tensor. Any cast (the bf16 variant) or a loader that copies whole tensors
+(naive) loses that. The engine reads the same way: its only private memory is its shard.
 """
 
 from __future__ import annotations
@@ -18,6 +41,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.distributed.harness import run_ranks  # noqa: E402
 
 logger = logging.getLogger("bench_engine_load")
+
+GIB = 1024**3
 
 _MODEL_DIMS = dict(
     vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
@@ -47,70 +73,70 @@ def make_checkpoint(directory: Path, dtype_name: str) -> Path:
     return directory
 
 
+# ---- per-process counters --------------------------------------------------------------------
+
 def _io_counters() -> dict[str, int]:
     with open("/proc/self/io") as f:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
-def _current_rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def _peak_rss() -> int:
-    # VmHWM belongs to this process image; ru_maxrss would report the parent's peak, which Linux
-    # carries across fork and exec.
+def _status(*fields: str) -> dict[str, int]:
+    """Byte values of `fields` ("RssAnon", "RssFile", "VmRSS", "VmHWM") from /proc/self/status."""
+    found = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+            name, _, value = line.partition(":")
+            if name in fields:
+                found[name] = int(value.split()[0]) * 1024
+    return found
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+def _reset_peak_rss() -> None:
+    # "5" resets VmHWM to the current RSS (proc(5), clear_refs), so VmHWM covers the load only.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
-class _AnonPeak:
-    """Samples RssAnon every few ms: private memory, without the checkpoint's page-cache pages that
-    an mmap-ed file adds to VmHWM while it is mapped (those are shared and reclaimable)."""
+class _PeakSampler:
+    """Peaks of RssAnon and RssFile, sampled every `interval` seconds by a daemon thread."""
 
-    def __init__(self) -> None:
-        import threading
-
-        self.peak = _status_bytes("RssAnon")
+    def __init__(self, interval: float = 0.002) -> None:
+        self.peak = _status("RssAnon", "RssFile")
+        self._interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _sample(self) -> None:
+        for name, value in _status("RssAnon", "RssFile").items():
+            self.peak[name] = max(self.peak[name], value)
+
     def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _status_bytes("RssAnon"))
+        while not self._stop.wait(self._interval):
+            self._sample()
 
-    def __enter__(self) -> _AnonPeak:
+    def start(self) -> None:
         self._thread.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
+        """Safe to call twice."""
         self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _status_bytes("RssAnon"))
+        if self._thread.is_alive():
+            self._thread.join()
+        self._sample()
 
 
-def _load_engine(path: str) -> int:
+# ---- the loaders; each returns (model, checkpoint bytes it asked for) -------------------------
+
+def _load_engine(path: str):
     from fsdp2nb.engine import FSDP2Engine, load_model
 
     engine = FSDP2Engine(mixed_precision="bf16")
-    load_model(path, init="meta", engine=engine)
-    return engine.last_load_report.bytes_requested
+    model, _ = load_model(path, init="meta", engine=engine)
+    return model, engine.last_load_report.bytes_requested
 
 
-def _load_naive(path: str) -> int:
-    """Every rank reads every full tensor and casts it before cutting out its chunk."""
+def _load_naive(path: str):
+    """Every rank copies every full tensor out of the file and keeps the chunk it owns."""
     import torch
     import torch.distributed as dist
     from safetensors import safe_open
@@ -125,63 +151,89 @@ def _load_naive(path: str) -> int:
     engine.prepare_model(model)
     model.to_empty(device="cpu")
     params = dict(model.named_parameters())
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     requested = 0
     with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f, torch.no_grad():
         for key in f.keys():
-            full = f.get_tensor(key)
+            # get_tensor alone is a view of the mapped file; clone() makes this the full read it
+            # stands for (what older safetensors, torch.load without mmap, or a cast would do).
+            full = f.get_tensor(key).clone()
             requested += full.numel() * full.element_size()
             param = params[key]
-            full = full.to(param.dtype)
             local = param.to_local() if isinstance(param, DTensor) else param
-            chunk = (full.shape[0] + world - 1) // world
+            chunk = (full.shape[0] + world_size - 1) // world_size  # FSDP2's dim-0 split
             start = min(rank * chunk, full.shape[0])
-            local.copy_(full[start:start + local.shape[0]])
-    return requested
+            local.copy_(full[start:start + local.shape[0]].to(local.dtype))
+            del full
+    return model, requested
 
 
-def _load_from_pretrained(path: str) -> int:
+def _from_pretrained(path: str, dtype_name: str):
     import torch
     from transformers import AutoModelForCausalLM
 
     from fsdp2nb.engine import FSDP2Engine
 
     engine = FSDP2Engine(mixed_precision="bf16")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name))
     engine.prepare_model(model)
-    return os.path.getsize(os.path.join(path, "model.safetensors"))
+    return model, os.path.getsize(os.path.join(path, "model.safetensors"))
 
 
-METHODS = {"engine": _load_engine, "naive": _load_naive, "from_pretrained": _load_from_pretrained}
+def _load_from_pretrained(path: str):
+    return _from_pretrained(path, "float32")
+
+
+def _load_from_pretrained_bf16(path: str):
+    return _from_pretrained(path, "bfloat16")
+
+
+METHODS = {
+    "engine": _load_engine,
+    "naive": _load_naive,
+    "from_pretrained": _load_from_pretrained,
+    "from_pretrained_bf16": _load_from_pretrained_bf16,
+}
+
+
+def _local_bytes(model) -> int:
+    """Bytes of this rank's own parameter shards and buffers."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
 
 
 def _measure(method: str, path: str) -> dict[str, float]:
     import torch.distributed as dist
     import transformers  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401  (seconds of imports, not loading)
 
-    import fsdp2nb.engine  # noqa: F401  (imports are not part of the load being timed)
+    import fsdp2nb.engine  # noqa: F401
 
-    rss_before, io_before = _current_rss(), _io_counters()
-    anon_before = _status_bytes("RssAnon")
     dist.barrier()
-    sampler = _AnonPeak().__enter__()
+    before = _status("RssAnon", "RssFile", "VmRSS")
+    io_before = _io_counters()
+    _reset_peak_rss()
+    sampler = _PeakSampler()
+    sampler.start()
     start = time.perf_counter()
-    if os.environ.get("BENCH_PROFILE") and dist.get_rank() == 0:
-        import cProfile
-
-        with cProfile.Profile() as profile:
-            requested = METHODS[method](path)
-        profile.dump_stats(os.environ["BENCH_PROFILE"])
-    else:
-        requested = METHODS[method](path)
+    model, requested = METHODS[method](path)
     dist.barrier()
     wall = time.perf_counter() - start
-    sampler.__exit__()
+    sampler.stop()
+    after = _status("RssAnon", "VmHWM")
     io_after = _io_counters()
     return dict(
-        wall=wall, requested=requested, read_bytes=io_after["read_bytes"] - io_before["read_bytes"],
-        rchar=io_after["rchar"] - io_before["rchar"], peak_rss=_peak_rss(), rss_before=rss_before,
-        anon_growth=sampler.peak - anon_before,
+        wall=wall, requested=requested, disk=io_after["read_bytes"] - io_before["read_bytes"],
+        shard=_local_bytes(model),
+        anon=sampler.peak["RssAnon"] - before["RssAnon"],
+        file=sampler.peak["RssFile"] - before["RssFile"],
+        hwm=after["VmHWM"] - before["VmRSS"],
+        anon_held=after["RssAnon"] - before["RssAnon"],
     )
 
 
@@ -195,29 +247,80 @@ def _drop_page_cache() -> bool:
         return False
 
 
-def _table(results: dict[str, list[dict]], checkpoint_bytes: int, world_size: int, dropped: dict[str, bool]) -> str:
-    gib = 1024**3
-    head = (f"{'method':<16}{'wall s':>8}{'req/rank GiB':>14}{'req/ckpt*N':>12}{'disk read/rank GiB':>20}"
-            f"{'peak RSS/rank GiB (VmHWM)':>27}{'sum peak/ckpt':>15}{'sum (peak-start)/ckpt':>23}{'sum anon growth/ckpt':>22}{'cache dropped':>15}")
-    lines = [head, "-" * len(head)]
+# ---- report ----------------------------------------------------------------------------------
+
+def _row(cells: list[tuple[str, int]]) -> str:
+    return "".join(f"{text:>{width}}" if i else f"{text:<{width}}" for i, (text, width) in enumerate(cells))
+
+
+def _io_table(results: dict[str, list[dict]], ckpt: int, world_size: int, dropped: dict[str, bool]) -> list[str]:
+    head = [("method", 22), ("wall s", 8), ("req/rank GiB", 14), ("req*N/ckpt", 12),
+            ("disk/rank max GiB", 19), ("disk max*N/ckpt", 17), ("disk sum/ckpt", 15), ("cache dropped", 15)]
+    lines = [_row(head), "-" * sum(w for _, w in head)]
     for method, ranks in results.items():
-        wall = max(r["wall"] for r in ranks)
-        req = max(r["requested"] for r in ranks)
-        disk = max(r["read_bytes"] for r in ranks)
-        peak = max(r["peak_rss"] for r in ranks)
-        sum_peak = sum(r["peak_rss"] for r in ranks)
-        sum_growth = sum(r["peak_rss"] - r["rss_before"] for r in ranks)
-        sum_anon = sum(r["anon_growth"] for r in ranks)
-        lines.append(
-            f"{method:<16}{wall:>8.1f}{req / gib:>14.3f}{req * world_size / checkpoint_bytes:>12.2f}"
-            f"{disk / gib:>20.3f}{peak / gib:>27.2f}{sum_peak / checkpoint_bytes:>15.2f}"
-            f"{sum_growth / checkpoint_bytes:>23.2f}"
-            f"{sum_anon / checkpoint_bytes:>22.2f}{dropped[method]!s:>15}"
-        )
-    lines.append(f"checkpoint {checkpoint_bytes / gib:.3f} GiB on {world_size} ranks")
-    if "engine" in results and "from_pretrained" in results:
-        ratio = max(r["wall"] for r in results["engine"]) / max(r["wall"] for r in results["from_pretrained"])
-        lines.append(f"engine wall / from_pretrained wall = {ratio:.2f}")
+        req, disk = max(r["requested"] for r in ranks), max(r["disk"] for r in ranks)
+        lines.append(_row([
+            (method, 22), (f"{max(r['wall'] for r in ranks):.1f}", 8), (f"{req / GIB:.3f}", 14),
+            (f"{req * world_size / ckpt:.2f}", 12), (f"{disk / GIB:.3f}", 19),
+            (f"{disk * world_size / ckpt:.2f}", 17), (f"{sum(r['disk'] for r in ranks) / ckpt:.2f}", 15),
+            (str(dropped[method]), 15),
+        ]))
+    return lines
+
+
+def _memory_table(results: dict[str, list[dict]], ckpt: int) -> list[str]:
+    head = [("method", 22), ("shard", 8), ("anon", 8), ("overhead", 10), ("held", 8), ("file", 8),
+            ("hwm", 8), ("sum anon/ckpt", 15), ("sum (anon+file)/ckpt", 22)]
+    lines = [_row(head), "-" * sum(w for _, w in head)]
+    for method, ranks in results.items():
+        def top(key: str, ranks: list[dict] = ranks) -> str:
+            return f"{max(r[key] for r in ranks) / GIB:.3f}"
+
+        overhead = max(r["anon"] - r["shard"] for r in ranks)
+        lines.append(_row([
+            (method, 22), (top("shard"), 8), (top("anon"), 8), (f"{overhead / GIB:.3f}", 10),
+            (top("anon_held"), 8), (top("file"), 8), (top("hwm"), 8),
+            (f"{sum(r['anon'] for r in ranks) / ckpt:.2f}", 15),
+            (f"{sum(r['anon'] + r['file'] for r in ranks) / ckpt:.2f}", 22),
+        ]))
+    lines += [
+        "GiB per rank, largest over ranks. shard: own parameter shards + buffers; anon: peak RssAnon growth",
+        "(shard included); overhead: anon - shard; held: RssAnon growth left after the load; file: peak RssFile",
+        "growth (mapped checkpoint pages: shared page cache); hwm: kernel-exact peak VmRSS growth (anon + file).",
+        "sum anon/ckpt: sum over ranks of anon, over the checkpoint size; sum (anon+file)/ckpt also counts every",
+        "rank's mapped pages as its own (an upper bound: those pages are shared).",
+    ]
+    return lines
+
+
+def _goal_lines(results: dict[str, list[dict]], ckpt: int, world_size: int) -> list[str]:
+    if "engine" not in results:
+        return []
+    engine = results["engine"]
+    req = max(r["requested"] for r in engine) * world_size / ckpt
+    mem = sum(r["anon"] for r in engine) / ckpt
+    lines = [
+        f"goal  engine bytes requested per rank <= 1.1/N of the checkpoint: {req:.2f}/N "
+        f"({'met' if req <= 1.1 else 'NOT met'})",
+        f"goal  engine sum over ranks of peak private-memory growth (shards included) <= 1.3x checkpoint: "
+        f"{mem:.2f}x ({'met' if mem <= 1.3 else 'NOT met'})",
+    ]
+    wall = max(r["wall"] for r in engine)
+    for baseline in ("from_pretrained", "from_pretrained_bf16"):
+        if baseline in results:
+            ratio = wall / max(r["wall"] for r in results[baseline])
+            lines.append(f"goal  engine wall <= 0.5x {baseline} wall: {ratio:.2f}x "
+                         f"({'met' if ratio <= 0.5 else 'NOT met'})")
+    return lines
+
+
+def _report(
+    results: dict[str, list[dict]], ckpt: int, world_size: int, dropped: dict[str, bool], dtype_name: str
+) -> str:
+    lines = [f"checkpoint {ckpt / GIB:.3f} GiB ({dtype_name} safetensors) on {world_size} gloo ranks", ""]
+    lines += _io_table(results, ckpt, world_size, dropped) + [""]
+    lines += _memory_table(results, ckpt) + [""]
+    lines += _goal_lines(results, ckpt, world_size)
     return "\n".join(lines)
 
 
@@ -230,13 +333,14 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     path = make_checkpoint(Path(args.cache_dir) / args.dtype, args.dtype)
-    checkpoint_bytes = os.path.getsize(path / "model.safetensors")
+    ckpt = os.path.getsize(path / "model.safetensors")
     results, dropped = {}, {}
     for method in args.methods:
         dropped[method] = not args.keep_page_cache and _drop_page_cache()
         results[method] = run_ranks(_measure, args.world_size, method, str(path))
-    sys.stdout.write(_table(results, checkpoint_bytes, args.world_size, dropped) + "\n")
+    sys.stdout.write(_report(results, ckpt, args.world_size, dropped, args.dtype) + "\n")
 
 
 if __name__ == "__main__":
