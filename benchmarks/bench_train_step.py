@@ -61,8 +61,13 @@ def under_torchrun(model_dir: str) -> float:
 
 
 def main() -> None:
+    import argparse
+
     from fsdp2nb.testing import save_tiny_checkpoint
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5, help="alternating cell/torchrun runs")
+    args = parser.parse_args()
     model_dir = os.path.join(tempfile.mkdtemp(prefix="fsdp2nb-bench-"), "model")
     save_tiny_checkpoint(model_dir, "llama", **DIMS)
     kernel = Kernel()
@@ -70,7 +75,7 @@ def main() -> None:
     try:
         kernel.execute("%load_ext fsdp2nb")
         assert kernel.execute(f"%fsdp2 start --cpu {NUM_RANKS}").status == "ok"
-        for _ in range(3):
+        for _ in range(args.rounds):
             cell.append(in_cell(kernel, model_dir))
             torchrun.append(under_torchrun(model_dir))
     finally:

@@ -39,7 +39,7 @@ ERROR_GRACE_S = 3.0
 """After a rank fails, how long the others may go on before they are interrupted."""
 INTERRUPT_GRACE_S = 5.0
 """After an interrupt, how long ranks may take to return before the pool is restarted."""
-_POLL_S = 0.02
+_POLL_S = 0.1
 
 
 class PoolMismatchError(RuntimeError):
