@@ -60,6 +60,9 @@ def save_tiny_checkpoint(
     `checkpoint_format`: one `model.safetensors`, several safetensors files with an index
     (`sharded`), or `pytorch_model.bin`.
     """
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a progress bar for a 100 kB file is noise
     directory = Path(directory)
     model = make_tiny_model(family, tie_word_embeddings=tie_word_embeddings, seed=seed, **overrides)
     if checkpoint_format == "safetensors":
