@@ -110,6 +110,7 @@ class FSDP2Magics(Magics):
     def _run_cell(self, line: str, cell: str) -> None:
         options = self._cell_parser.parse_args(shlex.split(line))
         spec = _spec_or_none(options)
+        spec = self._with_running_devices(spec, options)
         world_size = self.session.pool.world_size if self.session.pool and spec is None else None
         world_size = world_size or (spec or default_spec()).world_size
         ranks = parse_rank_list(options.ranks, world_size) if options.ranks else tuple(range(world_size))
@@ -128,12 +129,19 @@ class FSDP2Magics(Magics):
         command, options = words[0], self._line_parsers[words[0]].parse_args(words[1:])
         return getattr(self, f"_command_{command}")(options)
 
+    def _with_running_devices(self, spec: PoolSpec | None, options) -> PoolSpec | None:
+        """`--timeout` alone keeps the devices of the running pool (or the default ones)."""
+        if spec is None or options.gpus is not None or options.cpu is not None:
+            return spec
+        base = self.session.pool.spec if self.session.pool else default_spec()
+        return PoolSpec(devices=base.devices, collective_timeout_s=spec.collective_timeout_s)
+
     def _command_start(self, options) -> None:
-        pool = self.session.start(_spec_or_none(options) or default_spec())
+        pool = self.session.start(self._with_running_devices(_spec_or_none(options), options) or default_spec())
         print(f"started {pool.world_size} ranks ({pool.spec.describe()})")
 
     def _command_restart(self, options) -> None:
-        pool = self.session.restart(_spec_or_none(options))
+        pool = self.session.restart(self._with_running_devices(_spec_or_none(options), options))
         print(f"restarted: {pool.world_size} fresh ranks ({pool.spec.describe()}); rank state was cleared")
 
     def _command_stop(self, options) -> None:
@@ -193,10 +201,14 @@ def _pickle_for_ranks(values: dict) -> bytes:
     """Pickle notebook values; cloudpickle also carries functions and classes defined in the notebook."""
     import cloudpickle
 
+    try:
+        return cloudpickle.dumps(values)
+    except Exception:
+        pass  # find the culprit (only on failure, so a large push is pickled once)
     for name, value in values.items():
         try:
             cloudpickle.dumps(value)
         except Exception as error:
             raise UsageError(f"cannot push {name!r}: it cannot be pickled ({type(error).__name__}: {error}); "
                              "push data (numbers, tensors, dicts), not live objects") from None
-    return cloudpickle.dumps(values)
+    raise UsageError(f"cannot push {', '.join(values)}: together they cannot be pickled")

@@ -84,12 +84,14 @@ class NotebookSession:
         logger.info("started %d ranks in %.1f s", spec.world_size, time.perf_counter() - started)
         return pool
 
-    def stop(self) -> bool:
-        """Stop the pool if there is one; returns whether there was. Safe to call twice."""
+    def stop(self, *, polite: bool = True) -> bool:
+        """Stop the pool if there is one; returns whether there was. Safe to call twice.
+
+        `polite=False` skips asking the ranks to exit, for ranks known to be stuck or dead."""
         pool, self.pool = self.pool, None
         if pool is None:
             return False
-        pool.stop()
+        pool.stop(polite=polite)
         return True
 
     def restart(self, spec: PoolSpec | None = None) -> WorkerPool:
@@ -176,6 +178,9 @@ class NotebookSession:
             merger.flush()
             raise RankError([(event.rank, _exit_error(event))], world_size,
                             notes=self._after_dead_rank(event))
+        if isinstance(event, StreamOutput) and event.cell_id is None:
+            _show_background_output(event, world_size)  # a rank's own thread, outside any cell
+            return
         if getattr(event, "cell_id", cell_id) != cell_id:
             return  # late output of an earlier, abandoned request
         if isinstance(event, StreamOutput):
@@ -230,7 +235,7 @@ class NotebookSession:
         merger.flush()
         errors = progress.errors or [(progress.running[0], ErrorInfo("KeyboardInterrupt", "", ()))]
         stuck = tuple(progress.running)
-        self.stop()
+        self.stop(polite=False)
         self.start(pool.spec)
         note = (f"{why}; the pool was restarted ({pool.spec.describe()}) and all rank state was lost "
                 f"(stuck: rank(s) {', '.join(map(str, stuck))})")
@@ -238,7 +243,7 @@ class NotebookSession:
 
     def _after_dead_rank(self, event: RankExited) -> tuple[str, ...]:
         spec = self.pool.spec if self.pool else None
-        self.stop()
+        self.stop(polite=False)
         if spec is None:
             return ()
         self.start(spec)
@@ -249,8 +254,7 @@ class NotebookSession:
         """Output that ranks printed while no cell ran (a background thread, say) is shown now."""
         for event in pool.drain_events():
             if isinstance(event, StreamOutput) and event.cell_id is None:
-                label = rank_label([event.rank], pool.world_size)
-                write_to_kernel(event.stream, f"{label} (between cells) {event.text}")
+                _show_background_output(event, pool.world_size)
 
 
 def transform_and_check(code: str) -> str:
@@ -265,6 +269,11 @@ def transform_and_check(code: str) -> str:
     except SyntaxError as error:
         raise CellSyntaxError(error) from None
     return source
+
+
+def _show_background_output(event: StreamOutput, world_size: int) -> None:
+    label = rank_label([event.rank], world_size) or "[rank 0]"
+    write_to_kernel(event.stream, f"{label} (outside a cell) {event.text}")
 
 
 def _exit_error(event: RankExited) -> ErrorInfo:

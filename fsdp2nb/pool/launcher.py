@@ -24,7 +24,7 @@ class LaunchedRanks(Protocol):
     def is_running(self) -> bool: ...
 
     def terminate(self, grace_s: float) -> None:
-        """End every rank: politely first, by force after `grace_s`. Safe to call twice."""
+        """End every rank: SIGTERM first, by force after `grace_s`. Safe to call twice."""
 
 
 class Launcher(Protocol):

@@ -81,19 +81,19 @@ class WorkerPool:
         """Start the ranks and return once every one has joined the process group."""
         reaper.reap_orphans()
         self.state = "starting"
-        key = secrets.token_bytes(KEY_BYTES)
-        plan = self._plan()
-        self._channels = KernelChannels(Signer(key), plan.address)
-        self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
-        self._receiver.start()
-        self._launched = self._launcher.launch(plan, key)
-        self._register()
         try:
+            key = secrets.token_bytes(KEY_BYTES)
+            plan = self._plan()
+            self._channels = KernelChannels(Signer(key), plan.address)
+            self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
+            self._receiver.start()
+            self._launched = self._launcher.launch(plan, key)
+            self._register()
             self._wait_until_ready(timeout_s)
+            self._register()
         except BaseException:
-            self.stop()
+            self.stop(polite=False)
             raise
-        self._register()
         self.state = "ready"
 
     def _plan(self) -> LaunchPlan:
@@ -128,18 +128,19 @@ class WorkerPool:
         processes += [(info.pid, info.create_time) for info in self.ranks.values()]
         reaper.record_pool(self.pool_id, reaper.process_key(os.getpid()), [p for p in processes if p])
 
-    def stop(self, grace_s: float = 3.0) -> None:
-        """End every rank and release every resource; safe to call twice."""
+    def stop(self, *, polite: bool = True, grace_s: float = 30.0) -> None:
+        """End every rank and release every resource; safe to call twice.
+
+        Polite: ask each idle rank to exit and give them `grace_s` (an asynchronous checkpoint
+        save finishes first); ranks still there are then terminated. `polite=False` is for
+        ranks known to be stuck.
+        """
         if self.state == "stopped" and self._channels is None:
             return
-        for rank in self.ranks:
-            if rank not in self.exited:
-                try:
-                    self.send(rank, Shutdown(), connect_timeout_s=0)
-                except ConnectionError:
-                    pass
+        if polite and self._launched is not None:
+            self._ask_ranks_to_exit(grace_s)
         if self._launched is not None:
-            self._launched.terminate(grace_s)
+            self._launched.terminate(grace_s=3.0)
         self._stop_receiving.set()
         if self._receiver is not None:
             self._receiver.join()
@@ -150,11 +151,16 @@ class WorkerPool:
         reaper.forget_pool(self.pool_id)
         self.state = "stopped"
 
-    def kill_now(self) -> None:
-        """End the ranks at once, without asking them first (used when they are stuck)."""
-        if self._launched is not None:
-            self._launched.terminate(grace_s=0.5)
-        self.stop(grace_s=0)
+    def _ask_ranks_to_exit(self, grace_s: float) -> None:
+        for rank in self.ranks:
+            if rank not in self.exited:
+                try:
+                    self.send(rank, Shutdown(), connect_timeout_s=0)
+                except ConnectionError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        while self._launched.is_running() and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     # --- messages -----------------------------------------------------------------------------
 
@@ -187,9 +193,12 @@ class WorkerPool:
 
     def _receive_loop(self) -> None:
         while not self._stop_receiving.is_set():
-            event = self._channels.receive(_RECEIVE_POLL_MS)
-            if event is not None:
-                self._dispatch(event)
+            try:
+                event = self._channels.receive(_RECEIVE_POLL_MS)
+                if event is not None:
+                    self._dispatch(event)
+            except Exception:  # one bad event or listener must not silence every rank
+                logger.exception("fsdp2nb: failed to handle an event from the ranks")
 
     def _dispatch(self, event: EventMessage) -> None:
         if isinstance(event, RankSnapshot):
@@ -204,7 +213,7 @@ class WorkerPool:
             return
         if isinstance(event, RankExited):
             self.exited[event.rank] = event
-            if self.state == "ready":
+            if self.state != "stopped":
                 self.state = "broken"
         self._events.put(event)
 

@@ -46,9 +46,14 @@ class PoolSpec:
         return "cuda:nccl,cpu:gloo" if self.uses_gpus else "gloo"
 
     def describe(self) -> str:
+        """The options that ask for this pool, e.g. `--gpus 0,1` or `--cpu 2 --timeout 60`."""
         if self.uses_gpus:
-            return f"--gpus {','.join(d.split(':')[1] for d in self.devices)}"
-        return f"--cpu {self.world_size}"
+            text = f"--gpus {','.join(d.split(':')[1] for d in self.devices)}"
+        else:
+            text = f"--cpu {self.world_size}"
+        if self.collective_timeout_s != DEFAULT_COLLECTIVE_TIMEOUT_S:
+            text += f" --timeout {self.collective_timeout_s:g}"
+        return text
 
 
 def visible_gpu_indices() -> list[int]:

@@ -19,10 +19,12 @@ against 190 µs on a 2-core machine).
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import hmac
 import logging
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -37,6 +39,25 @@ KEY_BYTES = 32
 _SIGNATURE_BYTES = hashlib.sha256().digest_size
 _ACCEPT_POLL_S = 0.2
 _HELLO_TIMEOUT_S = 10.0
+_MAX_HELLO_BYTES = 4096
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Hold back SIGINT (the stop button) on the main thread until the block is done.
+
+    A KeyboardInterrupt between a frame's length and its bytes would leave a torn frame, and
+    everything after it on that connection unreadable; the interrupt is still delivered, just
+    after the write.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class Signer:
@@ -73,7 +94,7 @@ class _Link:
         self.lock = threading.Lock()
 
     def send(self, frame: bytes) -> None:
-        with self.lock:
+        with self.lock, sigint_deferred():
             self.connection.send_bytes(frame)
 
 
@@ -153,16 +174,22 @@ class KernelChannels:
         hello = None
         if connection.poll(_HELLO_TIMEOUT_S):
             try:
-                hello = self._signer.unpack(connection.recv_bytes())
-            except (EOFError, OSError):
+                hello = self._signer.unpack(connection.recv_bytes(maxlength=_MAX_HELLO_BYTES))
+            except (EOFError, OSError):  # also a hello longer than any real one
                 hello = None
         if not isinstance(hello, ChannelHello):
             connection.close()
             return
         with self._links_changed:
+            if self._closed:
+                connection.close()
+                return
             if hello.role == "events":
                 self._event_connections.append(connection)
             else:
+                replaced = self._links.get((hello.role, hello.rank))
+                if replaced is not None:
+                    replaced.connection.close()
                 self._links[(hello.role, hello.rank)] = _Link(connection)
             self._links_changed.notify_all()
 

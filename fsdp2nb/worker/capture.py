@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import codecs
+import contextlib
 import fcntl
 import io
 import os
@@ -20,6 +21,8 @@ import termios
 import threading
 from collections.abc import Callable
 from typing import BinaryIO
+
+from fsdp2nb.pool.transport import sigint_deferred
 
 _READ_SIZE = 1 << 16
 
@@ -61,9 +64,9 @@ class FdCapture:
 
     def begin_sync(self) -> int:
         """Write a marker after everything written so far; `end_sync` waits until it is seen."""
-        with self._sync_lock:
-            self._markers_sent += 1
+        with self._sync_lock, sigint_deferred():
             os.write(self._fd, self._marker)
+            self._markers_sent += 1
             return self._markers_sent
 
     def end_sync(self, target: int, timeout_s: float = 10.0) -> None:
@@ -95,13 +98,16 @@ class FdCapture:
         return buffer[len(buffer) - keep:]
 
     def _emit(self, data: bytes) -> None:
+        """Log and forward; neither a full disk nor a lost kernel may stop the draining, or the
+        rank would block on its next print with a full pipe."""
         if not data:
             return
-        self._log.write(data)
-        self._log.flush()
+        with contextlib.suppress(OSError):
+            self._log.write(data)
         text = self._decoder.decode(data)
         if text:
-            self._on_text(text)
+            with contextlib.suppress(OSError):
+                self._on_text(text)
 
 
 def _partial_marker_length(buffer: bytes, marker: bytes) -> int:

@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 from datetime import timedelta
 
@@ -34,7 +35,7 @@ from fsdp2nb.pool.protocol import (
     Shutdown,
     StreamOutput,
 )
-from fsdp2nb.pool.transport import RankChannels, Signer
+from fsdp2nb.pool.transport import RankChannels, Signer, sigint_deferred
 from fsdp2nb.worker.capture import FdCapture, write_through_streams
 from fsdp2nb.worker.sampler import ResourceSampler
 
@@ -62,6 +63,7 @@ class Rank:
         self.log_path = os.path.join(plan.log_dir, f"rank-{self.rank}.log")
         self._cell_id: int | None = None
         self._interrupted_cell_id: int | None = None
+        self._in_request = False
         self._main_thread_id = threading.get_ident()
         self._channels = RankChannels(Signer(key), plan.address, rank=self.rank)
         self._log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the rank
@@ -131,17 +133,38 @@ class Rank:
             if request is None:
                 continue
             if isinstance(request, Shutdown):
+                self._finish_background_work()
                 return
-            self._cell_id = request.cell_id
-            try:
-                if request.cell_id == self._interrupted_cell_id:
-                    raise KeyboardInterrupt  # the interrupt overtook the request
-                finished = self._handle(request)
-            except KeyboardInterrupt:  # arrived between the user's code and the reply
-                finished = self._failure(request.cell_id, _interrupted())
-            self._sync_output()
-            self._cell_id = None
-            self._channels.send_event(finished)
+            finished = self._run_request(request)
+            with sigint_deferred():  # an interrupt now has nothing left to interrupt
+                self._sync_output()
+                self._cell_id = None
+                self._channels.send_event(finished)
+
+    def _run_request(self, request: RunCell | PushValues | PullValue) -> CellFinished:
+        """Run one request; KeyboardInterrupt is raised only while this runs (see _on_sigint)."""
+        self._cell_id = request.cell_id
+        try:
+            self._in_request = True
+            if request.cell_id == self._interrupted_cell_id:
+                raise KeyboardInterrupt  # the interrupt overtook the request
+            return self._handle(request)
+        except KeyboardInterrupt:  # arrived outside the user's code, e.g. before it started
+            self._in_request = False
+            return self._failure(request.cell_id, _interrupted())
+        finally:
+            self._in_request = False
+
+    def _finish_background_work(self) -> None:
+        """Before exiting, let an asynchronous checkpoint save finish (os._exit would cut it off)."""
+        manager = sys.modules.get("fsdp2nb.checkpoint.manager")
+        checkpointer = getattr(manager, "_tracked", None)
+        if checkpointer is None:
+            return
+        try:
+            checkpointer.wait()
+        except Exception as error:  # the save failed; say so in the rank's log, then exit anyway
+            print(f"rank {self.rank}: the last checkpoint save failed: {error}", file=sys.stderr)
 
     def _handle(self, request: RunCell | PushValues | PullValue) -> CellFinished:
         if isinstance(request, RunCell):
@@ -184,12 +207,18 @@ class Rank:
                 message = self._channels.receive_control(_CONTROL_POLL_MS)
             except (EOFError, OSError):
                 return
-            if isinstance(message, Interrupt):
-                self._interrupt(message.cell_id)
-            elif isinstance(message, RequestSave):
-                from fsdp2nb.checkpoint.requests import post_save_request
+            try:
+                self._on_control(message)
+            except Exception as error:  # keep serving interrupts whatever one message did
+                print(f"rank {self.rank}: control request {message!r} failed: {error}", file=sys.stderr)
 
-                post_save_request(message.request_id)
+    def _on_control(self, message) -> None:
+        if isinstance(message, Interrupt):
+            self._interrupt(message.cell_id)
+        elif isinstance(message, RequestSave):
+            from fsdp2nb.checkpoint.requests import post_save_request
+
+            post_save_request(message.request_id)
 
     def _interrupt(self, cell_id: int) -> None:
         self._interrupted_cell_id = cell_id
@@ -197,8 +226,9 @@ class Rank:
             signal.pthread_kill(self._main_thread_id, signal.SIGINT)
 
     def _on_sigint(self, signum, frame) -> None:
-        # Only a running request is interrupted; a stray SIGINT between cells is ignored.
-        if self._cell_id is not None:
+        # Only a running request is interrupted: a SIGINT between cells, or while the reply is
+        # being sent, is ignored rather than allowed to kill the rank or tear a frame.
+        if self._in_request:
             raise KeyboardInterrupt
 
     # --- output -------------------------------------------------------------------------------

@@ -106,3 +106,14 @@ def test_collective_timeout_is_settable_at_start(bare_kernel):
         assert "[0] rank 0 raised" in run.traceback_text and "imed out" in run.traceback_text
     finally:
         bare_kernel.execute("%fsdp2 stop")
+
+
+def test_timeout_alone_keeps_the_running_devices(bare_kernel):
+    assert bare_kernel.execute("%fsdp2 start --cpu 2").status == "ok"
+    try:
+        run = bare_kernel.execute("%%fsdp2 --timeout 30\n1")
+        assert "asks for --cpu 2 --timeout 30 but the running pool is --cpu 2" in run.stderr
+        assert bare_kernel.execute("%fsdp2 restart --timeout 30").status == "ok"
+        assert "pool --cpu 2 --timeout 30 (ready)" in bare_kernel.execute("%fsdp2 status").stdout
+    finally:
+        bare_kernel.execute("%fsdp2 stop")

@@ -93,3 +93,15 @@ def test_resume_after_pool_restart(trained):
     assert run.status == "ok", run.traceback_text
     run = trained.execute("%%fsdp2\nprint('resumed at', ckpt.load('latest'))")
     assert run.stdout == f"[all] resumed at {step}\n", run.traceback_text
+
+
+def test_stopping_the_pool_lets_an_async_save_finish(trained, tmp_path_factory):
+    if getattr(trained, "saved_step", None) is None:
+        pytest.skip("needs the model set up again by the previous test")
+    run = trained.execute("%%fsdp2\nckpt.save(5000)  # asynchronous: returns while files are written\n"
+                          "print(ckpt.status().saving_step is not None or ckpt.latest() == 5000)")
+    assert run.status == "ok", run.traceback_text
+    assert trained.execute("%fsdp2 stop").stdout == "pool stopped\n"
+    run = trained.execute("import os\nprint(open(os.path.join(ckpt_dir, 'LATEST')).read().strip(),\n"
+                          "      os.path.exists(os.path.join(ckpt_dir, 'step-005000', 'fsdp2nb-checkpoint.json')))")
+    assert run.stdout.split() in (["5000", "True"], ["step-005000", "True"]), run.stdout
