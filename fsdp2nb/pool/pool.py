@@ -126,7 +126,8 @@ class WorkerPool:
     def _register(self) -> None:
         processes = [reaper.process_key(self._launched.pid)] if hasattr(self._launched, "pid") else []
         processes += [(info.pid, info.create_time) for info in self.ranks.values()]
-        reaper.record_pool(self.pool_id, reaper.process_key(os.getpid()), [p for p in processes if p])
+        reaper.record_pool(self.pool_id, reaper.process_key(os.getpid()), [p for p in processes if p],
+                           runtime_dir=self._runtime_dir)
 
     def stop(self, *, polite: bool = True, grace_s: float = 30.0) -> None:
         """End every rank and release every resource; safe to call twice.

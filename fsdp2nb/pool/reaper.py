@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -17,6 +19,7 @@ import psutil
 logger = logging.getLogger(__name__)
 
 ProcessKey = tuple[int, float]
+LOG_RETENTION_S = 7 * 24 * 3600
 
 
 def state_dir() -> Path:
@@ -40,8 +43,8 @@ def _registry_dir() -> Path:
     return path
 
 
-def record_pool(pool_id: str, owner: ProcessKey, processes: list[ProcessKey]) -> None:
-    entry = {"owner": owner, "processes": processes}
+def record_pool(pool_id: str, owner: ProcessKey, processes: list[ProcessKey], runtime_dir: str = "") -> None:
+    entry = {"owner": owner, "processes": processes, "runtime_dir": runtime_dir}
     target = _registry_dir() / f"{pool_id}.json"
     temporary = target.with_suffix(".tmp")
     temporary.write_text(json.dumps(entry))
@@ -64,8 +67,22 @@ def reap_orphans() -> int:
             continue
         for pid, create_time in entry["processes"]:
             num_killed += _kill_if_same(pid, create_time)
+        if entry.get("runtime_dir"):
+            shutil.rmtree(entry["runtime_dir"], ignore_errors=True)
         path.unlink(missing_ok=True)
+    _prune_old_logs()
     return num_killed
+
+
+def _prune_old_logs(max_age_s: float = LOG_RETENTION_S) -> None:
+    """Per-rank logs are kept for a week after their pool last wrote them."""
+    cutoff = time.time() - max_age_s
+    for log_dir in (state_dir() / "logs").glob("*"):
+        try:
+            if log_dir.stat().st_mtime < cutoff:
+                shutil.rmtree(log_dir, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _is_alive(key: tuple) -> bool:

@@ -40,3 +40,11 @@ def test_pools_of_a_live_owner_are_left_alone():
         worker.kill()
         worker.wait()
         reaper.forget_pool("test-live")
+
+
+def test_runtime_dir_of_a_dead_owner_is_removed(tmp_path):
+    runtime_dir = tmp_path / "run"
+    runtime_dir.mkdir()
+    reaper.record_pool("test-dir", _finished_process_key(), [], runtime_dir=str(runtime_dir))
+    reaper.reap_orphans()
+    assert not runtime_dir.exists()
