@@ -27,14 +27,26 @@ dist.barrier()
 """
 
 
-def median_cell_ms(kernel: Kernel, code: str, runs: int) -> float:
-    samples = []
+def cell_ms(kernel: Kernel, code: str) -> float:
+    started = time.perf_counter()
+    run = kernel.execute(code)
+    elapsed = (time.perf_counter() - started) * 1000
+    assert run.status == "ok", run.traceback_text
+    return elapsed
+
+
+def paired_cell_ms(kernel: Kernel, runs: int) -> tuple[float, float, float]:
+    """Plain and %%fsdp2 cells alternate, so drift of a shared machine hits both alike.
+
+    Returns the median plain cell, the median %%fsdp2 cell and the median of the per-pair
+    differences.
+    """
+    plain, fsdp2, added = [], [], []
     for _ in range(runs):
-        started = time.perf_counter()
-        run = kernel.execute(code)
-        samples.append((time.perf_counter() - started) * 1000)
-        assert run.status == "ok", run.traceback_text
-    return statistics.median(samples)
+        plain.append(cell_ms(kernel, "pass"))
+        fsdp2.append(cell_ms(kernel, "%%fsdp2\npass"))
+        added.append(fsdp2[-1] - plain[-1])
+    return statistics.median(plain), statistics.median(fsdp2), statistics.median(added)
 
 
 def pool_cold_start_s(kernel: Kernel, num_ranks: int) -> float:
@@ -72,13 +84,13 @@ def main() -> None:
             pool_starts = [pool_cold_start_s(kernel, num_ranks) for _ in range(args.starts)]
             torchrun_starts = [torchrun_cold_start_s(num_ranks) for _ in range(args.starts)]
             kernel.execute("%%fsdp2\npass")  # warm the cell path once
-            plain = median_cell_ms(kernel, "pass", args.runs)
-            empty = median_cell_ms(kernel, "%%fsdp2\npass", args.runs)
-            rows.append((num_ranks, plain, empty, empty - plain, statistics.median(pool_starts),
+            plain, empty, added = paired_cell_ms(kernel, args.runs)
+            rows.append((num_ranks, plain, empty, added, statistics.median(pool_starts),
                          statistics.median(torchrun_starts)))
     finally:
         kernel.stop()
-    print(f"\nempty cell: median of {args.runs} runs; cold start: median of {args.starts} starts")
+    print(f"\nempty cell (body `pass`): {args.runs} alternating plain/%%fsdp2 pairs, added = median of the"
+          f" pair differences; cold start: median of {args.starts} starts")
     print(f"{'ranks':>5} {'plain ms':>9} {'%%fsdp2 ms':>11} {'added ms':>9} {'pool start s':>13} "
           f"{'torchrun s':>11} {'ratio':>6}")
     for num_ranks, plain, empty, added, pool_s, torchrun_s in rows:

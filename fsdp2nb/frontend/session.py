@@ -32,6 +32,7 @@ from fsdp2nb.pool.protocol import (
     StreamOutput,
 )
 from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.pool.transport import sigint_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +144,11 @@ class NotebookSession:
         merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
                               {r: info.log_path for r, info in pool.ranks.items()})
         self._show_events_between_cells(pool)
-        for rank in ranks:
-            pool.send(rank, make_request(cell_id))
-        pool.busy_ranks.update(ranks)
+        request = make_request(cell_id)
+        with sigint_deferred():  # the stop button must not leave some ranks running untracked
+            for rank in ranks:
+                pool.send(rank, request)
+            pool.busy_ranks.update(ranks)
         progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
         try:
             self._wait(pool, cell_id, progress, merger)
