@@ -237,21 +237,21 @@ class NotebookSession:
         """Replace a pool whose ranks are stuck, then end the cell saying that state was lost."""
         merger.flush()
         errors = progress.errors or [(progress.running[0], ErrorInfo("KeyboardInterrupt", "", ()))]
-        stuck = tuple(progress.running)
-        self.stop(polite=False)
-        self.start(pool.spec)
-        note = (f"{why}; the pool was restarted ({pool.spec.describe()}) and all rank state was lost "
-                f"(stuck: rank(s) {', '.join(map(str, stuck))})")
-        raise RankError(errors, pool.world_size, notes=(f"\x1b[1;31m{note}\x1b[0m",))
+        stuck = ", ".join(map(str, progress.running))
+        note = self._restart_after_failure(pool.spec, f"{why} (stuck: rank(s) {stuck})")
+        raise RankError(errors, pool.world_size, notes=(note,))
 
     def _after_dead_rank(self, event: RankExited) -> tuple[str, ...]:
-        spec = self.pool.spec if self.pool else None
-        self.stop(polite=False)
-        if spec is None:
+        if self.pool is None:
             return ()
+        return (self._restart_after_failure(self.pool.spec, f"rank {event.rank} died"),)
+
+    def _restart_after_failure(self, spec: PoolSpec, what_happened: str) -> str:
+        """Replace the pool without asking its ranks (they are stuck or dead); the note to show."""
+        self.stop(polite=False)
         self.start(spec)
-        return (f"\x1b[1;31mrank {event.rank} died; the pool was restarted ({spec.describe()}) "
-                "and all rank state was lost\x1b[0m",)
+        return (f"\x1b[1;31m{what_happened}; the pool was restarted ({spec.describe()}) "
+                "and all rank state was lost\x1b[0m")
 
     def _show_events_between_cells(self, pool: WorkerPool) -> None:
         """Output that ranks printed while no cell ran (a background thread, say) is shown now."""

@@ -23,6 +23,9 @@ class LaunchedRanks(Protocol):
 
     def is_running(self) -> bool: ...
 
+    def process_ids(self) -> list[int]:
+        """Processes on this host that the launch started (for the orphan registry)."""
+
     def terminate(self, grace_s: float) -> None:
         """End every rank: SIGTERM first, by force after `grace_s`. Safe to call twice."""
 
@@ -37,12 +40,11 @@ class LocalAgent:
     def __init__(self, process: subprocess.Popen) -> None:
         self.process = process
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
     def is_running(self) -> bool:
         return self.process.poll() is None
+
+    def process_ids(self) -> list[int]:
+        return [self.process.pid]
 
     def terminate(self, grace_s: float) -> None:
         if self.is_running():

@@ -124,7 +124,7 @@ class WorkerPool:
         return f"the host agent exited while starting the ranks; see {self.log_dir}/agent.log"
 
     def _register(self) -> None:
-        processes = [reaper.process_key(self._launched.pid)] if hasattr(self._launched, "pid") else []
+        processes = [reaper.process_key(pid) for pid in self._launched.process_ids()]
         processes += [(info.pid, info.create_time) for info in self.ranks.values()]
         reaper.record_pool(self.pool_id, reaper.process_key(os.getpid()), [p for p in processes if p],
                            runtime_dir=self._runtime_dir)

@@ -56,7 +56,8 @@ def test_a_peer_without_the_key_is_not_heard(pool):
 def test_ranks_and_agent_listen_on_no_network_address(pool):
     import psutil
 
-    agent = psutil.Process(pool._launched.pid)
+    (agent_pid,) = pool._launched.process_ids()
+    agent = psutil.Process(agent_pid)
     processes = [agent, *agent.children(recursive=True)]
     assert len(processes) == pool.world_size + 1
     listening = [c.laddr for p in processes for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
