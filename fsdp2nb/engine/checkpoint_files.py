@@ -13,6 +13,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from fsdp2nb.engine.direct_reads import RowBlock, RowBlockReader, read_header
+
 logger = logging.getLogger(__name__)
 
 FileFormat = Literal["safetensors", "bin"]
@@ -63,27 +65,84 @@ def _keys_of(path: Path, file_format: FileFormat) -> list[str]:
 
 
 class SliceReader(Protocol):
-    """Reads `key[index]` from one open checkpoint file."""
+    """One open checkpoint file: shapes and stored element sizes, and blocks copied out of it."""
 
-    def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor: ...
+    def shape(self, key: str) -> tuple[int, ...]: ...
+
+    def itemsize(self, key: str) -> int: ...
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether blocks are read past the page cache."""
+
+    def copy_blocks(self, blocks: list[Block]) -> None:
+        """out[...] = key[index] for each block, cast to out's dtype."""
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """`key[index]` of the checkpoint, to be copied into `out` (shaped as the block)."""
+
+    key: str
+    index: tuple[slice, ...]
+    out: torch.Tensor
 
 
 class _SafetensorsReader:
-    def __init__(self, handle) -> None:
-        self._handle = handle
+    """Row blocks (what FSDP2's dim-0 shards are) by direct reads; other blocks by mmap slicing."""
 
-    def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        # get_slice reads only the requested byte ranges; a 0-d tensor has nothing to slice.
-        view = self._handle.get_slice(key)
-        return view[index] if index else self._handle.get_tensor(key)
+    def __init__(self, handle, path: Path) -> None:
+        self._handle = handle
+        self._stored = read_header(str(path))
+        self._rows = RowBlockReader(str(path))
+
+    @property
+    def direct_io(self) -> bool:
+        return self._rows.direct
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handle.get_slice(key).get_shape())
+
+    def itemsize(self, key: str) -> int:
+        stored = self._stored.get(key)
+        return stored.dtype.itemsize if stored is not None else self._handle.get_tensor(key).element_size()
+
+    def copy_blocks(self, blocks: list[Block]) -> None:
+        rows = []
+        for block in blocks:
+            stored = self._stored.get(block.key)
+            if stored is not None and _is_row_block(block.index, stored.shape) and block.out.is_contiguous():
+                rows.append(RowBlock(stored, block.index[0], block.out))
+                continue
+            # get_slice reads only the requested byte ranges; a 0-d tensor has nothing to slice.
+            piece = self._handle.get_slice(block.key)[block.index] if block.index else self._handle.get_tensor(block.key)
+            block.out.copy_(piece)  # casts only the slice: casting the whole tensor would touch all of it
+        self._rows.copy_blocks(rows)
+
+    def close(self) -> None:
+        self._rows.close()
+
+
+def _is_row_block(index: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
+    """Whether `index` takes whole rows: full extent on every dimension after the first."""
+    return bool(index) and all(s.start == 0 and s.stop == size for s, size in zip(index[1:], shape[1:], strict=True))
 
 
 class _StateDictReader:
     def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
         self._state_dict = state_dict
 
-    def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        return self._state_dict[key][index]
+    direct_io = False
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._state_dict[key].shape)
+
+    def itemsize(self, key: str) -> int:
+        return self._state_dict[key].element_size()
+
+    def copy_blocks(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            block.out.copy_(self._state_dict[block.key][block.index])
 
 
 @contextmanager
@@ -94,18 +153,14 @@ def open_reader(files: CheckpointFiles, file_name: str) -> Iterator[SliceReader]
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt", device="cpu") as handle:
-            yield _SafetensorsReader(handle)
+            reader = _SafetensorsReader(handle, path)
+            try:
+                yield reader
+            finally:
+                reader.close()
         return
     state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     try:
         yield _StateDictReader(state_dict)
     finally:
         del state_dict
-
-
-def tensor_shape(reader: SliceReader, key: str) -> tuple[int, ...]:
-    """The full shape of `key` without reading its data."""
-    if isinstance(reader, _SafetensorsReader):
-        return tuple(reader._handle.get_slice(key).get_shape())
-    assert isinstance(reader, _StateDictReader)
-    return tuple(reader._state_dict[key].shape)

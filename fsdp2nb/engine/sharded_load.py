@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdp2nb.engine.checkpoint_files import CheckpointFiles, open_reader, tensor_shape
+from fsdp2nb.engine.checkpoint_files import Block, CheckpointFiles, open_reader
 from fsdp2nb.engine.key_mapping import checkpoint_to_model_keys, hf_key, unwrap_peft
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ class LoadReport:
     """Checkpoint keys no model entry asked for."""
     bytes_requested: int = 0
     """Checkpoint bytes this rank asked the readers for (slice sizes in the stored dtype)."""
+    direct_io: bool = False
+    """Whether some file was read past the page cache (O_DIRECT): it was not cached."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,19 +138,18 @@ def _copy_from_file(
     files: CheckpointFiles, file_name: str, entries: list[tuple[str, _Target]], report: LoadReport
 ) -> None:
     with open_reader(files, file_name) as reader:
+        blocks = []
         for ckpt_key, target in entries:
-            full_shape = tensor_shape(reader, ckpt_key)
+            full_shape = reader.shape(ckpt_key)
             if full_shape != tuple(target.tensor.shape):
                 raise ValueError(
                     f"checkpoint key {ckpt_key!r} has shape {full_shape} but model key "
                     f"{target.keys[0]!r} expects {tuple(target.tensor.shape)}"
                 )
             local, index = local_block(target.tensor)
-            if local.numel() == 0:
-                report.num_loaded += 1
-                continue
-            piece = reader.read(ckpt_key, index)
-            report.bytes_requested += piece.numel() * piece.element_size()
-            # Cast only the slice: converting the whole tensor first would touch every byte of it.
-            local.copy_(piece.to(local.dtype))
+            if local.numel():
+                blocks.append(Block(ckpt_key, index, local))
+                report.bytes_requested += local.numel() * reader.itemsize(ckpt_key)
             report.num_loaded += 1
+        reader.copy_blocks(blocks)  # every shape checked first: a mismatch changes nothing
+        report.direct_io |= reader.direct_io

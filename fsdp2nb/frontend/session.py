@@ -127,7 +127,9 @@ class NotebookSession:
     def run_cell(self, pool: WorkerPool, code: str, ranks: tuple[int, ...]) -> None:
         """Run `code` on `ranks`, streaming output; raises RankError if any rank raised."""
         transformed = transform_and_check(code)
-        self.run_request(pool, ranks, lambda cell_id: RunCell(cell_id=cell_id, code=code, transformed=transformed))
+        count = _notebook_execution_count()
+        self.run_request(pool, ranks, lambda cell_id: RunCell(cell_id=cell_id, code=code, transformed=transformed,
+                                                              execution_count=count))
 
     def push(self, pool: WorkerPool, payload: bytes) -> None:
         self.run_request(pool, tuple(range(pool.world_size)),
@@ -272,6 +274,13 @@ def transform_and_check(code: str) -> str:
     except SyntaxError as error:
         raise CellSyntaxError(error) from None
     return source
+
+
+def _notebook_execution_count() -> int | None:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell.execution_count if shell is not None else None
 
 
 def _show_background_output(event: StreamOutput, world_size: int) -> None:

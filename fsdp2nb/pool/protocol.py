@@ -35,6 +35,8 @@ class RunCell:
     code: str
     transformed: str | None = None
     """`code` after IPython's input transformations (magics, `!`), when the kernel did them."""
+    execution_count: int | None = None
+    """The notebook cell's number, so rank tracebacks say `In[N]` as the notebook does."""
 
 
 @dataclass(frozen=True, slots=True)

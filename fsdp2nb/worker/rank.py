@@ -170,7 +170,7 @@ class Rank:
         if isinstance(request, RunCell):
             from fsdp2nb.worker.shell import run_cell
 
-            error = run_cell(self.shell, request.code, request.transformed)
+            error = run_cell(self.shell, request.code, request.transformed, request.execution_count)
             return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
         if isinstance(request, PushValues):
             self.shell.user_ns.update(pickle.loads(request.payload))
@@ -275,6 +275,8 @@ def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
              pipes: dict[int, tuple[int, int]] | None = None) -> None:
     """Entry point of a rank process; returns when the pool shuts it down."""
     os.environ.update(torchrun_environment(plan, rank_plan))
+    if os.environ.get("XBATCH"):
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     rank = Rank(plan, rank_plan, key, pipes)
     rank.start()
     try:

@@ -77,22 +77,29 @@ def make_shell(namespace: dict, sink: RichSink) -> RankShell:
     return shell
 
 
-def run_cell(shell: RankShell, code: str, transformed: str | None = None) -> ErrorInfo | None:
+def run_cell(shell: RankShell, code: str, transformed: str | None = None,
+             execution_count: int | None = None) -> ErrorInfo | None:
     """Run one cell; the error it raised, if any.
 
     `transformed` is the cell after IPython's input transformations, done once in the notebook
     kernel for all ranks. With it, the rank skips re-transforming (and IPython's per-cell output
     tee) and drives IPython's own `run_cell_async` directly, which keeps an empty cell cheap.
     Cells with top-level `await` take IPython's full path.
+
+    The notebook keeps the history: ranks number their cells with the notebook's count (so a
+    traceback's `In[N]` is the notebook cell's) and skip IPython's history bookkeeping, a third
+    of the cost of an empty cell. `_` still holds the last result.
     """
     shell.last_error = None
+    if execution_count is not None:
+        shell.execution_count = execution_count
     if transformed is None or shell.should_run_async(code, transformed_cell=transformed,
                                                      preprocessing_exc_tuple=None):
-        result = shell.run_cell(code, store_history=True)
+        result = shell.run_cell(code, store_history=False)
     else:
         result = None
         try:
-            result = _run_synchronously(shell.run_cell_async(code, store_history=True,
+            result = _run_synchronously(shell.run_cell_async(code, store_history=False,
                                                              transformed_cell=transformed))
         finally:
             shell.events.trigger("post_execute")

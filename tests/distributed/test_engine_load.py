@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,7 @@ def _load_every_way(path: str) -> dict:
             processor=type(processor).__name__,
             units=_fsdp_unit_names(model),
             bytes_requested=engine.last_load_report.bytes_requested if init == "meta" else None,
+            direct_io=engine.last_load_report.direct_io if init == "meta" else None,
         )
     return results
 
@@ -53,9 +55,30 @@ def _reference(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-@pytest.mark.parametrize(("family", "tied", "world_size"), [("llama", False, 2), ("qwen2", True, 4)])
-def test_every_init_mode_loads_the_checkpoint_exactly(tmp_path, family, tied, world_size):
-    path = save_tiny_checkpoint(tmp_path / "ckpt", family, tie_word_embeddings=tied)
+def _evict_from_page_cache(path: Path) -> bool:
+    """Make `path` cold, as a checkpoint not read since boot is; whether direct reads are possible."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("family", "tied", "world_size", "cold"),
+                         [("llama", False, 2, True), ("qwen2", True, 4, False)])
+def test_every_init_mode_loads_the_checkpoint_exactly(tmp_path, family, tied, world_size, cold):
+    # The cold one is several times the disk's read-ahead (8 MiB here), which reading the header
+    # would otherwise bring into the page cache whole.
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, tie_word_embeddings=tied,
+                                **(dict(vocab_size=40_000, intermediate_size=30_000) if cold else {}))
+    # A cold file is read with direct I/O, a cached one through the page cache: both paths checked.
+    direct_possible = _evict_from_page_cache(path / "model.safetensors") if cold else False
     per_rank = run_ranks(_load_every_way, world_size, str(path))
     stored = load_file(path / "model.safetensors")
     reference = _reference(path)
@@ -81,6 +104,7 @@ def test_every_init_mode_loads_the_checkpoint_exactly(tmp_path, family, tied, wo
     requested = [r["meta"]["bytes_requested"] for r in per_rank]
     checkpoint_bytes = sum(t.numel() * t.element_size() for t in stored.values())
     assert sum(requested) == checkpoint_bytes
+    assert all(r["meta"]["direct_io"] == direct_possible for r in per_rank)
     assert max(requested) < 1.1 * checkpoint_bytes / world_size + 1024  # small 1-D tensors split unevenly
 
 

@@ -1,0 +1,185 @@
+"""Read a rank's row block of a safetensors tensor straight from disk, past the page cache.
+
+FSDP2 shards dim 0, so a rank's block of a row-major tensor is one contiguous byte range of the
+file. Reading it through the page cache (mmap slicing or plain pread) costs the kernel a page
+allocation and copy per 4 KiB: on a 2-core VM that halved the disk's throughput (a cold 1.9 GiB
+file: 5.1 s through the cache, 2.4 s with O_DIRECT). Direct reads go from the disk into reused,
+page-aligned bounce buffers; each chunk is then cast into the rank's shard.
+
+When a file is already in the page cache (probed without blocking, RWF_NOWAIT), buffered reads
+are faster and are used instead; a file system that refuses O_DIRECT (tmpfs) also gets them.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import queue
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+_BLOCK = 4096  # covers every logical block size O_DIRECT may ask alignment to
+_CHUNK_BYTES = 32 * 1024 * 1024  # bounce buffer: a multiple of _BLOCK and of every element size
+_PROBES = 8
+_THREADS = 2
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """Where one tensor's bytes lie in a safetensors file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    """Absolute file offset of the first byte."""
+
+    def row_range(self, rows: slice) -> tuple[int, int]:
+        """(first byte, end byte) of rows `rows.start:rows.stop`: contiguous in row-major order."""
+        row_bytes = self.dtype.itemsize
+        for size in self.shape[1:]:
+            row_bytes *= size
+        return self.start + rows.start * row_bytes, self.start + rows.stop * row_bytes
+
+
+def read_header(path: str) -> dict[str, StoredTensor]:
+    """The tensors of a safetensors file whose dtype torch knows, by key."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    data_start = 8 + header_len
+    tensors = {}
+    for key, entry in header.items():
+        dtype = _DTYPES.get(entry.get("dtype", "")) if key != "__metadata__" else None
+        if dtype is not None:
+            tensors[key] = StoredTensor(dtype, tuple(entry["shape"]), data_start + entry["data_offsets"][0])
+    return tensors
+
+
+@dataclass(frozen=True, slots=True)
+class RowBlock:
+    """Rows `rows` of a stored tensor, to be cast into `out` (contiguous, shaped as the block)."""
+
+    stored: StoredTensor
+    rows: slice
+    out: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    offset: int
+    length: int
+    dtype: torch.dtype
+    out: torch.Tensor  # a flat slice of a RowBlock's out
+
+
+class RowBlockReader:
+    """Copies row blocks of one file's tensors into destination tensors; close() when done.
+
+    Two threads each read a chunk into their own bounce buffer and cast it into place, so one
+    waits on the disk while the other copies (preadv and torch's copy both release the GIL).
+    `direct`: None decides by probing the page cache; True/False force a way (tests).
+    """
+
+    def __init__(self, path: str, *, direct: bool | None = None, chunk_bytes: int = _CHUNK_BYTES) -> None:
+        if chunk_bytes <= 0 or chunk_bytes % _BLOCK:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {_BLOCK}")
+        self._chunk_bytes = chunk_bytes
+        self._fd = os.open(path, os.O_RDONLY)
+        self._direct_fd: int | None = None
+        if direct or (direct is None and not _looks_cached(self._fd, os.fstat(self._fd).st_size)):
+            self._direct_fd = _open_direct(path)
+        # Anonymous maps are page-aligned, as direct I/O needs.
+        self._free_buffers: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        for _ in range(_THREADS):
+            self._free_buffers.put(mmap.mmap(-1, chunk_bytes + _BLOCK))
+
+    @property
+    def direct(self) -> bool:
+        return self._direct_fd is not None
+
+    def copy_blocks(self, blocks: list[RowBlock]) -> None:
+        chunks = [chunk for block in blocks for chunk in self._chunks(block)]
+        with ThreadPoolExecutor(_THREADS, thread_name_prefix="fsdp2nb-read") as pool:
+            for _ in pool.map(self._copy_chunk, chunks):
+                pass  # re-raises the first failure
+
+    def _chunks(self, block: RowBlock) -> list[_Chunk]:
+        start, end = block.stored.row_range(block.rows)
+        flat_out = block.out.view(-1)
+        itemsize = block.stored.dtype.itemsize
+        chunks = []
+        for offset in range(start, end, self._chunk_bytes):
+            length = min(self._chunk_bytes, end - offset)
+            first = (offset - start) // itemsize
+            chunks.append(_Chunk(offset, length, block.stored.dtype, flat_out[first:first + length // itemsize]))
+        return chunks
+
+    def _copy_chunk(self, chunk: _Chunk) -> None:
+        buffer = self._free_buffers.get()
+        try:
+            view = self._read(buffer, chunk.offset, chunk.length)
+            chunk.out.copy_(torch.frombuffer(view, dtype=chunk.dtype))
+            del view  # a live export would keep the buffer from being closed
+        finally:
+            self._free_buffers.put(buffer)
+
+    def _read(self, buffer: mmap.mmap, offset: int, length: int) -> memoryview:
+        """`length` bytes at `offset`, as a view into `buffer`."""
+        if self._direct_fd is None:
+            got = os.preadv(self._fd, [memoryview(buffer)[:length]], offset)
+            return _checked(memoryview(buffer)[:got], length, offset)
+        aligned = offset - offset % _BLOCK
+        span = -(-(offset + length - aligned) // _BLOCK) * _BLOCK
+        got = os.preadv(self._direct_fd, [memoryview(buffer)[:span]], aligned)
+        skip = offset - aligned
+        return _checked(memoryview(buffer)[skip:min(got, skip + length)], length, offset)
+
+    def close(self) -> None:
+        for fd in (self._fd, self._direct_fd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._direct_fd = None
+        while not self._free_buffers.empty():
+            self._free_buffers.get().close()
+
+
+def _checked(view: memoryview, length: int, offset: int) -> memoryview:
+    if len(view) != length:
+        raise OSError(errno.EIO, f"short read: {len(view)} of {length} bytes at offset {offset}")
+    return view
+
+
+def _open_direct(path: str) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as error:
+        if error.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None  # the file system does not do direct I/O
+        raise
+
+
+def _looks_cached(fd: int, size: int) -> bool:
+    """Whether pages spread over the file are in the page cache (probed without waiting for disk).
+
+    The start is not probed: reading the header has just cached it (and read-ahead after it).
+    """
+    if size == 0 or not hasattr(os, "RWF_NOWAIT"):
+        return False
+    probe = bytearray(1)
+    for i in range(1, _PROBES + 1):
+        try:
+            os.preadv(fd, [probe], size * i // (_PROBES + 1), os.RWF_NOWAIT)
+        except OSError:  # BlockingIOError: not cached; others: RWF_NOWAIT unsupported here
+            return False
+    return True
