@@ -35,6 +35,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp2nb.checkpoint import layout
+from fsdp2nb.checkpoint.direct_writes import DirectFileSystem
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
@@ -98,15 +99,16 @@ ASYNC_WRITERS: tuple[AsyncWriter, ...] = ("process", "thread")
 
 
 class _ShardWriter(FileSystemWriter):
-    """FileSystemWriter that skips zip CRC32s when it runs in DCP's writer process.
+    """FileSystemWriter that writes past the page cache and skips zip CRC32s in DCP's writer process.
 
-    torch.load never checks them, and computing them is about half the CPU time of serializing a
-    shard. The switch is process-wide, so it is only thrown in the writer process, which does
-    nothing else; in the training process the default stays.
+    Direct writes (see direct_writes) leave the CPU to training. torch.load never checks the
+    CRC32s, and computing them is about half the CPU time of serializing a shard; the switch is
+    process-wide, so it is only thrown in the writer process, which does nothing else.
     """
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, sync_files=True)
+        self.fs = DirectFileSystem()
         self._owner_pid = os.getpid()
 
     def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - signature of the base class

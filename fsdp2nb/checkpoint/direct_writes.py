@@ -1,0 +1,130 @@
+"""Write checkpoint files past the page cache (O_DIRECT), for DCP's FileSystemWriter.
+
+A buffered write costs the kernel a page allocation and a copy per 4 KiB, then write-back and,
+when the file is deleted by retention, freeing it all again. During an asynchronous save that
+CPU time is taken from training. Here DCP's bytes are gathered in a reused page-aligned buffer
+and written from it by DMA; the file keeps exactly DCP's format, so any DCP reader loads it.
+
+A file system that refuses O_DIRECT (tmpfs) gets the same stream over a buffered descriptor.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+_BLOCK = 4096  # covers every logical block size O_DIRECT may ask alignment to
+_BUFFER_BYTES = 8 * 1024 * 1024  # a multiple of _BLOCK
+
+_spare_buffers: list[mmap.mmap] = []
+_spare_lock = threading.Lock()
+
+
+class DirectFileSystem(FileSystem):
+    """DCP's local file system, with files opened for writing as `DirectWriteStream`s."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = DirectWriteStream(Path(path))
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+
+class DirectWriteStream(io.RawIOBase):
+    """A write-only file stream; its bytes are durable (written and fsynced) once closed."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self._fd, self.direct = _open_for_writing(path)
+        self._buffer = _take_buffer()
+        self._filled = 0  # bytes waiting in the buffer
+        self._written = 0  # file offset where the buffer starts
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._written + self._filled
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, data) -> int:  # noqa: ANN001 - any bytes-like object
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            take = min(len(view) - done, _BUFFER_BYTES - self._filled)
+            self._buffer[self._filled:self._filled + take] = view[done:done + take]
+            self._filled += take
+            done += take
+            if self._filled == _BUFFER_BYTES:
+                self._write_buffer(_BUFFER_BYTES)
+                self._written += _BUFFER_BYTES
+                self._filled = 0
+        return done
+
+    def close(self) -> None:
+        """Write what is buffered, trim the padding of the last block, fsync; safe to call twice."""
+        if self.closed:
+            return
+        try:
+            tail = self._filled
+            if tail:
+                padded = -(-tail // _BLOCK) * _BLOCK if self.direct else tail
+                self._buffer[tail:padded] = bytes(padded - tail)
+                self._write_buffer(padded)
+                if padded != tail:
+                    os.ftruncate(self._fd, self._written + tail)
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            _return_buffer(self._buffer)
+            super().close()
+
+    def _write_buffer(self, length: int) -> None:
+        view = memoryview(self._buffer)[:length]
+        try:
+            offset = 0
+            while offset < length:
+                offset += os.pwrite(self._fd, view[offset:], self._written + offset)
+        finally:
+            view.release()
+
+
+def _open_for_writing(path: Path) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644), True
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    return os.open(path, flags, 0o644), False
+
+
+def _take_buffer() -> mmap.mmap:
+    with _spare_lock:
+        if _spare_buffers:
+            return _spare_buffers.pop()
+    return mmap.mmap(-1, _BUFFER_BYTES)  # anonymous maps are page-aligned, as O_DIRECT needs
+
+
+def _return_buffer(buffer: mmap.mmap) -> None:
+    with _spare_lock:
+        if len(_spare_buffers) < 4:
+            _spare_buffers.append(buffer)
+            return
+    buffer.close()
