@@ -16,6 +16,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,7 +46,11 @@ class DirectFileSystem(FileSystem):
 
 
 class DirectWriteStream(io.RawIOBase):
-    """A write-only file stream; its bytes are durable (written and fsynced) once closed."""
+    """A write-only file stream; its bytes are durable (written and fsynced) once closed.
+
+    Two buffers: while one is written to disk by a helper thread, the caller fills the other,
+    so serializing the next bytes overlaps the disk's work on the last ones.
+    """
 
     def __init__(self, path: Path) -> None:
         super().__init__()
@@ -53,6 +58,8 @@ class DirectWriteStream(io.RawIOBase):
         self._buffer = _take_buffer()
         self._filled = 0  # bytes waiting in the buffer
         self._written = 0  # file offset where the buffer starts
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="fsdp2nb-direct-write")
+        self._in_flight: tuple[Future, mmap.mmap] | None = None
 
     def writable(self) -> bool:
         return True
@@ -72,37 +79,64 @@ class DirectWriteStream(io.RawIOBase):
             self._filled += take
             done += take
             if self._filled == _BUFFER_BYTES:
-                self._write_buffer(_BUFFER_BYTES)
-                self._written += _BUFFER_BYTES
-                self._filled = 0
+                self._write_full_buffer()
         return done
+
+    def _write_full_buffer(self) -> None:
+        """Hand the full buffer to the helper thread and go on filling the other one."""
+        spare = self._wait_in_flight() or _take_buffer()
+        future = self._io.submit(_pwrite_all, self._fd, self._buffer, _BUFFER_BYTES, self._written)
+        self._in_flight = (future, self._buffer)
+        self._buffer = spare
+        self._written += _BUFFER_BYTES
+        self._filled = 0
+
+    def _wait_in_flight(self) -> mmap.mmap | None:
+        """Wait for the buffer being written (raising its error); return it for reuse."""
+        if self._in_flight is None:
+            return None
+        future, buffer = self._in_flight
+        self._in_flight = None
+        try:
+            future.result()
+        except BaseException:
+            _return_buffer(buffer)
+            raise
+        return buffer
 
     def close(self) -> None:
         """Write what is buffered, trim the padding of the last block, fsync; safe to call twice."""
         if self.closed:
             return
         try:
+            spare = self._wait_in_flight()
+            if spare is not None:
+                _return_buffer(spare)
             tail = self._filled
             if tail:
                 padded = -(-tail // _BLOCK) * _BLOCK if self.direct else tail
                 self._buffer[tail:padded] = bytes(padded - tail)
-                self._write_buffer(padded)
+                _pwrite_all(self._fd, self._buffer, padded, self._written)
                 if padded != tail:
                     os.ftruncate(self._fd, self._written + tail)
             os.fsync(self._fd)
         finally:
+            self._io.shutdown(wait=True)
+            if self._in_flight is not None:  # close() after a failed write
+                _return_buffer(self._in_flight[1])
             os.close(self._fd)
             _return_buffer(self._buffer)
             super().close()
 
-    def _write_buffer(self, length: int) -> None:
-        view = memoryview(self._buffer)[:length]
-        try:
-            offset = 0
-            while offset < length:
-                offset += os.pwrite(self._fd, view[offset:], self._written + offset)
-        finally:
-            view.release()
+
+def _pwrite_all(fd: int, buffer: mmap.mmap, length: int, offset: int) -> None:
+    view = memoryview(buffer)[:length]
+    try:
+        done = 0
+        while done < length:
+            done += os.pwrite(fd, view[done:], offset + done)
+    finally:
+        view.release()
 
 
 def _open_for_writing(path: Path) -> tuple[int, bool]:
@@ -124,7 +158,7 @@ def _take_buffer() -> mmap.mmap:
 
 def _return_buffer(buffer: mmap.mmap) -> None:
     with _spare_lock:
-        if len(_spare_buffers) < 4:
+        if len(_spare_buffers) < 8:
             _spare_buffers.append(buffer)
             return
     buffer.close()
