@@ -277,10 +277,15 @@ def transform_and_check(code: str) -> str:
 
 
 def _notebook_execution_count() -> int | None:
+    """The number the notebook shows for the running cell (`In [N]`), if known."""
     from IPython import get_ipython
 
     shell = get_ipython()
-    return shell.execution_count if shell is not None else None
+    # The running cell's result carries its number; the shell's own counter is already one
+    # ahead while a cell runs (IPython 9 advances it first).
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    count = getattr(running, "execution_count", None)
+    return count if isinstance(count, int) else None
 
 
 def _show_background_output(event: StreamOutput, world_size: int) -> None:

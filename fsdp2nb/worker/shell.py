@@ -6,12 +6,13 @@ last expression is displayed, `display()` publishes rich output, and tracebacks 
 
 from __future__ import annotations
 
+import ast
 import sys
 from collections.abc import Callable
 
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
-from IPython.core.interactiveshell import InteractiveShell
+from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 from traitlets.config import Config
 
 from fsdp2nb.pool.protocol import ErrorInfo, RichKind
@@ -27,6 +28,11 @@ class _RankDisplayHook(DisplayHook):
     """Sends the cell's last expression as an execute result instead of printing `Out[n]:`."""
 
     sink: RichSink = staticmethod(_discard)
+    quiet_cell = False
+    """The running cell ends with `;`: show no result (IPython reads this from its history)."""
+
+    def quiet(self) -> bool:
+        return self.quiet_cell
 
     def write_output_prompt(self) -> None:
         pass
@@ -82,31 +88,78 @@ def run_cell(shell: RankShell, code: str, transformed: str | None = None,
     """Run one cell; the error it raised, if any.
 
     `transformed` is the cell after IPython's input transformations, done once in the notebook
-    kernel for all ranks. With it, the rank skips re-transforming (and IPython's per-cell output
-    tee) and drives IPython's own `run_cell_async` directly, which keeps an empty cell cheap.
-    Cells with top-level `await` take IPython's full path.
-
-    The notebook keeps the history: ranks number their cells with the notebook's count (so a
-    traceback's `In[N]` is the notebook cell's) and skip IPython's history bookkeeping, a third
-    of the cost of an empty cell. `_` still holds the last result.
+    kernel for all ranks. Such a cell runs on a short path (`_run_transformed`); cells with
+    top-level `await` take IPython's full `run_cell`. The notebook keeps the history: ranks
+    number cells with the notebook's count, so a traceback's `In[N]` is the notebook cell's.
     """
     shell.last_error = None
     if execution_count is not None:
         shell.execution_count = execution_count
-    if transformed is None or shell.should_run_async(code, transformed_cell=transformed,
-                                                     preprocessing_exc_tuple=None):
+    shell.displayhook.quiet_cell = _ends_with_semicolon(transformed or code)
+    if transformed is None or _may_await(shell, code, transformed):
         result = shell.run_cell(code, store_history=False)
     else:
-        result = None
-        try:
-            result = _run_synchronously(shell.run_cell_async(code, store_history=False,
-                                                             transformed_cell=transformed))
-        finally:
-            shell.events.trigger("post_execute")
-            shell.events.trigger("post_run_cell", result)
+        result = _run_transformed(shell, code, transformed)
     if result.success:
         return None
     return shell.last_error or ErrorInfo(ename="Error", evalue="the cell failed", traceback=())
+
+
+def _ends_with_semicolon(source: str) -> bool:
+    # Only a `;` on the last line can end the cell; tokenizing is needed to tell it from one
+    # in a string or a comment, and is skipped otherwise.
+    return ";" in source.rstrip().rpartition("\n")[2] and DisplayHook.semicolon_at_end_of_expression(source)
+
+
+def _may_await(shell: RankShell, code: str, transformed: str) -> bool:
+    # Top-level await needs one of these words; checking for them spares a compile per cell.
+    if "await" not in transformed and "async" not in transformed:
+        return False
+    return shell.should_run_async(code, transformed_cell=transformed, preprocessing_exc_tuple=None)
+
+
+def _run_transformed(shell: RankShell, code: str, transformed: str) -> ExecutionResult:
+    """IPython's cell semantics without its per-cell bookkeeping (history, async machinery,
+    traits), which cost a rank about a millisecond per cell in a busy notebook.
+
+    Kept: the pre/post events, user AST transformers, source cached for tracebacks, builtins
+    and display traps, the last expression shown through the display hook, and IPython's own
+    `run_code` (its exception handling and tracebacks).
+    """
+    info = ExecutionInfo(raw_cell=code, store_history=False, silent=False, shell_futures=True, cell_id=None)
+    result = ExecutionResult(info)
+    shell.displayhook.exec_result = result
+    shell.events.trigger("pre_execute")
+    shell.events.trigger("pre_run_cell", info)
+    try:
+        blocks = _compile_cell(shell, code, transformed)
+    except (SyntaxError, OverflowError, ValueError) as error:  # what compile() raises for bad source
+        shell.showsyntaxerror()
+        result.error_before_exec = error
+    else:
+        with shell.builtin_trap, shell.display_trap:
+            for block in blocks:
+                if _run_synchronously(shell.run_code(block, result)):
+                    break  # run_code returns True when the block raised
+    shell.displayhook.exec_result = None
+    shell.events.trigger("post_execute")
+    shell.events.trigger("post_run_cell", result)
+    return result
+
+
+def _compile_cell(shell: RankShell, code: str, transformed: str) -> list:
+    """Code objects for the cell: its statements, then its last expression in 'single' mode
+    (which calls the display hook with the value), as IPython's 'last_expr' interactivity."""
+    cell_name = shell.compile.cache(transformed, shell.execution_count, raw_code=code)
+    tree = shell.transform_ast(shell.compile.ast_parse(transformed, filename=cell_name))
+    body = tree.body
+    last = [body.pop()] if body and isinstance(body[-1], ast.Expr) else []
+    blocks = []
+    if body:
+        blocks.append(shell.compile(ast.Module(body=body, type_ignores=[]), cell_name, "exec"))
+    if last:
+        blocks.append(shell.compile(ast.Interactive(body=last), cell_name, "single"))
+    return blocks
 
 
 def _run_synchronously(coroutine):

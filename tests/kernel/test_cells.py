@@ -68,6 +68,20 @@ def test_last_expression_and_rich_display(kernel):
     assert "[0]" in run.stdout and "[1]" in run.stdout
 
 
+def test_semicolon_hides_the_result_and_underscore_keeps_the_last_one(kernel):
+    assert kernel.execute("%%fsdp2\nrank + 40").status == "ok"
+    quiet = kernel.execute("%%fsdp2\nrank + 100;  # a trailing semicolon silences the value")
+    assert quiet.status == "ok" and quiet.displays == []
+    run = kernel.execute("%%fsdp2\n_ + 1")
+    assert sorted(d["data"]["text/plain"] for d in run.displays) == ["41", "42"]
+
+
+def test_rank_tracebacks_name_the_notebook_cell(kernel):
+    run = kernel.execute("%%fsdp2\nx = 1\n1 / 0")
+    count = run.reply["content"]["execution_count"]
+    assert f"Cell In[{count}], line 2" in run.traceback_text
+
+
 def test_error_on_one_rank_fails_the_cell_with_its_traceback(kernel):
     run = kernel.execute("%%fsdp2\nif rank == 1:\n    raise ValueError('bad value on one rank')")
     assert run.status == "error"
