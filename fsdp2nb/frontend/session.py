@@ -165,11 +165,14 @@ class NotebookSession:
     def _wait(self, pool: WorkerPool, cell_id: int, progress: _CellProgress, merger: StreamMerger) -> None:
         while progress.running:
             try:
-                event = pool.next_event(_POLL_S)
-                if event is not None:
-                    self._handle(event, cell_id, progress, merger, pool.world_size)
-                merger.poll()
-                self._enforce_deadlines(pool, cell_id, progress, merger)
+                # An event taken off the queue is always recorded: the stop button acts between
+                # iterations (at most _POLL_S later), never between taking and recording.
+                with sigint_deferred():
+                    event = pool.next_event(_POLL_S)
+                    if event is not None:
+                        self._handle(event, cell_id, progress, merger, pool.world_size)
+                    merger.poll()
+                    self._enforce_deadlines(pool, cell_id, progress, merger)
             except KeyboardInterrupt:
                 if progress.interrupted_at is None:
                     self._interrupt(pool, cell_id, progress)

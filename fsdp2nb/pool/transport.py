@@ -47,17 +47,32 @@ def sigint_deferred():
     """Hold back SIGINT (the stop button) on the main thread until the block is done.
 
     A KeyboardInterrupt between a frame's length and its bytes would leave a torn frame, and
-    everything after it on that connection unreadable; the interrupt is still delivered, just
-    after the write.
+    everything after it on that connection unreadable; one between receiving an event and
+    recording it would lose the event. The interrupt is still delivered, after the block.
+
+    The Python-level handler is swapped for one that only takes note: masking the signal for
+    the main thread would not do, since the OS then hands it to another thread (ipykernel has
+    several) and Python still runs the handler on the main thread at its next instruction.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.signal(signal.SIGINT, previous)
+    # Reached only when the block succeeded: a block that raised ends what it was doing anyway.
+    if received:
+        _deliver_sigint(previous)
+
+
+def _deliver_sigint(handler) -> None:  # noqa: ANN001 - what signal.signal returned
+    if callable(handler):
+        handler(signal.SIGINT, None)
+    elif handler == signal.SIG_DFL:
+        raise KeyboardInterrupt
 
 
 class Signer:

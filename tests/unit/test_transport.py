@@ -32,3 +32,35 @@ def test_forged_or_tampered_messages_are_dropped_unread():
 def test_short_keys_are_refused():
     with pytest.raises(ValueError, match="at least 32 bytes"):
         Signer(b"short")
+
+
+def test_sigint_is_held_back_until_the_block_ends():
+    import os
+    import signal
+    import threading
+
+    from fsdp2nb.pool.transport import sigint_deferred
+
+    reached_end_of_block = False
+    with pytest.raises(KeyboardInterrupt):
+        with sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            # Sent from another thread too, as a kernel with helper threads may receive it.
+            sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
+            sender.start()
+            sender.join()
+            reached_end_of_block = True
+    assert reached_end_of_block
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_failing_block_keeps_its_own_error():
+    import os
+    import signal
+
+    from fsdp2nb.pool.transport import sigint_deferred
+
+    with pytest.raises(ValueError, match="the block's own error"):
+        with sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise ValueError("the block's own error")
