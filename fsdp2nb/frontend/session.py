@@ -9,6 +9,7 @@ every rank that is still running.
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 import logging
 import sys
@@ -148,8 +149,7 @@ class NotebookSession:
         self._show_events_between_cells(pool)
         request = make_request(cell_id)
         with sigint_deferred():  # the stop button must not leave some ranks running untracked
-            for rank in ranks:
-                pool.send(rank, request)
+            pool.send(ranks, request)
             pool.busy_ranks.update(ranks)
         progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
         try:
@@ -271,12 +271,36 @@ def transform_and_check(code: str) -> str:
     from IPython import get_ipython
 
     shell = get_ipython()
-    source = shell.transform_cell(code) if shell is not None else code
+    if shell is None or _is_plain_python(shell, code):
+        source = code if code.endswith("\n") else code + "\n"
+    else:
+        source = shell.transform_cell(code)
     try:
         ast.parse(source, "<fsdp2 cell>")
     except SyntaxError as error:
         raise CellSyntaxError(error) from None
     return source
+
+
+def _is_plain_python(shell, code: str) -> bool:  # noqa: ANN001 - an IPython shell
+    """Whether IPython's input transformations would leave `code` as it is, so they can be
+    skipped (they cost about a tenth of an empty cell): none of the characters its syntax uses
+    (`%`, `!`, `?`), no leading blank line, indent or prompt, and only IPython's own transformers."""
+    if not code or code[0].isspace() or code.startswith((">>>", "...", "In [")):
+        return False
+    if "%" in code or "!" in code or "?" in code:
+        return False
+    manager = shell.input_transformer_manager
+    counts = (len(manager.cleanup_transforms), len(manager.line_transforms), len(manager.token_transformers))
+    return not shell.input_transformers_post and counts == _default_transformer_counts()
+
+
+@functools.cache
+def _default_transformer_counts() -> tuple[int, int, int]:
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    manager = TransformerManager()
+    return len(manager.cleanup_transforms), len(manager.line_transforms), len(manager.token_transformers)
 
 
 def _notebook_execution_count() -> int | None:

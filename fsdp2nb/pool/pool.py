@@ -165,10 +165,11 @@ class WorkerPool:
 
     # --- messages -----------------------------------------------------------------------------
 
-    def send(self, rank: int, message: ControlMessage, connect_timeout_s: float = 5.0) -> None:
+    def send(self, ranks: int | tuple[int, ...], message: ControlMessage, connect_timeout_s: float = 5.0) -> None:
+        """Send `message` to one rank or to several."""
         assert self._channels is not None, "the pool is not running"
         control = isinstance(message, (Interrupt, RequestSave))
-        self._channels.send(rank, message, control=control, connect_timeout_s=connect_timeout_s)
+        self._channels.send(ranks, message, control=control, connect_timeout_s=connect_timeout_s)
 
     def request_save(self) -> int:
         """Ask every rank to save at its next `maybe_save`; works while a cell runs. Returns the id."""

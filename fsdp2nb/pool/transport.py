@@ -130,18 +130,23 @@ class KernelChannels:
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="fsdp2nb-accept")
         self._acceptor.start()
 
-    def send(self, rank: int, message: Any, *, control: bool = False, connect_timeout_s: float = 5.0) -> None:
-        """Send to one rank; waits briefly for a rank whose connection is still being set up."""
+    def send(self, ranks: int | tuple[int, ...], message: Any, *, control: bool = False,
+             connect_timeout_s: float = 5.0) -> None:
+        """Send to one rank or several (packed and signed once); waits briefly for a rank whose
+        connection is still being set up."""
         role: ChannelRole = "control" if control else "requests"
-        with self._links_changed:
-            self._links_changed.wait_for(lambda: (role, rank) in self._links or self._closed, connect_timeout_s)
-            link = self._links.get((role, rank))
-        if link is None:
-            raise ConnectionError(f"rank {rank} is not connected to the pool")
-        try:
-            link.send(self._signer.pack(message))
-        except OSError as error:
-            raise ConnectionError(f"rank {rank} is not connected to the pool ({error})") from error
+        frame = self._signer.pack(message)
+        for rank in (ranks,) if isinstance(ranks, int) else ranks:
+            with self._links_changed:
+                self._links_changed.wait_for(lambda rank=rank: (role, rank) in self._links or self._closed,
+                                             connect_timeout_s)
+                link = self._links.get((role, rank))
+            if link is None:
+                raise ConnectionError(f"rank {rank} is not connected to the pool")
+            try:
+                link.send(frame)
+            except OSError as error:
+                raise ConnectionError(f"rank {rank} is not connected to the pool ({error})") from error
 
     def receive(self, timeout_ms: int) -> Any | None:
         """The next verified event, or None after `timeout_ms` without one. One thread only."""
