@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -22,10 +23,16 @@ ProcessKey = tuple[int, float]
 LOG_RETENTION_S = 7 * 24 * 3600
 
 
-def state_dir() -> Path:
-    """This user's private directory for pool registries and logs (0700)."""
-    path = Path(tempfile.gettempdir()) / f"fsdp2nb-{os.getuid()}"
+def state_dir(temp_root: str | None = None) -> Path:
+    """This user's private directory for pool registries and logs (0700), under `temp_root`
+    (default: the system's temporary directory)."""
+    path = Path(temp_root or tempfile.gettempdir()) / f"fsdp2nb-{os.getuid()}"
     path.mkdir(mode=0o700, exist_ok=True)
+    # In a shared /tmp another user could have made this name first (or a link by it).
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is not a directory owned by this user; remove it (or set TMPDIR elsewhere) "
+                           "and start the pool again")
     os.chmod(path, 0o700)
     return path
 

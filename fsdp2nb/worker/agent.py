@@ -54,11 +54,13 @@ def _die_with_parent() -> None:
         pass  # not Linux: the agent's own watch still ends the ranks
 
 
-def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes) -> tuple[int, list[int]]:
+def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
+               agent_fds: list[int]) -> tuple[int, list[int]]:
     """Fork one rank; returns its pid and the read ends of its stdout/stderr pipes.
 
     The agent keeps a copy of each read end so that, should the rank die, the agent can still
-    read what it wrote last (the rank's own forwarding thread dies with it).
+    read what it wrote last (the rank's own forwarding thread dies with it). `agent_fds` are the
+    agent's copies for earlier ranks, which the new rank must not hold.
     """
     pipes = {1: os.pipe(), 2: os.pipe()}
     pid = os.fork()
@@ -68,6 +70,8 @@ def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes) -> tuple[int, 
         return pid, [read_end for read_end, _ in pipes.values()]
     exit_code = 1
     try:
+        for fd in agent_fds:
+            os.close(fd)
         _die_with_parent()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         from fsdp2nb.worker.rank import run_rank
@@ -95,7 +99,8 @@ class Agent:
 
     def run(self) -> None:
         for rank_plan in self.plan.ranks:
-            pid, self.pipes_by_pid[pid] = _fork_rank(self.plan, rank_plan, self.key)
+            held = [fd for fds in self.pipes_by_pid.values() for fd in fds]
+            pid, self.pipes_by_pid[pid] = _fork_rank(self.plan, rank_plan, self.key, held)
             self.ranks_by_pid[pid] = rank_plan
         # Connect only after forking, so that no rank inherits the agent's connection.
         self.channels = RankChannels(Signer(self.key), self.plan.address, rank=None)

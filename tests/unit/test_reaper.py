@@ -48,3 +48,18 @@ def test_runtime_dir_of_a_dead_owner_is_removed(tmp_path):
     reaper.record_pool("test-dir", _finished_process_key(), [], runtime_dir=str(runtime_dir))
     reaper.reap_orphans()
     assert not runtime_dir.exists()
+
+
+def test_state_dir_refuses_a_link_put_in_its_place(tmp_path):
+    import pytest
+
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / f"fsdp2nb-{reaper.os.getuid()}").symlink_to(target)
+    with pytest.raises(RuntimeError, match="not a directory owned by this user"):
+        reaper.state_dir(str(tmp_path))
+
+
+def test_state_dir_is_private(tmp_path):
+    path = reaper.state_dir(str(tmp_path))
+    assert path.stat().st_mode & 0o777 == 0o700
