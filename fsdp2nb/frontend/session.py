@@ -33,7 +33,7 @@ from fsdp2nb.pool.protocol import (
     StreamOutput,
 )
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.pool.transport import sigint_deferred
+from fsdp2nb.pool.transport import SigintNotes, sigint_noted
 
 logger = logging.getLogger(__name__)
 
@@ -148,32 +148,31 @@ class NotebookSession:
                               {r: info.log_path for r, info in pool.ranks.items()})
         self._show_events_between_cells(pool)
         request = make_request(cell_id)
-        with sigint_deferred():  # the stop button must not leave some ranks running untracked
+        progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
+        # The stop button only takes note while a request is sent and waited for: sent to all
+        # ranks or none, and never between an event taken off the queue and its recording.
+        with sigint_noted() as stop_button:
             pool.send(ranks, request)
             pool.busy_ranks.update(ranks)
-        progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
-        try:
-            self._wait(pool, cell_id, progress, merger)
-        finally:
-            pool.busy_ranks.clear()
-            merger.flush()  # ipykernel flushes its streams itself before a display or an error
+            try:
+                self._wait(pool, cell_id, progress, merger, stop_button)
+            finally:
+                pool.busy_ranks.clear()
+                merger.flush()  # ipykernel flushes its streams itself before a display or an error
         _show_results(progress.results, pool.world_size)
         if progress.errors:
             raise RankError(progress.errors, pool.world_size)
         return progress
 
-    def _wait(self, pool: WorkerPool, cell_id: int, progress: _CellProgress, merger: StreamMerger) -> None:
+    def _wait(self, pool: WorkerPool, cell_id: int, progress: _CellProgress, merger: StreamMerger,
+              stop_button: SigintNotes | None) -> None:
         while progress.running:
-            try:
-                # An event taken off the queue is always recorded: the stop button acts between
-                # iterations (at most _POLL_S later), never between taking and recording.
-                with sigint_deferred():
-                    event = pool.next_event(_POLL_S)
-                    if event is not None:
-                        self._handle(event, cell_id, progress, merger, pool.world_size)
-                    merger.poll()
-                    self._enforce_deadlines(pool, cell_id, progress, merger)
-            except KeyboardInterrupt:
+            event = pool.next_event(_POLL_S)  # a press during the wait is acted on within _POLL_S
+            if event is not None:
+                self._handle(event, cell_id, progress, merger, pool.world_size)
+            merger.poll()
+            self._enforce_deadlines(pool, cell_id, progress, merger)
+            if stop_button is not None and stop_button.take() and progress.running:
                 if progress.interrupted_at is None:
                     self._interrupt(pool, cell_id, progress)
                 # A second stop-button press while waiting means: do not wait any longer.

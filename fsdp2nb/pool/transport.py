@@ -23,12 +23,14 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import pickle
+import selectors
 import signal
 import socket
 import threading
 import time
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 from fsdp2nb.pool.protocol import ChannelHello, ChannelRole
@@ -42,30 +44,65 @@ _HELLO_TIMEOUT_S = 10.0
 _MAX_HELLO_BYTES = 4096
 
 
+class SigintNotes:
+    """Stands in for the SIGINT handler: counts presses of the stop button instead of raising."""
+
+    def __init__(self) -> None:
+        self.previous = None
+        """The handler this one replaced (what signal.signal returned)."""
+        self._count = 0
+
+    def __call__(self, signum: int, frame) -> None:  # noqa: ANN001 - a frame or None
+        self._count += 1
+
+    def take(self) -> bool:
+        """Whether SIGINT came since the last call."""
+        came, self._count = self._count > 0, 0
+        return came
+
+
+_active_notes: SigintNotes | None = None  # main thread only
+
+
+@contextlib.contextmanager
+def sigint_noted():
+    """While the block runs on the main thread, SIGINT (the stop button) only takes note.
+
+    Yields the notes to poll with `take()`; None off the main thread, where SIGINT never lands.
+    Inside an outer block, yields the outer notes. The Python-level handler is swapped rather
+    than the signal masked: the OS hands a signal the main thread masks to another thread
+    (ipykernel has several) and Python still raises on the main one at its next instruction.
+    """
+    global _active_notes
+    if _active_notes is not None or threading.current_thread() is not threading.main_thread():
+        yield _active_notes
+        return
+    notes = SigintNotes()
+    notes.previous = signal.signal(signal.SIGINT, notes)
+    _active_notes = notes
+    try:
+        yield notes
+    finally:
+        _active_notes = None
+        signal.signal(signal.SIGINT, notes.previous)
+
+
 @contextlib.contextmanager
 def sigint_deferred():
-    """Hold back SIGINT (the stop button) on the main thread until the block is done.
+    """Hold back SIGINT on the main thread until the block is done, then deliver it.
 
     A KeyboardInterrupt between a frame's length and its bytes would leave a torn frame, and
-    everything after it on that connection unreadable; one between receiving an event and
-    recording it would lose the event. The interrupt is still delivered, after the block.
-
-    The Python-level handler is swapped for one that only takes note: masking the signal for
-    the main thread would not do, since the OS then hands it to another thread (ipykernel has
-    several) and Python still runs the handler on the main thread at its next instruction.
+    everything after it on that connection unreadable. Inside a `sigint_noted` block the
+    press stays noted there for its owner to act on; a block that raised drops it (what it was
+    doing has ended anyway).
     """
-    if threading.current_thread() is not threading.main_thread():
+    if _active_notes is not None:
         yield
         return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
+    with sigint_noted() as notes:
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    # Reached only when the block succeeded: a block that raised ends what it was doing anyway.
-    if received:
-        _deliver_sigint(previous)
+    if notes is not None and notes.take():
+        _deliver_sigint(notes.previous)
 
 
 def _deliver_sigint(handler) -> None:  # noqa: ANN001 - what signal.signal returned
@@ -125,6 +162,14 @@ class KernelChannels:
         self._links: dict[tuple[ChannelRole, int], _Link] = {}
         self._links_changed = threading.Condition()
         self._event_connections: list[Connection] = []
+        # The receiving thread waits on one epoll set, built up as events connections arrive
+        # (the accepting thread adds them and wakes it through a pipe): rebuilding a selector
+        # for every wait cost the kernel about 0.2 ms per event.
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        self._selector.register(self._wake_read, selectors.EVENT_READ)
+        self._unregistered: collections.deque[Connection] = collections.deque()
         self._pending: collections.deque = collections.deque()
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="fsdp2nb-accept")
@@ -152,15 +197,15 @@ class KernelChannels:
         """The next verified event, or None after `timeout_ms` without one. One thread only."""
         deadline = time.monotonic() + timeout_ms / 1000
         while not self._pending:
-            with self._links_changed:
-                connections = list(self._event_connections)
+            while self._unregistered:
+                connection = self._unregistered.popleft()
+                self._selector.register(connection.fileno(), selectors.EVENT_READ, connection)
             remaining = max(0.0, deadline - time.monotonic())
-            if connections:
-                # New connections appear while we wait: look again at least every accept period.
-                for connection in wait(connections, min(remaining, _ACCEPT_POLL_S)):
-                    self._read(connection)
-            else:
-                time.sleep(min(remaining, 0.01))
+            for key, _ in self._selector.select(remaining):
+                if key.data is None:
+                    _drain(self._wake_read)
+                else:
+                    self._read(key.data)
             if not self._pending and time.monotonic() >= deadline:
                 return None
         return self._pending.popleft()
@@ -169,6 +214,7 @@ class KernelChannels:
         try:
             frame = connection.recv_bytes()
         except (EOFError, OSError):
+            self._selector.unregister(connection.fileno())
             with self._links_changed:
                 self._event_connections.remove(connection)
             connection.close()
@@ -206,6 +252,8 @@ class KernelChannels:
                 return
             if hello.role == "events":
                 self._event_connections.append(connection)
+                self._unregistered.append(connection)
+                os.write(self._wake_write, b"x")
             else:
                 replaced = self._links.get((hello.role, hello.rank))
                 if replaced is not None:
@@ -225,6 +273,15 @@ class KernelChannels:
             self._event_connections.clear()
         for connection in connections:
             connection.close()
+        self._selector.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+
+def _drain(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        while os.read(fd, 4096):
+            pass
 
 
 class RankChannels:

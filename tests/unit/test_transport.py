@@ -64,3 +64,18 @@ def test_a_failing_block_keeps_its_own_error():
         with sigint_deferred():
             os.kill(os.getpid(), signal.SIGINT)
             raise ValueError("the block's own error")
+
+
+def test_sigint_only_takes_note_inside_a_noted_block_and_nested_blocks_share_it():
+    import os
+    import signal
+
+    from fsdp2nb.pool.transport import sigint_deferred, sigint_noted
+
+    with sigint_noted() as notes:
+        assert not notes.take()
+        with sigint_deferred():  # inside: the press stays noted for the outer block's owner
+            os.kill(os.getpid(), signal.SIGINT)
+        assert notes.take()
+        assert not notes.take()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
