@@ -93,8 +93,8 @@ def run_cell(shell: RankShell, code: str, transformed: str | None = None,
     number cells with the notebook's count, so a traceback's `In[N]` is the notebook cell's.
     """
     shell.last_error = None
-    if execution_count is not None:
-        shell.execution_count = execution_count
+    if execution_count is not None and execution_count != shell.execution_count:
+        shell.execution_count = execution_count  # a trait: setting it notifies observers
     shell.displayhook.quiet_cell = _ends_with_semicolon(transformed or code)
     if transformed is None or _may_await(shell, code, transformed):
         result = shell.run_cell(code, store_history=False)
@@ -128,7 +128,6 @@ def _run_transformed(shell: RankShell, code: str, transformed: str) -> Execution
     """
     info = ExecutionInfo(raw_cell=code, store_history=False, silent=False, shell_futures=True, cell_id=None)
     result = ExecutionResult(info)
-    shell.displayhook.exec_result = result
     shell.events.trigger("pre_execute")
     shell.events.trigger("pre_run_cell", info)
     try:
@@ -141,7 +140,6 @@ def _run_transformed(shell: RankShell, code: str, transformed: str) -> Execution
             for block in blocks:
                 if _run_synchronously(shell.run_code(block, result)):
                     break  # run_code returns True when the block raised
-    shell.displayhook.exec_result = None
     shell.events.trigger("post_execute")
     shell.events.trigger("post_run_cell", result)
     return result
