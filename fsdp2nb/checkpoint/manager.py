@@ -94,16 +94,21 @@ class _Tracked:
     extra: dict[str, Any]
 
 
+_WRITER_NICENESS = 19
+
 AsyncWriter = Literal["process", "thread"]
 ASYNC_WRITERS: tuple[AsyncWriter, ...] = ("process", "thread")
 
 
 class _ShardWriter(FileSystemWriter):
-    """FileSystemWriter that writes past the page cache and skips zip CRC32s in DCP's writer process.
+    """FileSystemWriter that writes past the page cache; in DCP's writer process it also skips
+    zip CRC32s and runs at the lowest CPU priority.
 
     Direct writes (see direct_writes) leave the CPU to training. torch.load never checks the
     CRC32s, and computing them is about half the CPU time of serializing a shard; the switch is
-    process-wide, so it is only thrown in the writer process, which does nothing else.
+    process-wide, so it is only thrown in the writer process, which does nothing else. Niceness
+    is per process too: a thread of the training process cannot be deprioritised without
+    stalling training on the GIL it holds.
     """
 
     def __init__(self, path: Path) -> None:
@@ -114,6 +119,8 @@ class _ShardWriter(FileSystemWriter):
     def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - signature of the base class
         if os.getpid() != self._owner_pid:
             torch.serialization.set_crc32_options(False)
+            # Background work: training keeps the cores and the writer takes what is left.
+            os.setpriority(os.PRIO_PROCESS, 0, _WRITER_NICENESS)
         return super().write_data(plan, planner)
 
 
@@ -134,9 +141,11 @@ class Checkpointer:
     retain (None keeps all); `async_save` lets training continue while files are written.
     `async_writer` says where: "thread" (default) writes from a thread of this process; "process"
     serializes and writes in DCP's persistent writer process, off this process's GIL (started by
-    the first async save, shared by every checkpointer of the process). On a 2-core CPU host the
-    process measured no better (benchmarks/bench_checkpoint.py prints both); it can pay off where
-    spare cores exist. Without a process group async saves always use a thread.
+    the first async save, shared by every checkpointer of the process, running at the lowest CPU
+    priority). With CPU training on every core the process slowed the overlapping steps less in
+    some runs, but the difference is within this machine's noise (benchmarks/bench_checkpoint.py
+    prints both); it pays off where training leaves cores idle. Without a process group async
+    saves always use a thread.
 
         ckpt = Checkpointer("/ckpt/run1", keep=3)
         ckpt.track(model=model, optimizer=opt, scheduler=sched)

@@ -22,15 +22,15 @@ NUM_STEPS = 6
 SAVE_AT = 2
 
 
-def _train_save_resume(directory: str) -> dict:
+def _train_save_resume(directory: str, async_writer: str) -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)
     random.seed(rank)
     model, optimizer, scheduler = build(seed=0)
-    ckpt = Checkpointer(directory, keep=2, async_save=True).track(model=model, optimizer=optimizer,
-                                                                   scheduler=scheduler)
+    ckpt = Checkpointer(directory, keep=2, async_save=True, async_writer=async_writer).track(
+        model=model, optimizer=optimizer, scheduler=scheduler)
     saved_at, losses = [], []
     for step in range(NUM_STEPS):
         losses.append(train_step(model, optimizer, scheduler))
@@ -55,9 +55,10 @@ def _train_save_resume(directory: str) -> dict:
                 lr=(lr_uninterrupted, scheduler.get_last_lr()), served=process_requests().served())
 
 
-@pytest.fixture(scope="module")
-def resume_results(tmp_path_factory) -> list[dict]:
-    return run_ranks(_train_save_resume, 2, str(tmp_path_factory.mktemp("ckpt")))
+@pytest.fixture(scope="module", params=["thread", "process"])
+def resume_results(tmp_path_factory, request) -> list[dict]:
+    """Both async writers: a thread of the rank, and DCP's writer process (at low priority)."""
+    return run_ranks(_train_save_resume, 2, str(tmp_path_factory.mktemp("ckpt")), request.param)
 
 
 def test_request_on_one_rank_saves_on_all_ranks_once(resume_results):
