@@ -1,8 +1,8 @@
 """Checkpointer: atomic, optionally asynchronous checkpoints of a training run, with retention.
 
 A save runs in three parts. On the calling thread every rank agrees on a temporary directory and
-copies its shards off the live tensors (`dcp.async_save` staging: reused buffers on CPU,
-pinned memory on GPU). In the background, DCP serializes, writes and fsyncs the shards (from a
+starts copying its shards off the live tensors (`dcp.async_save` staging on a thread: reused
+buffers on CPU, pinned memory on GPU); the tracked optimizer's next step waits for that copy. In the background, DCP serializes, writes and fsyncs the shards (from a
 thread, or with async_writer="process" in its persistent writer process, which receives the
 staged buffers through shared memory and leaves the training process's GIL alone). A thread of
 this process then adds the rank's RNG/scheduler file, the ranks agree that all succeeded, and rank 0
@@ -23,6 +23,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -185,6 +186,8 @@ class Checkpointer:
         self._last_error_text: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2nb-ckpt")
         self._stager = make_stager() if async_save else None
+        self._staging: Future | None = None  # the copy of the save in flight
+        self._step_gate = None  # handle of the optimizer step pre-hook that waits for it
         if self._rank == 0:
             _sweep(self.directory)
 
@@ -207,7 +210,21 @@ class Checkpointer:
         global _tracked
         self._tracked = _Tracked(model, optimizer, scheduler, dict(extra_stateful))
         _tracked = self
+        self._gate_optimizer_step(optimizer)
         return self
+
+    def _gate_optimizer_step(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Make the optimizer's step, the first write to what a save copies, wait for the copy."""
+        if self._step_gate is not None:
+            self._step_gate.remove()
+            self._step_gate = None
+        if optimizer is not None and self.async_save:
+            self._step_gate = optimizer.register_step_pre_hook(self._wait_for_staging)
+
+    def _wait_for_staging(self, *_hook_args: Any) -> None:
+        staging = self._staging
+        if staging is not None:
+            futures_wait([staging])  # a failed copy fails the save; it is reported there
 
     # ---- save ----------------------------------------------------------------------------------
 
@@ -233,7 +250,12 @@ class Checkpointer:
             no_dist=not self._distributed,
             async_checkpointer_type=AsyncCheckpointerType.PROCESS if use_process else AsyncCheckpointerType.THREAD,
         )
-        upload = response if isinstance(response, Future) else response.upload_completion
+        if isinstance(response, Future):  # staged before async_save returned
+            upload = response
+        else:
+            upload, self._staging = response.upload_completion, response.staging_completion
+            if self._step_gate is None:  # no optimizer step to gate: copy before returning
+                self._wait_for_staging()
         future = self._executor.submit(self._finish, job, rank_state, upload, tracked.model)
         with self._lock:
             self._pending = (step, future)
@@ -468,6 +490,7 @@ class Checkpointer:
             if _tracked is self:
                 _tracked = None
             self._executor.shutdown(wait=True)
+            self._gate_optimizer_step(None)
             if self._stager is not None:
                 self._stager.close()
             self._destroy_groups()

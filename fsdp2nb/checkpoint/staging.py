@@ -1,4 +1,9 @@
-"""Staging for async saves: copy shards off the live tensors before training continues.
+"""Staging for async saves: copy shards off the live tensors before training changes them.
+
+The copy runs on a background thread and `save()` returns at once: the next forward and
+backward only read parameters and optimizer state, so they overlap the copy, and the optimizer
+step, the first thing that writes them, waits for it (`Checkpointer` gates it with a step
+pre-hook).
 
 On CPU the copy goes into buffers kept from one save to the next: allocating (and page-faulting)
 fresh memory every save costs several times the copy itself. The DTensor wrapping a buffer is kept
@@ -10,6 +15,7 @@ On GPU, DCP's DefaultStager copies through pinned host memory.
 from __future__ import annotations
 
 import copy
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -25,11 +31,13 @@ class ReusedBufferStager(AsyncStager):
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._wrappers: dict[str, DTensor] = {}
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="fsdp2nb-stage")
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return self._copy(state_dict, "")
+    def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]]:
+        return self._copier.submit(self._copy, state_dict, "")
 
     def close(self) -> None:
+        self._copier.shutdown(wait=True)
         self._buffers.clear()
         self._wrappers.clear()
 
@@ -71,5 +79,5 @@ def make_stager() -> AsyncStager:
     """The stager for this machine: reused CPU buffers, or pinned-memory staging when CUDA is present."""
     if torch.cuda.is_available():
         return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                            use_async_staging=False, use_non_blocking_copy=True))
+                                            use_async_staging=True, use_non_blocking_copy=True))
     return ReusedBufferStager()

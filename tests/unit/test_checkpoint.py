@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from fsdp2nb.checkpoint import (
 )
 from fsdp2nb.checkpoint import manager as manager_module
 from fsdp2nb.checkpoint.layout import METADATA_FILE, read_latest
+from fsdp2nb.checkpoint.staging import ReusedBufferStager
 from fsdp2nb.checkpoint.state import read_dcp_metadata
 from fsdp2nb.testing.tiny_models import make_tiny_model
 
@@ -315,3 +317,31 @@ def test_rng_state_round_trips_through_weights_only_load(tmp_path):
     restore_rng_state(torch.load(buffer, weights_only=True))
     again = (random.random(), np.random.rand(), torch.rand(3))
     assert expected[:2] == again[:2] and torch.equal(expected[2], again[2])
+
+
+class _SlowStager(ReusedBufferStager):
+    """Copies after a pause, so the optimizer step below would overtake an ungated copy."""
+
+    def _copy(self, obj, path):
+        if path == "":
+            time.sleep(0.5)
+        return super()._copy(obj, path)
+
+
+def test_optimizer_step_waits_for_the_copy_of_an_async_save(tmp_path, trained):
+    model, optimizer = trained
+    ckpt = Checkpointer(tmp_path, async_save=True)
+    ckpt._stager.close()
+    ckpt._stager = _SlowStager()
+    ckpt.track(model=model, optimizer=optimizer)
+    at_save = _snapshot(model)
+    ckpt.save(1)  # returns while the copy sleeps
+    _step(model, optimizer)  # its optimizer step must wait for the copy
+    ckpt.wait()
+    ckpt.close()
+    fresh, fresh_optimizer = _model_and_optimizer(seed=3)
+    with Checkpointer(tmp_path) as loader:
+        loader.track(model=fresh, optimizer=fresh_optimizer)
+        loader.load(1)
+    for key, tensor in _snapshot(fresh).items():
+        assert torch.equal(tensor, at_save[key]), key
