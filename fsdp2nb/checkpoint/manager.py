@@ -229,7 +229,12 @@ class Checkpointer:
     # ---- save ----------------------------------------------------------------------------------
 
     def save(self, step: int | None = None) -> None:
-        """Save at `step` (default: the last step seen); collective, call on every rank."""
+        """Save at `step` (default: the last step seen); collective, call on every rank.
+
+        An async save returns while its copy of the shards is still being taken: until the
+        tracked optimizer's next step (which waits for it), change parameters and optimizer
+        state only through that optimizer, or call `wait()` first.
+        """
         self._raise_background_error()
         step = self._step_or_last(step)
         tracked = self._require_tracked()
