@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 _BLOCK = 4096  # covers every logical block size O_DIRECT may ask alignment to
 _BUFFER_BYTES = 8 * 1024 * 1024  # a multiple of _BLOCK
 
+_MAX_SPARE_BUFFERS = 2  # one stream's pair: DCP writes a rank's files one after another
 _spare_buffers: list[mmap.mmap] = []
 _spare_lock = threading.Lock()
 
@@ -158,7 +159,7 @@ def _take_buffer() -> mmap.mmap:
 
 def _return_buffer(buffer: mmap.mmap) -> None:
     with _spare_lock:
-        if len(_spare_buffers) < 8:
+        if len(_spare_buffers) < _MAX_SPARE_BUFFERS:
             _spare_buffers.append(buffer)
             return
     buffer.close()

@@ -18,6 +18,7 @@ import mmap
 import os
 import queue
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ _BLOCK = 4096  # covers every logical block size O_DIRECT may ask alignment to
 _CHUNK_BYTES = 32 * 1024 * 1024  # bounce buffer: a multiple of _BLOCK and of every element size
 _PROBES = 8
 _THREADS = 2
+
+_spare_buffers: list[mmap.mmap] = []
+_spare_lock = threading.Lock()
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -99,10 +103,9 @@ class RowBlockReader:
         self._direct_fd: int | None = None
         if direct or (direct is None and not _looks_cached(self._fd, os.fstat(self._fd).st_size)):
             self._direct_fd = _open_direct(path)
-        # Anonymous maps are page-aligned, as direct I/O needs.
         self._free_buffers: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         for _ in range(_THREADS):
-            self._free_buffers.put(mmap.mmap(-1, chunk_bytes + _BLOCK))
+            self._free_buffers.put(_take_buffer(chunk_bytes + _BLOCK))
 
     @property
     def direct(self) -> bool:
@@ -151,7 +154,34 @@ class RowBlockReader:
                 os.close(fd)
         self._fd = self._direct_fd = None
         while not self._free_buffers.empty():
-            self._free_buffers.get().close()
+            _return_buffer(self._free_buffers.get())
+
+
+def _take_buffer(size: int) -> mmap.mmap:
+    """A page-aligned buffer (anonymous maps are, as direct I/O needs), reused across the files
+    of one load: faulting in fresh pages for each file of a sharded checkpoint adds up."""
+    with _spare_lock:
+        for i, buffer in enumerate(_spare_buffers):
+            if len(buffer) == size:
+                return _spare_buffers.pop(i)
+    return mmap.mmap(-1, size)
+
+
+def _return_buffer(buffer: mmap.mmap) -> None:
+    with _spare_lock:
+        if len(_spare_buffers) < _THREADS:
+            _spare_buffers.append(buffer)
+            return
+    buffer.close()
+
+
+def release_spare_buffers() -> None:
+    """Give the reused buffers back to the system (at the end of a load)."""
+    with _spare_lock:
+        buffers = list(_spare_buffers)
+        _spare_buffers.clear()
+    for buffer in buffers:
+        buffer.close()
 
 
 def _checked(view: memoryview, length: int, offset: int) -> memoryview:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp2nb.engine.checkpoint_files import Block, CheckpointFiles, open_reader
+from fsdp2nb.engine.direct_reads import release_spare_buffers
 from fsdp2nb.engine.key_mapping import checkpoint_to_model_keys, hf_key, unwrap_peft
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,11 @@ def load_sharded(
             used.add(ckpt_key)
         else:
             _fill_without_checkpoint(target, initial_values, allow_missing, report)
-    for file_name, entries in by_file.items():
-        _copy_from_file(files, file_name, entries, report)
+    try:
+        for file_name, entries in by_file.items():
+            _copy_from_file(files, file_name, entries, report)
+    finally:
+        release_spare_buffers()
     report.unexpected = sorted(set(files.key_to_file) - used)
     if report.unexpected:
         logger.warning("checkpoint keys not used by the model: %s", report.unexpected)
