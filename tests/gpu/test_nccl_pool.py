@@ -60,3 +60,37 @@ def test_engine_bf16_and_offload_on_gpus(gpu_kernel, tmp_path):
                              "    print('offload', offload, 'falls', losses[-1] < losses[0])", timeout=600)
     assert run.status == "ok", run.traceback_text
     assert "[all] offload False falls True" in run.stdout and "[all] offload True falls True" in run.stdout
+
+
+def test_cold_checkpoint_loads_with_direct_reads_and_async_save_restores_on_gpus(gpu_kernel, tmp_path):
+    gpu_kernel.execute(f"path = {str(tmp_path / 'cold')!r}\nckpt_dir = {str(tmp_path / 'ckpt')!r}\n"
+                       "%fsdp2 push path ckpt_dir")
+    run = gpu_kernel.execute(
+        "%%fsdp2\nimport os, fsdp2nb\nfrom fsdp2nb.testing import save_tiny_checkpoint\n"
+        # Larger than the disk's read-ahead, then evicted: the load must take the direct path.
+        "if rank == 0:\n"
+        "    save_tiny_checkpoint(path, 'llama', vocab_size=40_000, intermediate_size=30_000)\n"
+        "    fd = os.open(os.path.join(path, 'model.safetensors'), os.O_RDONLY)\n"
+        "    os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)\n"
+        "dist.barrier()\n"
+        "engine = fsdp2nb.FSDP2Engine(mixed_precision='bf16')\n"
+        "model, _ = fsdp2nb.load_model(path, engine=engine)\n"
+        "print('direct', engine.last_load_report.direct_io)\n"
+        "opt = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+        "ids = torch.randint(0, 100, (2, 16), device=device)\n"
+        "def train_step():\n"
+        "    model(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()\n"
+        "def full_state():\n"
+        "    return {k: getattr(v, 'full_tensor', lambda v=v: v)().cpu() for k, v in model.state_dict().items()}\n"
+        "train_step()\n"
+        "ckpt = fsdp2nb.Checkpointer(ckpt_dir, async_save=True).track(model=model, optimizer=opt)\n"
+        "at_save = full_state()\n"
+        "ckpt.save(1)\n"
+        "train_step()  # its optimizer step waits for the pinned-memory copy\n"
+        "ckpt.wait()\n"
+        "ckpt.load(1)\n"
+        "print('restored', all(torch.equal(t, at_save[k]) for k, t in full_state().items()))\n"
+        "ckpt.close()", timeout=600)
+    assert run.status == "ok", run.traceback_text
+    assert "[all] restored True" in run.stdout
+    assert "direct True" in run.stdout
