@@ -25,6 +25,7 @@ import hmac
 import logging
 import os
 import pickle
+import select
 import selectors
 import signal
 import socket
@@ -144,6 +145,8 @@ class _Link:
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
         self.lock = threading.Lock()
+        self.poller = select.poll()  # for the one thread that reads this link
+        self.poller.register(connection.fileno(), select.POLLIN)
 
     def send(self, frame: bytes) -> None:
         with self.lock, sigint_deferred():
@@ -317,7 +320,8 @@ class RankChannels:
 
     def _receive(self, link: _Link | None, timeout_ms: int) -> Any | None:
         assert link is not None
-        if not link.connection.poll(timeout_ms / 1000):
+        # One poll object per link: Connection.poll builds and tears down a selector per call.
+        if not link.poller.poll(timeout_ms):
             return None
         return self._signer.unpack(link.connection.recv_bytes())
 
