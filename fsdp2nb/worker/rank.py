@@ -275,8 +275,6 @@ def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
              pipes: dict[int, tuple[int, int]] | None = None) -> None:
     """Entry point of a rank process; returns when the pool shuts it down."""
     os.environ.update(torchrun_environment(plan, rank_plan))
-    if os.environ.get("XBATCH"):
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     rank = Rank(plan, rank_plan, key, pipes)
     rank.start()
     try:
