@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -56,18 +57,28 @@ def _reference(path: Path):
 
 
 def _evict_from_page_cache(path: Path) -> bool:
-    """Make `path` cold, as a checkpoint not read since boot is; whether direct reads are possible."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """Make `path` cold, as a checkpoint not read since boot is; whether it is now cold and can be
+    read with O_DIRECT (else the direct path is not checked).
+
+    FADV_DONTNEED skips pages still in another CPU's LRU batch, so it is repeated until they go.
+    """
+    from fsdp2nb.engine.direct_reads import cached_fraction
+
     try:
         os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
     except OSError:
         return False
-    return True
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        for _ in range(20):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if cached_fraction(fd, os.fstat(fd).st_size) < 0.1:
+                return True
+            time.sleep(0.05)
+    finally:
+        os.close(fd)
+    return False
 
 
 @pytest.mark.parametrize(("family", "tied", "world_size", "cold"),
@@ -104,7 +115,10 @@ def test_every_init_mode_loads_the_checkpoint_exactly(tmp_path, family, tied, wo
     requested = [r["meta"]["bytes_requested"] for r in per_rank]
     checkpoint_bytes = sum(t.numel() * t.element_size() for t in stored.values())
     assert sum(requested) == checkpoint_bytes
-    assert all(r["meta"]["direct_io"] == direct_possible for r in per_rank)
+    if cold and direct_possible:
+        assert all(r["meta"]["direct_io"] for r in per_rank)
+    if not cold:
+        assert not any(r["meta"]["direct_io"] for r in per_rank)  # a file just written is cached
     assert max(requested) < 1.1 * checkpoint_bytes / world_size + 1024  # small 1-D tensors split unevenly
 
 

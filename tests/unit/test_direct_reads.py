@@ -56,3 +56,27 @@ def test_blocks_are_cast_into_the_destination_dtype(checkpoint: str) -> None:
 def test_chunk_size_must_be_block_aligned(checkpoint: str) -> None:
     with pytest.raises(ValueError, match="chunk_bytes=1000"):
         RowBlockReader(checkpoint, chunk_bytes=1000)
+
+
+def test_cached_fraction_sees_the_page_cache_without_filling_it(tmp_path):
+    import os
+
+    from fsdp2nb.engine.direct_reads import cached_fraction
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(8 * 1024 * 1024))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        os.fsync(fd)
+        for _ in range(20):  # pages in another CPU's LRU batch are skipped: ask again
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if cached_fraction(fd, size) < 0.1:
+                break
+        else:
+            pytest.skip("the page cache would not let go of the file")
+        assert cached_fraction(fd, size) < 0.1  # asking twice did not read the file in
+        os.pread(fd, size, 0)
+        assert cached_fraction(fd, size) > 0.9
+    finally:
+        os.close(fd)
