@@ -10,11 +10,9 @@ A file system that refuses O_DIRECT (tmpfs) gets the same stream over a buffered
 
 from __future__ import annotations
 
-import errno
 import io
 import mmap
 import os
-import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -22,12 +20,11 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-_BLOCK = 4096  # covers every logical block size O_DIRECT may ask alignment to
-_BUFFER_BYTES = 8 * 1024 * 1024  # a multiple of _BLOCK
+from fsdp2nb.direct_io import BufferPool, open_direct, round_up
 
-_MAX_SPARE_BUFFERS = 2  # one stream's pair: DCP writes a rank's files one after another
-_spare_buffers: list[mmap.mmap] = []
-_spare_lock = threading.Lock()
+_BUFFER_BYTES = 8 * 1024 * 1024  # a multiple of BLOCK
+
+_buffers = BufferPool(keep=2)  # one stream's pair: DCP writes a rank's files one after another
 
 
 class DirectFileSystem(FileSystem):
@@ -55,8 +52,8 @@ class DirectWriteStream(io.RawIOBase):
 
     def __init__(self, path: Path) -> None:
         super().__init__()
-        self._fd, self.direct = _open_for_writing(path)
-        self._buffer = _take_buffer()
+        self._fd, self.direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self._buffer = _buffers.take(_BUFFER_BYTES)
         self._filled = 0  # bytes waiting in the buffer
         self._written = 0  # file offset where the buffer starts
         self._io = ThreadPoolExecutor(1, thread_name_prefix="fsdp2nb-direct-write")
@@ -85,7 +82,7 @@ class DirectWriteStream(io.RawIOBase):
 
     def _write_full_buffer(self) -> None:
         """Hand the full buffer to the helper thread and go on filling the other one."""
-        spare = self._wait_in_flight() or _take_buffer()
+        spare = self._wait_in_flight() or _buffers.take(_BUFFER_BYTES)
         future = self._io.submit(_pwrite_all, self._fd, self._buffer, _BUFFER_BYTES, self._written)
         self._in_flight = (future, self._buffer)
         self._buffer = spare
@@ -101,7 +98,7 @@ class DirectWriteStream(io.RawIOBase):
         try:
             future.result()
         except BaseException:
-            _return_buffer(buffer)
+            _buffers.give(buffer)
             raise
         return buffer
 
@@ -112,10 +109,10 @@ class DirectWriteStream(io.RawIOBase):
         try:
             spare = self._wait_in_flight()
             if spare is not None:
-                _return_buffer(spare)
+                _buffers.give(spare)
             tail = self._filled
             if tail:
-                padded = -(-tail // _BLOCK) * _BLOCK if self.direct else tail
+                padded = round_up(tail) if self.direct else tail
                 self._buffer[tail:padded] = bytes(padded - tail)
                 _pwrite_all(self._fd, self._buffer, padded, self._written)
                 if padded != tail:
@@ -124,9 +121,9 @@ class DirectWriteStream(io.RawIOBase):
         finally:
             self._io.shutdown(wait=True)
             if self._in_flight is not None:  # close() after a failed write
-                _return_buffer(self._in_flight[1])
+                _buffers.give(self._in_flight[1])
             os.close(self._fd)
-            _return_buffer(self._buffer)
+            _buffers.give(self._buffer)
             super().close()
 
 
@@ -138,28 +135,3 @@ def _pwrite_all(fd: int, buffer: mmap.mmap, length: int, offset: int) -> None:
             done += os.pwrite(fd, view[done:], offset + done)
     finally:
         view.release()
-
-
-def _open_for_writing(path: Path) -> tuple[int, bool]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    try:
-        return os.open(path, flags | os.O_DIRECT, 0o644), True
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-    return os.open(path, flags, 0o644), False
-
-
-def _take_buffer() -> mmap.mmap:
-    with _spare_lock:
-        if _spare_buffers:
-            return _spare_buffers.pop()
-    return mmap.mmap(-1, _BUFFER_BYTES)  # anonymous maps are page-aligned, as O_DIRECT needs
-
-
-def _return_buffer(buffer: mmap.mmap) -> None:
-    with _spare_lock:
-        if len(_spare_buffers) < _MAX_SPARE_BUFFERS:
-            _spare_buffers.append(buffer)
-            return
-    buffer.close()

@@ -20,18 +20,17 @@ import mmap
 import os
 import queue
 import struct
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-_BLOCK = 4096  # covers every logical block size O_DIRECT may ask alignment to
-_CHUNK_BYTES = 32 * 1024 * 1024  # bounce buffer: a multiple of _BLOCK and of every element size
+from fsdp2nb.direct_io import BLOCK, BufferPool, open_direct, round_up
+
+_CHUNK_BYTES = 32 * 1024 * 1024  # bounce buffer: a multiple of BLOCK and of every element size
 _THREADS = 2
 
-_spare_buffers: list[mmap.mmap] = []
-_spare_lock = threading.Lock()
+_buffers = BufferPool(keep=_THREADS)  # reused across the files of one load (sharded checkpoints)
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -97,20 +96,13 @@ class RowBlockReader:
     """
 
     def __init__(self, path: str, *, direct: bool | None = None, chunk_bytes: int = _CHUNK_BYTES) -> None:
-        if chunk_bytes <= 0 or chunk_bytes % _BLOCK:
-            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {_BLOCK}")
+        if chunk_bytes <= 0 or chunk_bytes % BLOCK:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {BLOCK}")
         self._chunk_bytes = chunk_bytes
-        self._fd = os.open(path, os.O_RDONLY)
-        self._direct_fd: int | None = None
-        if direct or (direct is None and cached_fraction(self._fd, os.fstat(self._fd).st_size) < 0.5):
-            self._direct_fd = _open_direct(path)
+        self._fd, self.direct = _open_for_reading(path, direct)
         self._free_buffers: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         for _ in range(_THREADS):
-            self._free_buffers.put(_take_buffer(chunk_bytes + _BLOCK))
-
-    @property
-    def direct(self) -> bool:
-        return self._direct_fd is not None
+            self._free_buffers.put(_buffers.take(chunk_bytes + BLOCK))
 
     def copy_blocks(self, blocks: list[RowBlock]) -> None:
         chunks = [chunk for block in blocks for chunk in self._chunks(block)]
@@ -140,64 +132,39 @@ class RowBlockReader:
 
     def _read(self, buffer: mmap.mmap, offset: int, length: int) -> memoryview:
         """`length` bytes at `offset`, as a view into `buffer`."""
-        if self._direct_fd is None:
+        if not self.direct:
             got = os.preadv(self._fd, [memoryview(buffer)[:length]], offset)
             return _checked(memoryview(buffer)[:got], length, offset)
-        aligned = offset - offset % _BLOCK
-        span = -(-(offset + length - aligned) // _BLOCK) * _BLOCK
-        got = os.preadv(self._direct_fd, [memoryview(buffer)[:span]], aligned)
+        aligned = offset - offset % BLOCK
+        span = round_up(offset + length - aligned)
+        got = os.preadv(self._fd, [memoryview(buffer)[:span]], aligned)
         skip = offset - aligned
         return _checked(memoryview(buffer)[skip:min(got, skip + length)], length, offset)
 
     def close(self) -> None:
-        for fd in (self._fd, self._direct_fd):
-            if fd is not None:
-                os.close(fd)
-        self._fd = self._direct_fd = None
+        os.close(self._fd)
         while not self._free_buffers.empty():
-            _return_buffer(self._free_buffers.get())
+            _buffers.give(self._free_buffers.get())
 
 
-def _take_buffer(size: int) -> mmap.mmap:
-    """A page-aligned buffer (anonymous maps are, as direct I/O needs), reused across the files
-    of one load: faulting in fresh pages for each file of a sharded checkpoint adds up."""
-    with _spare_lock:
-        for i, buffer in enumerate(_spare_buffers):
-            if len(buffer) == size:
-                return _spare_buffers.pop(i)
-    return mmap.mmap(-1, size)
-
-
-def _return_buffer(buffer: mmap.mmap) -> None:
-    with _spare_lock:
-        if len(_spare_buffers) < _THREADS:
-            _spare_buffers.append(buffer)
-            return
-    buffer.close()
+def _open_for_reading(path: str, direct: bool | None) -> tuple[int, bool]:
+    """(descriptor, whether it reads past the page cache): direct unless most of the file is cached."""
+    fd = os.open(path, os.O_RDONLY)
+    if direct is False or (direct is None and cached_fraction(fd, os.fstat(fd).st_size) >= 0.5):
+        return fd, False
+    os.close(fd)
+    return open_direct(path, os.O_RDONLY)
 
 
 def release_spare_buffers() -> None:
     """Give the reused buffers back to the system (at the end of a load)."""
-    with _spare_lock:
-        buffers = list(_spare_buffers)
-        _spare_buffers.clear()
-    for buffer in buffers:
-        buffer.close()
+    _buffers.clear()
 
 
 def _checked(view: memoryview, length: int, offset: int) -> memoryview:
     if len(view) != length:
         raise OSError(errno.EIO, f"short read: {len(view)} of {length} bytes at offset {offset}")
     return view
-
-
-def _open_direct(path: str) -> int | None:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as error:
-        if error.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-            return None  # the file system does not do direct I/O
-        raise
 
 
 def cached_fraction(fd: int, size: int) -> float:
