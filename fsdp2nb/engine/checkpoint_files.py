@@ -93,34 +93,37 @@ class _SafetensorsReader:
 
     def __init__(self, handle, path: Path) -> None:
         self._handle = handle
+        self._path = path
         self._stored = read_header(str(path))
-        self._rows = RowBlockReader(str(path))
+        self._rows: RowBlockReader | None = None  # opened only when this rank has row blocks here
 
     @property
     def direct_io(self) -> bool:
-        return self._rows.direct
+        return self._rows is not None and self._rows.direct
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handle.get_slice(key).get_shape())
+        return self._stored[key].shape
 
     def itemsize(self, key: str) -> int:
-        stored = self._stored.get(key)
-        return stored.dtype.itemsize if stored is not None else self._handle.get_tensor(key).element_size()
+        return self._stored[key].itemsize
 
     def copy_blocks(self, blocks: list[Block]) -> None:
         rows = []
         for block in blocks:
-            stored = self._stored.get(block.key)
-            if stored is not None and _is_row_block(block.index, stored.shape) and block.out.is_contiguous():
+            stored = self._stored[block.key]
+            if stored.dtype is not None and _is_row_block(block.index, stored.shape) and block.out.is_contiguous():
                 rows.append(RowBlock(stored, block.index[0], block.out))
                 continue
             # get_slice reads only the requested byte ranges; a 0-d tensor has nothing to slice.
             piece = self._handle.get_slice(block.key)[block.index] if block.index else self._handle.get_tensor(block.key)
             block.out.copy_(piece)  # casts only the slice: casting the whole tensor would touch all of it
-        self._rows.copy_blocks(rows)
+        if rows:
+            self._rows = self._rows or RowBlockReader(str(self._path))
+            self._rows.copy_blocks(rows)
 
     def close(self) -> None:
-        self._rows.close()
+        if self._rows is not None:
+            self._rows.close()
 
 
 def _is_row_block(index: tuple[slice, ...], shape: tuple[int, ...]) -> bool:

@@ -16,6 +16,7 @@ import ctypes
 import errno
 import functools
 import json
+import math
 import mmap
 import os
 import queue
@@ -43,30 +44,38 @@ _DTYPES = {
 class StoredTensor:
     """Where one tensor's bytes lie in a safetensors file."""
 
-    dtype: torch.dtype
+    dtype: torch.dtype | None
+    """None for a stored dtype torch has no match for (such a tensor is not read here)."""
     shape: tuple[int, ...]
+    itemsize: int
+    """Bytes per element as stored."""
     start: int
     """Absolute file offset of the first byte."""
 
     def row_range(self, rows: slice) -> tuple[int, int]:
         """(first byte, end byte) of rows `rows.start:rows.stop`: contiguous in row-major order."""
-        row_bytes = self.dtype.itemsize
+        row_bytes = self.itemsize
         for size in self.shape[1:]:
             row_bytes *= size
         return self.start + rows.start * row_bytes, self.start + rows.stop * row_bytes
 
 
 def read_header(path: str) -> dict[str, StoredTensor]:
-    """The tensors of a safetensors file whose dtype torch knows, by key."""
+    """Every tensor of a safetensors file, by key."""
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
     data_start = 8 + header_len
     tensors = {}
     for key, entry in header.items():
-        dtype = _DTYPES.get(entry.get("dtype", "")) if key != "__metadata__" else None
-        if dtype is not None:
-            tensors[key] = StoredTensor(dtype, tuple(entry["shape"]), data_start + entry["data_offsets"][0])
+        if key == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        dtype = _DTYPES.get(entry["dtype"])
+        numel = math.prod(shape)
+        itemsize = (end - start) // numel if numel else (dtype.itemsize if dtype is not None else 0)
+        tensors[key] = StoredTensor(dtype, shape, itemsize, data_start + start)
     return tensors
 
 
@@ -113,7 +122,7 @@ class RowBlockReader:
     def _chunks(self, block: RowBlock) -> list[_Chunk]:
         start, end = block.stored.row_range(block.rows)
         flat_out = block.out.view(-1)
-        itemsize = block.stored.dtype.itemsize
+        itemsize = block.stored.itemsize
         chunks = []
         for offset in range(start, end, self._chunk_bytes):
             length = min(self._chunk_bytes, end - offset)
