@@ -222,7 +222,7 @@ class Checkpointer:
             self._step_gate = optimizer.register_step_pre_hook(self._wait_for_staging)
 
     def _wait_for_staging(self, *_hook_args: Any) -> None:
-        staging = self._staging
+        staging, self._staging = self._staging, None
         if staging is not None:
             futures_wait([staging])  # a failed copy fails the save; it is reported there
 
