@@ -37,7 +37,7 @@ from fsdp2nb.pool.protocol import (
 )
 from fsdp2nb.pool.transport import RankChannels, Signer, sigint_deferred
 from fsdp2nb.worker.capture import FdCapture, write_through_streams
-from fsdp2nb.worker.sampler import ResourceSampler
+from fsdp2nb.worker.sampler import ResourceSampler, loaded_checkpointer
 
 _CONTROL_POLL_MS = 200
 
@@ -157,8 +157,7 @@ class Rank:
 
     def _finish_background_work(self) -> None:
         """Before exiting, let an asynchronous checkpoint save finish (os._exit would cut it off)."""
-        manager = sys.modules.get("fsdp2nb.checkpoint.manager")
-        checkpointer = getattr(manager, "_tracked", None)
+        checkpointer = loaded_checkpointer()
         if checkpointer is None:
             return
         try:

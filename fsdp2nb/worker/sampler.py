@@ -66,10 +66,14 @@ def _device_memory(device: str) -> dict[str, int]:
     )
 
 
+def loaded_checkpointer():  # noqa: ANN201 - a Checkpointer, without importing torch to say so
+    """The tracked checkpointer, if this rank has one; never imports the checkpoint module itself."""
+    return getattr(sys.modules.get("fsdp2nb.checkpoint.manager"), "_tracked", None)
+
+
 def _checkpoint_view() -> CheckpointView | None:
-    """The tracked checkpointer's status, if this rank has one (never imports the module itself)."""
-    manager = sys.modules.get("fsdp2nb.checkpoint.manager")
-    tracked = getattr(manager, "_tracked", None)
+    """The tracked checkpointer's status, if this rank has one."""
+    tracked = loaded_checkpointer()
     if tracked is None:
         return None
     status = tracked.status()
