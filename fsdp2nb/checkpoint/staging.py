@@ -53,16 +53,13 @@ class ReusedBufferStager(AsyncStager):
         return copy.deepcopy(obj)
 
     def _dtensor(self, path: str, source: DTensor) -> DTensor:
-        local = source.to_local()
+        buffer = self._buffer(path, source.to_local())
         cached = self._wrappers.get(path)
-        buffer = self._buffers.get(path)
-        if (cached is not None and buffer is not None and buffer.shape == local.shape
-                and buffer.dtype == local.dtype and cached.device_mesh == source.device_mesh
-                and cached.placements == source.placements and cached.shape == source.shape
-                and cached.stride() == source.stride()):
-            buffer.copy_(local.detach())
+        if (cached is not None and cached.to_local().data_ptr() == buffer.data_ptr()
+                and cached.device_mesh == source.device_mesh and cached.placements == source.placements
+                and cached.shape == source.shape and cached.stride() == source.stride()):
             return cached
-        wrapper = DTensor.from_local(self._buffer(path, local), source.device_mesh, source.placements,
+        wrapper = DTensor.from_local(buffer, source.device_mesh, source.placements,
                                      run_check=False, shape=source.shape, stride=source.stride())
         self._wrappers[path] = wrapper
         return wrapper
