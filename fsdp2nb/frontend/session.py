@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from IPython.core.getipython import get_ipython
+
 from fsdp2nb.frontend.render import CellSyntaxError, RankError, StreamMerger, rank_label, write_to_kernel
 from fsdp2nb.pool.pool import WorkerPool, describe_exit
 from fsdp2nb.pool.protocol import (
@@ -144,16 +146,18 @@ class NotebookSession:
     def run_request(self, pool: WorkerPool, ranks: tuple[int, ...],
                     make_request: Callable[[int], ControlMessage]) -> _CellProgress:
         cell_id = next(self._cell_ids)
-        merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
-                              {r: info.log_path for r, info in pool.ranks.items()})
-        self._show_events_between_cells(pool)
         request = make_request(cell_id)
         progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
         # The stop button only takes note while a request is sent and waited for: sent to all
         # ranks or none, and never between an event taken off the queue and its recording.
         with sigint_noted() as stop_button:
+            # Sent first: what follows runs while the ranks wake up. Output that a rank's own
+            # threads printed between cells is queued ahead of this request's events, so
+            # `_wait` shows it first.
             pool.send(ranks, request)
             pool.busy_ranks.update(ranks)
+            merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
+                                  {r: info.log_path for r, info in pool.ranks.items()})
             try:
                 self._wait(pool, cell_id, progress, merger, stop_button)
             finally:
@@ -257,18 +261,10 @@ class NotebookSession:
         return (f"\x1b[1;31m{what_happened}; the pool was restarted ({spec.describe()}) "
                 "and all rank state was lost\x1b[0m")
 
-    def _show_events_between_cells(self, pool: WorkerPool) -> None:
-        """Output that ranks printed while no cell ran (a background thread, say) is shown now."""
-        for event in pool.drain_events():
-            if isinstance(event, StreamOutput) and event.cell_id is None:
-                _show_background_output(event, pool.world_size)
-
 
 def transform_and_check(code: str) -> str:
     """IPython's input transformations, once for all ranks; a cell that does not parse raises
     CellSyntaxError here, before any rank sees it."""
-    from IPython import get_ipython
-
     shell = get_ipython()
     if shell is None or _is_plain_python(shell, code):
         source = code if code.endswith("\n") else code + "\n"
@@ -304,8 +300,6 @@ def _default_transformer_counts() -> tuple[int, int, int]:
 
 def _notebook_execution_count() -> int | None:
     """The number the notebook shows for the running cell (`In [N]`), if known."""
-    from IPython import get_ipython
-
     shell = get_ipython()
     # The running cell's result carries its number; the shell's own counter is already one
     # ahead while a cell runs (IPython 9 advances it first).

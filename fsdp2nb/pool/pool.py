@@ -184,15 +184,6 @@ class WorkerPool:
         except queue.Empty:
             return None
 
-    def drain_events(self) -> list[EventMessage]:
-        """Events that arrived while no cell was running (late output, exits)."""
-        drained = []
-        while True:
-            try:
-                drained.append(self._events.get_nowait())
-            except queue.Empty:
-                return drained
-
     def _receive_loop(self) -> None:
         while not self._stop_receiving.is_set():
             try:

@@ -88,8 +88,38 @@ def sigint_noted():
         signal.signal(signal.SIGINT, notes.previous)
 
 
-@contextlib.contextmanager
-def sigint_deferred():
+class SigintGate:
+    """A SIGINT handler that holds the signal back inside `sigint_deferred` blocks and passes it
+    to `handler` otherwise. A process that installs one (the ranks do) spares every such block
+    two handler swaps, about 20 µs, which a rank would pay on each reply."""
+
+    def __init__(self, handler) -> None:  # noqa: ANN001 - a signal handler
+        self.handler = handler
+        self._depth = 0
+        self._pending = False
+
+    def __call__(self, signum: int, frame) -> None:  # noqa: ANN001 - a frame or None
+        if self._depth:
+            self._pending = True
+        else:
+            self.handler(signum, frame)
+
+    def __enter__(self) -> None:
+        self._depth += 1
+
+    def __exit__(self, error_type, error, traceback) -> None:  # noqa: ANN001
+        self._depth -= 1
+        if self._depth or not self._pending:
+            return
+        self._pending = False
+        if error_type is None:  # a block that raised has ended what the signal would interrupt
+            self.handler(signal.SIGINT, None)
+
+
+_NOTHING_TO_DEFER = contextlib.nullcontext()
+
+
+def sigint_deferred() -> contextlib.AbstractContextManager:
     """Hold back SIGINT on the main thread until the block is done, then deliver it.
 
     A KeyboardInterrupt between a frame's length and its bytes would leave a torn frame, and
@@ -97,12 +127,17 @@ def sigint_deferred():
     press stays noted there for its owner to act on; a block that raised drops it (what it was
     doing has ended anyway).
     """
-    if _active_notes is not None:
-        yield
-        return
+    if _active_notes is not None or threading.current_thread() is not threading.main_thread():
+        return _NOTHING_TO_DEFER
+    handler = signal.getsignal(signal.SIGINT)
+    return handler if isinstance(handler, SigintGate) else _swapped_sigint_deferred()
+
+
+@contextlib.contextmanager
+def _swapped_sigint_deferred():
     with sigint_noted() as notes:
         yield
-    if notes is not None and notes.take():
+    if notes.take():
         _deliver_sigint(notes.previous)
 
 

@@ -35,7 +35,7 @@ from fsdp2nb.pool.protocol import (
     Shutdown,
     StreamOutput,
 )
-from fsdp2nb.pool.transport import RankChannels, Signer, sigint_deferred
+from fsdp2nb.pool.transport import RankChannels, SigintGate, Signer, sigint_deferred
 from fsdp2nb.worker.capture import FdCapture, write_through_streams
 from fsdp2nb.worker.sampler import ResourceSampler, loaded_checkpointer
 
@@ -73,7 +73,7 @@ class Rank:
             "stderr": FdCapture(2, lambda text: self._send_stream("stderr", text), self._log, pipes.get(2)),
         }
         write_through_streams()
-        signal.signal(signal.SIGINT, self._on_sigint)
+        signal.signal(signal.SIGINT, SigintGate(self._on_sigint))
 
     # --- start-up -----------------------------------------------------------------------------
 

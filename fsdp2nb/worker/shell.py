@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import types
 from collections.abc import Callable
 
 from IPython.core.displayhook import DisplayHook
@@ -147,8 +148,35 @@ def _run_transformed(shell: RankShell, code: str, transformed: str) -> Execution
 
 def _compile_cell(shell: RankShell, code: str, transformed: str) -> list:
     """Code objects for the cell: its statements, then its last expression in 'single' mode
-    (which calls the display hook with the value), as IPython's 'last_expr' interactivity."""
+    (which calls the display hook with the value), as IPython's 'last_expr' interactivity.
+
+    A cell run again unchanged (a training cell, say) reuses its code objects under the new
+    cell's name, unless user AST transformers could make the result differ."""
     cell_name = shell.compile.cache(transformed, shell.execution_count, raw_code=code)
+    key = (transformed, shell.compile.flags)
+    cached = None if shell.ast_transformers else _compiled_cells.get(key)
+    if cached is not None:
+        return [_renamed(block, cell_name) for block in cached]
+    blocks = _compile_blocks(shell, transformed, cell_name)
+    if not shell.ast_transformers:
+        if len(_compiled_cells) >= _MAX_COMPILED_CELLS:
+            _compiled_cells.pop(next(iter(_compiled_cells)))
+        _compiled_cells[key] = blocks
+    return blocks
+
+
+_MAX_COMPILED_CELLS = 32
+_compiled_cells: dict[tuple[str, int], list[types.CodeType]] = {}
+
+
+def _renamed(code: types.CodeType, filename: str) -> types.CodeType:
+    """`code` and the code objects nested in it (functions, classes), under another file name:
+    tracebacks find a cell's source by the name its code carries."""
+    consts = tuple(_renamed(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def _compile_blocks(shell: RankShell, transformed: str, cell_name: str) -> list[types.CodeType]:
     tree = shell.transform_ast(shell.compile.ast_parse(transformed, filename=cell_name))
     body = tree.body
     last = [body.pop()] if body and isinstance(body[-1], ast.Expr) else []

@@ -82,6 +82,16 @@ def test_rank_tracebacks_name_the_notebook_cell(kernel):
     assert f"Cell In[{count}], line 2" in run.traceback_text
 
 
+def test_a_cell_run_again_unchanged_names_its_own_cell_in_tracebacks(kernel):
+    cell = "%%fsdp2\ndef fail():\n    return 1 / 0\nfail()"
+    for _ in range(2):  # the second run reuses the first one's code objects
+        run = kernel.execute(cell)
+        count = run.reply["content"]["execution_count"]
+        assert f"Cell In[{count}], line 3" in run.traceback_text
+        assert f"Cell In[{count}], line 2, in fail" in run.traceback_text
+        assert "return 1 / 0" in run.traceback_text
+
+
 def test_error_on_one_rank_fails_the_cell_with_its_traceback(kernel):
     run = kernel.execute("%%fsdp2\nif rank == 1:\n    raise ValueError('bad value on one rank')")
     assert run.status == "error"

@@ -79,3 +79,30 @@ def test_sigint_only_takes_note_inside_a_noted_block_and_nested_blocks_share_it(
         assert notes.take()
         assert not notes.take()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_gate_handler_holds_sigint_without_swapping_handlers():
+    import os
+    import signal
+
+    from fsdp2nb.pool.transport import SigintGate, sigint_deferred
+
+    delivered = []
+    gate = SigintGate(lambda signum, frame: delivered.append(signum))
+    previous = signal.signal(signal.SIGINT, gate)
+    try:
+        with sigint_deferred():
+            with sigint_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+            assert delivered == []  # still inside the outer block
+            assert signal.getsignal(signal.SIGINT) is gate
+        assert delivered == [signal.SIGINT]
+        with pytest.raises(ValueError):
+            with sigint_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                raise ValueError("the block failed")
+        assert delivered == [signal.SIGINT]  # a block that raised drops the press
+        os.kill(os.getpid(), signal.SIGINT)
+        assert delivered == [signal.SIGINT, signal.SIGINT]  # outside any block: at once
+    finally:
+        signal.signal(signal.SIGINT, previous)
