@@ -1,6 +1,8 @@
 """Every message that crosses the boundary between the notebook kernel and the ranks.
 
-Messages are frozen dataclasses, pickled and signed by `transport`. Nothing here imports torch,
+Messages are frozen dataclasses, pickled and signed by `transport`. They have no `__slots__`:
+pickle then takes its C path, where a slotted dataclass goes through Python-level
+`__getstate__`/`__setstate__` (a third of a message's cost, on every hop of every cell). Nothing here imports torch,
 so the kernel side stays light. User values (push/pull) travel as opaque pickled bytes inside a
 message and are unpickled only after the message's signature has been verified.
 """
@@ -16,7 +18,7 @@ CellStatus = Literal["ok", "error"]
 RichKind = Literal["display", "result", "clear"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ChannelHello:
     """The first message on every connection: which rank opened it and what it is for."""
 
@@ -27,7 +29,7 @@ class ChannelHello:
 # --- kernel -> rank (requests and control channels) ---------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RunCell:
     """Execute `code` in the rank's IPython shell as one notebook cell."""
 
@@ -39,7 +41,7 @@ class RunCell:
     """The notebook cell's number, so rank tracebacks say `In[N]` as the notebook does."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class PushValues:
     """Bind names in every rank's namespace; `payload` is a pickled dict of name -> value."""
 
@@ -47,7 +49,7 @@ class PushValues:
     payload: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class PullValue:
     """Send back the value of `name`; every rank in the cell takes part (a DTensor is gathered)."""
 
@@ -56,14 +58,14 @@ class PullValue:
     reply_ranks: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Interrupt:
     """Raise KeyboardInterrupt in the rank's main thread if it is still running `cell_id`."""
 
     cell_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RequestSave:
     """Ask the rank's tracked checkpointer to save at its next `maybe_save` (handled mid-cell).
 
@@ -73,7 +75,7 @@ class RequestSave:
     request_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the rank's main loop and exit cleanly."""
 
@@ -84,7 +86,7 @@ ControlMessage = RunCell | PushValues | PullValue | Interrupt | RequestSave | Sh
 # --- rank -> kernel (event channel) -----------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RankReady:
     """A rank joined the process group and can take cells."""
 
@@ -96,7 +98,7 @@ class RankReady:
     log_path: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class StreamOutput:
     """Text a rank wrote to its stdout or stderr (file-descriptor level), in order per stream."""
 
@@ -106,7 +108,7 @@ class StreamOutput:
     text: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RichOutput:
     """A `display()` call, the cell's last expression (`result`), or `clear_output` (`clear`)."""
 
@@ -117,7 +119,7 @@ class RichOutput:
     metadata: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ErrorInfo:
     """An exception raised by a cell, with IPython's formatted traceback lines."""
 
@@ -126,7 +128,7 @@ class ErrorInfo:
     traceback: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class CellFinished:
     """The rank finished a request; all of its output for that request has been sent before."""
 
@@ -137,7 +139,7 @@ class CellFinished:
     value: bytes | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class CheckpointView:
     """What the dashboard shows of a rank's tracked checkpointer (plain types: no torch needed)."""
 
@@ -148,7 +150,7 @@ class CheckpointView:
     steps: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RankSnapshot:
     """A periodic reading of one rank's resources, sent by its sampler thread (about 2 Hz)."""
 
@@ -165,7 +167,7 @@ class RankSnapshot:
     """Rank 0 only, once a checkpointer tracks a model."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RankExited:
     """Sent by the host agent when a rank process ended, with the tail of its stderr."""
 
@@ -182,7 +184,7 @@ EventMessage = RankReady | StreamOutput | RichOutput | CellFinished | RankSnapsh
 # --- launch plan (kernel -> host agent, once) --------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RankPlan:
     """Where one rank runs: its global and local rank and its torch device string."""
 
@@ -191,7 +193,7 @@ class RankPlan:
     device: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class LaunchPlan:
     """Everything a host agent needs to start its ranks and connect them to the kernel."""
 
