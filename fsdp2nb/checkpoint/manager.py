@@ -77,6 +77,8 @@ class CheckpointStatus:
     """Text of the most recent failed save, or None."""
     entries: tuple[CheckpointEntry, ...]
     """Every step directory, oldest first."""
+    blocked_s: float = 0.0
+    """Seconds this rank's training has waited on saves (see Checkpointer.blocked_s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +190,10 @@ class Checkpointer:
         self._stager = make_stager() if async_save else None
         self._staging: Future | None = None  # the copy of the save in flight
         self._step_gate = None  # handle of the optimizer step pre-hook that waits for it
+        self.blocked_s = 0.0
+        """Seconds this rank's training has waited on saves: inside save() and, for an async
+        save, in the next optimizer step's wait for the copy. An async save's writing is not
+        counted: it overlaps training (and competes with it for CPU where no core is spare)."""
         if self._rank == 0:
             _sweep(self.directory)
 
@@ -219,9 +225,14 @@ class Checkpointer:
             self._step_gate.remove()
             self._step_gate = None
         if optimizer is not None and self.async_save:
-            self._step_gate = optimizer.register_step_pre_hook(self._wait_for_staging)
+            self._step_gate = optimizer.register_step_pre_hook(self._gate)
 
-    def _wait_for_staging(self, *_hook_args: Any) -> None:
+    def _gate(self, *_hook_args: Any) -> None:
+        started = time.perf_counter()
+        self._wait_for_staging()
+        self.blocked_s += time.perf_counter() - started
+
+    def _wait_for_staging(self) -> None:
         staging, self._staging = self._staging, None
         if staging is not None:
             futures_wait([staging])  # a failed copy fails the save; it is reported there
@@ -238,6 +249,13 @@ class Checkpointer:
         self._raise_background_error()
         step = self._step_or_last(step)
         tracked = self._require_tracked()
+        started = time.perf_counter()
+        try:
+            self._save(tracked, step)
+        finally:
+            self.blocked_s += time.perf_counter() - started
+
+    def _save(self, tracked: _Tracked, step: int) -> None:
         self.wait()
         job = self._begin(step)
         state = get_training_state(tracked.model, tracked.optimizer)
@@ -467,7 +485,7 @@ class Checkpointer:
             error_text = self._last_error_text
         return CheckpointStatus(
             directory=str(self.directory), latest_step=self._latest_valid_step(), saving_step=saving,
-            last_error=error_text, entries=tuple(layout.list_entries(self.directory)),
+            last_error=error_text, entries=tuple(layout.list_entries(self.directory)), blocked_s=self.blocked_s,
         )
 
     def _latest_valid_step(self) -> int | None:

@@ -148,6 +148,8 @@ class CheckpointView:
     saving_step: int | None
     last_error: str | None
     steps: tuple[int, ...]
+    blocked_s: float = 0.0
+    """Seconds the rank's training has waited on saves."""
 
 
 @dataclass(frozen=True)

@@ -79,4 +79,5 @@ def _checkpoint_view() -> CheckpointView | None:
     status = tracked.status()
     return CheckpointView(directory=status.directory, latest_step=status.latest_step,
                           saving_step=status.saving_step, last_error=status.last_error,
-                          steps=tuple(entry.step for entry in status.entries if entry.valid))
+                          steps=tuple(entry.step for entry in status.entries if entry.valid),
+                          blocked_s=status.blocked_s)

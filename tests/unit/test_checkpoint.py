@@ -338,6 +338,7 @@ def test_optimizer_step_waits_for_the_copy_of_an_async_save(tmp_path, trained):
     ckpt.save(1)  # returns while the copy sleeps
     _step(model, optimizer)  # its optimizer step must wait for the copy
     ckpt.wait()
+    assert ckpt.status().blocked_s == ckpt.blocked_s > 0  # the save call and the step's wait
     ckpt.close()
     fresh, fresh_optimizer = _model_and_optimizer(seed=3)
     with Checkpointer(tmp_path) as loader:
