@@ -182,6 +182,10 @@ class RankExited:
 
 EventMessage = RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited
 
+WIRE_TYPES = (ChannelHello, RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
+              RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited)
+"""Messages that travel as (index in this tuple, field values): see transport.Signer."""
+
 
 # --- launch plan (kernel -> host agent, once) --------------------------------------------------
 

@@ -3,7 +3,7 @@ import pickle
 import pytest
 
 from fsdp2nb.pool.protocol import RunCell
-from fsdp2nb.pool.transport import Signer
+from fsdp2nb.pool.transport import KEY_BYTES, Signer
 
 UNPICKLED = []
 
@@ -106,3 +106,18 @@ def test_a_gate_handler_holds_sigint_without_swapping_handlers():
         assert delivered == [signal.SIGINT, signal.SIGINT]  # outside any block: at once
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_messages_keep_their_type_and_fields_through_a_frame():
+    from fsdp2nb.pool import protocol
+
+    signer = Signer(b"k" * KEY_BYTES)
+    messages = [
+        protocol.RunCell(cell_id=1, code="x", transformed="x\n", execution_count=3),
+        protocol.CellFinished(rank=1, cell_id=2, status="error", error=protocol.ErrorInfo("E", "v", ("tb",))),
+        protocol.Shutdown(),
+        protocol.RankPlan(rank=0, local_rank=0, device="cpu"),  # not a wire type: pickled whole
+    ]
+    for message in messages:
+        received = signer.unpack(signer.pack(message))
+        assert type(received) is type(message) and received == message
