@@ -79,9 +79,10 @@ class Rank:
 
     def start(self) -> None:
         namespace = self._init_distributed()
-        from fsdp2nb.worker.shell import make_shell
+        from fsdp2nb.worker.shell import make_shell, run_cell
 
         self.shell = make_shell(namespace, self._send_rich)
+        self._run_cell = run_cell  # imported once: the shell module needs IPython, loaded only now
         self._sampler = ResourceSampler(self.rank, self.device, self._channels.send_event,
                                         is_busy=lambda: self._cell_id is not None)
         self._sampler.start()
@@ -167,9 +168,7 @@ class Rank:
 
     def _handle(self, request: RunCell | PushValues | PullValue) -> CellFinished:
         if isinstance(request, RunCell):
-            from fsdp2nb.worker.shell import run_cell
-
-            error = run_cell(self.shell, request.code, request.transformed, request.execution_count)
+            error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count)
             return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
         if isinstance(request, PushValues):
             self.shell.user_ns.update(pickle.loads(request.payload))
