@@ -6,14 +6,14 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
 
-from fsdp2nb.engine.direct_reads import RowBlock, RowBlockReader, read_header
+from fsdp2nb.engine.direct_reads import RowBlock, RowBlockReader, StoredTensor, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,14 @@ class CheckpointFiles:
     """"safetensors" (sliceable on disk) or "bin" (pickled, read whole through mmap)."""
     key_to_file: dict[str, str] = field(default_factory=dict)
     """Checkpoint key -> file name inside `directory`."""
+    headers: dict[str, dict[str, StoredTensor]] = field(default_factory=dict, repr=False, compare=False)
+    """Parsed safetensors headers by file name, kept as they are read: each is read once."""
+
+    def header(self, file_name: str) -> dict[str, StoredTensor]:
+        header = self.headers.get(file_name)
+        if header is None:
+            header = self.headers[file_name] = read_header(str(self.directory / file_name))
+        return header
 
 
 def find_checkpoint_files(directory: str | os.PathLike) -> CheckpointFiles:
@@ -46,21 +54,16 @@ def find_checkpoint_files(directory: str | os.PathLike) -> CheckpointFiles:
             weight_map = json.loads((directory / index_name).read_text())["weight_map"]
             return CheckpointFiles(directory=directory, file_format=file_format, key_to_file=dict(weight_map))
         if (directory / single_name).is_file():
-            keys = _keys_of(directory / single_name, file_format)
-            return CheckpointFiles(
-                directory=directory, file_format=file_format, key_to_file=dict.fromkeys(keys, single_name)
-            )
+            files = CheckpointFiles(directory=directory, file_format=file_format)
+            keys = files.header(single_name) if file_format == "safetensors" else _keys_of_bin(directory / single_name)
+            files.key_to_file.update(dict.fromkeys(keys, single_name))
+            return files
     raise FileNotFoundError(
         f"no model.safetensors[.index.json] or pytorch_model.bin[.index.json] in {directory}"
     )
 
 
-def _keys_of(path: Path, file_format: FileFormat) -> list[str]:
-    if file_format == "safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return list(f.keys())
+def _keys_of_bin(path: Path) -> list[str]:
     return list(torch.load(path, map_location="cpu", mmap=True, weights_only=True).keys())
 
 
@@ -89,13 +92,18 @@ class Block:
 
 
 class _SafetensorsReader:
-    """Row blocks (what FSDP2's dim-0 shards are) by direct reads; other blocks by mmap slicing."""
+    """Row blocks (what FSDP2's dim-0 shards are) by direct reads; other blocks by mmap slicing.
 
-    def __init__(self, handle, path: Path) -> None:
-        self._handle = handle
+    Each way is opened only when a block needs it, so a file read only in row blocks is mapped
+    by no one and its header is parsed once (by `CheckpointFiles.header`).
+    """
+
+    def __init__(self, path: Path, stored: dict[str, StoredTensor]) -> None:
         self._path = path
-        self._stored = read_header(str(path))
-        self._rows: RowBlockReader | None = None  # opened only when this rank has row blocks here
+        self._stored = stored
+        self._rows: RowBlockReader | None = None
+        self._mapped = None  # a safetensors safe_open handle
+        self._closing = ExitStack()
 
     @property
     def direct_io(self) -> bool:
@@ -115,15 +123,23 @@ class _SafetensorsReader:
                 rows.append(RowBlock(stored, block.index[0], block.out))
                 continue
             # get_slice reads only the requested byte ranges; a 0-d tensor has nothing to slice.
-            piece = self._handle.get_slice(block.key)[block.index] if block.index else self._handle.get_tensor(block.key)
+            mapped = self._map()
+            piece = mapped.get_slice(block.key)[block.index] if block.index else mapped.get_tensor(block.key)
             block.out.copy_(piece)  # casts only the slice: casting the whole tensor would touch all of it
         if rows:
-            self._rows = self._rows or RowBlockReader(str(self._path))
+            if self._rows is None:
+                self._rows = self._closing.enter_context(closing(RowBlockReader(str(self._path))))
             self._rows.copy_blocks(rows)
 
+    def _map(self):  # noqa: ANN202 - a safetensors handle
+        if self._mapped is None:
+            from safetensors import safe_open
+
+            self._mapped = self._closing.enter_context(safe_open(str(self._path), framework="pt", device="cpu"))
+        return self._mapped
+
     def close(self) -> None:
-        if self._rows is not None:
-            self._rows.close()
+        self._closing.close()
 
 
 def _is_row_block(index: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
@@ -153,14 +169,11 @@ def open_reader(files: CheckpointFiles, file_name: str) -> Iterator[SliceReader]
     """Open one checkpoint file for slicing; .bin files are pickles and are mapped whole (mmap)."""
     path = files.directory / file_name
     if files.file_format == "safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            reader = _SafetensorsReader(handle, path)
-            try:
-                yield reader
-            finally:
-                reader.close()
+        reader = _SafetensorsReader(path, files.header(file_name))
+        try:
+            yield reader
+        finally:
+            reader.close()
         return
     state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     try:

@@ -80,3 +80,22 @@ def test_cached_fraction_sees_the_page_cache_without_filling_it(tmp_path):
         assert cached_fraction(fd, size) > 0.9
     finally:
         os.close(fd)
+
+
+def test_a_checkpoint_file_serves_row_column_and_scalar_blocks(tmp_path) -> None:
+    from fsdp2nb.engine.checkpoint_files import Block, find_checkpoint_files, open_reader
+
+    tensors = {"matrix": torch.randn(6, 10), "scalar": torch.tensor(3.5)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    files = find_checkpoint_files(tmp_path)
+    assert set(files.key_to_file) == set(tensors) and "model.safetensors" in files.headers
+    rows, columns, scalar = torch.empty(2, 10, dtype=torch.bfloat16), torch.empty(6, 3), torch.empty(())
+    with open_reader(files, "model.safetensors") as reader:
+        reader.copy_blocks([
+            Block("matrix", (slice(2, 4), slice(0, 10)), rows),  # whole rows: read directly
+            Block("matrix", (slice(0, 6), slice(4, 7)), columns),  # a column block: sliced through mmap
+            Block("scalar", (), scalar),
+        ])
+    assert torch.equal(rows, tensors["matrix"][2:4].to(torch.bfloat16))
+    assert torch.equal(columns, tensors["matrix"][:, 4:7])
+    assert torch.equal(scalar, tensors["scalar"])
