@@ -81,6 +81,10 @@ def make_shell(namespace: dict, sink: RichSink) -> RankShell:
     shell.displayhook.sink = sink
     shell.display_pub.sink = sink
     shell.events.register("post_run_cell", _flush_matplotlib_figures)
+    # A rank runs nothing but cells: its builtins (get_ipython, exit) and sys.displayhook are set
+    # once for good, where IPython sets and restores them around every cell (~60 µs cold).
+    shell.builtin_trap.__enter__()
+    shell.display_trap.__enter__()
     return shell
 
 
@@ -123,9 +127,9 @@ def _run_transformed(shell: RankShell, code: str, transformed: str) -> Execution
     """IPython's cell semantics without its per-cell bookkeeping (history, async machinery,
     traits), which cost a rank about a millisecond per cell in a busy notebook.
 
-    Kept: the pre/post events, user AST transformers, source cached for tracebacks, builtins
-    and display traps, the last expression shown through the display hook, and IPython's own
-    `run_code` (its exception handling and tracebacks).
+    Kept: the pre/post events, user AST transformers, source cached for tracebacks, the last
+    expression shown through the display hook (installed for good by make_shell, with the
+    builtins), and IPython's own `run_code` (its exception handling and tracebacks).
     """
     info = ExecutionInfo(raw_cell=code, store_history=False, silent=False, shell_futures=True, cell_id=None)
     result = ExecutionResult(info)
@@ -137,10 +141,9 @@ def _run_transformed(shell: RankShell, code: str, transformed: str) -> Execution
         shell.showsyntaxerror()
         result.error_before_exec = error
     else:
-        with shell.builtin_trap, shell.display_trap:
-            for block in blocks:
-                if _run_synchronously(shell.run_code(block, result)):
-                    break  # run_code returns True when the block raised
+        for block in blocks:
+            if _run_synchronously(shell.run_code(block, result)):
+                break  # run_code returns True when the block raised
     shell.events.trigger("post_execute")
     shell.events.trigger("post_run_cell", result)
     return result
