@@ -3,14 +3,13 @@
 import os
 import socket
 import stat
-from multiprocessing.connection import Connection
 
 import pytest
 
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.protocol import ChannelHello, RankExited, RunCell, StreamOutput
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.pool.transport import Signer
+from fsdp2nb.pool.transport import Signer, _Link
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +44,12 @@ def test_a_peer_without_the_key_is_not_heard(pool):
     forger = Signer(os.urandom(32))
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.connect(os.path.join(pool._runtime_dir, "pool.sock"))
-    connection = Connection(client.detach())
-    connection.send_bytes(forger.pack(ChannelHello(role="events", rank=None)))
-    connection.send_bytes(forger.pack(StreamOutput(rank=0, cell_id=1, stream="stdout", text="forged\n")))
+    link = _Link(client)  # the pool's own framing: only the signature can give the forger away
+    link.send(forger.pack(ChannelHello(role="events", rank=None)))
+    link.send(forger.pack(StreamOutput(rank=0, cell_id=1, stream="stdout", text="forged\n")))
     output = _run(pool, 1, "print('genuine')")
     assert "genuine" in output and "forged" not in output
-    connection.close()
+    link.close()
 
 
 def test_ranks_and_agent_listen_on_no_network_address(pool):

@@ -121,3 +121,37 @@ def test_messages_keep_their_type_and_fields_through_a_frame():
     for message in messages:
         received = signer.unpack(signer.pack(message))
         assert type(received) is type(message) and received == message
+
+
+def test_frames_of_every_size_arrive_whole():
+    import socket
+    import threading
+
+    from fsdp2nb.pool.transport import _Link
+
+    left, right = socket.socketpair()
+    sender, receiver = _Link(left), _Link(right)
+    frames = [b"", b"x", bytes(range(256)) * 300, b"y" * (3 * 1024 * 1024)]  # past the socket buffer
+    writer = threading.Thread(target=lambda: [sender.send(frame) for frame in frames])
+    writer.start()
+    assert [bytes(receiver.receive()) for _ in frames] == frames
+    writer.join()
+    sender.send(b"z" * 11)
+    with pytest.raises(OSError, match="over the 10 allowed"):
+        receiver.receive(max_bytes=10)
+    receiver.close()  # the rest of that frame is unread: the link is done
+
+
+def test_a_closed_connection_ends_reading():
+    import socket
+
+    from fsdp2nb.pool.transport import _Link
+
+    left, right = socket.socketpair()
+    sender, receiver = _Link(left), _Link(right)
+    sender.send(b"last")
+    sender.close()
+    assert bytes(receiver.receive()) == b"last"
+    with pytest.raises(EOFError):
+        receiver.receive()
+    receiver.close()
