@@ -27,7 +27,6 @@ import logging
 import os
 import pickle
 import select
-import selectors
 import signal
 import socket
 import struct
@@ -280,11 +279,13 @@ class KernelChannels:
         self._event_links: list[_Link] = []
         # The receiving thread waits on one epoll set, built up as events connections arrive
         # (the accepting thread adds them and wakes it through a pipe): rebuilding a selector
-        # for every wait cost the kernel about 0.2 ms per event.
-        self._selector = selectors.DefaultSelector()
+        # for every wait cost the kernel about 0.2 ms per event, and the selectors module's
+        # Python layer is skipped too.
+        self._epoll = select.epoll()
+        self._readers: dict[int, _Link] = {}
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
-        self._selector.register(self._wake_read, selectors.EVENT_READ)
+        self._epoll.register(self._wake_read, select.EPOLLIN)
         self._unregistered: collections.deque[_Link] = collections.deque()
         self._pending: collections.deque = collections.deque()
         self._closed = False
@@ -317,13 +318,15 @@ class KernelChannels:
         while not self._pending:
             while self._unregistered:
                 link = self._unregistered.popleft()
-                self._selector.register(link.fileno(), selectors.EVENT_READ, link)
+                self._readers[link.fileno()] = link
+                self._epoll.register(link.fileno(), select.EPOLLIN)
             remaining = max(0.0, deadline - time.monotonic())
-            for key, _ in self._selector.select(remaining):
-                if key.data is None:
+            for fd, _ in self._epoll.poll(remaining):
+                link = self._readers.get(fd)
+                if link is None:
                     _drain(self._wake_read)
                 else:
-                    self._read(key.data)
+                    self._read(link)
             if not self._pending and time.monotonic() >= deadline:
                 return None
         return self._pending.popleft()
@@ -332,7 +335,8 @@ class KernelChannels:
         try:
             frame = link.receive()
         except (EOFError, OSError):
-            self._selector.unregister(link.fileno())
+            self._epoll.unregister(link.fileno())
+            del self._readers[link.fileno()]
             with self._links_changed:
                 self._event_links.remove(link)
             link.close()
@@ -390,7 +394,7 @@ class KernelChannels:
             self._event_links.clear()
         for link in links:
             link.close()
-        self._selector.close()
+        self._epoll.close()
         os.close(self._wake_read)
         os.close(self._wake_write)
 
