@@ -34,8 +34,8 @@ from fsdp2nb.pool.protocol import (
     RunCell,
     StreamOutput,
 )
+from fsdp2nb.pool.sigint import SigintNotes, sigint_noted
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.pool.transport import SigintNotes, sigint_noted
 
 logger = logging.getLogger(__name__)
 

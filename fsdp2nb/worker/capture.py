@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import BinaryIO
 
-from fsdp2nb.pool.transport import sigint_deferred
+from fsdp2nb.pool.sigint import sigint_deferred
 
 _READ_SIZE = 1 << 16
 

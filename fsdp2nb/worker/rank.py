@@ -35,7 +35,8 @@ from fsdp2nb.pool.protocol import (
     Shutdown,
     StreamOutput,
 )
-from fsdp2nb.pool.transport import RankChannels, SigintGate, Signer, sigint_deferred
+from fsdp2nb.pool.sigint import SigintGate, sigint_deferred
+from fsdp2nb.pool.transport import RankChannels, Signer
 from fsdp2nb.worker.capture import FdCapture, write_through_streams
 from fsdp2nb.worker.sampler import ResourceSampler, loaded_checkpointer
 

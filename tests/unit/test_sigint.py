@@ -1,0 +1,80 @@
+"""The stop button never tears a frame: SIGINT is noted or held back, then delivered."""
+
+import pytest
+
+
+def test_sigint_is_held_back_until_the_block_ends():
+    import os
+    import signal
+    import threading
+
+    from fsdp2nb.pool.sigint import sigint_deferred
+
+    reached_end_of_block = False
+    with pytest.raises(KeyboardInterrupt):
+        with sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            # Sent from another thread too, as a kernel with helper threads may receive it.
+            sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
+            sender.start()
+            sender.join()
+            reached_end_of_block = True
+    assert reached_end_of_block
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+
+def test_a_failing_block_keeps_its_own_error():
+    import os
+    import signal
+
+    from fsdp2nb.pool.sigint import sigint_deferred
+
+    with pytest.raises(ValueError, match="the block's own error"):
+        with sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise ValueError("the block's own error")
+
+
+
+def test_sigint_only_takes_note_inside_a_noted_block_and_nested_blocks_share_it():
+    import os
+    import signal
+
+    from fsdp2nb.pool.sigint import sigint_deferred, sigint_noted
+
+    with sigint_noted() as notes:
+        assert not notes.take()
+        with sigint_deferred():  # inside: the press stays noted for the outer block's owner
+            os.kill(os.getpid(), signal.SIGINT)
+        assert notes.take()
+        assert not notes.take()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+
+def test_a_gate_handler_holds_sigint_without_swapping_handlers():
+    import os
+    import signal
+
+    from fsdp2nb.pool.sigint import SigintGate, sigint_deferred
+
+    delivered = []
+    gate = SigintGate(lambda signum, frame: delivered.append(signum))
+    previous = signal.signal(signal.SIGINT, gate)
+    try:
+        with sigint_deferred():
+            with sigint_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+            assert delivered == []  # still inside the outer block
+            assert signal.getsignal(signal.SIGINT) is gate
+        assert delivered == [signal.SIGINT]
+        with pytest.raises(ValueError):
+            with sigint_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                raise ValueError("the block failed")
+        assert delivered == [signal.SIGINT]  # a block that raised drops the press
+        os.kill(os.getpid(), signal.SIGINT)
+        assert delivered == [signal.SIGINT, signal.SIGINT]  # outside any block: at once
+    finally:
+        signal.signal(signal.SIGINT, previous)
