@@ -45,14 +45,14 @@ fast_ms = steady[len(steady) // 10] * 1000  # 10th percentile: least disturbed b
 """
 
 
-def in_cell(kernel: Kernel, model_dir: str) -> float:
+def in_cell(kernel: Kernel, model_dir: str) -> tuple[float, float]:
     code = "%%fsdp2\nMODEL_DIR = " + repr(model_dir) + TRAIN + "if rank == 0: print('STEP_MS', median_ms, fast_ms)"
     run = kernel.execute(code, timeout=600)
     assert run.status == "ok", run.traceback_text
     return _step_times(run.stdout)
 
 
-def under_torchrun(model_dir: str) -> float:
+def under_torchrun(model_dir: str) -> tuple[float, float]:
     script = ("import torch.distributed as dist, os, json\ndist.init_process_group('gloo')\nMODEL_DIR = "
               + repr(model_dir) + TRAIN + "if dist.get_rank() == 0: print('STEP_MS', median_ms, fast_ms)\n")
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as handle:
@@ -100,6 +100,7 @@ def main() -> None:
         print(f"  {label:>21}: %%fsdp2 cell {cell_ms:.1f} ms, torchrun {torchrun_ms:.1f} ms, "
               f"ratio of medians {cell_ms / torchrun_ms:.3f}, median of paired ratios {paired:.3f}")
     print("goal: <= 1.02")
+
 
 if __name__ == "__main__":
     main()

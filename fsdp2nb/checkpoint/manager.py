@@ -2,11 +2,12 @@
 
 A save runs in three parts. On the calling thread every rank agrees on a temporary directory and
 starts copying its shards off the live tensors (`dcp.async_save` staging on a thread: reused
-buffers on CPU, pinned memory on GPU); the tracked optimizer's next step waits for that copy. In the background, DCP serializes, writes and fsyncs the shards (from a
-thread, or with async_writer="process" in its persistent writer process, which receives the
-staged buffers through shared memory and leaves the training process's GIL alone). A thread of
-this process then adds the rank's RNG/scheduler file, the ranks agree that all succeeded, and rank 0
-writes the metadata, renames the directory into place and replaces LATEST. A crash at any point
+buffers on CPU, pinned memory on GPU); the tracked optimizer's next step waits for that copy.
+In the background, DCP serializes, writes and fsyncs the shards (from a thread, or with
+async_writer="process" in its persistent writer process, which receives the staged buffers
+through shared memory and leaves the training process's GIL alone). A thread of this process
+then adds the rank's RNG/scheduler file, the ranks agree that all succeeded, and rank 0 writes
+the metadata, renames the directory into place and replaces LATEST. A crash at any point
 leaves LATEST naming the previous, complete checkpoint.
 
 Background work talks over its own gloo group and the calling thread over another, so a save in
@@ -115,7 +116,9 @@ class _ShardWriter(FileSystemWriter):
     """
 
     def __init__(self, path: Path) -> None:
-        super().__init__(path, sync_files=True)
+        # DirectWriteStream fsyncs every file as it closes it; DCP's own fsync would come before
+        # the stream's last buffer is written, so it is left off rather than done twice.
+        super().__init__(path, sync_files=False)
         self.fs = DirectFileSystem()
         self._owner_pid = os.getpid()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import pickle
 import shlex
 
@@ -14,7 +15,6 @@ from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list, spec_from_options
 
-_MAX_REMEMBERED_LINES = 64
 _COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load")
 
 
@@ -30,6 +30,14 @@ def _parser(prog: str, description: str) -> MagicArgumentParser:
     return MagicArgumentParser(prog=prog, description=description, add_help=False)
 
 
+@functools.lru_cache(maxsize=64)  # a line that fails raises, so it is not kept
+def _cell_options(line: str) -> argparse.Namespace:
+    """The options of a `%%fsdp2` line; a notebook repeats a few lines, so each is parsed once
+    (argparse is a good part of an empty cell's cost). Callers only read the result."""
+    return _cell_parser().parse_args(shlex.split(line))
+
+
+@functools.cache
 def _cell_parser() -> MagicArgumentParser:
     parser = _parser("%%fsdp2", "Run the cell on every rank of the pool.")
     _add_pool_options(parser)
@@ -65,9 +73,7 @@ class FSDP2Magics(Magics):
     def __init__(self, shell, session: NotebookSession) -> None:
         super().__init__(shell)
         self.session = session
-        self._cell_parser = _cell_parser()
         self._line_parsers = _line_parsers()
-        self._cell_options: dict[str, argparse.Namespace] = {}
 
     @line_cell_magic
     def fsdp2(self, line: str, cell: str | None = None):
@@ -110,7 +116,7 @@ class FSDP2Magics(Magics):
     # --- %%fsdp2 --------------------------------------------------------------------------------
 
     def _run_cell(self, line: str, cell: str) -> None:
-        options = self._parse_cell_line(line)
+        options = _cell_options(line)
         spec = _spec_or_none(options)
         spec = self._with_running_devices(spec, options)
         world_size = self.session.pool.world_size if self.session.pool and spec is None else None
@@ -120,17 +126,6 @@ class FSDP2Magics(Magics):
             cell = ""
         pool = self.session.pool_for(spec, default_spec)
         self.session.run_cell(pool, cell, ranks)
-
-    def _parse_cell_line(self, line: str) -> argparse.Namespace:
-        """The options of a `%%fsdp2` line; a notebook repeats a few lines, so each is parsed once
-        (argparse is a good part of an empty cell's cost). A line that fails is not kept."""
-        options = self._cell_options.get(line)
-        if options is None:
-            options = self._cell_parser.parse_args(shlex.split(line))
-            if len(self._cell_options) >= _MAX_REMEMBERED_LINES:
-                self._cell_options.clear()
-            self._cell_options[line] = options
-        return options
 
     # --- %fsdp2 COMMAND -----------------------------------------------------------------------
 

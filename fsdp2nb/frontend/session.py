@@ -274,22 +274,14 @@ def transform_and_check(code: str) -> str:
     return source
 
 
-_MAX_CHECKED_SOURCES = 64
-_checked_sources: dict[str, None] = {}
-
-
+@functools.lru_cache(maxsize=64)  # a failure raises, so only sources that parsed are kept
 def _check_syntax(source: str) -> None:
     """Raise CellSyntaxError if `source` does not parse. A cell run again unchanged was parsed
     before: parsing even `pass` costs about 70 µs when the parser is out of the CPU's caches."""
-    if source in _checked_sources:
-        return
     try:
         ast.parse(source, "<fsdp2 cell>")
     except SyntaxError as error:
         raise CellSyntaxError(error) from None
-    if len(_checked_sources) >= _MAX_CHECKED_SOURCES:
-        _checked_sources.clear()
-    _checked_sources[source] = None
 
 
 def _is_plain_python(shell, code: str) -> bool:  # noqa: ANN001 - an IPython shell

@@ -174,8 +174,7 @@ class WorkerPool:
     def request_save(self) -> int:
         """Ask every rank to save at its next `maybe_save`; works while a cell runs. Returns the id."""
         self._save_requests += 1
-        for rank in range(self.world_size):
-            self.send(rank, RequestSave(request_id=self._save_requests), connect_timeout_s=0)
+        self.send(tuple(range(self.world_size)), RequestSave(request_id=self._save_requests), connect_timeout_s=0)
         return self._save_requests
 
     def next_event(self, timeout_s: float) -> EventMessage | None:
