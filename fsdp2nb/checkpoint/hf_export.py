@@ -7,14 +7,23 @@ names the files `model-0000i-of-0000N.safetensors`, writes the index and the con
 
 A peft model exports its adapter (adapter_model.safetensors + adapter_config.json, small enough
 to gather on rank 0); `merge_lora=True` also writes the merged full model under `output_dir/merged`.
+
+An export is written into a hidden sibling directory and swapped in only when complete and
+durable, so a failure or a crash leaves the previous export as it was: never a directory without
+loadable weights. Files in `output_dir` that an export does not produce (a README, tokenizer
+files when no processor is given) are carried over; earlier weights, configs and adapters are not.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
+import errno
+import fnmatch
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +33,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from fsdp2nb.checkpoint.layout import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -58,25 +69,40 @@ def export_hf_model(model: nn.Module, output_dir: str | os.PathLike, *, processo
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r} must be None or a floating torch.dtype")
     output_dir = Path(output_dir).absolute()
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"output_dir={str(output_dir)!r} is a file; pass a directory (new or earlier export)")
     dtype = dtype or _model_dtype(model)
     is_peft = isinstance(getattr(model, "peft_config", None), dict)
     if merge_lora and not is_peft:
         raise ValueError("merge_lora=True needs a peft model; this one has no peft_config")
-    _mkdir_collectively(output_dir)
+    staging = _start_staging(output_dir)
+    try:
+        _write_export(model, staging, processor, dtype, merge_lora, is_peft, max_shard_bytes)
+        _barrier()
+        if _rank() == 0:
+            _commit(staging, output_dir)
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _barrier()
+    logger.info("exported %s to %s", type(model).__name__, output_dir)
+    return output_dir
+
+
+def _write_export(model: nn.Module, out: Path, processor, dtype: torch.dtype, merge_lora: bool, is_peft: bool,
+                  max_shard_bytes: int) -> None:
     if is_peft:
-        _export_adapter(model, output_dir, dtype)
+        _export_adapter(model, out, dtype)
         if merge_lora:
-            merged_dir = output_dir / "merged"
+            merged_dir = out / "merged"
             _mkdir_collectively(merged_dir)
             _export_full(_merged_entries(model), model.get_base_model().config, merged_dir, dtype,
                          max_shard_bytes, model)
     else:
-        _export_full(_plain_entries(model), model.config, output_dir, dtype, max_shard_bytes, model)
+        _export_full(_plain_entries(model), model.config, out, dtype, max_shard_bytes, model)
     if processor is not None and _rank() == 0:
-        processor.save_pretrained(output_dir)
-    _barrier()
-    logger.info("exported %s to %s", type(model).__name__, output_dir)
-    return output_dir
+        processor.save_pretrained(out)
 
 
 # ---- full model --------------------------------------------------------------------------------
@@ -176,14 +202,13 @@ def _write_owned(entries: list[_Entry], owners: list[int], out: Path, dtype: tor
 
 def _flush(tensors: dict[str, torch.Tensor], path: Path) -> _WrittenFile:
     save_file(tensors, path, metadata={"format": "pt"})
+    _fsync_file(path)
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return _WrittenFile(path=str(path), keys=tuple(tensors), num_bytes=num_bytes)
 
 
 def _name_files_and_index(out: Path, files: list[_WrittenFile]) -> None:
     """Rank 0: final file names and the index from_pretrained reads."""
-    for stale in out.glob("model*.safetensors*"):
-        stale.unlink()  # a previous export with another file count would confuse the loader
     weight_map: dict[str, str] = {}
     for i, written in enumerate(files, start=1):
         name = f"model-{i:05d}-of-{len(files):05d}.safetensors"
@@ -228,6 +253,104 @@ def _single_adapter(model: nn.Module) -> str:
     if not isinstance(adapter, str):
         raise NotImplementedError(f"export of several active adapters {adapter!r} is not supported")
     return adapter
+
+
+# ---- staging and commit -----------------------------------------------------------------------
+
+# What an export writes; an earlier export's files of these kinds are not carried into a new one
+# (an old single-file model.safetensors beside a new index would be loaded instead of it).
+_EXPORT_OUTPUTS = ("model*.safetensors*", "pytorch_model*.bin*", "adapter_model.*", "adapter_config.json",
+                   "config.json", "generation_config.json", "merged")
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _staging_paths(output_dir: Path) -> tuple[Path, Path]:
+    """(where a new export is written, where a replaced one waits while the fallback swap runs)."""
+    return (output_dir.with_name(f".{output_dir.name}.export-new"),
+            output_dir.with_name(f".{output_dir.name}.export-old"))
+
+
+def _start_staging(output_dir: Path) -> Path:
+    """An empty staging directory beside `output_dir`, after undoing what an interrupted export left."""
+    staging, aside = _staging_paths(output_dir)
+    if _rank() == 0:
+        if aside.exists() and not output_dir.exists():
+            logger.warning("restoring %s: an earlier export stopped while swapping it", output_dir)
+            os.rename(aside, output_dir)
+        shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+    _mkdir_collectively(staging)
+    return staging
+
+
+def _commit(staging: Path, output_dir: Path) -> None:
+    """Rank 0: make the staged export durable, carry the user's files into it and swap it in."""
+    if output_dir.is_dir():
+        _carry_user_files(output_dir, staging)
+    for path in staging.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            _fsync_file(path)
+    for directory in [*(p for p in staging.rglob("*") if p.is_dir() and not p.is_symlink()), staging]:
+        fsync_dir(directory)
+    if output_dir.exists():
+        _swap(staging, output_dir)
+    else:
+        os.rename(staging, output_dir)
+    fsync_dir(output_dir.parent)
+
+
+def _carry_user_files(old: Path, new: Path) -> None:
+    for entry in old.iterdir():
+        target = new / entry.name
+        if target.exists() or any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in _EXPORT_OUTPUTS):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), target)
+        elif entry.is_dir():
+            shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, target)
+
+
+def _link_or_copy(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """A hard link (no data copied, and the old directory is removed right after); a copy where refused."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _swap(staging: Path, output_dir: Path) -> None:
+    """Exchange the two directories in one step where the system can; else move the old one aside
+    first (`_start_staging` puts it back if a crash comes between the two renames)."""
+    if not _exchange(staging, output_dir):
+        _, aside = _staging_paths(output_dir)
+        os.rename(output_dir, aside)
+        os.rename(staging, output_dir)
+        staging = aside
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """renameat2(RENAME_EXCHANGE): swap two paths atomically; False where it is not supported."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # ---- small collective helpers ------------------------------------------------------------------
