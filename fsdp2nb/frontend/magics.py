@@ -8,7 +8,7 @@ import pickle
 import shlex
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
@@ -75,6 +75,7 @@ class FSDP2Magics(Magics):
         self.session = session
         self._line_parsers = _line_parsers()
 
+    @no_var_expand  # done by _expand_variables, only for a line that asks for it
     @line_cell_magic
     def fsdp2(self, line: str, cell: str | None = None):
         """Run notebook cells on persistent torch.distributed ranks.
@@ -105,6 +106,7 @@ class FSDP2Magics(Magics):
             %fsdp2 stop
         """
         try:
+            line = self._expand_variables(line)
             if cell is not None:
                 return self._run_cell(line, cell)
             return self._run_command(line)
@@ -112,6 +114,17 @@ class FSDP2Magics(Magics):
             raise UsageError(str(error)) from None
         except PoolStartError as error:
             raise UsageError(f"the pool did not start: {error}") from None
+
+    def _expand_variables(self, line: str) -> str:
+        """`$name` and `{expression}` in the line, as IPython expands them for other magics.
+
+        IPython's expansion copies the whole notebook namespace (which grows by a few names with
+        every cell run) on every call, so it is asked for only when the line has `$` or `{`.
+        Depth 3 reaches the frame that called the magic: ours, run_*_magic's, then the caller's.
+        """
+        if "$" not in line and "{" not in line:
+            return line
+        return self.shell.var_expand(line, depth=3)
 
     # --- %%fsdp2 --------------------------------------------------------------------------------
 

@@ -57,6 +57,20 @@ def test_subset_of_ranks(kernel):
     assert run.stdout == "[1] only 1\n"
 
 
+def test_variables_in_the_magic_line_are_expanded(kernel):
+    run = kernel.execute("chosen = 1\n"
+                         "get_ipython().run_cell_magic('fsdp2', '--ranks $chosen', 'print(\"dollar\", rank)')\n"
+                         "def helper(chosen=0):\n"
+                         "    get_ipython().run_line_magic('fsdp2', 'pull rank --rank {chosen}')\n"
+                         "    return get_ipython().run_line_magic('fsdp2', 'pull rank --rank {chosen}')\n"
+                         "print('pulled', helper())")
+    assert run.status == "ok", run.traceback_text
+    assert "[1] dollar 1\n" in run.stdout and "[0] dollar" not in run.stdout
+    assert "pulled 0\n" in run.stdout  # the caller's local, as IPython expands for other magics
+    braces = kernel.execute("%%fsdp2 --ranks {chosen - 1}\nprint('braces', rank)")
+    assert braces.stdout == "[0] braces 0\n"
+
+
 def test_last_expression_and_rich_display(kernel):
     run = kernel.execute("%%fsdp2\nfrom IPython.display import HTML, display\n"
                          "display(HTML(f'<b>rank {rank}</b>'))\nrank * 2")
