@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,6 +165,23 @@ def dir_size(path: Path) -> int:
             except OSError:
                 pass  # removed while we looked: retention ran concurrently
     return total
+
+
+_SETTLED_S = 0.1
+
+
+def change_key(directory: Path) -> tuple[int, int, int] | None:
+    """What changes whenever an entry of `directory` is added, removed or renamed (commits,
+    LATEST, retention all rename there; a committed step is never changed in place). None when
+    the directory changed in the last moment: a second change within one tick of the file
+    system's clock would leave the same time, so such a key would not be safe to compare."""
+    try:
+        info = os.stat(directory)
+    except OSError:
+        return None
+    if time.time() - info.st_mtime < _SETTLED_S:
+        return None
+    return info.st_ino, info.st_mtime_ns, info.st_nlink
 
 
 def list_entries(directory: Path) -> list[CheckpointEntry]:

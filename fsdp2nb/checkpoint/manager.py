@@ -186,6 +186,7 @@ class Checkpointer:
         self._tracked: _Tracked | None = None
         self._last_step: int | None = None
         self._lock = threading.Lock()
+        self._listing_cache: tuple[tuple, tuple] | None = None  # see _listing
         self._pending: tuple[int, Future] | None = None
         self._error: BaseException | None = None
         self._last_error_text: str | None = None
@@ -486,10 +487,22 @@ class Checkpointer:
         with self._lock:
             saving = self._pending[0] if self._pending is not None else None
             error_text = self._last_error_text
+        latest_step, entries = self._listing()
         return CheckpointStatus(
-            directory=str(self.directory), latest_step=self._latest_valid_step(), saving_step=saving,
-            last_error=error_text, entries=tuple(layout.list_entries(self.directory)), blocked_s=self.blocked_s,
+            directory=str(self.directory), latest_step=latest_step, saving_step=saving,
+            last_error=error_text, entries=entries, blocked_s=self.blocked_s,
         )
+
+    def _listing(self) -> tuple[int | None, tuple[layout.CheckpointEntry, ...]]:
+        """(latest valid step, step directories), read again only when the directory changed:
+        the dashboard asks twice a second, and listing reads every step's metadata and sizes."""
+        key = layout.change_key(self.directory)
+        cached = self._listing_cache
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1]
+        listing = (self._latest_valid_step(), tuple(layout.list_entries(self.directory)))
+        self._listing_cache = (key, listing) if key is not None else None
+        return listing
 
     def _latest_valid_step(self) -> int | None:
         step = layout.read_latest(self.directory)

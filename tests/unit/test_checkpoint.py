@@ -346,3 +346,24 @@ def test_optimizer_step_waits_for_the_copy_of_an_async_save(tmp_path, trained):
         loader.load(1)
     for key, tensor in _snapshot(fresh).items():
         assert torch.equal(tensor, at_save[key]), key
+
+
+def test_status_lists_the_directory_again_only_after_it_changed(tmp_path, trained, monkeypatch):
+    from fsdp2nb.checkpoint import layout
+
+    listings = []
+    real_list_entries = layout.list_entries
+    monkeypatch.setattr(layout, "list_entries", lambda d: listings.append(d) or real_list_entries(d))
+    model, optimizer = trained
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(1)
+        settled = os.stat(tmp_path).st_mtime - 60
+        os.utime(tmp_path, (settled, settled))  # as if saved a minute ago
+        listings.clear()
+        assert ckpt.status().latest_step == ckpt.status().latest_step == 1
+        assert len(listings) == 1  # the second status came from what the first one read
+        ckpt.save(2)  # renames into the directory: its time changes
+        listings.clear()
+        status = ckpt.status()
+        assert status.latest_step == 2 and [e.step for e in status.entries] == [1, 2]
+        assert len(listings) == 1
