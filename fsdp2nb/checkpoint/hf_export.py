@@ -68,7 +68,7 @@ def export_hf_model(model: nn.Module, output_dir: str | os.PathLike, *, processo
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be >= 1")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r} must be None or a floating torch.dtype")
-    output_dir = Path(output_dir).absolute()
+    output_dir = Path(output_dir).resolve()  # through a symlink: replace what it points at, not the link
     if output_dir.exists() and not output_dir.is_dir():
         raise ValueError(f"output_dir={str(output_dir)!r} is a file; pass a directory (new or earlier export)")
     dtype = dtype or _model_dtype(model)
@@ -266,9 +266,18 @@ _RENAME_EXCHANGE = 2
 
 
 def _staging_paths(output_dir: Path) -> tuple[Path, Path]:
-    """(where a new export is written, where a replaced one waits while the fallback swap runs)."""
+    """(where a new export is written, where a replaced one waits while the fallback swap runs).
+
+    A mount point (a container's output volume, say) cannot be renamed: there the export is
+    staged inside it and moved in file by file (see _move_into)."""
+    if _is_mount(output_dir):
+        return output_dir / ".export-new", output_dir / ".export-old"
     return (output_dir.with_name(f".{output_dir.name}.export-new"),
             output_dir.with_name(f".{output_dir.name}.export-old"))
+
+
+def _is_mount(path: Path) -> bool:
+    return os.path.ismount(path)
 
 
 def _start_staging(output_dir: Path) -> Path:
@@ -286,24 +295,53 @@ def _start_staging(output_dir: Path) -> Path:
 
 def _commit(staging: Path, output_dir: Path) -> None:
     """Rank 0: make the staged export durable, carry the user's files into it and swap it in."""
-    if output_dir.is_dir():
+    inside = staging.parent == output_dir
+    if output_dir.is_dir() and not inside:
         _carry_user_files(output_dir, staging)
     for path in staging.rglob("*"):
         if path.is_file() and not path.is_symlink():
             _fsync_file(path)
     for directory in [*(p for p in staging.rglob("*") if p.is_dir() and not p.is_symlink()), staging]:
         fsync_dir(directory)
-    if output_dir.exists():
+    if inside:
+        _move_into(staging, output_dir)
+    elif output_dir.exists():
         _swap(staging, output_dir)
     else:
         os.rename(staging, output_dir)
     fsync_dir(output_dir.parent)
 
 
+def _move_into(staging: Path, output_dir: Path) -> None:
+    """Replace an export in a directory that cannot itself be renamed. Not atomic: the new index
+    goes in last, so the old one keeps pointing at whole files until then, and stale outputs are
+    removed only after it."""
+    logger.warning("%s is a mount point: the export is moved in file by file, not swapped in whole", output_dir)
+    new_names = {entry.name for entry in staging.iterdir()}
+    for entry in sorted(staging.iterdir(), key=lambda e: e.name == _INDEX_FILE):
+        target = output_dir / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+    for entry in output_dir.iterdir():
+        if entry.name in new_names or not _is_export_output(entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    staging.rmdir()
+    fsync_dir(output_dir)
+
+
+def _is_export_output(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in _EXPORT_OUTPUTS)
+
+
 def _carry_user_files(old: Path, new: Path) -> None:
     for entry in old.iterdir():
         target = new / entry.name
-        if target.exists() or any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in _EXPORT_OUTPUTS):
+        if target.exists() or _is_export_output(entry.name):
             continue
         if entry.is_symlink():
             os.symlink(os.readlink(entry), target)

@@ -89,3 +89,32 @@ def test_a_file_as_output_dir_is_refused(tmp_path):
     with pytest.raises(ValueError, match="is a file; pass a directory"):
         export_hf_model(make_tiny_model("llama", seed=0), target)
     assert target.read_bytes() == b"keep"
+
+
+def test_a_mount_point_is_filled_in_place(earlier_export, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2nb.checkpoint import hf_export
+
+    monkeypatch.setattr(hf_export, "_is_mount", lambda path: path == earlier_export)  # cannot be renamed
+    (earlier_export / "model.safetensors").write_bytes(b"stale single-file weights")
+    model = make_tiny_model("llama", seed=1)
+    export_hf_model(model, earlier_export)
+    assert (earlier_export / "README.md").read_text() == "my notes"
+    assert not (earlier_export / "model.safetensors").exists()
+    assert sorted(p.name for p in earlier_export.iterdir() if p.name.startswith(".")) == []
+    loaded = AutoModelForCausalLM.from_pretrained(earlier_export)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    before = _snapshot(earlier_export)
+    with pytest.raises(OSError, match="disk full"):  # a failure before the move changes nothing
+        export_hf_model(make_tiny_model("llama", seed=2), earlier_export, processor=_FailingProcessor())
+    assert _snapshot(earlier_export) == before
+
+
+def test_an_export_through_a_symlink_replaces_its_target(earlier_export):
+    link = earlier_export.with_name("latest-export")
+    link.symlink_to(earlier_export, target_is_directory=True)
+    export_hf_model(make_tiny_model("llama", seed=1), link)
+    assert link.is_symlink() and (earlier_export / "README.md").read_text() == "my notes"
+    assert _hidden_siblings(earlier_export) == []
