@@ -11,7 +11,15 @@ to gather on rank 0); `merge_lora=True` also writes the merged full model under 
 An export is written into a hidden sibling directory and swapped in only when complete and
 durable, so a failure or a crash leaves the previous export as it was: never a directory without
 loadable weights. Files in `output_dir` that an export does not produce (a README, tokenizer
-files when no processor is given) are carried over; earlier weights, configs and adapters are not.
+files when no processor is given) are carried over, with the directory's permissions; earlier
+weights, configs and adapters are not. Nothing should write into `output_dir` during an export:
+it would write into the tree being replaced. Where the directory cannot be swapped (a mount
+point, or a parent directory that is not writable) the export is staged inside it and moved in
+file by file, which is not atomic: a crash while moving can leave a mix of the two exports.
+
+A failure on one rank is made known to all (the steps only rank 0 runs are followed by a
+broadcast of their outcome, and a rank that cannot write its files still takes part in every
+gather), so no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -23,10 +31,12 @@ import fnmatch
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +47,8 @@ from torch.distributed.tensor import DTensor
 from fsdp2nb.checkpoint.layout import fsync_dir
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 _INDEX_FILE = "model.safetensors.index.json"
@@ -75,17 +87,15 @@ def export_hf_model(model: nn.Module, output_dir: str | os.PathLike, *, processo
     is_peft = isinstance(getattr(model, "peft_config", None), dict)
     if merge_lora and not is_peft:
         raise ValueError("merge_lora=True needs a peft model; this one has no peft_config")
-    staging = _start_staging(output_dir)
+    staging = _on_rank0_agreed(lambda: _start_staging(output_dir))
+    staging.mkdir(parents=True, exist_ok=True)  # storage that is not shared between hosts
     try:
         _write_export(model, staging, processor, dtype, merge_lora, is_peft, max_shard_bytes)
-        _barrier()
-        if _rank() == 0:
-            _commit(staging, output_dir)
+        _on_rank0_agreed(lambda: _commit(staging, output_dir))
     except BaseException:
         if _rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    _barrier()
     logger.info("exported %s to %s", type(model).__name__, output_dir)
     return output_dir
 
@@ -101,8 +111,8 @@ def _write_export(model: nn.Module, out: Path, processor, dtype: torch.dtype, me
                          max_shard_bytes, model)
     else:
         _export_full(_plain_entries(model), model.config, out, dtype, max_shard_bytes, model)
-    if processor is not None and _rank() == 0:
-        processor.save_pretrained(out)
+    if processor is not None:
+        _on_rank0_agreed(lambda: processor.save_pretrained(out))
 
 
 # ---- full model --------------------------------------------------------------------------------
@@ -111,14 +121,19 @@ def _write_export(model: nn.Module, out: Path, processor, dtype: torch.dtype, me
 def _export_full(entries: list[_Entry], config, out: Path, dtype: torch.dtype, max_shard_bytes: int,
                  model: nn.Module) -> None:
     owners = _assign_owners(entries, _world_size())
-    written = _write_owned(entries, owners, out, dtype, max_shard_bytes)
+    written, error = _write_owned(entries, owners, out, dtype, max_shard_bytes)
+    _all_ranks_succeeded(error)
     all_written = _gather_to_rank0(written)
-    if _rank() == 0:
-        _name_files_and_index(out, [f for files in all_written for f in files])
-        _write_config(config, out, dtype)
-        generation_config = getattr(model, "generation_config", None)
-        if generation_config is not None:
-            generation_config.save_pretrained(out)
+    _on_rank0_agreed(lambda: _finish_full(out, [f for files in all_written for f in files], config, dtype, model))
+
+
+def _finish_full(out: Path, files: list[_WrittenFile], config, dtype: torch.dtype, model: nn.Module) -> None:
+    """Rank 0: name the files, write the index and the configs."""
+    _name_files_and_index(out, files)
+    _write_config(config, out, dtype)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(out)
 
 
 def _plain_entries(model: nn.Module) -> list[_Entry]:
@@ -180,24 +195,35 @@ def _assign_owners(entries: list[_Entry], world_size: int) -> list[int]:
 
 
 def _write_owned(entries: list[_Entry], owners: list[int], out: Path, dtype: torch.dtype,
-                 max_shard_bytes: int) -> list[_WrittenFile]:
+                 max_shard_bytes: int) -> tuple[list[_WrittenFile], Exception | None]:
+    """(the files this rank wrote, the error that stopped its writing). After an error (a full
+    disk) the rank keeps taking part in the gathers, so the others are not left waiting."""
     rank = _rank()
     written: list[_WrittenFile] = []
     buffer: dict[str, torch.Tensor] = {}
     buffered_bytes = 0
+    error: Exception | None = None
     for entry, owner in zip(entries, owners, strict=True):
         full = entry.full()  # every rank takes part in the gather; only the owner keeps the result
-        if owner != rank:
+        if owner != rank or error is not None:
             continue
         tensor = full.to(dtype) if full.is_floating_point() else full
         buffer[entry.key] = tensor.detach().cpu().contiguous()
         buffered_bytes += tensor.numel() * tensor.element_size()
         if buffered_bytes >= max_shard_bytes:
-            written.append(_flush(buffer, out / f".part-rank{rank:05d}-{len(written):05d}.safetensors"))
+            error = _flush_into(written, buffer, out)
             buffer, buffered_bytes = {}, 0
-    if buffer:
-        written.append(_flush(buffer, out / f".part-rank{rank:05d}-{len(written):05d}.safetensors"))
-    return written
+    if buffer and error is None:
+        error = _flush_into(written, buffer, out)
+    return written, error
+
+
+def _flush_into(written: list[_WrittenFile], tensors: dict[str, torch.Tensor], out: Path) -> Exception | None:
+    try:
+        written.append(_flush(tensors, out / f".part-rank{_rank():05d}-{len(written):05d}.safetensors"))
+    except Exception as error:  # noqa: BLE001 - reported to every rank by _all_ranks_succeeded
+        return error
+    return None
 
 
 def _flush(tensors: dict[str, torch.Tensor], path: Path) -> _WrittenFile:
@@ -240,12 +266,14 @@ def _export_adapter(model: nn.Module, out: Path, dtype: torch.dtype) -> None:
         full = _full_getter(tensor)()
         if _rank() == 0:
             full_state[key] = full.to(dtype) if full.is_floating_point() else full
-    if _rank() != 0:
-        return
-    adapter_state = get_peft_model_state_dict(model, state_dict=full_state, adapter_name=adapter)
-    save_file({k: v.contiguous() for k, v in adapter_state.items()}, out / "adapter_model.safetensors",
-              metadata={"format": "pt"})
-    model.peft_config[adapter].save_pretrained(out)
+
+    def save() -> None:
+        adapter_state = get_peft_model_state_dict(model, state_dict=full_state, adapter_name=adapter)
+        save_file({k: v.contiguous() for k, v in adapter_state.items()}, out / "adapter_model.safetensors",
+                  metadata={"format": "pt"})
+        model.peft_config[adapter].save_pretrained(out)
+
+    _on_rank0_agreed(save)
 
 
 def _single_adapter(model: nn.Module) -> str:
@@ -277,19 +305,45 @@ def _staging_paths(output_dir: Path) -> tuple[Path, Path]:
 
 
 def _is_mount(path: Path) -> bool:
-    return os.path.ismount(path)
+    """A mount point, bind mounts of the same file system included (which os.path.ismount misses)."""
+    if os.path.ismount(path):
+        return True
+    try:
+        with open("/proc/self/mountinfo") as mounts:
+            points = {_unescape_mount_path(line.split()[4]) for line in mounts if len(line.split()) > 4}
+    except OSError:
+        return False
+    return str(path) in points
+
+
+def _unescape_mount_path(text: str) -> str:
+    # mountinfo writes space, tab, newline and backslash in a path as octal escapes (\040 ...)
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), text)
 
 
 def _start_staging(output_dir: Path) -> Path:
-    """An empty staging directory beside `output_dir`, after undoing what an interrupted export left."""
+    """Rank 0: an empty staging directory, after undoing what an interrupted export left.
+    Beside `output_dir` where its parent takes one, else inside it (see _staging_paths)."""
     staging, aside = _staging_paths(output_dir)
-    if _rank() == 0:
-        if aside.exists() and not output_dir.exists():
-            logger.warning("restoring %s: an earlier export stopped while swapping it", output_dir)
-            os.rename(aside, output_dir)
-        shutil.rmtree(aside, ignore_errors=True)
+    if aside.exists() and not output_dir.exists():
+        logger.warning("restoring %s: an earlier export stopped while swapping it", output_dir)
+        os.rename(aside, output_dir)
+    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.mkdir(parents=True)
+    except PermissionError:
+        if not output_dir.is_dir():
+            raise
+        staging = output_dir / ".export-new"  # the parent is not ours to write: stage inside
         shutil.rmtree(staging, ignore_errors=True)
-    _mkdir_collectively(staging)
+        staging.mkdir()
+    except OSError as error:
+        if error.errno != errno.EROFS or not output_dir.is_dir():
+            raise
+        staging = output_dir / ".export-new"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
     return staging
 
 
@@ -298,6 +352,7 @@ def _commit(staging: Path, output_dir: Path) -> None:
     inside = staging.parent == output_dir
     if output_dir.is_dir() and not inside:
         _carry_user_files(output_dir, staging)
+        _copy_directory_attributes(output_dir, staging)
     for path in staging.rglob("*"):
         if path.is_file() and not path.is_symlink():
             _fsync_file(path)
@@ -351,6 +406,16 @@ def _carry_user_files(old: Path, new: Path) -> None:
             _link_or_copy(entry, target)
 
 
+def _copy_directory_attributes(old: Path, new: Path) -> None:
+    """Permissions and group of the directory being replaced (a group-shared 2775 stays so)."""
+    info = os.stat(old)
+    shutil.copystat(old, new)
+    try:
+        os.chown(new, -1, info.st_gid)
+    except PermissionError:
+        pass  # not a member of that group: the directory keeps ours
+
+
 def _link_or_copy(source: str | os.PathLike, target: str | os.PathLike) -> None:
     """A hard link (no data copied, and the old directory is removed right after); a copy where refused."""
     try:
@@ -365,7 +430,11 @@ def _swap(staging: Path, output_dir: Path) -> None:
     if not _exchange(staging, output_dir):
         _, aside = _staging_paths(output_dir)
         os.rename(output_dir, aside)
-        os.rename(staging, output_dir)
+        try:
+            os.rename(staging, output_dir)
+        except BaseException:
+            os.rename(aside, output_dir)  # the old export back where it was
+            raise
         staging = aside
     shutil.rmtree(staging, ignore_errors=True)
 
@@ -424,6 +493,38 @@ def _world_size() -> int:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+def _on_rank0_agreed(action: Callable[[], _T]) -> _T:
+    """Run `action` on rank 0 and share its result with every rank, or its failure: then every
+    rank raises, where otherwise the others would wait for rank 0 at the next collective."""
+    outcome: list = [None, None]
+    error: BaseException | None = None
+    if _rank() == 0:
+        try:
+            outcome[0] = action()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            error, outcome[1] = exc, f"{type(exc).__name__}: {exc}"
+    if _distributed():
+        dist.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
+    if outcome[1] is not None:
+        raise RuntimeError(f"rank {_rank()}: the HF export failed on rank 0: {outcome[1]}")
+    return outcome[0]
+
+
+def _all_ranks_succeeded(error: Exception | None) -> None:
+    """Raise on every rank if any rank failed (its own error where it was this rank's)."""
+    reasons: list = [None] * _world_size()
+    reason = None if error is None else f"{type(error).__name__}: {error}"
+    if _distributed():
+        dist.all_gather_object(reasons, reason)
+    if error is not None:
+        raise error
+    failed = [(rank, text) for rank, text in enumerate(reasons) if text is not None]
+    if failed:
+        raise RuntimeError(f"rank {_rank()}: the HF export failed on rank {failed[0][0]}: {failed[0][1]}")
 
 
 def _mkdir_collectively(path: Path) -> None:

@@ -167,7 +167,7 @@ def dir_size(path: Path) -> int:
     return total
 
 
-_SETTLED_S = 0.1
+_SETTLED_S = 2.0  # longer than any file system's timestamp tick (whole seconds on some)
 
 
 def change_key(directory: Path) -> tuple[int, int, int] | None:

@@ -75,3 +75,49 @@ def test_lora_adapter_loads_with_peft_and_merged_model_matches(exported):
     assert merged.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(merged[key], expected[key], rtol=1e-6, atol=1e-6, msg=key)
+
+
+class _FailingProcessor:
+    def save_pretrained(self, directory) -> None:
+        raise OSError("disk full")
+
+
+def _export_failing_on_one_rank(root: str) -> dict[str, str]:
+    """Exports that fail on one rank only: every rank must raise, none may hang in a collective."""
+    import torch.distributed as dist
+
+    from fsdp2nb.checkpoint import hf_export
+
+    model, optimizer, scheduler = build(seed=0)
+    out = f"{root}/export"
+    export_hf_model(model, out, max_shard_bytes=20_000)
+    seen = {}
+    try:  # a step only rank 0 runs
+        export_hf_model(model, out, processor=_FailingProcessor() if dist.get_rank() == 0 else None)
+    except Exception as error:  # noqa: BLE001
+        seen["rank0_step"] = str(error)
+    real_flush = hf_export._flush
+
+    def full_disk_on_rank1(tensors, path):
+        if dist.get_rank() == 1:
+            raise OSError("no space left on rank 1")
+        return real_flush(tensors, path)
+
+    hf_export._flush = full_disk_on_rank1
+    try:  # a write on one rank while the others gather
+        export_hf_model(model, out, max_shard_bytes=20_000)
+    except Exception as error:  # noqa: BLE001
+        seen["rank1_write"] = str(error)
+    finally:
+        hf_export._flush = real_flush
+    return seen
+
+
+def test_a_failure_on_one_rank_fails_the_export_on_every_rank(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    seen = run_ranks(_export_failing_on_one_rank, 2, str(tmp_path))
+    assert "disk full" in seen[0]["rank0_step"] and "failed on rank 0" in seen[1]["rank0_step"]
+    assert "failed on rank 1" in seen[0]["rank1_write"] and "no space left" in seen[1]["rank1_write"]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "export")  # the first export is still there
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
