@@ -118,3 +118,12 @@ def test_an_export_through_a_symlink_replaces_its_target(earlier_export):
     export_hf_model(make_tiny_model("llama", seed=1), link)
     assert link.is_symlink() and (earlier_export / "README.md").read_text() == "my notes"
     assert _hidden_siblings(earlier_export) == []
+
+
+def test_the_replaced_directory_keeps_its_permissions(earlier_export):
+    import os
+    import stat
+
+    os.chmod(earlier_export, 0o2770)
+    export_hf_model(make_tiny_model("llama", seed=1), earlier_export)
+    assert stat.S_IMODE(os.stat(earlier_export).st_mode) == 0o2770
