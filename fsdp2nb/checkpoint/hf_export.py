@@ -332,16 +332,10 @@ def _start_staging(output_dir: Path) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     try:
         staging.mkdir(parents=True)
-    except PermissionError:
-        if not output_dir.is_dir():
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not output_dir.is_dir():
             raise
         staging = output_dir / ".export-new"  # the parent is not ours to write: stage inside
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-    except OSError as error:
-        if error.errno != errno.EROFS or not output_dir.is_dir():
-            raise
-        staging = output_dir / ".export-new"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
     return staging
@@ -368,9 +362,9 @@ def _commit(staging: Path, output_dir: Path) -> None:
 
 
 def _move_into(staging: Path, output_dir: Path) -> None:
-    """Replace an export in a directory that cannot itself be renamed. Not atomic: the new index
-    goes in last, so the old one keeps pointing at whole files until then, and stale outputs are
-    removed only after it."""
+    """Replace an export in a directory that cannot itself be renamed. Not atomic: files are
+    replaced one by one (a reader in between can see shards of both exports), the index last,
+    and earlier outputs the new export does not have are removed after it."""
     logger.warning("%s is a mount point: the export is moved in file by file, not swapped in whole", output_dir)
     new_names = {entry.name for entry in staging.iterdir()}
     for entry in sorted(staging.iterdir(), key=lambda e: e.name == _INDEX_FILE):
