@@ -8,6 +8,8 @@
   from_pretrained_bf16 the same with dtype=bfloat16, the usual way to ask for half precision: the cast
                        gives every rank a private bf16 copy of the whole model before sharding (its
                        shards are bf16, half the size of the others')
+  disk                 no model: each rank reads its 1/N of the file past the page cache (as dd
+                       iflag=direct would), the floor any loader of these bytes stands on here
 
 Run from the repository root:  .venv/bin/python benchmarks/bench_engine_load.py
 
@@ -188,11 +190,36 @@ def _load_from_pretrained_bf16(path: str):
     return _from_pretrained(path, "bfloat16")
 
 
+def _read_disk(path: str):
+    """This rank's contiguous 1/N of the checkpoint file, read with O_DIRECT into one reused buffer."""
+    import mmap
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from fsdp2nb.direct_io import BLOCK, open_direct
+
+    file_path = os.path.join(path, "model.safetensors")
+    size = os.path.getsize(file_path)
+    share = -(-size // dist.get_world_size() // BLOCK) * BLOCK
+    start, end = dist.get_rank() * share, min(size, (dist.get_rank() + 1) * share)
+    buffer = mmap.mmap(-1, 32 * 1024 * 1024)
+    fd, _ = open_direct(file_path, os.O_RDONLY)
+    try:
+        for offset in range(start, end, len(buffer)):
+            os.preadv(fd, [buffer], offset)
+    finally:
+        os.close(fd)
+        buffer.close()
+    return nn.Module(), end - start
+
+
 METHODS = {
     "engine": _load_engine,
     "naive": _load_naive,
     "from_pretrained": _load_from_pretrained,
     "from_pretrained_bf16": _load_from_pretrained_bf16,
+    "disk": _read_disk,
 }
 
 
@@ -306,6 +333,9 @@ def _goal_lines(results: dict[str, list[dict]], ckpt: int, world_size: int) -> l
         f"{mem:.2f}x ({'met' if mem <= 1.3 else 'NOT met'})",
     ]
     wall = max(r["wall"] for r in engine)
+    if "disk" in results:
+        lines.append(f"      engine wall over reading the same bytes with dd-like direct reads (the disk's floor): "
+                     f"{wall / max(r['wall'] for r in results['disk']):.2f}x")
     for baseline in ("from_pretrained", "from_pretrained_bf16"):
         if baseline in results:
             ratio = wall / max(r["wall"] for r in results[baseline])
