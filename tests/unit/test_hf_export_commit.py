@@ -127,3 +127,10 @@ def test_the_replaced_directory_keeps_its_permissions(earlier_export):
     os.chmod(earlier_export, 0o2770)
     export_hf_model(make_tiny_model("llama", seed=1), earlier_export)
     assert stat.S_IMODE(os.stat(earlier_export).st_mode) == 0o2770
+
+
+def test_mount_points_are_recognised_from_mountinfo(tmp_path):
+    from fsdp2nb.checkpoint.hf_export import _is_mount, _unescape_mount_path
+
+    assert _unescape_mount_path(r"/mnt/my\040models\134x") == "/mnt/my models\\x"
+    assert _is_mount(Path("/")) and not _is_mount(tmp_path)
