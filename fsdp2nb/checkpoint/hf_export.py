@@ -8,14 +8,12 @@ names the files `model-0000i-of-0000N.safetensors`, writes the index and the con
 A peft model exports its adapter (adapter_model.safetensors + adapter_config.json, small enough
 to gather on rank 0); `merge_lora=True` also writes the merged full model under `output_dir/merged`.
 
-An export is written into a hidden sibling directory and swapped in only when complete and
-durable, so a failure or a crash leaves the previous export as it was: never a directory without
-loadable weights. Files in `output_dir` that an export does not produce (a README, tokenizer
-files when no processor is given) are carried over, with the directory's permissions; earlier
-weights, configs and adapters are not. Nothing should write into `output_dir` during an export:
-it would write into the tree being replaced. Where the directory cannot be swapped (a mount
-point, or a parent directory that is not writable) the export is staged inside it and moved in
-file by file, which is not atomic: a crash while moving can leave a mix of the two exports.
+An export is staged beside `output_dir` and swapped in whole when complete and durable
+(directory_swap.py), so a failure or a crash leaves the previous export as it was: never a
+directory without loadable weights. Files there that an export does not write (a README,
+tokenizer files when no processor is given) are carried over; earlier weights, configs and
+adapters are not. Nothing should write into `output_dir` during an export: it would write into
+the tree being replaced. A mount point is filled file by file instead, which is not atomic.
 
 A failure on one rank is made known to all (the steps only rank 0 runs are followed by a
 broadcast of their outcome, and a rank that cannot write its files still takes part in every
@@ -25,13 +23,10 @@ gather), so no rank is left waiting in a collective.
 from __future__ import annotations
 
 import copy
-import ctypes
-import errno
 import fnmatch
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,7 +39,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2nb.checkpoint.layout import fsync_dir
+from fsdp2nb.checkpoint import directory_swap
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +82,11 @@ def export_hf_model(model: nn.Module, output_dir: str | os.PathLike, *, processo
     is_peft = isinstance(getattr(model, "peft_config", None), dict)
     if merge_lora and not is_peft:
         raise ValueError("merge_lora=True needs a peft model; this one has no peft_config")
-    staging = _on_rank0_agreed(lambda: _start_staging(output_dir))
+    staging = _on_rank0_agreed(lambda: directory_swap.start_staging(output_dir))
     staging.mkdir(parents=True, exist_ok=True)  # storage that is not shared between hosts
     try:
         _write_export(model, staging, processor, dtype, merge_lora, is_peft, max_shard_bytes)
-        _on_rank0_agreed(lambda: _commit(staging, output_dir))
+        _on_rank0_agreed(lambda: directory_swap.commit_staging(staging, output_dir, carry=_is_user_file))
     except BaseException:
         if _rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -228,7 +223,7 @@ def _flush_into(written: list[_WrittenFile], tensors: dict[str, torch.Tensor], o
 
 def _flush(tensors: dict[str, torch.Tensor], path: Path) -> _WrittenFile:
     save_file(tensors, path, metadata={"format": "pt"})
-    _fsync_file(path)
+    directory_swap.fsync_file(path)
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return _WrittenFile(path=str(path), keys=tuple(tensors), num_bytes=num_bytes)
 
@@ -283,175 +278,15 @@ def _single_adapter(model: nn.Module) -> str:
     return adapter
 
 
-# ---- staging and commit -----------------------------------------------------------------------
-
 # What an export writes; an earlier export's files of these kinds are not carried into a new one
 # (an old single-file model.safetensors beside a new index would be loaded instead of it).
 _EXPORT_OUTPUTS = ("model*.safetensors*", "pytorch_model*.bin*", "adapter_model.*", "adapter_config.json",
                    "config.json", "generation_config.json", "merged")
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
 
 
-def _staging_paths(output_dir: Path) -> tuple[Path, Path]:
-    """(where a new export is written, where a replaced one waits while the fallback swap runs).
-
-    A mount point (a container's output volume, say) cannot be renamed: there the export is
-    staged inside it and moved in file by file (see _move_into)."""
-    if _is_mount(output_dir):
-        return output_dir / ".export-new", output_dir / ".export-old"
-    return (output_dir.with_name(f".{output_dir.name}.export-new"),
-            output_dir.with_name(f".{output_dir.name}.export-old"))
-
-
-def _is_mount(path: Path) -> bool:
-    """A mount point, bind mounts of the same file system included (which os.path.ismount misses)."""
-    if os.path.ismount(path):
-        return True
-    try:
-        with open("/proc/self/mountinfo") as mounts:
-            points = {_unescape_mount_path(line.split()[4]) for line in mounts if len(line.split()) > 4}
-    except OSError:
-        return False
-    return str(path) in points
-
-
-def _unescape_mount_path(text: str) -> str:
-    # mountinfo writes space, tab, newline and backslash in a path as octal escapes (\040 ...)
-    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), text)
-
-
-def _start_staging(output_dir: Path) -> Path:
-    """Rank 0: an empty staging directory, after undoing what an interrupted export left.
-    Beside `output_dir` where its parent takes one, else inside it (see _staging_paths)."""
-    staging, aside = _staging_paths(output_dir)
-    if aside.exists() and not output_dir.exists():
-        logger.warning("restoring %s: an earlier export stopped while swapping it", output_dir)
-        os.rename(aside, output_dir)
-    shutil.rmtree(aside, ignore_errors=True)
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        staging.mkdir(parents=True)
-    except OSError as error:
-        if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not output_dir.is_dir():
-            raise
-        staging = output_dir / ".export-new"  # the parent is not ours to write: stage inside
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-    return staging
-
-
-def _commit(staging: Path, output_dir: Path) -> None:
-    """Rank 0: make the staged export durable, carry the user's files into it and swap it in."""
-    inside = staging.parent == output_dir
-    if output_dir.is_dir() and not inside:
-        _carry_user_files(output_dir, staging)
-        _copy_directory_attributes(output_dir, staging)
-    for path in staging.rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            _fsync_file(path)
-    for directory in [*(p for p in staging.rglob("*") if p.is_dir() and not p.is_symlink()), staging]:
-        fsync_dir(directory)
-    if inside:
-        _move_into(staging, output_dir)
-    elif output_dir.exists():
-        _swap(staging, output_dir)
-    else:
-        os.rename(staging, output_dir)
-    fsync_dir(output_dir.parent)
-
-
-def _move_into(staging: Path, output_dir: Path) -> None:
-    """Replace an export in a directory that cannot itself be renamed. Not atomic: files are
-    replaced one by one (a reader in between can see shards of both exports), the index last,
-    and earlier outputs the new export does not have are removed after it."""
-    logger.warning("%s is a mount point: the export is moved in file by file, not swapped in whole", output_dir)
-    new_names = {entry.name for entry in staging.iterdir()}
-    for entry in sorted(staging.iterdir(), key=lambda e: e.name == _INDEX_FILE):
-        target = output_dir / entry.name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        os.replace(entry, target)
-    for entry in output_dir.iterdir():
-        if entry.name in new_names or not _is_export_output(entry.name):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-    staging.rmdir()
-    fsync_dir(output_dir)
-
-
-def _is_export_output(name: str) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in _EXPORT_OUTPUTS)
-
-
-def _carry_user_files(old: Path, new: Path) -> None:
-    for entry in old.iterdir():
-        target = new / entry.name
-        if target.exists() or _is_export_output(entry.name):
-            continue
-        if entry.is_symlink():
-            os.symlink(os.readlink(entry), target)
-        elif entry.is_dir():
-            shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
-        else:
-            _link_or_copy(entry, target)
-
-
-def _copy_directory_attributes(old: Path, new: Path) -> None:
-    """Permissions and group of the directory being replaced (a group-shared 2775 stays so)."""
-    info = os.stat(old)
-    shutil.copystat(old, new)
-    try:
-        os.chown(new, -1, info.st_gid)
-    except PermissionError:
-        pass  # not a member of that group: the directory keeps ours
-
-
-def _link_or_copy(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """A hard link (no data copied, and the old directory is removed right after); a copy where refused."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
-
-
-def _swap(staging: Path, output_dir: Path) -> None:
-    """Exchange the two directories in one step where the system can; else move the old one aside
-    first (`_start_staging` puts it back if a crash comes between the two renames)."""
-    if not _exchange(staging, output_dir):
-        _, aside = _staging_paths(output_dir)
-        os.rename(output_dir, aside)
-        try:
-            os.rename(staging, output_dir)
-        except BaseException:
-            os.rename(aside, output_dir)  # the old export back where it was
-            raise
-        staging = aside
-    shutil.rmtree(staging, ignore_errors=True)
-
-
-def _exchange(first: Path, second: Path) -> bool:
-    """renameat2(RENAME_EXCHANGE): swap two paths atomically; False where it is not supported."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is None:
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), str(second))
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _is_user_file(name: str) -> bool:
+    """Whether an entry of an earlier export's directory is kept: anything an export does not write."""
+    return not any(fnmatch.fnmatchcase(name, pattern) for pattern in _EXPORT_OUTPUTS)
 
 
 # ---- small collective helpers ------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp2nb.checkpoint import export_hf_model
-from fsdp2nb.checkpoint.hf_export import _staging_paths
+from fsdp2nb.checkpoint.directory_swap import staging_paths
 from fsdp2nb.testing.tiny_models import make_tiny_model
 
 
@@ -43,16 +43,8 @@ def test_a_failed_export_leaves_the_previous_one_untouched(earlier_export):
     assert _hidden_siblings(earlier_export) == []
 
 
-@pytest.mark.parametrize("atomic_exchange", [True, False], ids=["renameat2", "two-renames"])
-def test_a_new_export_replaces_weights_and_keeps_user_files(earlier_export, monkeypatch, atomic_exchange):
+def test_a_new_export_replaces_weights_and_keeps_user_files(earlier_export):
     from transformers import AutoModelForCausalLM
-
-    from fsdp2nb.checkpoint import hf_export
-
-    exchanged = []
-    real_exchange = hf_export._exchange
-    monkeypatch.setattr(hf_export, "_exchange",
-                        lambda a, b: exchanged.append(atomic_exchange) or (atomic_exchange and real_exchange(a, b)))
 
     (earlier_export / "model.safetensors").write_bytes(b"stale single-file weights")
     (earlier_export / "notes").mkdir()
@@ -60,7 +52,6 @@ def test_a_new_export_replaces_weights_and_keeps_user_files(earlier_export, monk
     model = make_tiny_model("llama", seed=1)
     export_hf_model(model, earlier_export)
 
-    assert exchanged == [atomic_exchange]
     assert (earlier_export / "README.md").read_text() == "my notes"
     assert (earlier_export / "notes" / "run.txt").read_text() == "lr 1e-4"
     assert not (earlier_export / "model.safetensors").exists()
@@ -72,7 +63,7 @@ def test_a_new_export_replaces_weights_and_keeps_user_files(earlier_export, monk
 
 def test_an_export_stopped_mid_swap_is_restored_by_the_next(earlier_export):
     before = _snapshot(earlier_export)
-    staging, aside = _staging_paths(earlier_export)
+    staging, aside = staging_paths(earlier_export, inside=False)
     # A crash between the fallback swap's two renames: the old export aside, a new one staged.
     earlier_export.rename(aside)
     staging.mkdir()
@@ -91,27 +82,6 @@ def test_a_file_as_output_dir_is_refused(tmp_path):
     assert target.read_bytes() == b"keep"
 
 
-def test_a_mount_point_is_filled_in_place(earlier_export, monkeypatch):
-    from transformers import AutoModelForCausalLM
-
-    from fsdp2nb.checkpoint import hf_export
-
-    monkeypatch.setattr(hf_export, "_is_mount", lambda path: path == earlier_export)  # cannot be renamed
-    (earlier_export / "model.safetensors").write_bytes(b"stale single-file weights")
-    model = make_tiny_model("llama", seed=1)
-    export_hf_model(model, earlier_export)
-    assert (earlier_export / "README.md").read_text() == "my notes"
-    assert not (earlier_export / "model.safetensors").exists()
-    assert sorted(p.name for p in earlier_export.iterdir() if p.name.startswith(".")) == []
-    loaded = AutoModelForCausalLM.from_pretrained(earlier_export)
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0, msg=key)
-    before = _snapshot(earlier_export)
-    with pytest.raises(OSError, match="disk full"):  # a failure before the move changes nothing
-        export_hf_model(make_tiny_model("llama", seed=2), earlier_export, processor=_FailingProcessor())
-    assert _snapshot(earlier_export) == before
-
-
 def test_an_export_through_a_symlink_replaces_its_target(earlier_export):
     link = earlier_export.with_name("latest-export")
     link.symlink_to(earlier_export, target_is_directory=True)
@@ -127,10 +97,3 @@ def test_the_replaced_directory_keeps_its_permissions(earlier_export):
     os.chmod(earlier_export, 0o2770)
     export_hf_model(make_tiny_model("llama", seed=1), earlier_export)
     assert stat.S_IMODE(os.stat(earlier_export).st_mode) == 0o2770
-
-
-def test_mount_points_are_recognised_from_mountinfo(tmp_path):
-    from fsdp2nb.checkpoint.hf_export import _is_mount, _unescape_mount_path
-
-    assert _unescape_mount_path(r"/mnt/my\040models\134x") == "/mnt/my models\\x"
-    assert _is_mount(Path("/")) and not _is_mount(tmp_path)
