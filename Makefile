@@ -22,7 +22,7 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/demo.ipynb
 
 bench: $(STAMP)
-	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+	for b in benchmarks/bench_*.py; do $(PY) -m benchmarks.$$(basename $$b .py) || exit 1; done  # as modules: ranks import them by name
 
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh
