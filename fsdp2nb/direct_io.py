@@ -5,6 +5,7 @@ refuse direct I/O (tmpfs), and page-aligned buffers reused between files."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -19,12 +20,23 @@ def round_up(num_bytes: int) -> int:
 
 def open_direct(path: str | os.PathLike, flags: int, mode: int = 0o644) -> tuple[int, bool]:
     """(a descriptor opened with `flags`, whether it is O_DIRECT); plain where the file system refuses."""
+    fd = os.open(path, flags, mode)
     try:
-        return os.open(path, flags | os.O_DIRECT, mode), True
+        return fd, set_direct(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def set_direct(fd: int) -> bool:
+    """Turn on O_DIRECT for an open descriptor; False where the file system refuses it (tmpfs)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
     except OSError as error:
         if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
             raise
-    return os.open(path, flags, mode), False
+        return False
+    return True
 
 
 class BufferPool:

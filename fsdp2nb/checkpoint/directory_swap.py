@@ -23,7 +23,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from fsdp2nb.checkpoint.layout import fsync_dir
+from fsdp2nb.checkpoint.layout import fsync_dir, fsync_file
 
 logger = logging.getLogger(__name__)
 
@@ -111,14 +111,6 @@ def exchange_paths(first: Path, second: Path) -> bool:
     if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(code, os.strerror(code), str(second))
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_tree(root: Path) -> None:

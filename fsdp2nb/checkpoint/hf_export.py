@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2nb.checkpoint import directory_swap
+from fsdp2nb.checkpoint.layout import fsync_file
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ def _flush_into(written: list[_WrittenFile], tensors: dict[str, torch.Tensor], o
 
 def _flush(tensors: dict[str, torch.Tensor], path: Path) -> _WrittenFile:
     save_file(tensors, path, metadata={"format": "pt"})
-    directory_swap.fsync_file(path)
+    fsync_file(path)
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return _WrittenFile(path=str(path), keys=tuple(tensors), num_bytes=num_bytes)
 

@@ -96,7 +96,16 @@ def old_dir_name(step: int, token: str) -> str:
 
 def fsync_dir(path: Path) -> None:
     """Make a directory's entries (new files, renames) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def fsync_file(path: Path) -> None:
+    """Make a file another writer (save_file, a processor) closed durable."""
+    _fsync(path, os.O_RDONLY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:

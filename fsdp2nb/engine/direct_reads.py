@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import functools
 import json
 import math
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp2nb.direct_io import BLOCK, BufferPool, round_up
+from fsdp2nb.direct_io import BLOCK, BufferPool, round_up, set_direct
 
 _CHUNK_BYTES = 32 * 1024 * 1024  # bounce buffer: a multiple of BLOCK and of every element size
 _THREADS = 2
@@ -163,21 +162,10 @@ def _open_for_reading(path: str, direct: bool | None) -> tuple[int, bool]:
     try:
         if direct is False or (direct is None and cached_fraction(fd, os.fstat(fd).st_size) >= 0.5):
             return fd, False
-        return fd, _set_direct(fd)
+        return fd, set_direct(fd)
     except BaseException:
         os.close(fd)
         raise
-
-
-def _set_direct(fd: int) -> bool:
-    """Turn on O_DIRECT for an open descriptor; False where the file system refuses it (tmpfs)."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-        return False
-    return True
 
 
 def release_spare_buffers() -> None:

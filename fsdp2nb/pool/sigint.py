@@ -110,7 +110,7 @@ def sigint_deferred() -> contextlib.AbstractContextManager:
     """
     if _active_notes is not None or threading.current_thread() is not threading.main_thread():
         return _NOTHING_TO_DEFER
-    handler = signal.getsignal(signal.SIGINT)
+    handler = _c_signal.getsignal(signal.SIGINT)  # as _set_sigint_handler: no enum conversion
     return handler if isinstance(handler, SigintGate) else _swapped_sigint_deferred()
 
 
