@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+import traceback
 from datetime import timedelta
 
 import psutil
@@ -154,6 +155,10 @@ class Rank:
         except KeyboardInterrupt:  # arrived outside the user's code, e.g. before it started
             self._in_request = False
             return self._failure(request.cell_id, _interrupted())
+        except Exception as exc:  # outside IPython's handling (a push that cannot be unpickled, an
+            # AST transformer rejecting the cell): the request fails, the rank and its state live on
+            return self._failure(request.cell_id, ErrorInfo(
+                ename=type(exc).__name__, evalue=str(exc), traceback=tuple(traceback.format_exception(exc))))
         finally:
             self._in_request = False
 
@@ -172,16 +177,26 @@ class Rank:
             error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count)
             return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
         if isinstance(request, PushValues):
-            self.shell.user_ns.update(pickle.loads(request.payload))
-            return self._success(request.cell_id)
+            return self._push(request)
         return self._pull(request)
 
+    def _push(self, request: PushValues) -> CellFinished:
+        self.shell.user_ns.update(pickle.loads(request.payload))  # verified by the transport already
+        return self._success(request.cell_id)
+
     def _pull(self, request: PullValue) -> CellFinished:
+        from fsdp2nb.worker.pulled_values import value_for_notebook
+
+        # Every rank takes part, defined or not: a DTensor's pieces are gathered from all.
+        try:
+            value = value_for_notebook(self.shell.user_ns.get(request.name), request.reply_ranks)
+        except ValueError as exc:
+            return self._failure(request.cell_id, ErrorInfo(ename="ValueError", traceback=(),
+                                                            evalue=f"cannot pull {request.name!r}: {exc}"))
         if request.name not in self.shell.user_ns:
             error = ErrorInfo(ename="NameError", evalue=f"name {request.name!r} is not defined on rank {self.rank}",
                               traceback=())
             return self._failure(request.cell_id, error)
-        value = _to_local_value(self.shell.user_ns[request.name])
         if self.rank not in request.reply_ranks:
             return self._success(request.cell_id)
         try:
@@ -254,20 +269,6 @@ class Rank:
 
 def _interrupted() -> ErrorInfo:
     return ErrorInfo(ename="KeyboardInterrupt", evalue="", traceback=("KeyboardInterrupt",))
-
-
-def _to_local_value(value):
-    """What the notebook receives for `value`: a DTensor's full tensor, any tensor on the CPU."""
-    try:
-        import torch
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return value
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        value = value.cpu()
-    return value
 
 
 def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,

@@ -147,6 +147,30 @@ def test_push_and_pull(kernel):
     assert "{0: 3, 1: 2}" in run.stdout
 
 
+def test_failed_push_and_pull_leave_ranks_and_their_state_alone(kernel):
+    assert kernel.execute("%%fsdp2\nkept = rank + 100").status == "ok"
+    module_dir = tempfile.mkdtemp()  # importable in the notebook only: the ranks cannot unpickle it
+    with open(os.path.join(module_dir, "notebook_only.py"), "w") as f:
+        f.write("class Point:\n    pass\n")
+    run = kernel.execute(f"import sys\nsys.path.insert(0, {module_dir!r})\n"
+                         "import notebook_only\npoint = notebook_only.Point()\n%fsdp2 push point")
+    assert run.status == "error"
+    assert "ModuleNotFoundError" in run.traceback_text and "died" not in run.traceback_text
+    run = kernel.execute("%%fsdp2\nfrom torch.distributed.tensor import DTensor, Shard\n"
+                         "if rank == 0:\n"
+                         "    half = DTensor.from_local(torch.ones(2, 2), mesh, [Shard(0)], run_check=False)\n"
+                         "on_meta = torch.empty(3, device='meta')")
+    assert run.status == "ok", run.traceback_text
+    run = kernel.execute("%fsdp2 pull half")  # a gather that would wait forever for rank 1
+    assert run.status == "error"
+    assert "DTensor on some ranks only" in run.traceback_text
+    run = kernel.execute("%fsdp2 pull on_meta")
+    assert run.status == "error"
+    assert "meta" in run.traceback_text and "restarted" not in run.traceback_text
+    run = kernel.execute("%%fsdp2\nprint(kept)")
+    assert "[0] 100\n" in run.stdout and "[1] 101\n" in run.stdout
+
+
 def test_unpicklable_push_is_refused_clearly(kernel):
     run = kernel.execute("import threading\nlock = threading.Lock()\n%fsdp2 push lock")
     assert run.status == "error"
