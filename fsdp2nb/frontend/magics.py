@@ -61,7 +61,7 @@ def _line_parsers() -> dict[str, MagicArgumentParser]:
 
 
 def _non_negative_int(text: str) -> int:
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):
         raise argparse.ArgumentTypeError(f"STEP must be a whole number >= 0, got {text!r}")
     return int(text)
 
@@ -184,8 +184,8 @@ class FSDP2Magics(Magics):
     def _command_pull(self, options):
         pool = self._running_pool()
         reply_ranks = tuple(range(pool.world_size)) if options.all else (options.rank or 0,)
-        if not options.all:
-            parse_rank_list(str(reply_ranks[0]), pool.world_size)
+        if not 0 <= reply_ranks[0] < pool.world_size:
+            raise UsageError(f"--rank {reply_ranks[0]} does not exist: the pool has ranks 0-{pool.world_size - 1}")
         payloads = self.session.pull(pool, options.name, reply_ranks)
         values = {rank: pickle.loads(payload) for rank, payload in payloads.items()}
         return values if options.all else values[reply_ranks[0]]
@@ -195,9 +195,9 @@ class FSDP2Magics(Magics):
 
     def _command_load(self, options) -> None:
         target = options.target
-        if target != "latest" and not target.isdigit():
+        if target != "latest" and not (target.isascii() and target.isdigit()):
             raise UsageError(f"%fsdp2 load takes 'latest' or a step number, got {target!r}")
-        self._run_on_ranks(f"load_checkpoint({target if target.isdigit() else repr(target)})")
+        self._run_on_ranks(f"load_checkpoint({int(target) if target.isdigit() else repr(target)})")
 
     def _run_on_ranks(self, call: str) -> None:
         """Run one fsdp2nb.worker.commands call on every rank, without touching the user's names."""

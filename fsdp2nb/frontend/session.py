@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from IPython.core.getipython import get_ipython
 
 from fsdp2nb.frontend.render import CellSyntaxError, RankError, StreamMerger, rank_label, write_to_kernel
-from fsdp2nb.pool.pool import WorkerPool, describe_exit
+from fsdp2nb.pool.pool import PoolStartError, WorkerPool, describe_exit
 from fsdp2nb.pool.protocol import (
     CellFinished,
     ControlMessage,
@@ -224,6 +224,8 @@ class NotebookSession:
     def _enforce_deadlines(self, pool: WorkerPool, cell_id: int, progress: _CellProgress,
                            merger: StreamMerger) -> None:
         """A rank failed while others wait (likely in a collective): interrupt, then restart."""
+        if not progress.running:  # the last rank returned in this very pass
+            return
         now = time.monotonic()
         if progress.interrupted_at is None and progress.first_error_at is not None:
             if now - progress.first_error_at > ERROR_GRACE_S:
@@ -257,7 +259,11 @@ class NotebookSession:
     def _restart_after_failure(self, spec: PoolSpec, what_happened: str) -> str:
         """Replace the pool without asking its ranks (they are stuck or dead); the note to show."""
         self.stop(polite=False)
-        self.start(spec)
+        try:
+            self.start(spec)
+        except PoolStartError as error:  # say so beside why the old pool went, not instead of it
+            return (f"\x1b[1;31m{what_happened}; all rank state was lost and a new pool did not start: "
+                    f"{error}\x1b[0m\n`%fsdp2 start {spec.describe()}` tries again")
         return (f"\x1b[1;31m{what_happened}; the pool was restarted ({spec.describe()}) "
                 "and all rank state was lost\x1b[0m")
 

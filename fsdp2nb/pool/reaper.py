@@ -82,9 +82,15 @@ def reap_orphans() -> int:
 
 
 def _prune_old_logs(max_age_s: float = LOG_RETENTION_S) -> None:
-    """Per-rank logs are kept for a week after their pool last wrote them."""
+    """Per-rank logs are kept for a week after their pool was made, and while it runs.
+
+    A log directory's time changes only when a file is added, not when a rank writes to its
+    log, so the pools still registered (reap_orphans has just removed the dead ones) are kept."""
     cutoff = time.time() - max_age_s
+    running = {path.stem for path in _registry_dir().glob("*.json")}
     for log_dir in (state_dir() / "logs").glob("*"):
+        if log_dir.name in running:
+            continue
         try:
             if log_dir.stat().st_mtime < cutoff:
                 shutil.rmtree(log_dir, ignore_errors=True)

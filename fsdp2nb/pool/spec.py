@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+MAX_COLLECTIVE_TIMEOUT_S = 365 * 24 * 3600.0
 DEFAULT_NUM_CPU_RANKS = 2
 
 
@@ -29,8 +30,8 @@ class PoolSpec:
         kinds = {device.split(":")[0] for device in self.devices}
         if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
             raise ValueError(f"devices={self.devices!r} must be all 'cpu' or all 'cuda:N'")
-        if self.collective_timeout_s <= 0:
-            raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be positive")
+        if not 0 < self.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S:
+            raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be more than 0 and at most a year")
 
     @property
     def world_size(self) -> int:
@@ -74,8 +75,9 @@ def spec_from_options(
 ) -> PoolSpec:
     """Turn `--gpus`/`--cpu` into a spec; raises ValueError with a one-line explanation."""
     timeout = DEFAULT_COLLECTIVE_TIMEOUT_S if collective_timeout_s is None else collective_timeout_s
-    if timeout <= 0:
-        raise ValueError(f"--timeout {timeout:g} is not positive; give the collective timeout in seconds")
+    if not 0 < timeout <= MAX_COLLECTIVE_TIMEOUT_S:  # also nan and inf, which the ranks cannot use
+        raise ValueError(f"--timeout {timeout:g} is not usable; give the collective timeout in seconds, "
+                         f"more than 0 and at most {MAX_COLLECTIVE_TIMEOUT_S:.0f} (a year)")
     if gpus is not None and cpu is not None:
         raise ValueError("--gpus and --cpu exclude each other: pick GPUs or CPU ranks")
     if gpus is not None:

@@ -211,3 +211,8 @@ def test_matplotlib_figure_from_rank_0_is_shown_labelled(kernel):
     images = [d for d in run.displays if "image/png" in d["data"]]
     assert len(images) == 1
     assert "[0]" in run.stdout
+
+def test_pull_from_a_rank_that_does_not_exist_says_so(kernel):
+    run = kernel.execute("%fsdp2 pull rank --rank -1")
+    assert run.status == "error"
+    assert "UsageError: --rank -1 does not exist: the pool has ranks 0-1" in run.stderr

@@ -1,5 +1,8 @@
+import os
+import shutil
 import subprocess
 import sys
+import time
 
 from fsdp2nb.pool import reaper
 
@@ -40,6 +43,22 @@ def test_pools_of_a_live_owner_are_left_alone():
         worker.kill()
         worker.wait()
         reaper.forget_pool("test-live")
+
+
+def test_old_logs_go_but_those_of_a_running_pool_stay():
+    logs = reaper.state_dir() / "logs"
+    old = time.time() - reaper.LOG_RETENTION_S - 3600
+    for pool_id in ("test-logs-running", "test-logs-gone"):
+        (logs / pool_id).mkdir(parents=True, exist_ok=True)
+        os.utime(logs / pool_id, (old, old))  # appending to a rank's log leaves its directory's time
+    reaper.record_pool("test-logs-running", reaper.process_key(os.getpid()), [])
+    try:
+        reaper.reap_orphans()
+        assert (logs / "test-logs-running").exists()
+        assert not (logs / "test-logs-gone").exists()
+    finally:
+        reaper.forget_pool("test-logs-running")
+        shutil.rmtree(logs / "test-logs-running", ignore_errors=True)
 
 
 def test_runtime_dir_of_a_dead_owner_is_removed(tmp_path):

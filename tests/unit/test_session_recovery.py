@@ -1,0 +1,72 @@
+"""How the notebook session ends a request that went wrong, against a pool stand-in."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from fsdp2nb.frontend.render import RankError, StreamMerger
+from fsdp2nb.frontend.session import INTERRUPT_GRACE_S, NotebookSession, _CellProgress
+from fsdp2nb.pool.pool import PoolStartError
+from fsdp2nb.pool.protocol import CellFinished, ErrorInfo, RankExited
+from fsdp2nb.pool.spec import PoolSpec
+
+SPEC = PoolSpec(devices=("cpu", "cpu"))
+
+
+class ScriptedPool:
+    """Hands out the events it was given, in order; records what the session sends and does."""
+
+    def __init__(self, spec: PoolSpec, events=(), fails_to_start: bool = False) -> None:
+        self.spec = spec
+        self.world_size = spec.world_size
+        self.ranks = {r: SimpleNamespace(log_path=f"/logs/rank-{r}.log") for r in range(spec.world_size)}
+        self.busy_ranks: set[int] = set()
+        self.exited: dict = {}
+        self.state = "ready"
+        self.sent: list = []
+        self.stopped = False
+        self._events = deque(events)
+        self._fails_to_start = fails_to_start
+
+    def start(self) -> None:
+        if self._fails_to_start:
+            raise PoolStartError("rank 1 exited while starting (exit code 1)")
+
+    def stop(self, *, polite: bool = True) -> None:
+        self.stopped = True
+
+    def send(self, ranks, message, connect_timeout_s: float = 5.0) -> None:
+        self.sent.append(message)
+
+    def next_event(self, timeout_s: float):
+        return self._events.popleft() if self._events else None
+
+
+def test_a_rank_returning_as_the_interrupt_deadline_passes_ends_the_cell_normally():
+    pool = ScriptedPool(SPEC, events=[CellFinished(rank=1, cell_id=7, status="ok")])
+    session = NotebookSession(pool_factory=lambda spec: pytest.fail("the pool must not be replaced"))
+    session.pool = pool
+    error = ErrorInfo("ValueError", "bad", ("ValueError: bad",))
+    progress = _CellProgress(ranks=(0, 1), finished={0: CellFinished(0, 7, "error", error)}, errors=[(0, error)],
+                             results=[], first_error_at=time.monotonic() - 10,
+                             interrupted_at=time.monotonic() - INTERRUPT_GRACE_S - 1)
+    session._wait(pool, 7, progress, StreamMerger((0, 1), 2, lambda stream, text: None), None)
+    assert not pool.stopped and progress.running == []
+
+
+def test_a_failed_restart_after_a_dead_rank_keeps_the_cause_in_the_error():
+    died = RankExited(rank=1, pid=123, exit_code=None, signal_name="SIGKILL", stderr_tail=("last words",))
+    pool = ScriptedPool(SPEC, events=[died])
+    session = NotebookSession(pool_factory=lambda spec: ScriptedPool(spec, fails_to_start=True))
+    session.pool = pool
+    with pytest.raises(RankError) as raised:
+        session.run_request(pool, (0, 1), lambda cell_id: SimpleNamespace(cell_id=cell_id))
+    text = "\n".join(raised.value._render_traceback_())
+    assert "killed by SIGKILL" in text and "last words" in text
+    assert "a new pool did not start: rank 1 exited while starting" in text
+    assert "%fsdp2 start --cpu 2" in text
+    assert pool.stopped and session.pool is None
