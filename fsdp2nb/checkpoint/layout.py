@@ -148,9 +148,13 @@ def is_complete(step_dir: Path, metadata: CheckpointMetadata | None) -> bool:
     """True when `step_dir` holds everything a load needs."""
     if metadata is None or metadata.step != parse_step_dir(step_dir.name):
         return False
-    if not (step_dir / DCP_METADATA_FILE).is_file():
-        return False
-    return all((step_dir / rank_file_name(r)).is_file() for r in range(metadata.world_size))
+    return not missing_files(step_dir, metadata.world_size)
+
+
+def missing_files(step_dir: Path, world_size: int) -> list[str]:
+    """The files a load needs that `step_dir` lacks (besides the metadata, written last)."""
+    needed = [DCP_METADATA_FILE, *(rank_file_name(r) for r in range(world_size))]
+    return [name for name in needed if not (step_dir / name).is_file()]
 
 
 def read_latest(directory: Path) -> int | None:
@@ -219,7 +223,12 @@ def commit_step_dir(directory: Path, tmp_dir: Path, step: int, token: str) -> No
     aside = directory / old_dir_name(step, token)
     if final.exists():
         os.rename(final, aside)
-    os.rename(tmp_dir, final)
+    try:
+        os.rename(tmp_dir, final)
+    except OSError:
+        if aside.exists():  # put the replaced checkpoint back rather than wait for a sweep
+            os.rename(aside, final)
+        raise
     fsync_dir(directory)
     if aside.exists():
         shutil.rmtree(aside, ignore_errors=True)
@@ -241,11 +250,16 @@ def recover_and_clean(directory: Path, keep_names: frozenset[str] = frozenset())
     fsync_dir(directory)
 
 
-def apply_retention(directory: Path, keep: int | None, protected: frozenset[int]) -> list[int]:
-    """Delete the oldest valid checkpoints beyond `keep`, never one in `protected`; return deleted steps."""
+def apply_retention(directory: Path, keep: int | None, newest: int, protected: frozenset[int]) -> list[int]:
+    """Delete the oldest valid checkpoints up to step `newest` beyond `keep`, never one in
+    `protected`; return the deleted steps.
+
+    Steps above `newest` are left alone and not counted: they were saved by a run that has
+    since been resumed from an earlier step, and are the user's to keep or delete. Counting
+    them would delete the new run's checkpoints first, the one it resumed from included."""
     if keep is None:
         return []
-    valid = [e for e in list_entries(directory) if e.valid]
+    valid = [e for e in list_entries(directory) if e.valid and e.step <= newest]
     excess = len(valid) - keep
     deleted = []
     for entry in valid:

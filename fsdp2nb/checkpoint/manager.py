@@ -16,11 +16,13 @@ flight never interleaves its collectives with `maybe_save`'s or the training ste
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
 import os
 import secrets
+import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp2nb.checkpoint import layout
@@ -58,6 +61,9 @@ _tracked: Checkpointer | None = None
 # abandoned ones (on creation and before each save) must not take a live one for a leftover.
 _in_flight: set[Path] = set()
 _in_flight_lock = threading.Lock()
+
+
+_NOTHING_LOST = "the checkpoints committed before are untouched; fix the cause and save again"
 
 
 class CheckpointSaveError(RuntimeError):
@@ -208,8 +214,9 @@ class Checkpointer:
         failed = self._any_rank(reason is not None, self._fg_group)
         if failed:
             self._destroy_groups()
-            detail = reason or "not writable on another rank"
-            raise ValueError(f"directory={str(self.directory)!r} is not writable on rank {self._rank}: {detail}")
+            where = f"on rank {self._rank}: {reason}" if reason else "on another rank (its error says why)"
+            raise ValueError(f"directory={str(self.directory)!r} is not writable {where}; "
+                             "give a directory every rank can write")
 
     def track(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
               scheduler: Any = None, **extra_stateful: Any) -> Checkpointer:
@@ -267,16 +274,18 @@ class Checkpointer:
         rank_state = self._capture_rank_state(tracked, step)
         writer = _ShardWriter(job.tmp_dir)
         if not self.async_save:
-            dcp.save(state, storage_writer=writer, process_group=self._bg_group,
-                     no_dist=not self._distributed)
+            with self._abandoned_on_failure(job):
+                dcp.save(state, storage_writer=writer, process_group=self._bg_group,
+                         no_dist=not self._distributed)
             self._finish(job, rank_state, None, tracked.model)
             return
         use_process = self.async_writer == "process" and self._distributed
-        response = dcp.async_save(
-            state, storage_writer=writer, process_group=self._bg_group, async_stager=self._stager,
-            no_dist=not self._distributed,
-            async_checkpointer_type=AsyncCheckpointerType.PROCESS if use_process else AsyncCheckpointerType.THREAD,
-        )
+        with self._abandoned_on_failure(job):
+            response = dcp.async_save(
+                state, storage_writer=writer, process_group=self._bg_group, async_stager=self._stager,
+                no_dist=not self._distributed,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS if use_process else AsyncCheckpointerType.THREAD,
+            )
         if isinstance(response, Future):  # staged before async_save returned
             upload = response
         else:
@@ -287,16 +296,33 @@ class Checkpointer:
         with self._lock:
             self._pending = (step, future)
 
+    @contextlib.contextmanager
+    def _abandoned_on_failure(self, job: _SaveJob):
+        """A save that fails while DCP writes (on every rank alike) leaves no temporary directory."""
+        try:
+            yield
+        except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
+            with _in_flight_lock:
+                _in_flight.discard(job.tmp_dir)
+            shutil.rmtree(job.tmp_dir, ignore_errors=True)
+            raise CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed: {_describe(exc)}; "
+                                      f"{_NOTHING_LOST}") from exc
+
     def maybe_save(self, step: int) -> bool:
         """The safe point for a save requested from the notebook; True when one was started.
 
         Every rank must call it at the same step: the ranks agree on the highest request id
         posted anywhere, so a request that reached only some ranks still saves on all of them.
+        They agree on a failed background save too: each rank learns of it when its own copy of
+        the save ends, and one that raised alone would leave the others waiting here.
         """
-        self._raise_background_error()
+        self._check_open()
         step = self._check_step(step)
         self._last_step = step
-        wanted = self._all_max(self._requests.pending(), self._fg_group)
+        failed, wanted = self._all_max((int(self._has_background_error()), self._requests.pending()),
+                                       self._fg_group)
+        if failed:
+            self.wait()  # every rank's save failed alike (see _finish_and_commit): raises here
         if wanted <= self._requests.served():
             return False
         self._requests.mark_served(wanted)
@@ -312,20 +338,36 @@ class Checkpointer:
         self._raise_background_error()
 
     def _begin(self, step: int) -> _SaveJob:
-        """Agree on a fresh temporary directory; rank 0 first sweeps away abandoned ones."""
+        """Agree on the step and a fresh temporary directory; rank 0 first sweeps away abandoned ones."""
+        highest, negated_lowest = self._all_max((step, -step), self._fg_group)
+        if highest != -negated_lowest:
+            raise ValueError(f"the ranks asked to save different steps ({-negated_lowest} to {highest}); "
+                             "call save(step) with the same step on every rank")
+        payload: list[Any] = [None, None, None]
         if self._rank == 0:
             _sweep(self.directory)
             token = secrets.token_hex(4)
-            tmp_dir = self.directory / layout.tmp_dir_name(step, token)
-            tmp_dir.mkdir()
-            payload = [token, time.time()]
-        else:
-            payload = [None, None]
+            try:
+                (self.directory / layout.tmp_dir_name(step, token)).mkdir()
+                payload = [token, time.time(), None]
+            except OSError as exc:
+                payload = [None, None, f"{type(exc).__name__}: {exc}"]
         if self._distributed:
             dist.broadcast_object_list(payload, src=0, group=self._fg_group)
-        token, wall_time = payload
+        token, wall_time, error = payload
+        if error is not None:
+            raise CheckpointSaveError(f"save of step {step} could not start: rank 0 could not create its "
+                                      f"directory in {self.directory} ({error}); {_NOTHING_LOST}")
         tmp_dir = self.directory / layout.tmp_dir_name(step, token)
-        tmp_dir.mkdir(exist_ok=True)  # for storage that is not shared between hosts
+        error = None
+        try:
+            tmp_dir.mkdir(exist_ok=True)  # for storage that is not shared between hosts
+        except OSError as exc:
+            error = exc
+        if self._any_rank(error is not None, self._fg_group):
+            where = f"here: {error}" if error is not None else "on another rank"
+            raise CheckpointSaveError(f"rank {self._rank}: save of step {step} could not start "
+                                      f"(its directory could not be created {where}); {_NOTHING_LOST}")
         with _in_flight_lock:
             _in_flight.add(tmp_dir)
         return _SaveJob(step=step, token=token, tmp_dir=tmp_dir, wall_time=wall_time)
@@ -359,29 +401,40 @@ class Checkpointer:
             torch.save(rank_state, buffer)
             layout.write_durable(job.tmp_dir / layout.rank_file_name(self._rank), buffer.getvalue())
             layout.fsync_dir(job.tmp_dir)
-        except Exception as exc:  # reported to every rank below, then raised
+        except (Exception, CheckpointException) as exc:  # reported to every rank below, then raised
             error = exc
         if self._any_rank(error is not None, self._bg_group):
-            where = f"here: {error!r}" if error is not None else "on another rank"
-            raise CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed {where}") from error
+            where = f"here: {_describe(error)}" if error is not None else "on another rank (its error says why)"
+            raise CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed {where}; "
+                                      f"{_NOTHING_LOST}") from error
         if self._rank == 0:
             try:
                 self._commit(job, model)
             except Exception as exc:
                 error = exc
         if self._any_rank(error is not None, self._bg_group):
-            raise CheckpointSaveError(f"rank {self._rank}: commit of step {job.step} failed: {error!r}") from error
+            raise CheckpointSaveError(f"rank {self._rank}: commit of step {job.step} failed: {error!r}; "
+                                      f"{_NOTHING_LOST}") from error
         logger.info("checkpoint step %d committed to %s", job.step, self.directory)
 
     def _commit(self, job: _SaveJob, model: nn.Module) -> None:
         """Rank 0 only: metadata, rename into place, LATEST, retention."""
         fault_point("before_metadata", self._rank)
-        layout.write_metadata(job.tmp_dir, self._metadata(job, model))
+        metadata = self._metadata(job, model)
+        layout.write_metadata(job.tmp_dir, metadata)
+        missing = layout.missing_files(job.tmp_dir, metadata.world_size)
+        if missing:  # LATEST must never name a step that cannot be loaded
+            raise FileNotFoundError(f"{job.tmp_dir} lacks {', '.join(missing)} (is {self.directory} the same "
+                                    "directory on every host?)")
         fault_point("before_rename", self._rank)
         layout.commit_step_dir(self.directory, job.tmp_dir, job.step, job.token)
         fault_point("before_latest", self._rank)
         layout.write_latest(self.directory, job.step)
-        deleted = layout.apply_retention(self.directory, self.keep, frozenset({job.step}))
+        try:  # step N is committed whatever happens here
+            deleted = layout.apply_retention(self.directory, self.keep, job.step, frozenset({job.step}))
+        except OSError as exc:
+            logger.warning("checkpoint step %d is committed, but removing older steps failed: %s", job.step, exc)
+            return
         if deleted:
             logger.info("retention removed steps %s", deleted)
 
@@ -402,7 +455,7 @@ class Checkpointer:
         step_dir = self._resolve_collectively(target)
         metadata = layout.read_metadata(step_dir)
         assert metadata is not None  # _resolve_collectively only returns complete directories
-        rank_state = self._read_rank_state(step_dir, metadata)
+        rank_state = self._read_rank_state_collectively(step_dir, metadata)
         state = checked_training_state(tracked.model, tracked.optimizer, read_dcp_metadata(step_dir), step_dir)
         dcp.load(state, checkpoint_id=step_dir, process_group=self._fg_group, no_dist=not self._distributed)
         set_training_state(tracked.model, tracked.optimizer, state)
@@ -448,11 +501,23 @@ class Checkpointer:
             raise ValueError(f"path={str(target)!r} is not a complete checkpoint directory")
         return step_dir
 
-    def _read_rank_state(self, step_dir: Path, metadata: CheckpointMetadata) -> dict[str, Any]:
+    def _read_rank_state_collectively(self, step_dir: Path, metadata: CheckpointMetadata) -> dict[str, Any]:
+        """This rank's file of the step; a rank that cannot read its file fails the load on every
+        rank, before the collective load that the others would otherwise wait in."""
         # A different world size cannot reuse per-rank files: take rank 0's (scheduler and extras
         # are the same on every rank) and leave the generators as they are.
         source_rank = self._rank if metadata.world_size == self._world_size else 0
-        return torch.load(step_dir / layout.rank_file_name(source_rank), weights_only=True)
+        path = step_dir / layout.rank_file_name(source_rank)
+        state, error = None, None
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception as exc:  # damaged or unreadable: torch's own advice (weights_only=False) is wrong here
+            error = f"{path} could not be read ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        if self._any_rank(error is not None, self._fg_group):
+            where = error if error is not None else "a file of another rank could not be read (its error says which)"
+            raise ValueError(f"checkpoint step {metadata.step} is damaged: {where}; nothing was loaded. "
+                             "Load another step (see list())")
+        return state
 
     def _restore_rank_state(self, tracked: _Tracked, rank_state: dict[str, Any],
                             metadata: CheckpointMetadata) -> None:
@@ -560,9 +625,17 @@ class Checkpointer:
                 self._error = exc
                 self._last_error_text = f"step {step}: {exc}"
 
-    def _raise_background_error(self) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"the checkpointer of {self.directory} is closed")
+
+    def _has_background_error(self) -> bool:
+        self._collect()
+        with self._lock:
+            return self._error is not None
+
+    def _raise_background_error(self) -> None:
+        self._check_open()
         self._collect()
         with self._lock:
             error, self._error = self._error, None
@@ -588,21 +661,36 @@ class Checkpointer:
         return step
 
     def _any_rank(self, flag: bool, group: dist.ProcessGroup | None) -> bool:
-        return self._all_max(int(flag), group) > 0
+        (flagged,) = self._all_max((int(flag),), group)
+        return flagged > 0
 
-    def _all_max(self, value: int, group: dist.ProcessGroup | None) -> int:
+    def _all_max(self, values: tuple[int, ...], group: dist.ProcessGroup | None) -> tuple[int, ...]:
+        """The largest of each value over the ranks, in one collective."""
         if not self._distributed:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64)
+            return values
+        tensor = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        return int(tensor.item())
+        return tuple(tensor.tolist())
+
+
+def _describe(error: BaseException) -> str:
+    """One line per failing rank for DCP's error (whose repr lists stack frames), else the error."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(cause).__name__}: {cause}"
+                         for rank, (cause, _frames) in sorted(error.failures.items()))
+    return f"{type(error).__name__}: {error}"
 
 
 def _sweep(directory: Path) -> None:
-    """Clean abandoned temporary directories, sparing those of saves in flight in this process."""
+    """Clean abandoned temporary directories, sparing those of saves in flight in this process.
+
+    Cleaning only tidies: rank 0 failing at it alone must not fail (and desynchronise) a save."""
     with _in_flight_lock:
         live = frozenset(p.name for p in _in_flight if p.parent == directory)
-    layout.recover_and_clean(directory, keep_names=live)
+    try:
+        layout.recover_and_clean(directory, keep_names=live)
+    except OSError as exc:
+        logger.warning("could not clean abandoned temporary directories in %s: %s", directory, exc)
 
 
 def _unwritable_reason(directory: Path, rank: int) -> str | None:

@@ -127,9 +127,25 @@ def test_retention_keeps_newest_and_never_deletes_latest(tmp_path, trained):
             ckpt.save(step)
         ckpt.wait()
         assert [e.step for e in ckpt.list()] == [3, 4]
-        ckpt.save(0)  # the oldest step, yet what LATEST names: step 3 goes instead
+        ckpt.save(0)  # a step below the others: they are another run's, neither counted nor deleted
         ckpt.wait()
-        assert [e.step for e in ckpt.list()] == [0, 4] and ckpt.latest() == 0
+        assert [e.step for e in ckpt.list()] == [0, 3, 4] and ckpt.latest() == 0
+
+
+def test_retention_after_resuming_from_an_earlier_step_keeps_the_new_run(tmp_path, trained):
+    model, optimizer = trained
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer)
+        for step in (10, 20, 30):
+            ckpt.save(step)
+        ckpt.load(10)
+        for step in (11, 12):
+            ckpt.save(step)
+        ckpt.wait()
+        assert [e.step for e in ckpt.list()] == [10, 11, 12, 20, 30]  # the step resumed from stays
+        ckpt.save(13)
+        ckpt.wait()
+        assert [e.step for e in ckpt.list()] == [11, 12, 13, 20, 30] and ckpt.latest() == 13
 
 
 def test_abandoned_temporary_directories_are_cleaned(tmp_path, trained):
@@ -213,6 +229,23 @@ def test_background_error_is_raised_at_the_next_call_and_reported(tmp_path, trai
     assert ckpt.latest() == 1 and [e.step for e in ckpt.list()] == [1]
     ckpt.close()
     ckpt.close()  # a second close is a no-op
+
+
+def test_a_failed_synchronous_save_leaves_no_temporary_directory(tmp_path, trained):
+    model, optimizer = trained
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(1)
+        first_state = next(iter(optimizer.state.values()))
+        first_state["unwritable"] = lambda: 0  # DCP cannot pickle it
+        with pytest.raises(CheckpointSaveError) as raised:
+            ckpt.save(2)
+        message = str(raised.value)
+        assert "save of step 2 failed" in message and "committed before are untouched" in message
+        assert "AttributeError: Can't pickle local object" in message and "FrameSummary" not in message
+        del first_state["unwritable"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-000001"]
+        assert not any(p.parent == tmp_path for p in manager_module._in_flight)
+        assert ckpt.latest() == 1
 
 
 def test_status_is_a_picklable_snapshot(tmp_path, trained):
