@@ -1,7 +1,7 @@
 """Match model state-dict keys to checkpoint keys.
 
 Three renamings separate the two: peft wraps the model (`base_model.model.` prefix, `.base_layer`
-inside adapted modules), transformers' conversion mapping renames legacy checkpoint keys (for
+inside adapted modules, `.original_module`/`.modules_to_save.<adapter>` in modules it trains whole), transformers' conversion mapping renames legacy checkpoint keys (for
 Llama/Qwen2 only the generic legacy rules such as `LayerNorm.gamma` -> `LayerNorm.weight`), and a
 checkpoint of the bare decoder lacks (or has) the `model.` base-model prefix.
 """
@@ -9,6 +9,7 @@ checkpoint of the bare decoder lacks (or has) the `model.` base-model prefix.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 
 from torch import nn
@@ -26,11 +27,16 @@ def unwrap_peft(model: nn.Module) -> tuple[nn.Module, bool]:
     return model, False
 
 
+# peft's `modules_to_save` keeps the module twice: the original and a trainable copy per adapter.
+_SAVED_MODULE_COPY = re.compile(r"\.(?:original_module|modules_to_save\.[^.]+)\.")
+
+
 def hf_key(model_key: str, is_peft: bool) -> str:
     """The key the plain transformers model uses for `model_key`."""
     if not is_peft:
         return model_key
-    return model_key.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+    key = model_key.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+    return _SAVED_MODULE_COPY.sub(".", key) if "module" in key else key
 
 
 def checkpoint_to_model_keys(hf_model: nn.Module, checkpoint_keys: Iterable[str], model_keys: Iterable[str]) -> dict[str, str]:

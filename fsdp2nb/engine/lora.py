@@ -72,6 +72,9 @@ def materialize_adapter_init(model: nn.Module, *, seed: int) -> dict[str, torch.
                 parts = (layer.lora_A[adapter], layer.lora_B[adapter])
                 for part in parts:
                     part.to_empty(device="cpu")
+                    # What peft's layers start from before its own initialisation, which
+                    # init_lora_weights=False skips: without this they would hold to_empty's garbage.
+                    part.reset_parameters()
                 layer.reset_lora_parameters(adapter, init)
                 for part in parts:
                     prefix = module_names[id(part)]

@@ -1,4 +1,4 @@
-"""Tiny Llama- and Qwen-style causal LMs built from a config and saved as real checkpoints.
+"""Tiny Llama-, Qwen- and Gemma-style causal LMs built from a config and saved as real checkpoints.
 
 The sizes are deliberately awkward: hidden 30, intermediate 70 and vocabulary 131 divide by
 neither 4 nor (for the vocabulary) 2, so uneven FSDP shards are exercised on 2-4 ranks.
@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 from typing import Literal
 
-Family = Literal["llama", "qwen2"]
+Family = Literal["llama", "qwen2", "gemma"]
 CheckpointFormat = Literal["safetensors", "sharded", "bin"]
-TINY_FAMILIES: tuple[Family, ...] = ("llama", "qwen2")
+TINY_FAMILIES: tuple[Family, ...] = ("llama", "qwen2", "gemma")
 
 _TINY_DIMS = dict(
     vocab_size=131,
@@ -27,12 +27,16 @@ _TINY_DIMS = dict(
 
 def tiny_config(family: Family = "llama", *, tie_word_embeddings: bool = False, **overrides):
     """A transformers config for a tiny model of `family`; `overrides` replace any dimension."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import GemmaConfig, LlamaConfig, Qwen2Config
 
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}.get(family)
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig}.get(family)
     if config_cls is None:
         raise ValueError(f"family={family!r} is not one of {TINY_FAMILIES}")
-    return config_cls(**{**_TINY_DIMS, **overrides}, tie_word_embeddings=tie_word_embeddings)
+    dims = {**_TINY_DIMS, **overrides}
+    if family == "gemma":  # its head size is set apart from hidden / heads (default 256); its
+        # embedding scale is a buffer the checkpoint does not hold
+        dims.setdefault("head_dim", dims["hidden_size"] // dims["num_attention_heads"])
+    return config_cls(**dims, tie_word_embeddings=tie_word_embeddings)
 
 
 def make_tiny_model(family: Family = "llama", *, tie_word_embeddings: bool = False, seed: int = 0, **overrides):

@@ -82,7 +82,7 @@ def _evict_from_page_cache(path: Path) -> bool:
 
 
 @pytest.mark.parametrize(("family", "tied", "world_size", "cold"),
-                         [("llama", False, 2, True), ("qwen2", True, 4, False)])
+                         [("llama", False, 2, True), ("qwen2", True, 4, False), ("gemma", True, 2, False)])
 def test_every_init_mode_loads_the_checkpoint_exactly(tmp_path, family, tied, world_size, cold):
     # The cold one is several times the disk's read-ahead (8 MiB here), which reading the header
     # would otherwise bring into the page cache whole.
