@@ -49,6 +49,7 @@ class CheckpointFiles:
 def find_checkpoint_files(directory: str | os.PathLike) -> CheckpointFiles:
     """Index the weights of `directory`: a single file, or several listed by an index JSON."""
     directory = Path(directory)
+    refuse_quantized(directory)
     for index_name, single_name, file_format in _LAYOUTS:
         if (directory / index_name).is_file():
             weight_map = json.loads((directory / index_name).read_text())["weight_map"]
@@ -63,8 +64,32 @@ def find_checkpoint_files(directory: str | os.PathLike) -> CheckpointFiles:
     )
 
 
+def refuse_quantized(directory: Path) -> None:
+    """A quantized checkpoint (FP8 with scales, GPTQ, ...) would load as its raw integers or
+    scaled floats: refuse it, since the engine trains unquantized weights."""
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        return
+    quantization = json.loads(config_path.read_text()).get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"{directory} holds a quantized checkpoint (quant_method={method!r}); the engine trains "
+                         "unquantized weights: load the bf16/fp16/fp32 release of this model")
+
+
 def _keys_of_bin(path: Path) -> list[str]:
-    return list(torch.load(path, map_location="cpu", mmap=True, weights_only=True).keys())
+    return list(_load_bin(path).keys())
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A .bin state dict, memory-mapped; files in torch's pre-1.6 format cannot be, and are read whole."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as error:
+        if "mmap" not in str(error):
+            raise
+        logger.info("%s is in torch's legacy format: reading it whole", path.name)
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 class SliceReader(Protocol):
@@ -175,7 +200,7 @@ def open_reader(files: CheckpointFiles, file_name: str) -> Iterator[SliceReader]
         finally:
             reader.close()
         return
-    state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    state_dict = _load_bin(path)
     try:
         yield _StateDictReader(state_dict)
     finally:

@@ -23,10 +23,29 @@ logger = logging.getLogger(__name__)
 
 
 def current_device() -> torch.device:
-    """The accelerator this rank drives (CUDA's current device), or the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The GPU this rank drives where its process group moves CUDA tensors with NCCL (or another
+    GPU backend), else the CPU: a gloo-only group (`%%fsdp2 --cpu` on a GPU host) keeps CPU ranks."""
+    if not torch.cuda.is_available() or not drives_gpus(dist.get_backend_config()):
+        return torch.device("cpu")
+    explicit = torch.cuda.current_device()
+    index = gpu_index(explicit, os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
+    if index != explicit:
+        torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def drives_gpus(backend_config: str) -> bool:
+    """Whether a process group's backend config (e.g. "cuda:nccl,cpu:gloo") has a GPU backend;
+    gloo lists CUDA too ("cpu:gloo,cuda:gloo") but is no reason to put shards there."""
+    return any(part.startswith("cuda:") and part != "cuda:gloo" for part in backend_config.split(","))
+
+
+def gpu_index(current: int, local_rank: str | None, device_count: int) -> int:
+    """The GPU a rank uses: the one it chose with set_device, else its LOCAL_RANK's (as torchrun
+    means it), since CUDA's default, GPU 0, would put every rank of a node on one GPU."""
+    if current != 0 or local_rank is None:
+        return current
+    return int(local_rank) % device_count
 
 
 def _require_process_group() -> None:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# Only what loading needs: weights, their index, config and tokenizer/processor files.
-HUB_PATTERNS: tuple[str, ...] = ("*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.tiktoken", "*.py")
+# Only what loading needs: config, weight index and tokenizer/processor files (chat templates
+# included), then the weights in one format: safetensors where the repository has them.
+SUPPORT_PATTERNS: tuple[str, ...] = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.py", "*.jinja")
+WEIGHT_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.bin")
 
 
 def hub_offline() -> bool:
@@ -22,7 +25,17 @@ def hub_offline() -> bool:
 def _default_download(repo_id: str, *, local_files_only: bool) -> str:
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(repo_id, local_files_only=local_files_only, allow_patterns=list(HUB_PATTERNS))
+    for weights in WEIGHT_PATTERNS:
+        directory = snapshot_download(repo_id, local_files_only=local_files_only,
+                                      allow_patterns=[*SUPPORT_PATTERNS, weights])
+        if any(Path(directory).glob(weights)):
+            break
+    return directory
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """Hub ids are `name` or `owner/name`; anything else is meant as a local path."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.path.exists(name)
 
 
 def resolve_model_dir(
@@ -37,6 +50,9 @@ def resolve_model_dir(
     path = os.fspath(name_or_path)
     if os.path.isdir(path):
         return path
+    if _looks_like_a_path(path):
+        raise FileNotFoundError(f"{path!r} is not a model directory (it {'is a file' if os.path.exists(path) else 'does not exist'}); "
+                                "give the directory holding config.json and the weights, or a Hub id like 'owner/name'")
     distributed = dist.is_available() and dist.is_initialized()
     local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() if distributed else 0))
     failure: BaseException | None = None

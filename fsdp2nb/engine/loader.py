@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp2nb.engine.checkpoint_files import refuse_quantized
 from fsdp2nb.engine.config import INIT_CHOICES, check_bool, check_choice
 from fsdp2nb.engine.engine import FSDP2Engine
 from fsdp2nb.engine.hub import resolve_model_dir
@@ -45,6 +46,7 @@ def load_model(
     check_bool("activation_checkpointing", activation_checkpointing)
     engine = _engine_for(engine, mixed_precision)
     directory = resolve_model_dir(name_or_path)
+    refuse_quantized(Path(directory))  # from_pretrained would try to quantize or dequantize it
     model = _build(directory, init)
     initial_values: dict[str, torch.Tensor] = {}
     if lora is not None:

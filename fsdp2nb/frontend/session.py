@@ -151,11 +151,10 @@ class NotebookSession:
         # The stop button only takes note while a request is sent and waited for: sent to all
         # ranks or none, and never between an event taken off the queue and its recording.
         with sigint_noted() as stop_button:
-            # Sent first: what follows runs while the ranks wake up. Output that a rank's own
-            # threads printed between cells is queued ahead of this request's events, so
-            # `_wait` shows it first.
+            # Sent first: what follows runs while the ranks wake up.
             pool.send(ranks, request)
             pool.busy_ranks.update(ranks)
+            _show_held_output(pool)  # printed by ranks' own threads since the last cell: first
             merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
                                   {r: info.log_path for r, info in pool.ranks.items()})
             try:
@@ -189,9 +188,6 @@ class NotebookSession:
             merger.flush()
             raise RankError([(event.rank, _exit_error(event))], world_size,
                             notes=self._after_dead_rank(event))
-        if isinstance(event, StreamOutput) and event.cell_id is None:
-            _show_background_output(event, world_size)  # a rank's own thread, outside any cell
-            return
         if getattr(event, "cell_id", cell_id) != cell_id:
             return  # late output of an earlier, abandoned request
         if isinstance(event, StreamOutput):
@@ -321,9 +317,19 @@ def _notebook_execution_count() -> int | None:
     return count if isinstance(count, int) else None
 
 
-def _show_background_output(event: StreamOutput, world_size: int) -> None:
-    label = rank_label([event.rank], world_size) or "[rank 0]"
-    write_to_kernel(event.stream, f"{label} (outside a cell) {event.text}")
+def _show_held_output(pool: WorkerPool) -> None:
+    pieces, dropped = pool.held_output.take()
+    for rank, count in sorted(dropped.items()):
+        label = rank_label([rank], pool.world_size) or "[rank 0]"
+        log = pool.ranks[rank].log_path if rank in pool.ranks else "its log"
+        write_to_kernel("stderr", f"{label} (outside a cell) ... {count} earlier characters not shown; "
+                                  f"all of it is in {log}\n")
+    texts: dict[tuple[int, str], str] = {}  # a print arrives in pieces: label whole lines
+    for piece in pieces:
+        texts[(piece.rank, piece.stream)] = texts.get((piece.rank, piece.stream), "") + piece.text
+    for (rank, stream), text in texts.items():
+        label = rank_label([rank], pool.world_size) or "[rank 0]"
+        write_to_kernel(stream, "".join(f"{label} (outside a cell) {line}" for line in text.splitlines(keepends=True)))
 
 
 def _exit_error(event: RankExited) -> ErrorInfo:

@@ -2,7 +2,8 @@
 
 A receiver thread drains the event socket at all times, so snapshots keep flowing between
 cells and a rank's output never backs up while the notebook is idle. Cell events go to a queue
-that the cell currently running consumes; snapshots update `snapshots` in place.
+that the cell currently running consumes; snapshots update `snapshots` in place; what ranks'
+own threads print between cells is held, bounded, for the next cell.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from fsdp2nb.pool.protocol import (
     RankSnapshot,
     RequestSave,
     Shutdown,
+    StreamOutput,
 )
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.pool.transport import KEY_BYTES, KernelChannels, Signer
@@ -41,6 +43,44 @@ logger = logging.getLogger(__name__)
 PoolState = Literal["stopped", "starting", "ready", "broken"]
 DEFAULT_START_TIMEOUT_S = 300.0
 _RECEIVE_POLL_MS = 100
+
+
+HELD_CHARS_PER_RANK = 100_000
+"""Output a rank's own threads print between cells, kept for the next cell (the newest part)."""
+
+
+class HeldOutput:
+    """Text that ranks' own threads printed between cells, held for the next cell to show.
+
+    Nothing shows it until then, so only the newest `max_chars` per rank are kept: a thread left
+    printing overnight must not grow the kernel without bound."""
+
+    def __init__(self, max_chars: int = HELD_CHARS_PER_RANK) -> None:
+        self._max_chars = max_chars
+        self._lock = threading.Lock()
+        self._pieces: list[StreamOutput] = []
+        self._chars: dict[int, int] = {}
+        self._dropped: dict[int, int] = {}
+
+    def add(self, event: StreamOutput) -> None:
+        with self._lock:
+            self._pieces.append(event)
+            self._chars[event.rank] = self._chars.get(event.rank, 0) + len(event.text)
+            while self._chars[event.rank] > self._max_chars:
+                self._drop_oldest(event.rank)
+
+    def _drop_oldest(self, rank: int) -> None:
+        index = next(i for i, piece in enumerate(self._pieces) if piece.rank == rank)
+        piece = self._pieces.pop(index)
+        self._chars[rank] -= len(piece.text)
+        self._dropped[rank] = self._dropped.get(rank, 0) + len(piece.text)
+
+    def take(self) -> tuple[list[StreamOutput], dict[int, int]]:
+        """The held pieces in arrival order, and per rank how many characters were dropped."""
+        with self._lock:
+            pieces, dropped = self._pieces, self._dropped
+            self._pieces, self._chars, self._dropped = [], {}, {}
+        return pieces, dropped
 
 
 class PoolStartError(RuntimeError):
@@ -60,6 +100,7 @@ class WorkerPool:
         self.busy_ranks: set[int] = set()
         """Ranks running a request from this kernel (kept by the session)."""
         self.snapshot_listeners: list[Callable[[RankSnapshot], None]] = []
+        self.held_output = HeldOutput()
         self.log_dir = ""
         self._launcher = launcher or LocalLauncher()
         self._events: queue.SimpleQueue[EventMessage] = queue.SimpleQueue()  # C: a tenth of Queue's cost
@@ -207,6 +248,9 @@ class WorkerPool:
             self.exited[event.rank] = event
             if self.state != "stopped":
                 self.state = "broken"
+        if isinstance(event, StreamOutput) and event.cell_id is None:
+            self.held_output.add(event)  # a rank's own thread, between cells
+            return
         self._events.put(event)
 
 

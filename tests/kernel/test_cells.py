@@ -216,3 +216,13 @@ def test_pull_from_a_rank_that_does_not_exist_says_so(kernel):
     run = kernel.execute("%fsdp2 pull rank --rank -1")
     assert run.status == "error"
     assert "UsageError: --rank -1 does not exist: the pool has ranks 0-1" in run.stderr
+
+
+def test_output_of_a_rank_thread_between_cells_comes_with_the_next_cell(kernel):
+    run = kernel.execute("%%fsdp2\nimport threading, time\n"
+                         "threading.Thread(target=lambda: (time.sleep(0.3), print('late', rank, flush=True))).start()")
+    assert run.status == "ok" and "late" not in run.stdout
+    assert kernel.execute("import time\ntime.sleep(1.5)").status == "ok"
+    run = kernel.execute("%%fsdp2\nprint('cell')")
+    assert "[0] (outside a cell) late 0\n" in run.stdout and "[1] (outside a cell) late 1\n" in run.stdout
+    assert run.stdout.index("outside a cell") < run.stdout.index("[all] cell")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from fsdp2nb.engine.checkpoint_files import find_checkpoint_files
+from fsdp2nb.engine.checkpoint_files import Block, find_checkpoint_files, open_reader
 from fsdp2nb.engine.config import EngineConfig, check_offload_supported
+from fsdp2nb.engine.engine import drives_gpus, gpu_index
 from fsdp2nb.engine.hub import resolve_model_dir
 from fsdp2nb.engine.key_mapping import checkpoint_to_model_keys, hf_key
 from fsdp2nb.engine.wrapping import embedding_and_head, find_blocks
@@ -119,3 +122,46 @@ def test_other_local_ranks_never_download(monkeypatch):
 def test_a_directory_without_weights_is_reported(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         find_checkpoint_files(tmp_path)
+
+
+@pytest.mark.parametrize("missing", ["/models/Qwen2.5-0.5B", "./checkpoints/run1", "~/models/x", "a/b/c"])
+def test_a_missing_local_path_is_reported_as_one(missing):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a path must not reach the Hub")
+
+    with pytest.raises(FileNotFoundError, match="is not a model directory .it does not exist"):
+        resolve_model_dir(missing, download=forbidden)
+
+
+def test_a_quantized_checkpoint_is_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="quantized checkpoint .quant_method='fp8'.*bf16/fp16/fp32 release"):
+        find_checkpoint_files(tmp_path)
+
+
+def test_a_legacy_format_bin_loads(tmp_path):
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    files = find_checkpoint_files(tmp_path)
+    assert list(files.key_to_file) == ["w"]
+    with open_reader(files, "pytorch_model.bin") as reader:
+        out = torch.empty(2)
+        reader.copy_blocks([Block("w", (slice(1, 3),), out)])
+    assert out.tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(("config", "gpus"), [
+    ("cuda:nccl,cpu:gloo", True), ("cuda:nccl", True), ("cpu:gloo,cuda:gloo", False), ("cpu:gloo", False),
+])
+def test_shards_go_to_gpus_only_with_a_gpu_backend(config, gpus):
+    assert drives_gpus(config) == gpus
+
+
+@pytest.mark.parametrize(("current", "local_rank", "count", "index"), [
+    (0, "3", 4, 3),     # torchrun without set_device: LOCAL_RANK's GPU, not GPU 0 for all
+    (2, "3", 4, 2),     # chosen with set_device: kept
+    (0, "1", 1, 0),     # one visible GPU per rank (CUDA_VISIBLE_DEVICES)
+    (0, None, 4, 0),
+])
+def test_gpu_index(current, local_rank, count, index):
+    assert gpu_index(current, local_rank, count) == index

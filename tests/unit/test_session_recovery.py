@@ -10,8 +10,8 @@ import pytest
 
 from fsdp2nb.frontend.render import RankError, StreamMerger
 from fsdp2nb.frontend.session import INTERRUPT_GRACE_S, NotebookSession, _CellProgress
-from fsdp2nb.pool.pool import PoolStartError
-from fsdp2nb.pool.protocol import CellFinished, ErrorInfo, RankExited
+from fsdp2nb.pool.pool import HeldOutput, PoolStartError
+from fsdp2nb.pool.protocol import CellFinished, ErrorInfo, RankExited, StreamOutput
 from fsdp2nb.pool.spec import PoolSpec
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))
@@ -28,6 +28,7 @@ class ScriptedPool:
         self.exited: dict = {}
         self.state = "ready"
         self.sent: list = []
+        self.held_output = HeldOutput()
         self.stopped = False
         self._events = deque(events)
         self._fails_to_start = fails_to_start
@@ -70,3 +71,14 @@ def test_a_failed_restart_after_a_dead_rank_keeps_the_cause_in_the_error():
     assert "a new pool did not start: rank 1 exited while starting" in text
     assert "%fsdp2 start --cpu 2" in text
     assert pool.stopped and session.pool is None
+
+
+def test_output_held_between_cells_keeps_the_newest_part_of_each_rank():
+    held = HeldOutput(max_chars=10)
+    for text in ("aaaa\n", "bbbb\n", "cccc\n"):
+        held.add(StreamOutput(rank=0, cell_id=None, stream="stdout", text=text))
+    held.add(StreamOutput(rank=1, cell_id=None, stream="stderr", text="one\n"))
+    pieces, dropped = held.take()
+    assert [(p.rank, p.text) for p in pieces] == [(0, "bbbb\n"), (0, "cccc\n"), (1, "one\n")]
+    assert dropped == {0: 5}
+    assert held.take() == ([], {})
