@@ -31,7 +31,6 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,11 +39,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2nb.checkpoint import directory_swap
+from fsdp2nb.checkpoint.agreement import all_ranks_succeeded, on_rank0_agreed
 from fsdp2nb.checkpoint.layout import fsync_file
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
+_EXPORT = "the HF export"
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 _INDEX_FILE = "model.safetensors.index.json"
@@ -83,11 +83,11 @@ def export_hf_model(model: nn.Module, output_dir: str | os.PathLike, *, processo
     is_peft = isinstance(getattr(model, "peft_config", None), dict)
     if merge_lora and not is_peft:
         raise ValueError("merge_lora=True needs a peft model; this one has no peft_config")
-    staging = _on_rank0_agreed(lambda: directory_swap.start_staging(output_dir))
+    staging = on_rank0_agreed(lambda: directory_swap.start_staging(output_dir), _EXPORT)
     staging.mkdir(parents=True, exist_ok=True)  # storage that is not shared between hosts
     try:
         _write_export(model, staging, processor, dtype, merge_lora, is_peft, max_shard_bytes)
-        _on_rank0_agreed(lambda: directory_swap.commit_staging(staging, output_dir, carry=_is_user_file))
+        on_rank0_agreed(lambda: directory_swap.commit_staging(staging, output_dir, carry=_is_user_file), _EXPORT)
     except BaseException:
         if _rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -108,7 +108,7 @@ def _write_export(model: nn.Module, out: Path, processor, dtype: torch.dtype, me
     else:
         _export_full(_plain_entries(model), model.config, out, dtype, max_shard_bytes, model)
     if processor is not None:
-        _on_rank0_agreed(lambda: processor.save_pretrained(out))
+        on_rank0_agreed(lambda: processor.save_pretrained(out), _EXPORT)
 
 
 # ---- full model --------------------------------------------------------------------------------
@@ -118,9 +118,10 @@ def _export_full(entries: list[_Entry], config, out: Path, dtype: torch.dtype, m
                  model: nn.Module) -> None:
     owners = _assign_owners(entries, _world_size())
     written, error = _write_owned(entries, owners, out, dtype, max_shard_bytes)
-    _all_ranks_succeeded(error)
+    all_ranks_succeeded(error, _EXPORT)
     all_written = _gather_to_rank0(written)
-    _on_rank0_agreed(lambda: _finish_full(out, [f for files in all_written for f in files], config, dtype, model))
+    written = [f for files in all_written for f in files]
+    on_rank0_agreed(lambda: _finish_full(out, written, config, dtype, model), _EXPORT)
 
 
 def _finish_full(out: Path, files: list[_WrittenFile], config, dtype: torch.dtype, model: nn.Module) -> None:
@@ -217,7 +218,7 @@ def _write_owned(entries: list[_Entry], owners: list[int], out: Path, dtype: tor
 def _flush_into(written: list[_WrittenFile], tensors: dict[str, torch.Tensor], out: Path) -> Exception | None:
     try:
         written.append(_flush(tensors, out / f".part-rank{_rank():05d}-{len(written):05d}.safetensors"))
-    except Exception as error:  # noqa: BLE001 - reported to every rank by _all_ranks_succeeded
+    except Exception as error:  # noqa: BLE001 - reported to every rank by all_ranks_succeeded
         return error
     return None
 
@@ -269,7 +270,7 @@ def _export_adapter(model: nn.Module, out: Path, dtype: torch.dtype) -> None:
                   metadata={"format": "pt"})
         model.peft_config[adapter].save_pretrained(out)
 
-    _on_rank0_agreed(save)
+    on_rank0_agreed(save, _EXPORT)
 
 
 def _single_adapter(model: nn.Module) -> str:
@@ -323,38 +324,6 @@ def _world_size() -> int:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
-
-
-def _on_rank0_agreed(action: Callable[[], _T]) -> _T:
-    """Run `action` on rank 0 and share its result with every rank, or its failure: then every
-    rank raises, where otherwise the others would wait for rank 0 at the next collective."""
-    outcome: list = [None, None]
-    error: BaseException | None = None
-    if _rank() == 0:
-        try:
-            outcome[0] = action()
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
-            error, outcome[1] = exc, f"{type(exc).__name__}: {exc}"
-    if _distributed():
-        dist.broadcast_object_list(outcome, src=0)
-    if error is not None:
-        raise error
-    if outcome[1] is not None:
-        raise RuntimeError(f"rank {_rank()}: the HF export failed on rank 0: {outcome[1]}")
-    return outcome[0]
-
-
-def _all_ranks_succeeded(error: Exception | None) -> None:
-    """Raise on every rank if any rank failed (its own error where it was this rank's)."""
-    reasons: list = [None] * _world_size()
-    reason = None if error is None else f"{type(error).__name__}: {error}"
-    if _distributed():
-        dist.all_gather_object(reasons, reason)
-    if error is not None:
-        raise error
-    failed = [(rank, text) for rank, text in enumerate(reasons) if text is not None]
-    if failed:
-        raise RuntimeError(f"rank {_rank()}: the HF export failed on rank {failed[0][0]}: {failed[0][1]}")
 
 
 def _mkdir_collectively(path: Path) -> None:

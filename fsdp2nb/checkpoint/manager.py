@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp2nb.checkpoint import layout
+from fsdp2nb.checkpoint.agreement import FailedElsewhere, all_ranks_succeeded, describe, on_rank0_agreed
 from fsdp2nb.checkpoint.direct_writes import DirectFileSystem
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
@@ -280,12 +281,17 @@ class Checkpointer:
             self._finish(job, rank_state, None, tracked.model)
             return
         use_process = self.async_writer == "process" and self._distributed
-        with self._abandoned_on_failure(job):
+        error = None
+        try:  # staging runs on each rank before any collective: it can fail on one alone
             response = dcp.async_save(
                 state, storage_writer=writer, process_group=self._bg_group, async_stager=self._stager,
                 no_dist=not self._distributed,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS if use_process else AsyncCheckpointerType.THREAD,
             )
+        except (Exception, CheckpointException) as exc:
+            error = exc
+        with self._abandoned_on_failure(job):
+            all_ranks_succeeded(error, f"staging the save of step {step}", self._fg_group)
         if isinstance(response, Future):  # staged before async_save returned
             upload = response
         else:
@@ -298,14 +304,14 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _abandoned_on_failure(self, job: _SaveJob):
-        """A save that fails while DCP writes (on every rank alike) leaves no temporary directory."""
+        """A save that fails on every rank alike (DCP's own agreement, or ours) leaves no temporary directory."""
         try:
             yield
         except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
             with _in_flight_lock:
                 _in_flight.discard(job.tmp_dir)
             shutil.rmtree(job.tmp_dir, ignore_errors=True)
-            raise CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed: {_describe(exc)}; "
+            raise CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed: {describe(exc)}; "
                                       f"{_NOTHING_LOST}") from exc
 
     def maybe_save(self, step: int) -> bool:
@@ -322,7 +328,10 @@ class Checkpointer:
         failed, wanted = self._all_max((int(self._has_background_error()), self._requests.pending()),
                                        self._fg_group)
         if failed:
-            self.wait()  # every rank's save failed alike (see _finish_and_commit): raises here
+            self.wait()  # every rank's save failed alike (see _finish_and_commit): raises here,
+            raise CheckpointSaveError(  # unless this rank's error was already reported elsewhere
+                f"rank {self._rank}: an earlier background save failed (see the rank that reports it); "
+                f"{_NOTHING_LOST}")
         if wanted <= self._requests.served():
             return False
         self._requests.mark_served(wanted)
@@ -343,34 +352,29 @@ class Checkpointer:
         if highest != -negated_lowest:
             raise ValueError(f"the ranks asked to save different steps ({-negated_lowest} to {highest}); "
                              "call save(step) with the same step on every rank")
-        payload: list[Any] = [None, None, None]
-        if self._rank == 0:
-            _sweep(self.directory)
-            token = secrets.token_hex(4)
-            try:
-                (self.directory / layout.tmp_dir_name(step, token)).mkdir()
-                payload = [token, time.time(), None]
-            except OSError as exc:
-                payload = [None, None, f"{type(exc).__name__}: {exc}"]
-        if self._distributed:
-            dist.broadcast_object_list(payload, src=0, group=self._fg_group)
-        token, wall_time, error = payload
-        if error is not None:
-            raise CheckpointSaveError(f"save of step {step} could not start: rank 0 could not create its "
-                                      f"directory in {self.directory} ({error}); {_NOTHING_LOST}")
-        tmp_dir = self.directory / layout.tmp_dir_name(step, token)
-        error = None
+        what = f"creating the directory of step {step}"
         try:
-            tmp_dir.mkdir(exist_ok=True)  # for storage that is not shared between hosts
-        except OSError as exc:
-            error = exc
-        if self._any_rank(error is not None, self._fg_group):
-            where = f"here: {error}" if error is not None else "on another rank"
-            raise CheckpointSaveError(f"rank {self._rank}: save of step {step} could not start "
-                                      f"(its directory could not be created {where}); {_NOTHING_LOST}")
+            token, wall_time = on_rank0_agreed(lambda: self._make_tmp_dir(step), what, self._fg_group)
+            tmp_dir = self.directory / layout.tmp_dir_name(step, token)
+            error = None
+            try:
+                tmp_dir.mkdir(exist_ok=True)  # for storage that is not shared between hosts
+            except OSError as exc:
+                error = exc
+            all_ranks_succeeded(error, what, self._fg_group)
+        except (OSError, FailedElsewhere) as exc:
+            raise CheckpointSaveError(f"rank {self._rank}: save of step {step} could not start: {describe(exc)}; "
+                                      f"{_NOTHING_LOST}") from exc
         with _in_flight_lock:
             _in_flight.add(tmp_dir)
         return _SaveJob(step=step, token=token, tmp_dir=tmp_dir, wall_time=wall_time)
+
+    def _make_tmp_dir(self, step: int) -> tuple[str, float]:
+        """Rank 0: a fresh temporary directory for `step` (after sweeping abandoned ones)."""
+        _sweep(self.directory)
+        token = secrets.token_hex(4)
+        (self.directory / layout.tmp_dir_name(step, token)).mkdir()
+        return token, time.time()
 
     def _capture_rank_state(self, tracked: _Tracked, step: int) -> dict[str, Any]:
         # Deep copies: training goes on mutating the live objects while this is written.
@@ -403,18 +407,16 @@ class Checkpointer:
             layout.fsync_dir(job.tmp_dir)
         except (Exception, CheckpointException) as exc:  # reported to every rank below, then raised
             error = exc
-        if self._any_rank(error is not None, self._bg_group):
-            where = f"here: {_describe(error)}" if error is not None else "on another rank (its error says why)"
-            raise CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed {where}; "
-                                      f"{_NOTHING_LOST}") from error
-        if self._rank == 0:
-            try:
-                self._commit(job, model)
-            except Exception as exc:
-                error = exc
-        if self._any_rank(error is not None, self._bg_group):
-            raise CheckpointSaveError(f"rank {self._rank}: commit of step {job.step} failed: {error!r}; "
-                                      f"{_NOTHING_LOST}") from error
+        try:
+            all_ranks_succeeded(error, f"save of step {job.step}", self._bg_group)
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed: {describe(exc)}; "
+                                      f"{_NOTHING_LOST}") from exc
+        try:
+            on_rank0_agreed(lambda: self._commit(job, model), f"commit of step {job.step}", self._bg_group)
+        except Exception as exc:
+            raise CheckpointSaveError(f"rank {self._rank}: commit of step {job.step} failed: {describe(exc)}; "
+                                      "LATEST still names the step it named before") from exc
         logger.info("checkpoint step %d committed to %s", job.step, self.directory)
 
     def _commit(self, job: _SaveJob, model: nn.Module) -> None:
@@ -511,12 +513,13 @@ class Checkpointer:
         state, error = None, None
         try:
             state = torch.load(path, weights_only=True)
-        except Exception as exc:  # damaged or unreadable: torch's own advice (weights_only=False) is wrong here
-            error = f"{path} could not be read ({type(exc).__name__}: {str(exc).splitlines()[0]})"
-        if self._any_rank(error is not None, self._fg_group):
-            where = error if error is not None else "a file of another rank could not be read (its error says which)"
-            raise ValueError(f"checkpoint step {metadata.step} is damaged: {where}; nothing was loaded. "
-                             "Load another step (see list())")
+        except Exception as exc:  # damaged or unreadable; torch's advice (weights_only=False) is wrong here
+            error = ValueError(f"{path} could not be read ({describe(exc)})")
+        try:
+            all_ranks_succeeded(error, "reading the checkpoint", self._fg_group)
+        except (ValueError, FailedElsewhere) as exc:
+            raise ValueError(f"checkpoint step {metadata.step} is damaged: {exc}; nothing was loaded. "
+                             "Load another step (see list())") from None
         return state
 
     def _restore_rank_state(self, tracked: _Tracked, rank_state: dict[str, Any],
@@ -671,14 +674,6 @@ class Checkpointer:
         tensor = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         return tuple(tensor.tolist())
-
-
-def _describe(error: BaseException) -> str:
-    """One line per failing rank for DCP's error (whose repr lists stack frames), else the error."""
-    if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {rank}: {type(cause).__name__}: {cause}"
-                         for rank, (cause, _frames) in sorted(error.failures.items()))
-    return f"{type(error).__name__}: {error}"
 
 
 def _sweep(directory: Path) -> None:

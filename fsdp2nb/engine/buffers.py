@@ -64,8 +64,14 @@ def _fill_through_init_weights(module: nn.Module, buffers: list[str], init_weigh
         marked = torch.empty_like(buffer, device=device)
         marked.fill_(float("nan") if marked.is_floating_point() else 0)
         module.register_buffer(name, marked, persistent=False)
-    with _parameters_flagged_initialised(module):
+    loaded = [t for n, t in module.named_parameters()] + \
+        [t for n, t in module.named_buffers() if n not in buffers]
+    versions = [t._version for t in loaded]
+    with _flagged_initialised(loaded):
         init_weights(module)
+    if [t._version for t in loaded] != versions:  # it wrote a loaded tensor: such a model cannot take this path
+        raise RuntimeError(f"{type(module).__name__}._init_weights changed loaded weights while filling {buffers}; "
+                           "load this model with init='default'")
     unset = [name for name in buffers if _still_marked(getattr(module, name))]
     if unset:
         logger.debug("%s left %s unset; rebuilding the module", type(module).__name__, unset)
@@ -79,16 +85,16 @@ def _still_marked(buffer: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _parameters_flagged_initialised(module: nn.Module):
+def _flagged_initialised(tensors: list[torch.Tensor]):
     """transformers' init functions leave alone a tensor flagged `_is_hf_initialized`."""
-    flagged = [p for p in module.parameters() if not getattr(p, "_is_hf_initialized", False)]
-    for parameter in flagged:
-        parameter._is_hf_initialized = True
+    flagged = [t for t in tensors if not getattr(t, "_is_hf_initialized", False)]
+    for tensor in flagged:
+        tensor._is_hf_initialized = True
     try:
         yield
     finally:
-        for parameter in flagged:
-            del parameter._is_hf_initialized
+        for tensor in flagged:
+            del tensor._is_hf_initialized
 
 
 def _rebuild_on_cpu(module: nn.Module, owner: str, buffers: list[str]) -> nn.Module:

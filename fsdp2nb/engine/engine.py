@@ -27,9 +27,9 @@ def current_device() -> torch.device:
     GPU backend), else the CPU: a gloo-only group (`%%fsdp2 --cpu` on a GPU host) keeps CPU ranks."""
     if not torch.cuda.is_available() or not drives_gpus(dist.get_backend_config()):
         return torch.device("cpu")
-    explicit = torch.cuda.current_device()
-    index = gpu_index(explicit, os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
-    if index != explicit:
+    chosen = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    index = gpu_index(chosen, os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
+    if chosen is None:
         torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -40,12 +40,13 @@ def drives_gpus(backend_config: str) -> bool:
     return any(part.startswith("cuda:") and part != "cuda:gloo" for part in backend_config.split(","))
 
 
-def gpu_index(current: int, local_rank: str | None, device_count: int) -> int:
-    """The GPU a rank uses: the one it chose with set_device, else its LOCAL_RANK's (as torchrun
-    means it), since CUDA's default, GPU 0, would put every rank of a node on one GPU."""
-    if current != 0 or local_rank is None:
-        return current
-    return int(local_rank) % device_count
+def gpu_index(chosen: int | None, local_rank: str | None, device_count: int) -> int:
+    """The GPU a rank uses: the current one once CUDA is in use (set_device, the pool's ranks),
+    else its LOCAL_RANK's, as torchrun means it: CUDA's default, GPU 0, would put every rank of
+    a node on one GPU."""
+    if chosen is not None:
+        return chosen
+    return int(local_rank or 0) % device_count
 
 
 def _require_process_group() -> None:

@@ -154,11 +154,12 @@ class NotebookSession:
             # Sent first: what follows runs while the ranks wake up.
             pool.send(ranks, request)
             pool.busy_ranks.update(ranks)
-            _show_held_output(pool)  # printed by ranks' own threads since the last cell: first
             merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
                                   {r: info.log_path for r, info in pool.ranks.items()})
             try:
+                _show_held_output(pool)  # printed by ranks' own threads since the last cell: first
                 self._wait(pool, cell_id, progress, merger, stop_button)
+                _show_held_output(pool)  # what was still on its way when the cell began
             finally:
                 pool.busy_ranks.clear()
                 merger.flush()  # ipykernel flushes its streams itself before a display or an error

@@ -8,6 +8,7 @@ own threads print between cells is held, bounded, for the next cell.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -70,10 +71,16 @@ class HeldOutput:
                 self._drop_oldest(event.rank)
 
     def _drop_oldest(self, rank: int) -> None:
+        """Drop the start of the rank's oldest piece: the whole piece, or what is over the limit."""
         index = next(i for i, piece in enumerate(self._pieces) if piece.rank == rank)
-        piece = self._pieces.pop(index)
-        self._chars[rank] -= len(piece.text)
-        self._dropped[rank] = self._dropped.get(rank, 0) + len(piece.text)
+        piece = self._pieces[index]
+        cut = min(len(piece.text), self._chars[rank] - self._max_chars)
+        if cut == len(piece.text):
+            del self._pieces[index]
+        else:
+            self._pieces[index] = dataclasses.replace(piece, text=piece.text[cut:])
+        self._chars[rank] -= cut
+        self._dropped[rank] = self._dropped.get(rank, 0) + cut
 
     def take(self) -> tuple[list[StreamOutput], dict[int, int]]:
         """The held pieces in arrival order, and per rank how many characters were dropped."""

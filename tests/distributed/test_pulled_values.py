@@ -35,7 +35,7 @@ def test_dtensor_is_gathered_to_the_replying_rank_only(world_size, shape, placem
     results = run_ranks(_pull_on_ranks, world_size, shape, placement, (reply,))
     for rank, result in enumerate(results):
         if placement == "replicated":  # already whole everywhere: nothing to gather
-            assert result is not None
+            assert torch.equal(result[1], _full(shape))
             continue
         if rank != reply:
             assert result is None

@@ -157,11 +157,12 @@ def test_shards_go_to_gpus_only_with_a_gpu_backend(config, gpus):
     assert drives_gpus(config) == gpus
 
 
-@pytest.mark.parametrize(("current", "local_rank", "count", "index"), [
-    (0, "3", 4, 3),     # torchrun without set_device: LOCAL_RANK's GPU, not GPU 0 for all
+@pytest.mark.parametrize(("chosen", "local_rank", "count", "index"), [
+    (None, "3", 4, 3),  # torchrun without set_device: LOCAL_RANK's GPU, not GPU 0 for all
     (2, "3", 4, 2),     # chosen with set_device: kept
-    (0, "1", 1, 0),     # one visible GPU per rank (CUDA_VISIBLE_DEVICES)
-    (0, None, 4, 0),
+    (0, "1", 4, 0),     # chosen GPU 0 (a `--gpus 1,0` pool's rank 1): kept
+    (None, "1", 1, 0),  # one visible GPU per rank (CUDA_VISIBLE_DEVICES)
+    (None, None, 4, 0),
 ])
-def test_gpu_index(current, local_rank, count, index):
-    assert gpu_index(current, local_rank, count) == index
+def test_gpu_index(chosen, local_rank, count, index):
+    assert gpu_index(chosen, local_rank, count) == index

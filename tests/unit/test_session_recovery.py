@@ -82,3 +82,10 @@ def test_output_held_between_cells_keeps_the_newest_part_of_each_rank():
     assert [(p.rank, p.text) for p in pieces] == [(0, "bbbb\n"), (0, "cccc\n"), (1, "one\n")]
     assert dropped == {0: 5}
     assert held.take() == ([], {})
+
+
+def test_one_print_longer_than_the_limit_keeps_its_end():
+    held = HeldOutput(max_chars=4)
+    held.add(StreamOutput(rank=0, cell_id=None, stream="stdout", text="0123456789"))
+    pieces, dropped = held.take()
+    assert [p.text for p in pieces] == ["6789"] and dropped == {0: 6}

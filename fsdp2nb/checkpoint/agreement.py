@@ -1,0 +1,69 @@
+"""Failures that every rank hears about: one rank that raised alone would leave the others
+waiting at their next collective, so each step that can fail on some ranks ends in agreement.
+
+Every rank raises; the rank that failed raises its own error, the others one that names the
+failing rank and its cause. Collective: every rank of `group` must call, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch.distributed as dist
+
+_T = TypeVar("_T")
+
+
+class FailedElsewhere(RuntimeError):
+    """Another rank failed at a step this rank took part in."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_ranks_succeeded(error: BaseException | None, what: str, group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank if `error` is set on any: its own error where it failed, else
+    FailedElsewhere("`what` failed on rank R: cause")."""
+    reason = None if error is None else describe(error)
+    reasons: list[str | None] = [reason]
+    if _distributed():
+        reasons = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reasons, reason, group=group)
+    if error is not None:
+        raise error
+    failed = [(rank, text) for rank, text in enumerate(reasons) if text is not None]
+    if failed:
+        rank, text = failed[0]
+        source = dist.get_global_rank(group, rank) if group is not None else rank
+        raise FailedElsewhere(f"{what} failed on rank {source}: {text}")
+
+
+def on_rank0_agreed(action: Callable[[], _T], what: str, group: dist.ProcessGroup | None = None) -> _T:
+    """Run `action` on rank 0 only and share its result with every rank, or its failure."""
+    outcome: list = [None, None]
+    error: BaseException | None = None
+    if not _distributed() or dist.get_rank() == 0:
+        try:
+            outcome[0] = action()
+        except Exception as exc:  # re-raised below, on every rank
+            error, outcome[1] = exc, describe(exc)
+    if _distributed():
+        dist.broadcast_object_list(outcome, src=0, group=group)
+    if error is not None:
+        raise error
+    if outcome[1] is not None:
+        raise FailedElsewhere(f"{what} failed on rank 0: {outcome[1]}")
+    return outcome[0]
+
+
+def describe(error: BaseException) -> str:
+    """One line for an error; for DCP's (whose repr lists stack frames), one per failing rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(cause).__name__}: {cause}"
+                         for rank, (cause, _frames) in sorted(error.failures.items()))
+    first_line = (str(error).splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
