@@ -54,3 +54,30 @@ def test_a_damaged_rank_file_fails_the_load_on_every_rank_and_changes_nothing(tm
     assert all("checkpoint step 3 is damaged" in r["message"] and r["unchanged"] for r in results)
     assert all(rank_file_name(1) in r["message"] for r in results)  # every rank names the file
     assert "failed on rank 1" in results[0]["message"]
+
+
+def _agree_on_failures() -> dict:
+    from fsdp2nb.checkpoint.agreement import all_ranks_succeeded, on_rank0_agreed
+
+    seen = {"shared": on_rank0_agreed(lambda: "rank 0's answer", "asking rank 0")}
+
+    def fails_on_rank0():
+        raise OSError("no space left on device")
+
+    for name, call in (("rank0", lambda: on_rank0_agreed(fails_on_rank0, "creating the directory")),
+                       ("rank1", lambda: all_ranks_succeeded(
+                           OSError("read-only file system") if dist.get_rank() == 1 else None, "writing shards"))):
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 - what each rank raised is the result
+            seen[name] = f"{type(error).__name__}: {error}"
+    return seen
+
+
+def test_a_step_failing_on_one_rank_raises_on_every_rank_naming_it():
+    rank0, rank1 = run_ranks(_agree_on_failures, 2)
+    assert rank0["shared"] == rank1["shared"] == "rank 0's answer"
+    assert rank0["rank0"] == "OSError: no space left on device"
+    assert rank1["rank0"] == "FailedElsewhere: creating the directory failed on rank 0: OSError: no space left on device"
+    assert rank0["rank1"] == "FailedElsewhere: writing shards failed on rank 1: OSError: read-only file system"
+    assert rank1["rank1"] == "OSError: read-only file system"
