@@ -319,18 +319,34 @@ def _notebook_execution_count() -> int | None:
 
 
 def _show_held_output(pool: WorkerPool) -> None:
+    """What ranks' own threads printed or displayed since the last cell, labelled as such."""
     pieces, dropped = pool.held_output.take()
     for rank, count in sorted(dropped.items()):
-        label = rank_label([rank], pool.world_size) or "[rank 0]"
         log = pool.ranks[rank].log_path if rank in pool.ranks else "its log"
-        write_to_kernel("stderr", f"{label} (outside a cell) ... {count} earlier characters not shown; "
-                                  f"all of it is in {log}\n")
+        write_to_kernel("stderr", f"{_outside_label(rank, pool.world_size)} ... {count} earlier characters not "
+                                  f"shown; all of it is in {log}\n")
     texts: dict[tuple[int, str], str] = {}  # a print arrives in pieces: label whole lines
+
+    def write_texts(rank: int | None = None) -> None:
+        for key in [key for key in texts if rank is None or key[0] == rank]:
+            label = _outside_label(key[0], pool.world_size)
+            write_to_kernel(key[1], "".join(f"{label} {line}" for line in texts.pop(key).splitlines(keepends=True)))
+
     for piece in pieces:
-        texts[(piece.rank, piece.stream)] = texts.get((piece.rank, piece.stream), "") + piece.text
-    for (rank, stream), text in texts.items():
-        label = rank_label([rank], pool.world_size) or "[rank 0]"
-        write_to_kernel(stream, "".join(f"{label} (outside a cell) {line}" for line in text.splitlines(keepends=True)))
+        if isinstance(piece, StreamOutput):
+            texts[(piece.rank, piece.stream)] = texts.get((piece.rank, piece.stream), "") + piece.text
+        elif piece.kind == "display":
+            write_texts(piece.rank)  # what the rank printed before it displayed this
+            from IPython.display import publish_display_data
+
+            write_to_kernel("stdout", f"{_outside_label(piece.rank, pool.world_size)}\n")
+            sys.stdout.flush()
+            publish_display_data(piece.data, piece.metadata)
+    write_texts()
+
+
+def _outside_label(rank: int, world_size: int) -> str:
+    return f"{rank_label([rank], world_size) or '[rank 0]'} (outside a cell)"
 
 
 def _exit_error(event: RankExited) -> ErrorInfo:

@@ -33,6 +33,7 @@ from fsdp2nb.pool.protocol import (
     RankReady,
     RankSnapshot,
     RequestSave,
+    RichOutput,
     Shutdown,
     StreamOutput,
 )
@@ -51,43 +52,51 @@ HELD_CHARS_PER_RANK = 100_000
 
 
 class HeldOutput:
-    """Text that ranks' own threads printed between cells, held for the next cell to show.
+    """What ranks' own threads printed or displayed between cells, held for the next cell to show.
 
-    Nothing shows it until then, so only the newest `max_chars` per rank are kept: a thread left
-    printing overnight must not grow the kernel without bound."""
+    Nothing shows it until then, so only the newest `max_chars` per rank are kept (a display
+    counts the characters of its data): a thread left printing overnight must not grow the
+    kernel without bound."""
 
     def __init__(self, max_chars: int = HELD_CHARS_PER_RANK) -> None:
         self._max_chars = max_chars
         self._lock = threading.Lock()
-        self._pieces: list[StreamOutput] = []
+        self._pieces: list[StreamOutput | RichOutput] = []
         self._chars: dict[int, int] = {}
         self._dropped: dict[int, int] = {}
 
-    def add(self, event: StreamOutput) -> None:
+    def add(self, event: StreamOutput | RichOutput) -> None:
         with self._lock:
             self._pieces.append(event)
-            self._chars[event.rank] = self._chars.get(event.rank, 0) + len(event.text)
+            self._chars[event.rank] = self._chars.get(event.rank, 0) + _size(event)
             while self._chars[event.rank] > self._max_chars:
                 self._drop_oldest(event.rank)
 
     def _drop_oldest(self, rank: int) -> None:
-        """Drop the start of the rank's oldest piece: the whole piece, or what is over the limit."""
+        """Drop the rank's oldest piece, or only the start of a text that is over the limit."""
         index = next(i for i, piece in enumerate(self._pieces) if piece.rank == rank)
         piece = self._pieces[index]
-        cut = min(len(piece.text), self._chars[rank] - self._max_chars)
-        if cut == len(piece.text):
-            del self._pieces[index]
-        else:
+        cut = _size(piece)
+        if isinstance(piece, StreamOutput) and cut > self._chars[rank] - self._max_chars:
+            cut = self._chars[rank] - self._max_chars
             self._pieces[index] = dataclasses.replace(piece, text=piece.text[cut:])
+        else:
+            del self._pieces[index]
         self._chars[rank] -= cut
         self._dropped[rank] = self._dropped.get(rank, 0) + cut
 
-    def take(self) -> tuple[list[StreamOutput], dict[int, int]]:
+    def take(self) -> tuple[list[StreamOutput | RichOutput], dict[int, int]]:
         """The held pieces in arrival order, and per rank how many characters were dropped."""
         with self._lock:
             pieces, dropped = self._pieces, self._dropped
             self._pieces, self._chars, self._dropped = [], {}, {}
         return pieces, dropped
+
+
+def _size(piece: StreamOutput | RichOutput) -> int:
+    if isinstance(piece, StreamOutput):
+        return len(piece.text)
+    return sum(len(str(value)) for value in piece.data.values())
 
 
 class PoolStartError(RuntimeError):
@@ -255,7 +264,7 @@ class WorkerPool:
             self.exited[event.rank] = event
             if self.state != "stopped":
                 self.state = "broken"
-        if isinstance(event, StreamOutput) and event.cell_id is None:
+        if isinstance(event, (StreamOutput, RichOutput)) and event.cell_id is None:
             self.held_output.add(event)  # a rank's own thread, between cells
             return
         self._events.put(event)

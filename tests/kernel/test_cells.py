@@ -219,10 +219,16 @@ def test_pull_from_a_rank_that_does_not_exist_says_so(kernel):
 
 
 def test_output_of_a_rank_thread_between_cells_comes_with_the_next_cell(kernel):
-    run = kernel.execute("%%fsdp2\nimport threading, time\n"
-                         "threading.Thread(target=lambda: (time.sleep(0.3), print('late', rank, flush=True))).start()")
+    run = kernel.execute("%%fsdp2\nimport threading, time\nfrom IPython.display import HTML, display\n"
+                         "def later():\n"
+                         "    time.sleep(0.3)\n"
+                         "    print('late', rank, flush=True)\n"
+                         "    if rank == 0:\n"
+                         "        display(HTML('<b>from a thread</b>'))\n"
+                         "threading.Thread(target=later).start()")
     assert run.status == "ok" and "late" not in run.stdout
     assert kernel.execute("import time\ntime.sleep(1.5)").status == "ok"
     run = kernel.execute("%%fsdp2\nprint('cell')")
     assert "[0] (outside a cell) late 0\n" in run.stdout and "[1] (outside a cell) late 1\n" in run.stdout
     assert run.stdout.index("outside a cell") < run.stdout.index("[all] cell")
+    assert [d["data"]["text/html"] for d in run.displays] == ["<b>from a thread</b>"]

@@ -11,7 +11,7 @@ import pytest
 from fsdp2nb.frontend.render import RankError, StreamMerger
 from fsdp2nb.frontend.session import INTERRUPT_GRACE_S, NotebookSession, _CellProgress
 from fsdp2nb.pool.pool import HeldOutput, PoolStartError
-from fsdp2nb.pool.protocol import CellFinished, ErrorInfo, RankExited, StreamOutput
+from fsdp2nb.pool.protocol import CellFinished, ErrorInfo, RankExited, RichOutput, StreamOutput
 from fsdp2nb.pool.spec import PoolSpec
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))
@@ -89,3 +89,11 @@ def test_one_print_longer_than_the_limit_keeps_its_end():
     held.add(StreamOutput(rank=0, cell_id=None, stream="stdout", text="0123456789"))
     pieces, dropped = held.take()
     assert [p.text for p in pieces] == ["6789"] and dropped == {0: 6}
+
+
+def test_a_display_held_between_cells_counts_its_data_and_goes_whole():
+    held = HeldOutput(max_chars=10)
+    held.add(RichOutput(rank=0, cell_id=None, kind="display", data={"text/plain": "12345678"}))
+    held.add(StreamOutput(rank=0, cell_id=None, stream="stdout", text="abcd\n"))
+    pieces, dropped = held.take()
+    assert [type(p).__name__ for p in pieces] == ["StreamOutput"] and dropped == {0: 8}
