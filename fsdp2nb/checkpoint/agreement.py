@@ -41,20 +41,21 @@ def all_ranks_succeeded(error: BaseException | None, what: str, group: dist.Proc
 
 
 def on_rank0_agreed(action: Callable[[], _T], what: str, group: dist.ProcessGroup | None = None) -> _T:
-    """Run `action` on rank 0 only and share its result with every rank, or its failure."""
+    """Run `action` on the group's first rank only and share its result with every rank, or its failure."""
     outcome: list = [None, None]
     error: BaseException | None = None
-    if not _distributed() or dist.get_rank() == 0:
+    first = dist.get_global_rank(group, 0) if _distributed() and group is not None else 0
+    if not _distributed() or dist.get_rank() == first:
         try:
             outcome[0] = action()
         except Exception as exc:  # re-raised below, on every rank
             error, outcome[1] = exc, describe(exc)
     if _distributed():
-        dist.broadcast_object_list(outcome, src=0, group=group)
+        dist.broadcast_object_list(outcome, src=first, group=group)
     if error is not None:
         raise error
     if outcome[1] is not None:
-        raise FailedElsewhere(f"{what} failed on rank 0: {outcome[1]}")
+        raise FailedElsewhere(f"{what} failed on rank {first}: {outcome[1]}")
     return outcome[0]
 
 

@@ -84,8 +84,8 @@ def export_hf_model(model: nn.Module, output_dir: str | os.PathLike, *, processo
     if merge_lora and not is_peft:
         raise ValueError("merge_lora=True needs a peft model; this one has no peft_config")
     staging = on_rank0_agreed(lambda: directory_swap.start_staging(output_dir), _EXPORT)
-    staging.mkdir(parents=True, exist_ok=True)  # storage that is not shared between hosts
     try:
+        _make_dir_everywhere(staging)  # storage that is not shared between hosts
         _write_export(model, staging, processor, dtype, merge_lora, is_peft, max_shard_bytes)
         on_rank0_agreed(lambda: directory_swap.commit_staging(staging, output_dir, carry=_is_user_file), _EXPORT)
     except BaseException:
@@ -321,16 +321,19 @@ def _world_size() -> int:
     return dist.get_world_size() if _distributed() else 1
 
 
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
 def _mkdir_collectively(path: Path) -> None:
-    if _rank() == 0:
+    """Rank 0 makes `path` first (shared storage), then every rank (storage that is not)."""
+    on_rank0_agreed(lambda: path.mkdir(parents=True, exist_ok=True), _EXPORT)
+    _make_dir_everywhere(path)
+
+
+def _make_dir_everywhere(path: Path) -> None:
+    error = None
+    try:
         path.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    path.mkdir(parents=True, exist_ok=True)  # storage that is not shared between hosts
+    except OSError as exc:
+        error = exc
+    all_ranks_succeeded(error, _EXPORT)
 
 
 def _gather_to_rank0(written: list[_WrittenFile]) -> list[list[_WrittenFile]]:

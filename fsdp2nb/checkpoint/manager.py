@@ -281,17 +281,12 @@ class Checkpointer:
             self._finish(job, rank_state, None, tracked.model)
             return
         use_process = self.async_writer == "process" and self._distributed
-        error = None
-        try:  # staging runs on each rank before any collective: it can fail on one alone
+        with self._abandoned_on_failure(job):
             response = dcp.async_save(
                 state, storage_writer=writer, process_group=self._bg_group, async_stager=self._stager,
                 no_dist=not self._distributed,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS if use_process else AsyncCheckpointerType.THREAD,
             )
-        except (Exception, CheckpointException) as exc:
-            error = exc
-        with self._abandoned_on_failure(job):
-            all_ranks_succeeded(error, f"staging the save of step {step}", self._fg_group)
         if isinstance(response, Future):  # staged before async_save returned
             upload = response
         else:
@@ -304,7 +299,7 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _abandoned_on_failure(self, job: _SaveJob):
-        """A save that fails on every rank alike (DCP's own agreement, or ours) leaves no temporary directory."""
+        """A save that DCP failed (on every rank alike) leaves no temporary directory."""
         try:
             yield
         except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException

@@ -159,7 +159,8 @@ class NotebookSession:
             try:
                 _show_held_output(pool)  # printed by ranks' own threads since the last cell: first
                 self._wait(pool, cell_id, progress, merger, stop_button)
-                _show_held_output(pool)  # what was still on its way when the cell began
+                merger.flush()  # the cell's own output first
+                _show_held_output(pool)  # then what was still on its way when the cell began
             finally:
                 pool.busy_ranks.clear()
                 merger.flush()  # ipykernel flushes its streams itself before a display or an error
@@ -320,17 +321,21 @@ def _notebook_execution_count() -> int | None:
 
 def _show_held_output(pool: WorkerPool) -> None:
     """What ranks' own threads printed or displayed since the last cell, labelled as such."""
-    pieces, dropped = pool.held_output.take()
-    for rank, count in sorted(dropped.items()):
+    pieces, dropped_chars, dropped_displays = pool.held_output.take()
+    for rank, count in sorted(dropped_chars.items()):
         log = pool.ranks[rank].log_path if rank in pool.ranks else "its log"
         write_to_kernel("stderr", f"{_outside_label(rank, pool.world_size)} ... {count} earlier characters not "
                                   f"shown; all of it is in {log}\n")
+    for rank, count in sorted(dropped_displays.items()):
+        write_to_kernel("stderr", f"{_outside_label(rank, pool.world_size)} ... {count} earlier displays not shown\n")
     texts: dict[tuple[int, str], str] = {}  # a print arrives in pieces: label whole lines
 
     def write_texts(rank: int | None = None) -> None:
         for key in [key for key in texts if rank is None or key[0] == rank]:
             label = _outside_label(key[0], pool.world_size)
-            write_to_kernel(key[1], "".join(f"{label} {line}" for line in texts.pop(key).splitlines(keepends=True)))
+            text = texts.pop(key)
+            text += "" if text.endswith("\n") else "\n"  # a display's label must start its own line
+            write_to_kernel(key[1], "".join(f"{label} {line}" for line in text.splitlines(keepends=True)))
 
     for piece in pieces:
         if isinstance(piece, StreamOutput):

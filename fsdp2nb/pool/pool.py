@@ -48,55 +48,65 @@ _RECEIVE_POLL_MS = 100
 
 
 HELD_CHARS_PER_RANK = 100_000
-"""Output a rank's own threads print between cells, kept for the next cell (the newest part)."""
+"""Text a rank's own threads print between cells, kept for the next cell (the newest part)."""
+HELD_DISPLAYS_PER_RANK = 10
+"""Displays (figures, tables) likewise, counted whole: one figure can outweigh the text limit."""
 
 
 class HeldOutput:
     """What ranks' own threads printed or displayed between cells, held for the next cell to show.
 
-    Nothing shows it until then, so only the newest `max_chars` per rank are kept (a display
-    counts the characters of its data): a thread left printing overnight must not grow the
-    kernel without bound."""
+    Nothing shows it until then, so only the newest `max_chars` of text and `max_displays`
+    displays per rank are kept: a thread left printing overnight must not grow the kernel
+    without bound."""
 
-    def __init__(self, max_chars: int = HELD_CHARS_PER_RANK) -> None:
+    def __init__(self, max_chars: int = HELD_CHARS_PER_RANK, max_displays: int = HELD_DISPLAYS_PER_RANK) -> None:
         self._max_chars = max_chars
+        self._max_displays = max_displays
         self._lock = threading.Lock()
         self._pieces: list[StreamOutput | RichOutput] = []
         self._chars: dict[int, int] = {}
-        self._dropped: dict[int, int] = {}
+        self._displays: dict[int, int] = {}
+        self.dropped_chars: dict[int, int] = {}
+        self.dropped_displays: dict[int, int] = {}
 
     def add(self, event: StreamOutput | RichOutput) -> None:
         with self._lock:
             self._pieces.append(event)
-            self._chars[event.rank] = self._chars.get(event.rank, 0) + _size(event)
+            if isinstance(event, RichOutput):
+                self._displays[event.rank] = self._displays.get(event.rank, 0) + 1
+                if self._displays[event.rank] > self._max_displays:
+                    self._drop_oldest_display(event.rank)
+                return
+            self._chars[event.rank] = self._chars.get(event.rank, 0) + len(event.text)
             while self._chars[event.rank] > self._max_chars:
-                self._drop_oldest(event.rank)
+                self._cut_oldest_text(event.rank)
 
-    def _drop_oldest(self, rank: int) -> None:
-        """Drop the rank's oldest piece, or only the start of a text that is over the limit."""
-        index = next(i for i, piece in enumerate(self._pieces) if piece.rank == rank)
+    def _cut_oldest_text(self, rank: int) -> None:
+        """Drop the rank's oldest text, or only its start where that is enough."""
+        index = next(i for i, p in enumerate(self._pieces) if p.rank == rank and isinstance(p, StreamOutput))
         piece = self._pieces[index]
-        cut = _size(piece)
-        if isinstance(piece, StreamOutput) and cut > self._chars[rank] - self._max_chars:
-            cut = self._chars[rank] - self._max_chars
-            self._pieces[index] = dataclasses.replace(piece, text=piece.text[cut:])
-        else:
+        cut = min(len(piece.text), self._chars[rank] - self._max_chars)
+        if cut == len(piece.text):
             del self._pieces[index]
+        else:
+            self._pieces[index] = dataclasses.replace(piece, text=piece.text[cut:])
         self._chars[rank] -= cut
-        self._dropped[rank] = self._dropped.get(rank, 0) + cut
+        self.dropped_chars[rank] = self.dropped_chars.get(rank, 0) + cut
 
-    def take(self) -> tuple[list[StreamOutput | RichOutput], dict[int, int]]:
-        """The held pieces in arrival order, and per rank how many characters were dropped."""
+    def _drop_oldest_display(self, rank: int) -> None:
+        index = next(i for i, p in enumerate(self._pieces) if p.rank == rank and isinstance(p, RichOutput))
+        del self._pieces[index]
+        self._displays[rank] -= 1
+        self.dropped_displays[rank] = self.dropped_displays.get(rank, 0) + 1
+
+    def take(self) -> tuple[list[StreamOutput | RichOutput], dict[int, int], dict[int, int]]:
+        """The held pieces in arrival order, and per rank how many characters and displays were dropped."""
         with self._lock:
-            pieces, dropped = self._pieces, self._dropped
-            self._pieces, self._chars, self._dropped = [], {}, {}
-        return pieces, dropped
-
-
-def _size(piece: StreamOutput | RichOutput) -> int:
-    if isinstance(piece, StreamOutput):
-        return len(piece.text)
-    return sum(len(str(value)) for value in piece.data.values())
+            taken = self._pieces, self.dropped_chars, self.dropped_displays
+            self._pieces, self._chars, self._displays = [], {}, {}
+            self.dropped_chars, self.dropped_displays = {}, {}
+        return taken
 
 
 class PoolStartError(RuntimeError):

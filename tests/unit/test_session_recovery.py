@@ -78,22 +78,24 @@ def test_output_held_between_cells_keeps_the_newest_part_of_each_rank():
     for text in ("aaaa\n", "bbbb\n", "cccc\n"):
         held.add(StreamOutput(rank=0, cell_id=None, stream="stdout", text=text))
     held.add(StreamOutput(rank=1, cell_id=None, stream="stderr", text="one\n"))
-    pieces, dropped = held.take()
+    pieces, dropped_chars, dropped_displays = held.take()
     assert [(p.rank, p.text) for p in pieces] == [(0, "bbbb\n"), (0, "cccc\n"), (1, "one\n")]
-    assert dropped == {0: 5}
-    assert held.take() == ([], {})
+    assert dropped_chars == {0: 5} and dropped_displays == {}
+    assert held.take() == ([], {}, {})
 
 
 def test_one_print_longer_than_the_limit_keeps_its_end():
     held = HeldOutput(max_chars=4)
     held.add(StreamOutput(rank=0, cell_id=None, stream="stdout", text="0123456789"))
-    pieces, dropped = held.take()
-    assert [p.text for p in pieces] == ["6789"] and dropped == {0: 6}
+    pieces, dropped_chars, _ = held.take()
+    assert [p.text for p in pieces] == ["6789"] and dropped_chars == {0: 6}
 
 
-def test_a_display_held_between_cells_counts_its_data_and_goes_whole():
-    held = HeldOutput(max_chars=10)
-    held.add(RichOutput(rank=0, cell_id=None, kind="display", data={"text/plain": "12345678"}))
+def test_displays_are_held_by_count_whatever_their_size():
+    held = HeldOutput(max_chars=10, max_displays=2)
+    for n in range(3):
+        held.add(RichOutput(rank=0, cell_id=None, kind="display", data={"image/png": "x" * 1000 + str(n)}))
     held.add(StreamOutput(rank=0, cell_id=None, stream="stdout", text="abcd\n"))
-    pieces, dropped = held.take()
-    assert [type(p).__name__ for p in pieces] == ["StreamOutput"] and dropped == {0: 8}
+    pieces, dropped_chars, dropped_displays = held.take()
+    assert [getattr(p, "text", None) or p.data["image/png"][-1] for p in pieces] == ["1", "2", "abcd\n"]
+    assert dropped_chars == {} and dropped_displays == {0: 1}
