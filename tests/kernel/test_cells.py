@@ -212,6 +212,7 @@ def test_matplotlib_figure_from_rank_0_is_shown_labelled(kernel):
     assert len(images) == 1
     assert "[0]" in run.stdout
 
+
 def test_pull_from_a_rank_that_does_not_exist_says_so(kernel):
     run = kernel.execute("%fsdp2 pull rank --rank -1")
     assert run.status == "error"
