@@ -8,6 +8,7 @@ failing rank and its cause. Collective: every rank of `group` must call, in the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -57,6 +58,16 @@ def on_rank0_agreed(action: Callable[[], _T], what: str, group: dist.ProcessGrou
     if outcome[1] is not None:
         raise FailedElsewhere(f"{what} failed on rank {first}: {outcome[1]}")
     return outcome[0]
+
+
+def make_dir_everywhere(path: Path, what: str, group: dist.ProcessGroup | None = None) -> None:
+    """Make `path` on every rank (storage that is not shared between hosts); fails on all if on one."""
+    error = None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        error = exc
+    all_ranks_succeeded(error, what, group)
 
 
 def describe(error: BaseException) -> str:

@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2nb.checkpoint import directory_swap
-from fsdp2nb.checkpoint.agreement import all_ranks_succeeded, on_rank0_agreed
+from fsdp2nb.checkpoint.agreement import all_ranks_succeeded, make_dir_everywhere, on_rank0_agreed
 from fsdp2nb.checkpoint.layout import fsync_file
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def export_hf_model(model: nn.Module, output_dir: str | os.PathLike, *, processo
         raise ValueError("merge_lora=True needs a peft model; this one has no peft_config")
     staging = on_rank0_agreed(lambda: directory_swap.start_staging(output_dir), _EXPORT)
     try:
-        _make_dir_everywhere(staging)  # storage that is not shared between hosts
+        make_dir_everywhere(staging, _EXPORT)  # storage that is not shared between hosts
         _write_export(model, staging, processor, dtype, merge_lora, is_peft, max_shard_bytes)
         on_rank0_agreed(lambda: directory_swap.commit_staging(staging, output_dir, carry=_is_user_file), _EXPORT)
     except BaseException:
@@ -324,16 +324,7 @@ def _world_size() -> int:
 def _mkdir_collectively(path: Path) -> None:
     """Rank 0 makes `path` first (shared storage), then every rank (storage that is not)."""
     on_rank0_agreed(lambda: path.mkdir(parents=True, exist_ok=True), _EXPORT)
-    _make_dir_everywhere(path)
-
-
-def _make_dir_everywhere(path: Path) -> None:
-    error = None
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        error = exc
-    all_ranks_succeeded(error, _EXPORT)
+    make_dir_everywhere(path, _EXPORT)
 
 
 def _gather_to_rank0(written: list[_WrittenFile]) -> list[list[_WrittenFile]]:

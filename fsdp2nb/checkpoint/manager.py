@@ -40,7 +40,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp2nb.checkpoint import layout
-from fsdp2nb.checkpoint.agreement import FailedElsewhere, all_ranks_succeeded, describe, on_rank0_agreed
+from fsdp2nb.checkpoint.agreement import (
+    FailedElsewhere,
+    all_ranks_succeeded,
+    describe,
+    make_dir_everywhere,
+    on_rank0_agreed,
+)
 from fsdp2nb.checkpoint.direct_writes import DirectFileSystem
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
@@ -211,13 +217,13 @@ class Checkpointer:
     # ---- setup -------------------------------------------------------------------------------
 
     def _check_writable(self) -> None:
-        reason = _unwritable_reason(self.directory, self._rank)
-        failed = self._any_rank(reason is not None, self._fg_group)
-        if failed:
+        try:
+            all_ranks_succeeded(_unwritable_error(self.directory, self._rank), "writing a file", self._fg_group)
+        except (OSError, FailedElsewhere) as exc:
             self._destroy_groups()
-            where = f"on rank {self._rank}: {reason}" if reason else "on another rank (its error says why)"
+            where = f"on rank {self._rank}: {describe(exc)}" if isinstance(exc, OSError) else f"({exc})"
             raise ValueError(f"directory={str(self.directory)!r} is not writable {where}; "
-                             "give a directory every rank can write")
+                             "give a directory every rank can write") from None
 
     def track(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
               scheduler: Any = None, **extra_stateful: Any) -> Checkpointer:
@@ -351,12 +357,7 @@ class Checkpointer:
         try:
             token, wall_time = on_rank0_agreed(lambda: self._make_tmp_dir(step), what, self._fg_group)
             tmp_dir = self.directory / layout.tmp_dir_name(step, token)
-            error = None
-            try:
-                tmp_dir.mkdir(exist_ok=True)  # for storage that is not shared between hosts
-            except OSError as exc:
-                error = exc
-            all_ranks_succeeded(error, what, self._fg_group)
+            make_dir_everywhere(tmp_dir, what, self._fg_group)
         except (OSError, FailedElsewhere) as exc:
             raise CheckpointSaveError(f"rank {self._rank}: save of step {step} could not start: {describe(exc)}; "
                                       f"{_NOTHING_LOST}") from exc
@@ -658,10 +659,6 @@ class Checkpointer:
             raise ValueError(f"step={step!r} must be an int >= 0")
         return step
 
-    def _any_rank(self, flag: bool, group: dist.ProcessGroup | None) -> bool:
-        (flagged,) = self._all_max((int(flag),), group)
-        return flagged > 0
-
     def _all_max(self, values: tuple[int, ...], group: dist.ProcessGroup | None) -> tuple[int, ...]:
         """The largest of each value over the ranks, in one collective."""
         if not self._distributed:
@@ -683,7 +680,7 @@ def _sweep(directory: Path) -> None:
         logger.warning("could not clean abandoned temporary directories in %s: %s", directory, exc)
 
 
-def _unwritable_reason(directory: Path, rank: int) -> str | None:
+def _unwritable_error(directory: Path, rank: int) -> OSError | None:
     """Why files cannot be created in `directory` (created if missing), or None when they can."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -692,7 +689,7 @@ def _unwritable_reason(directory: Path, rank: int) -> str | None:
         layout.write_durable(probe, b"ok")
         probe.unlink()
     except OSError as exc:
-        return f"{type(exc).__name__}: {exc.strerror or exc}"
+        return exc
     return None
 
 

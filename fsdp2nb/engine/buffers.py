@@ -64,8 +64,7 @@ def _fill_through_init_weights(module: nn.Module, buffers: list[str], init_weigh
         marked = torch.empty_like(buffer, device=device)
         marked.fill_(float("nan") if marked.is_floating_point() else 0)
         module.register_buffer(name, marked, persistent=False)
-    loaded = [t for n, t in module.named_parameters()] + \
-        [t for n, t in module.named_buffers() if n not in buffers]
+    loaded = [*module.parameters(), *(t for n, t in module.named_buffers() if n not in buffers)]
     versions = [t._version for t in loaded]
     with _flagged_initialised(loaded):
         init_weights(module)

@@ -321,6 +321,8 @@ def _notebook_execution_count() -> int | None:
 
 def _show_held_output(pool: WorkerPool) -> None:
     """What ranks' own threads printed or displayed since the last cell, labelled as such."""
+    if not pool.held_output:
+        return
     pieces, dropped_chars, dropped_displays = pool.held_output.take()
     for rank, count in sorted(dropped_chars.items()):
         log = pool.ranks[rank].log_path if rank in pool.ranks else "its log"

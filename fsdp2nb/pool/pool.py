@@ -100,6 +100,10 @@ class HeldOutput:
         self._displays[rank] -= 1
         self.dropped_displays[rank] = self.dropped_displays.get(rank, 0) + 1
 
+    def __bool__(self) -> bool:
+        """Whether anything is held or was dropped: read without the lock, twice per cell."""
+        return bool(self._pieces or self.dropped_chars or self.dropped_displays)
+
     def take(self) -> tuple[list[StreamOutput | RichOutput], dict[int, int], dict[int, int]]:
         """The held pieces in arrival order, and per rank how many characters and displays were dropped."""
         with self._lock:
