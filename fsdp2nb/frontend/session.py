@@ -158,7 +158,8 @@ class NotebookSession:
                                   {r: info.log_path for r, info in pool.ranks.items()})
             try:
                 _show_held_output(pool)  # printed by ranks' own threads since the last cell: first
-                self._wait(pool, cell_id, progress, merger, stop_button)
+                with pool.events_read_here():  # no hop through the pool's receiving thread
+                    self._wait(pool, cell_id, progress, merger, stop_button)
                 merger.flush()  # the cell's own output first
                 _show_held_output(pool)  # then what was still on its way when the cell began
             finally:

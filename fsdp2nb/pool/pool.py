@@ -8,6 +8,7 @@ own threads print between cells is held, bounded, for the next cell.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -139,6 +140,8 @@ class WorkerPool:
         self._channels: KernelChannels | None = None
         self._launched: LaunchedRanks | None = None
         self._receiver: threading.Thread | None = None
+        self._reader: int | None = None
+        """The thread reading events itself (inside `events_read_here`), if any."""
         self._runtime_dir = ""
         self._save_requests = 0
 
@@ -248,20 +251,47 @@ class WorkerPool:
         self.send(tuple(range(self.world_size)), RequestSave(request_id=self._save_requests), connect_timeout_s=0)
         return self._save_requests
 
+    @contextlib.contextmanager
+    def events_read_here(self):
+        """While inside, `next_event` reads the ranks' events on the calling thread (see
+        KernelChannels.reading_here); the session waits for a request this way."""
+        assert self._channels is not None, "the pool is not running"
+        with self._channels.reading_here():
+            self._reader = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._reader = None
+
     def next_event(self, timeout_s: float) -> EventMessage | None:
+        if self._reader != threading.get_ident():
+            try:
+                return self._events.get(timeout=timeout_s)
+            except queue.Empty:
+                return None
         try:
-            return self._events.get(timeout=timeout_s)
+            return self._events.get_nowait()  # delivered before this thread took over, or below
+        except queue.Empty:
+            pass
+        if self._channels is not None:
+            self._channels.receive_here(int(timeout_s * 1000), self._dispatch_safely)
+        try:
+            return self._events.get_nowait()
         except queue.Empty:
             return None
 
     def _receive_loop(self) -> None:
         while not self._stop_receiving.is_set():
             try:
-                event = self._channels.receive(_RECEIVE_POLL_MS)
-                if event is not None:
-                    self._dispatch(event)
-            except Exception:  # one bad event or listener must not silence every rank
-                logger.exception("fsdp2nb: failed to handle an event from the ranks")
+                self._channels.receive(_RECEIVE_POLL_MS, self._dispatch_safely)
+            except Exception:  # a frame that verified but does not decode: keep serving the others
+                logger.exception("fsdp2nb: failed to read an event from the ranks")
+
+    def _dispatch_safely(self, event: EventMessage) -> None:
+        try:
+            self._dispatch(event)
+        except Exception:  # one bad event or listener must not silence every rank
+            logger.exception("fsdp2nb: failed to handle an event from the ranks")
 
     def _dispatch(self, event: EventMessage) -> None:
         if isinstance(event, RankSnapshot):

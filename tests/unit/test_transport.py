@@ -81,3 +81,48 @@ def test_a_closed_connection_ends_reading():
     with pytest.raises(EOFError):
         receiver.receive()
     receiver.close()
+
+
+def test_a_thread_reading_events_itself_takes_over_in_order_and_the_background_reader_sleeps(tmp_path):
+    import threading
+    import time
+
+    from fsdp2nb.pool.protocol import StreamOutput
+    from fsdp2nb.pool.transport import KernelChannels, RankChannels
+
+    signer = Signer(b"k" * KEY_BYTES)
+    kernel = KernelChannels(signer, str(tmp_path / "pool.sock"))
+    rank = RankChannels(signer, str(tmp_path / "pool.sock"), rank=0)
+    background, here, stop = [], [], threading.Event()
+
+    def read_in_background() -> None:
+        while not stop.is_set():
+            kernel.receive(20, lambda message: background.append(message.text))
+
+    reader = threading.Thread(target=read_in_background)
+    reader.start()
+    try:
+        def send(*texts: str) -> None:
+            for text in texts:
+                rank.send_event(StreamOutput(rank=0, cell_id=1, stream="stdout", text=text))
+
+        send("a", "b", "c")
+        with kernel.reading_here():
+            read_before = len(background)
+            send("d", "e")
+            deadline = time.monotonic() + 10
+            while len(background) + len(here) < 5 and time.monotonic() < deadline:
+                kernel.receive_here(100, lambda message: here.append(message.text))
+            time.sleep(0.1)  # the background reader had its chance to read something and did not
+            assert len(background) == read_before
+        assert background + here == ["a", "b", "c", "d", "e"]
+        send("f")
+        deadline = time.monotonic() + 10
+        while len(background) < read_before + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert background[-1] == "f"  # reading went back to the background thread
+    finally:
+        stop.set()
+        reader.join()
+        rank.close()
+        kernel.close()
