@@ -126,3 +126,15 @@ def test_a_thread_reading_events_itself_takes_over_in_order_and_the_background_r
         reader.join()
         rank.close()
         kernel.close()
+
+
+@pytest.mark.parametrize("key", [b"k" * KEY_BYTES, bytes(range(64)), bytes(range(200))])
+def test_signatures_are_standard_hmac_sha256(key):
+    import hashlib
+    import hmac
+
+    from fsdp2nb.pool.transport import HmacSha256
+
+    mac = HmacSha256(key)
+    for payload in (b"", b"x", bytes(range(256)) * 100):
+        assert mac.sign(payload) == hmac.new(key, payload, hashlib.sha256).digest()
