@@ -150,7 +150,9 @@ class NotebookSession:
         progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
         # The stop button only takes note while a request is sent and waited for: sent to all
         # ranks or none, and never between an event taken off the queue and its recording.
-        with sigint_noted() as stop_button:
+        # This thread reads the ranks' replies itself, from before they can come: a hop through
+        # the pool's receiving thread would cost each reply a thread wake-up.
+        with sigint_noted() as stop_button, pool.events_read_here():
             # Sent first: what follows runs while the ranks wake up.
             pool.send(ranks, request)
             pool.busy_ranks.update(ranks)
@@ -158,8 +160,7 @@ class NotebookSession:
                                   {r: info.log_path for r, info in pool.ranks.items()})
             try:
                 _show_held_output(pool)  # printed by ranks' own threads since the last cell: first
-                with pool.events_read_here():  # no hop through the pool's receiving thread
-                    self._wait(pool, cell_id, progress, merger, stop_button)
+                self._wait(pool, cell_id, progress, merger, stop_button)
                 merger.flush()  # the cell's own output first
                 _show_held_output(pool)  # then what was still on its way when the cell began
             finally:
