@@ -59,6 +59,8 @@ class StreamMerger:
         self._log_paths = log_paths or {}
         self._max_chars = max_chars_per_rank
         self._streams = {name: {r: _RankStream() for r in ranks} for name in ("stdout", "stderr")}
+        self._holding = False
+        """Whether any text may be held back; most cells print nothing, and skip all the rest."""
 
     def feed(self, rank: int, stream: str, text: str, now: float | None = None) -> None:
         state = self._streams[stream].get(rank)
@@ -70,6 +72,7 @@ class StreamMerger:
             self._truncate(rank, stream, state, text, now)
             return
         state.shown_chars += len(text)
+        self._holding = True
         self._split_lines(state, text, now)
 
     def _split_lines(self, state: _RankStream, text: str, now: float) -> None:
@@ -83,6 +86,7 @@ class StreamMerger:
         state.partial = pieces[-1]
 
     def _truncate(self, rank: int, stream: str, state: _RankStream, text: str, now: float) -> None:
+        self._holding = True
         self._split_lines(state, text, now)
         if state.partial:
             state.lines.append((state.partial + "\n", now))
@@ -99,6 +103,8 @@ class StreamMerger:
 
     def poll(self, now: float | None = None) -> None:
         """Write every line that is due: complete across ranks, or older than the merge window."""
+        if not self._holding:
+            return
         now = time.monotonic() if now is None else now
         for name, streams in self._streams.items():
             self._release_stale_partials(streams, now)
@@ -107,6 +113,9 @@ class StreamMerger:
 
     def flush(self) -> None:
         """Write everything held back (at the end of a cell, or before a rich output)."""
+        if not self._holding:
+            return
+        self._holding = False
         for name, streams in self._streams.items():
             for state in streams.values():
                 if state.partial:

@@ -147,7 +147,6 @@ class NotebookSession:
                     make_request: Callable[[int], ControlMessage]) -> _CellProgress:
         cell_id = next(self._cell_ids)
         request = make_request(cell_id)
-        progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
         # The stop button only takes note while a request is sent and waited for: sent to all
         # ranks or none, and never between an event taken off the queue and its recording.
         # This thread reads the ranks' replies itself, from before they can come: a hop through
@@ -155,6 +154,7 @@ class NotebookSession:
         with sigint_noted() as stop_button, pool.events_read_here():
             # Sent first: what follows runs while the ranks wake up.
             pool.send(ranks, request)
+            progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
             pool.busy_ranks.update(ranks)
             merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
                                   {r: info.log_path for r, info in pool.ranks.items()})

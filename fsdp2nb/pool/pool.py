@@ -140,8 +140,6 @@ class WorkerPool:
         self._channels: KernelChannels | None = None
         self._launched: LaunchedRanks | None = None
         self._receiver: threading.Thread | None = None
-        self._reader: int | None = None
-        """The thread reading events itself (inside `events_read_here`), if any."""
         self._runtime_dir = ""
         self._save_requests = 0
 
@@ -251,34 +249,22 @@ class WorkerPool:
         self.send(tuple(range(self.world_size)), RequestSave(request_id=self._save_requests), connect_timeout_s=0)
         return self._save_requests
 
-    @contextlib.contextmanager
-    def events_read_here(self):
+    def events_read_here(self) -> contextlib.AbstractContextManager:
         """While inside, `next_event` reads the ranks' events on the calling thread (see
         KernelChannels.reading_here); the session waits for a request this way."""
         assert self._channels is not None, "the pool is not running"
-        with self._channels.reading_here():
-            self._reader = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._reader = None
+        return self._channels.reading_here()
 
     def next_event(self, timeout_s: float) -> EventMessage | None:
-        if self._reader != threading.get_ident():
+        channels = self._channels
+        if channels is None or not channels.reads_here():
             try:
                 return self._events.get(timeout=timeout_s)
             except queue.Empty:
                 return None
-        try:
-            return self._events.get_nowait()  # delivered before this thread took over, or below
-        except queue.Empty:
-            pass
-        if self._channels is not None:
-            self._channels.receive_here(int(timeout_s * 1000), self._dispatch_safely)
-        try:
-            return self._events.get_nowait()
-        except queue.Empty:
-            return None
+        if self._events.empty():  # else delivered before this thread took over, or below
+            channels.receive_here(int(timeout_s * 1000), self._dispatch_safely)
+        return None if self._events.empty() else self._events.get_nowait()
 
     def _receive_loop(self) -> None:
         while not self._stop_receiving.is_set():

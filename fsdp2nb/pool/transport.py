@@ -207,7 +207,8 @@ class KernelChannels:
         # the background reader switches its connections off in its set, so it sleeps on.
         self._background = select.epoll()
         self._foreground = select.epoll()
-        self._foreground_active = False
+        self._foreground_thread: int | None = None
+        """The thread inside `reading_here()`, if any."""
         self._read_lock = threading.Lock()
         """Held while frames are read and delivered, and while the reader changes hands."""
         self._readers: dict[int, _Link] = {}
@@ -247,26 +248,31 @@ class KernelChannels:
 
     def receive_here(self, timeout_ms: int, deliver: Callable[[Any], None]) -> None:
         """As `receive`, for the thread inside `reading_here()`."""
-        assert self._foreground_active, "receive_here is for the thread inside reading_here()"
+        assert self.reads_here(), "receive_here is for the thread inside reading_here()"
         self._receive(self._foreground, timeout_ms, deliver)
 
-    @contextlib.contextmanager
-    def reading_here(self):
+    def reading_here(self) -> contextlib.AbstractContextManager:
         """While inside, events are read only by the calling thread's `receive_here`.
 
         Entering waits for the background reader to deliver what it has read, so the caller
         sees every event in order after those."""
+        return _ReadingHere(self)
+
+    def reads_here(self) -> bool:
+        """Whether the calling thread is the one inside `reading_here()`."""
+        return self._foreground_thread == threading.get_ident()
+
+    def _take_reading(self) -> None:
         with self._read_lock:
             self._register_new_links()
-            self._foreground_active = True
+            self._foreground_thread = threading.get_ident()
             self._switch_background(0)
-        try:
-            yield
-        finally:
-            with self._read_lock:
-                self._foreground_active = False
-                if not self._closed:
-                    self._switch_background(select.EPOLLIN)
+
+    def _give_reading_back(self) -> None:
+        with self._read_lock:
+            self._foreground_thread = None
+            if not self._closed:
+                self._switch_background(select.EPOLLIN)
 
     def _switch_background(self, mask: int) -> None:
         for fd in self._readers:
@@ -282,7 +288,7 @@ class KernelChannels:
         except (OSError, ValueError):  # closed under us by close()
             return
         with self._read_lock:
-            if self._closed or (epoll is self._background and self._foreground_active):
+            if self._closed or (epoll is self._background and self._foreground_thread is not None):
                 return  # the other reader took over while this one waited
             for fd, _ in ready:
                 link = self._readers.get(fd)
@@ -299,7 +305,7 @@ class KernelChannels:
             link = self._unregistered.popleft()
             self._readers[link.fileno()] = link
             self._foreground.register(link.fileno(), select.EPOLLIN)
-            self._background.register(link.fileno(), 0 if self._foreground_active else select.EPOLLIN)
+            self._background.register(link.fileno(), 0 if self._foreground_thread is not None else select.EPOLLIN)
 
     def _read(self, link: _Link) -> Any | None:
         """The next message on `link`, or None (a frame that failed verification, or the
@@ -370,6 +376,19 @@ class KernelChannels:
             self._foreground.close()
         os.close(self._wake_read)
         os.close(self._wake_write)
+
+
+class _ReadingHere:
+    """The context of `KernelChannels.reading_here` (a class: entered on every request)."""
+
+    def __init__(self, channels: KernelChannels) -> None:
+        self._channels = channels
+
+    def __enter__(self) -> None:
+        self._channels._take_reading()
+
+    def __exit__(self, *exc_info) -> None:
+        self._channels._give_reading_back()
 
 
 def _drain(fd: int) -> None:

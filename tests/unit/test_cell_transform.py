@@ -51,3 +51,13 @@ def test_a_registered_transformer_disables_the_short_way(shell):
         assert not _is_plain_python(shell, "x = 1")
     finally:
         shell.input_transformers_cleanup.remove(upper)
+
+
+def test_ranks_name_cells_as_ipython_does_when_a_cell_runs_again():
+    from IPython.core.compilerop import CachingCompiler
+
+    from fsdp2nb.worker.shell import _RankCompiler
+
+    ours, ipython = _RankCompiler(), CachingCompiler()
+    for code, number in [("pass\n", 3), ("pass\n", 4), ("x = 1\n", 5), ("pass\n", 12), ("pass\n", 0)]:
+        assert ours.get_code_name(code, code, number) == ipython.get_code_name(code, code, number)
