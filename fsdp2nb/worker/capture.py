@@ -8,18 +8,15 @@ written before the call has been forwarded, so a `CellFinished` can never overta
 
 from __future__ import annotations
 
-import array
 import codecs
 import contextlib
-import fcntl
 import io
 import os
 import secrets
 import select
 import sys
-import termios
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
 from fsdp2nb.pool.sigint import sigint_deferred
@@ -50,17 +47,6 @@ class FdCapture:
         self._thread = threading.Thread(target=self._forward, args=(read_end,), daemon=True,
                                         name=f"fsdp2nb-capture-{fd}")
         self._thread.start()
-
-    def has_unforwarded_output(self) -> bool:
-        """Whether anything written so far may not have been forwarded yet.
-
-        The reader marks itself busy before it takes bytes out of the pipe and clears the mark
-        after forwarding them, so "pipe empty and reader not busy" means everything is through,
-        and an empty cell needs no marker round trip.
-        """
-        pending = array.array("i", [0])
-        fcntl.ioctl(self._read_end, termios.FIONREAD, pending)
-        return pending[0] > 0 or self._busy
 
     def begin_sync(self) -> int:
         """Write a marker after everything written so far; `end_sync` waits until it is seen."""
@@ -108,6 +94,29 @@ class FdCapture:
         if text:
             with contextlib.suppress(OSError):
                 self._on_text(text)
+
+
+class OutputSync:
+    """Makes sure everything written to the captured descriptors so far has been forwarded.
+
+    A reader marks itself busy before it takes bytes out of its pipe and clears the mark after
+    forwarding them, so "pipe empty and reader not busy" means everything is through: an empty
+    cell needs no marker round trip, and one poll tells which pipes still hold bytes.
+    """
+
+    def __init__(self, captures: Iterable[FdCapture]) -> None:
+        self._captures = {capture._read_end: capture for capture in captures}
+        self._poller = select.poll()
+        for read_end in self._captures:
+            self._poller.register(read_end, select.POLLIN)
+
+    def sync(self) -> None:
+        holding = {fd for fd, _ in self._poller.poll(0)}
+        # Markers into every pipe first, then the waits: the pipes drain in parallel.
+        targets = [(capture, capture.begin_sync()) for read_end, capture in self._captures.items()
+                   if read_end in holding or capture._busy]
+        for capture, target in targets:
+            capture.end_sync(target)
 
 
 def _partial_marker_length(buffer: bytes, marker: bytes) -> int:

@@ -38,7 +38,7 @@ from fsdp2nb.pool.protocol import (
 )
 from fsdp2nb.pool.sigint import SigintGate, sigint_deferred
 from fsdp2nb.pool.transport import RankChannels, Signer
-from fsdp2nb.worker.capture import FdCapture, write_through_streams
+from fsdp2nb.worker.capture import FdCapture, OutputSync, write_through_streams
 from fsdp2nb.worker.sampler import ResourceSampler, loaded_checkpointer
 
 _CONTROL_POLL_MS = 200
@@ -74,6 +74,7 @@ class Rank:
             "stdout": FdCapture(1, lambda text: self._send_stream("stdout", text), self._log, pipes.get(1)),
             "stderr": FdCapture(2, lambda text: self._send_stream("stderr", text), self._log, pipes.get(2)),
         }
+        self._output_sync = OutputSync(self._captures.values())
         write_through_streams()
         signal.signal(signal.SIGINT, SigintGate(self._on_sigint))
 
@@ -256,11 +257,7 @@ class Rank:
                                              metadata=metadata))
 
     def _sync_output(self) -> None:
-        # Both markers first, then both waits: the two pipes drain in parallel.
-        targets = [(capture, capture.begin_sync()) for capture in self._captures.values()
-                   if capture.has_unforwarded_output()]
-        for capture, target in targets:
-            capture.end_sync(target)
+        self._output_sync.sync()
 
     def close(self) -> None:
         self._sampler.stop()
