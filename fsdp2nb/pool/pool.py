@@ -1,9 +1,10 @@
 """The kernel's handle on a pool of ranks: start, send requests, receive events, stop.
 
-A receiver thread drains the event socket at all times, so snapshots keep flowing between
-cells and a rank's output never backs up while the notebook is idle. Cell events go to a queue
-that the cell currently running consumes; snapshots update `snapshots` in place; what ranks'
-own threads print between cells is held, bounded, for the next cell.
+Events never wait unread: between requests a receiver thread drains them, so snapshots keep
+flowing and a rank's output never backs up while the notebook is idle; while a request runs,
+the thread waiting for it reads them itself. Cell events go to a queue that the running cell
+consumes; snapshots update `snapshots` in place; what ranks' own threads print between cells
+is held, bounded, for the next cell.
 """
 
 from __future__ import annotations

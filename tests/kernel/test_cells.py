@@ -233,3 +233,18 @@ def test_output_of_a_rank_thread_between_cells_comes_with_the_next_cell(kernel):
     assert "[0] (outside a cell) late 0\n" in run.stdout and "[1] (outside a cell) late 1\n" in run.stdout
     assert run.stdout.index("outside a cell") < run.stdout.index("[all] cell")
     assert [d["data"]["text/html"] for d in run.displays] == ["<b>from a thread</b>"]
+
+
+def test_rank_snapshots_reach_listeners_while_a_cell_runs(kernel):
+    # While a cell runs, the thread waiting for it reads the ranks' events: it must deliver
+    # snapshots too, or a live memory view would freeze for as long as training runs.
+    setup = ("import time, fsdp2nb\n"
+             "_seen = []\n"
+             "fsdp2nb._session.pool.snapshot_listeners.append(lambda s: _seen.append((time.monotonic(), s.rank)))")
+    assert kernel.execute(setup).status == "ok"
+    run = kernel.execute("_began = time.monotonic()\n"
+                         "get_ipython().run_cell_magic('fsdp2', '', 'import time\\ntime.sleep(2)')\n"
+                         "_ended = time.monotonic()\n"
+                         "print(sorted({rank for at, rank in _seen if _began < at < _ended}))")
+    assert run.status == "ok", run.traceback_text
+    assert run.stdout.strip().splitlines()[-1] == "[0, 1]"
