@@ -59,6 +59,7 @@ class Signer:
             raise ValueError(f"the pool key must have at least {KEY_BYTES} bytes, got {len(key)}")
         self._mac = HmacSha256(key)
         self.num_rejected = 0
+        self.num_undecodable = 0
 
     def pack(self, message: Any) -> bytes:
         tag = _WIRE_TAGS.get(type(message))
@@ -67,14 +68,20 @@ class Signer:
         return self._mac.sign(payload) + payload
 
     def unpack(self, frame: bytes) -> Any | None:
-        """The message, or None when the frame is malformed or its signature is wrong."""
+        """The message, or None when the frame is malformed, its signature is wrong or it does
+        not decode here."""
         signature, payload = frame[:_SIGNATURE_BYTES], frame[_SIGNATURE_BYTES:]
         if len(frame) <= _SIGNATURE_BYTES or not hmac.compare_digest(signature, self._mac.sign(payload)):
             self.num_rejected += 1
             logger.warning("dropped a message that failed signature verification")
             return None
-        tag, content = pickle.loads(payload)
-        return content if tag is None else _rebuild(tag, content)
+        try:
+            tag, content = pickle.loads(payload)
+            return content if tag is None else _rebuild(tag, content)
+        except Exception:  # signed by the other end, but not something this end can rebuild
+            self.num_undecodable += 1  # (e.g. a display whose metadata holds a rank-only class)
+            logger.exception("dropped a signed message that could not be decoded")
+            return None
 
 
 class HmacSha256:
@@ -211,6 +218,8 @@ class KernelChannels:
         """The thread inside `reading_here()`, if any."""
         self._read_lock = threading.Lock()
         """Held while frames are read and delivered, and while the reader changes hands."""
+        self._handoffs = 0
+        """How often reading changed hands: a reader's wait that spans a change is stale."""
         self._readers: dict[int, _Link] = {}
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -266,11 +275,13 @@ class KernelChannels:
         with self._read_lock:
             self._register_new_links()
             self._foreground_thread = threading.get_ident()
+            self._handoffs += 1
             self._switch_background(0)
 
     def _give_reading_back(self) -> None:
         with self._read_lock:
             self._foreground_thread = None
+            self._handoffs += 1
             if not self._closed:
                 self._switch_background(select.EPOLLIN)
 
@@ -283,21 +294,30 @@ class KernelChannels:
             with self._read_lock:
                 if not self._closed:
                     self._register_new_links()
-        try:
-            ready = epoll.poll(timeout_ms / 1000)
-        except (OSError, ValueError):  # closed under us by close()
-            return
+        handoffs = self._handoffs
+        ready = self._wait_ready(epoll, timeout_ms)
         with self._read_lock:
-            if self._closed or (epoll is self._background and self._foreground_thread is not None):
-                return  # the other reader took over while this one waited
+            if self._closed:
+                return
+            if self._handoffs != handoffs:
+                # Reading changed hands while this reader waited: what it saw ready may have been
+                # read since, and a link without a frame would block the read (lock held).
+                ready = [(fd, event) for fd, event in ready if self._readers.get(fd) is None]
             for fd, _ in ready:
                 link = self._readers.get(fd)
-                if link is None:
+                if link is None:  # the accepting thread's wake-up: new links are registered next call
                     _drain(self._wake_read)
-                    continue
-                message = self._read(link)
-                if message is not None:
-                    deliver(message)
+                elif epoll is self._foreground or self._foreground_thread is None:
+                    message = self._read(link)
+                    if message is not None:
+                        deliver(message)
+
+    def _wait_ready(self, epoll: select.epoll, timeout_ms: int) -> list[tuple[int, int]]:
+        """The (fd, event) pairs ready within `timeout_ms`; none once the channels are closed."""
+        try:
+            return epoll.poll(timeout_ms / 1000)
+        except (OSError, ValueError):  # closed under us by close()
+            return []
 
     def _register_new_links(self) -> None:
         """Called with the read lock held."""

@@ -107,11 +107,13 @@ class OutputSync:
     def __init__(self, captures: Iterable[FdCapture]) -> None:
         self._captures = {capture._read_end: capture for capture in captures}
         self._poller = select.poll()
-        for read_end in self._captures:
+        self._poller_lock = threading.Lock()  # a display() from any thread syncs too, and one
+        for read_end in self._captures:      # poll object refuses two threads at once
             self._poller.register(read_end, select.POLLIN)
 
     def sync(self) -> None:
-        holding = {fd for fd, _ in self._poller.poll(0)}
+        with self._poller_lock:
+            holding = {fd for fd, _ in self._poller.poll(0)}
         # Markers into every pipe first, then the waits: the pipes drain in parallel.
         targets = [(capture, capture.begin_sync()) for read_end, capture in self._captures.items()
                    if read_end in holding or capture._busy]

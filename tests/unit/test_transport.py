@@ -138,3 +138,124 @@ def test_signatures_are_standard_hmac_sha256(key):
     mac = HmacSha256(key)
     for payload in (b"", b"x", bytes(range(256)) * 100):
         assert mac.sign(payload) == hmac.new(key, payload, hashlib.sha256).digest()
+
+
+class _Channels:
+    """A kernel end and one rank's end on a socket in `directory`, with a background reader."""
+
+    def __init__(self, directory, kernel_class=None) -> None:
+        import threading
+
+        from fsdp2nb.pool.transport import KernelChannels, RankChannels
+
+        self.signer = Signer(b"k" * KEY_BYTES)
+        self.address = str(directory / "pool.sock")
+        self.kernel = (kernel_class or KernelChannels)(self.signer, self.address)
+        self.rank = RankChannels(self.signer, self.address, rank=0)
+        self.background: list[str] = []
+        self.background_passes = 0
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read_in_background)
+        self._reader.start()
+
+    def _read_in_background(self) -> None:
+        while not self._stop.is_set():
+            self.kernel.receive(20, lambda message: self.background.append(message.text))
+            self.background_passes += 1
+
+    def send(self, text: str) -> None:
+        from fsdp2nb.pool.protocol import StreamOutput
+
+        self.rank.send_event(StreamOutput(rank=0, cell_id=1, stream="stdout", text=text))
+
+    def close(self) -> None:
+        self.rank.close()  # first: ends a read that waits on the rank
+        self._stop.set()
+        self._reader.join()
+        self.kernel.close()
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_connection_made_while_another_thread_reads_does_not_wake_the_background_reader_for_good(tmp_path):
+    import time
+
+    from fsdp2nb.pool.transport import RankChannels
+
+    channels = _Channels(tmp_path)
+    try:
+        assert _wait_until(lambda: channels.background_passes > 0)
+        with channels.kernel.reading_here():
+            newcomer = RankChannels(channels.signer, channels.address, rank=1)  # wakes the background
+            passes = channels.background_passes
+            time.sleep(0.5)
+            # 20 ms waits give about 25 passes; a reader woken for good would make thousands
+            assert channels.background_passes - passes < 100
+            newcomer.send_event(__import__("fsdp2nb.pool.protocol").pool.protocol.StreamOutput(
+                rank=1, cell_id=1, stream="stdout", text="new"))
+            here: list[str] = []
+            assert _wait_until(lambda: channels.kernel.receive_here(100, lambda m: here.append(m.text)) or here)
+            assert here == ["new"]
+        newcomer.close()
+    finally:
+        channels.close()
+
+
+def test_a_background_wait_that_spans_a_handoff_does_not_read_a_link_emptied_meanwhile(tmp_path):
+    import threading
+    import time
+
+    from fsdp2nb.pool.transport import KernelChannels
+
+    class SlowToResume(KernelChannels):
+        """The background reader loses the CPU between its wait and its read, on request."""
+
+        delay_s = 0.0
+
+        def _wait_ready(self, epoll, timeout_ms):
+            ready = super()._wait_ready(epoll, timeout_ms)
+            if ready and epoll is self._background:
+                time.sleep(self.delay_s)
+            return ready
+
+    channels = _Channels(tmp_path, SlowToResume)
+    try:
+        assert _wait_until(lambda: channels.background_passes > 0)
+        channels.kernel.delay_s = 0.3
+        channels.send("a")
+        time.sleep(0.05)  # the background reader saw it ready and is held up
+        here: list[str] = []
+        with channels.kernel.reading_here():
+            assert _wait_until(lambda: channels.kernel.receive_here(100, lambda m: here.append(m.text)) or here)
+        time.sleep(0.4)  # the background reader resumes with what it saw before the handoff
+        entered = threading.Event()
+
+        def next_request() -> None:
+            with channels.kernel.reading_here():
+                entered.set()
+
+        threading.Thread(target=next_request, daemon=True).start()
+        assert entered.wait(5), "the next request could not take over reading"
+        assert here == ["a"] and channels.background == []
+    finally:
+        channels.close()
+
+
+def test_a_signed_message_that_does_not_decode_is_dropped_not_raised():
+    signer = Signer(b"k" * KEY_BYTES)
+    frame = signer.pack(_Present())
+    frame = frame[:32] + frame[32:].replace(b"_Present", b"_Missing")  # a class this end lacks
+    frame = signer._mac.sign(frame[32:]) + frame[32:]
+    assert signer.unpack(frame) is None
+    assert signer.num_undecodable == 1 and signer.num_rejected == 0
+
+
+class _Present:
+    """Stands for a class that only the sending end can import."""

@@ -1,0 +1,33 @@
+import os
+import threading
+
+from fsdp2nb.worker.capture import FdCapture, OutputSync
+
+
+def test_output_is_synced_from_several_threads_at_once(tmp_path):
+    # A rank syncs before each reply on its main thread, and before each display() on whatever
+    # thread displays: both may run together.
+    fd = os.open(os.devnull, os.O_WRONLY)
+    forwarded: list[str] = []
+    with open(tmp_path / "rank.log", "ab", buffering=0) as log:
+        sync = OutputSync([FdCapture(fd, forwarded.append, log)])
+        errors: list[BaseException] = []
+
+        def print_and_sync(name: str) -> None:
+            try:
+                for i in range(20_000):
+                    if i % 1000 == 0:
+                        os.write(fd, f"{name} {i}\n".encode())
+                    sync.sync()
+            except BaseException as error:  # noqa: BLE001 - any failure is the finding
+                errors.append(error)
+
+        threads = [threading.Thread(target=print_and_sync, args=(name,)) for name in ("a", "b")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        os.close(fd)
+    assert errors == []
+    lines = "".join(forwarded).splitlines()
+    assert sorted(lines) == sorted(f"{name} {i}" for name in "ab" for i in range(0, 20_000, 1000))
