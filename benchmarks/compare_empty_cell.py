@@ -18,22 +18,14 @@ import sys
 import tempfile
 import time
 
-from jupyter_client.manager import KernelManager
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from tests.kernel.client import Kernel  # noqa: E402
 
 
-class KernelOnTree(Kernel):
+def kernel_on_tree(source_root: str) -> Kernel:
     """A kernel that imports fsdp2nb from `source_root` (through PYTHONPATH, from a neutral cwd)."""
-
-    def __init__(self, source_root: str) -> None:
-        self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel(env={**os.environ, "PYTHONPATH": source_root}, cwd=tempfile.gettempdir())
-        self.client = self.manager.blocking_client()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
+    return Kernel(env={"PYTHONPATH": source_root}, cwd=tempfile.gettempdir())
 
 
 def extract_revision(revision: str, into: str) -> None:
@@ -57,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as earlier:
         extract_revision(args.revision, earlier)
-        kernels = {args.revision: KernelOnTree(earlier), "working tree": KernelOnTree(ROOT)}
+        kernels = {args.revision: kernel_on_tree(earlier), "working tree": kernel_on_tree(ROOT)}
         try:
             for kernel in kernels.values():
                 kernel.execute("%load_ext fsdp2nb")

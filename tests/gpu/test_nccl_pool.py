@@ -94,3 +94,16 @@ def test_cold_checkpoint_loads_with_direct_reads_and_async_save_restores_on_gpus
     assert run.status == "ok", run.traceback_text
     assert "[all] restored True" in run.stdout
     assert "direct True" in run.stdout
+
+
+def test_cuda_initialised_in_the_kernel_does_not_reach_the_ranks():
+    # Ranks are fresh processes, not forks of the kernel: CUDA state in the kernel must not matter.
+    kernel = Kernel()
+    try:
+        kernel.execute("%load_ext fsdp2nb")
+        assert kernel.execute("import torch\nx = torch.ones(1, device='cuda')\nprint(x.item())").stdout == "1.0\n"
+        run = kernel.execute("%%fsdp2 --gpus 1\ny = torch.ones(1, device=device) * 3\nprint(y.item(), device)")
+        assert run.status == "ok", run.traceback_text
+        assert run.stdout == "3.0 cuda:0\n"
+    finally:
+        kernel.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -43,12 +44,19 @@ class CellRun:
         return [m["content"] for m in self.messages if m["msg_type"] in ("display_data", "execute_result")]
 
 
-class Kernel:
-    """A started kernel with a blocking client; `stop()` shuts it down."""
+WITHOUT_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+"""For kernels of CPU tests: their expectations (`--gpus` refused for want of CUDA, pools on
+CPU ranks by default) must hold on a machine with GPUs too."""
 
-    def __init__(self) -> None:
+
+class Kernel:
+    """A started kernel with a blocking client; `stop()` shuts it down.
+
+    `env` adds to (or overrides) this process's environment for the kernel and its ranks."""
+
+    def __init__(self, env: dict[str, str] | None = None, cwd: str | None = None) -> None:
         self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel()
+        self.manager.start_kernel(env={**os.environ, **(env or {})}, cwd=cwd)
         self.client = self.manager.blocking_client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)

@@ -1,12 +1,12 @@
 import pytest
 
-from tests.kernel.client import Kernel
+from tests.kernel.client import WITHOUT_GPUS, Kernel
 
 
 @pytest.fixture(scope="module")
 def kernel():
     """A real ipykernel with the extension loaded and a 2-rank CPU pool running."""
-    k = Kernel()
+    k = Kernel(env=WITHOUT_GPUS)
     assert k.execute("%load_ext fsdp2nb").status == "ok"
     run = k.execute("%fsdp2 start --cpu 2")
     assert run.status == "ok", run.traceback_text

@@ -29,6 +29,12 @@ def test_os_exit_reports_the_exit_code(kernel):
     assert run.status == "error" and "exit code 7" in run.traceback_text
 
 
+def test_segfault_reports_the_signal(kernel):
+    run = kernel.execute("%%fsdp2 --ranks 1\nimport ctypes\nctypes.string_at(0)", timeout=120)
+    assert run.status == "error" and "rank 1" in run.traceback_text and "SIGSEGV" in run.traceback_text
+    assert kernel.execute("%%fsdp2\nprint('fresh')").stdout == "[all] fresh\n"
+
+
 def test_rank_ignoring_the_interrupt_gets_the_pool_restarted(kernel):
     code = ("%%fsdp2\nimport signal, time\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
             "print('waiting', flush=True)\ntime.sleep(120)")

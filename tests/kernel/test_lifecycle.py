@@ -6,7 +6,7 @@ import signal
 import psutil
 import pytest
 
-from tests.kernel.client import Kernel
+from tests.kernel.client import WITHOUT_GPUS, Kernel
 
 BAD_INPUTS = [
     ("%%fsdp2 --frobnicate\n1", "unrecognized arguments"),
@@ -28,7 +28,7 @@ BAD_INPUTS = [
 
 @pytest.fixture(scope="module")
 def bare_kernel():
-    k = Kernel()
+    k = Kernel(env=WITHOUT_GPUS)
     assert k.execute("%load_ext fsdp2nb").status == "ok"
     yield k
     k.stop()
@@ -59,7 +59,7 @@ def _wait_gone(processes: list[psutil.Process], timeout_s: float = 10) -> list[p
 
 
 def test_four_ranks_merge_lines_and_listen_only_on_loopback():
-    kernel = Kernel()
+    kernel = Kernel(env=WITHOUT_GPUS)
     try:
         kernel.execute("%load_ext fsdp2nb")
         run = kernel.execute("%%fsdp2 --cpu 4\nprint('hello from', 'even' if rank % 2 == 0 else 'odd')\n"
@@ -79,9 +79,54 @@ def test_four_ranks_merge_lines_and_listen_only_on_loopback():
         kernel.stop()
 
 
-@pytest.mark.parametrize("how", ["shutdown", "sigkill"])
+RUNNING_POOL_BAD_INPUTS = [(code, message) for code, message in BAD_INPUTS if "no pool is running" not in message]
+
+
+def _pool_state(kernel: Kernel) -> tuple[list[int], str]:
+    """The ranks' pids as the status table shows them, and what `kept` holds on each rank."""
+    table = kernel.execute("%fsdp2 status").stdout.splitlines()
+    pids = [int(line.split()[1]) for line in table[2:]]
+    return pids, kernel.execute("%%fsdp2\nprint(kept)").stdout
+
+
+def test_bad_input_leaves_a_running_pool_and_its_state_alone(kernel):
+    assert kernel.execute("%%fsdp2\nkept = rank + 40").status == "ok"
+    before = _pool_state(kernel)
+    assert before[1] == "[0] 40\n[1] 41\n" and len(before[0]) == 2
+    for code, message in RUNNING_POOL_BAD_INPUTS:
+        run = kernel.execute(code)
+        usage = [line for line in run.stderr.splitlines() if line.startswith("UsageError")]
+        assert run.status == "error" and len(usage) == 1 and message in usage[0], (code, run.stderr)
+    assert _pool_state(kernel) == before
+
+
+def test_status_has_a_row_per_rank_and_help_shows_examples(kernel):
+    table = kernel.execute("%fsdp2 status").stdout.splitlines()
+    assert table[0].startswith("pool --cpu 2 (ready)")
+    assert table[1].split() == ["rank", "pid", "device", "state", "rss", "device", "memory"]
+    assert [row.split()[:4:2] for row in table[2:]] == [["0", "cpu"], ["1", "cpu"]]
+    for asking in ("%fsdp2?", "%%fsdp2?"):
+        pages = kernel.execute(asking).reply["content"]["payload"]
+        text = "".join(page["data"]["text/plain"] for page in pages)
+        assert "%%fsdp2 --gpus 0,2,3" in text and "%fsdp2 pull loss --all" in text, asking
+
+
+def test_eight_ranks_printing_the_same_line_show_it_once():
+    kernel = Kernel(env=WITHOUT_GPUS)
+    try:
+        kernel.execute("%load_ext fsdp2nb")
+        run = kernel.execute("%%fsdp2 --cpu 8\nprint('step 1 loss 0.25')\nprint('rank', rank)", timeout=300)
+        assert run.status == "ok", run.traceback_text
+        lines = run.stdout.splitlines()
+        assert lines.count("[all] step 1 loss 0.25") == 1 and len(lines) == 9
+        assert {f"[{r}] rank {r}" for r in range(8)} <= set(lines)
+    finally:
+        kernel.stop()
+
+
+@pytest.mark.parametrize("how", ["shutdown", "restart", "sigkill"])
 def test_no_worker_survives_the_kernel(how):
-    kernel = Kernel()
+    kernel = Kernel(env=WITHOUT_GPUS)
     try:
         kernel.execute("%load_ext fsdp2nb")
         assert kernel.execute("%%fsdp2 --cpu 2\nx = 1").status == "ok"
@@ -89,6 +134,8 @@ def test_no_worker_survives_the_kernel(how):
         assert len(processes) == 3
         if how == "sigkill":
             os.kill(kernel.pid, signal.SIGKILL)
+        elif how == "restart":
+            kernel.manager.restart_kernel(now=False)
         else:
             kernel.manager.shutdown_kernel(now=False)
         assert not _wait_gone(processes), "pool processes outlived the kernel"
