@@ -312,8 +312,11 @@ class Checkpointer:
             with _in_flight_lock:
                 _in_flight.discard(job.tmp_dir)
             shutil.rmtree(job.tmp_dir, ignore_errors=True)
-            raise CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed: {describe(exc)}; "
-                                      f"{_NOTHING_LOST}") from exc
+            raise self._save_failed(job, exc) from exc
+
+    def _save_failed(self, job: _SaveJob, cause: BaseException) -> CheckpointSaveError:
+        return CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed: {describe(cause)}; "
+                                   f"{_NOTHING_LOST}")
 
     def maybe_save(self, step: int) -> bool:
         """The safe point for a save requested from the notebook; True when one was started.
@@ -406,8 +409,7 @@ class Checkpointer:
         try:
             all_ranks_succeeded(error, f"save of step {job.step}", self._bg_group)
         except (Exception, CheckpointException) as exc:
-            raise CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed: {describe(exc)}; "
-                                      f"{_NOTHING_LOST}") from exc
+            raise self._save_failed(job, exc) from exc
         try:
             on_rank0_agreed(lambda: self._commit(job, model), f"commit of step {job.step}", self._bg_group)
         except Exception as exc:

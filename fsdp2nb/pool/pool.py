@@ -271,8 +271,8 @@ class WorkerPool:
         while not self._stop_receiving.is_set():
             try:
                 self._channels.receive(_RECEIVE_POLL_MS, self._dispatch_safely)
-            except Exception:  # a frame that verified but does not decode: keep serving the others
-                logger.exception("fsdp2nb: failed to read an event from the ranks")
+            except Exception:  # nothing known raises here (bad frames are dropped, handlers guarded):
+                logger.exception("fsdp2nb: failed to read an event from the ranks")  # keep serving
 
     def _dispatch_safely(self, event: EventMessage) -> None:
         try:

@@ -141,7 +141,7 @@ class Rank:
                 return
             finished = self._run_request(request)
             with sigint_deferred():  # an interrupt now has nothing left to interrupt
-                self._sync_output()
+                self._output_sync.sync()
                 self._cell_id = None
                 self._channels.send_event(finished)
 
@@ -252,12 +252,9 @@ class Rank:
         self._channels.send_event(StreamOutput(rank=self.rank, cell_id=self._cell_id, stream=stream, text=text))
 
     def _send_rich(self, kind: RichKind, data: dict, metadata: dict) -> None:
-        self._sync_output()  # text printed before a display must reach the notebook first
+        self._output_sync.sync()  # text printed before a display must reach the notebook first
         self._channels.send_event(RichOutput(rank=self.rank, cell_id=self._cell_id, kind=kind, data=data,
                                              metadata=metadata))
-
-    def _sync_output(self) -> None:
-        self._output_sync.sync()
 
     def close(self) -> None:
         self._sampler.stop()

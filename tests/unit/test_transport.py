@@ -83,63 +83,6 @@ def test_a_closed_connection_ends_reading():
     receiver.close()
 
 
-def test_a_thread_reading_events_itself_takes_over_in_order_and_the_background_reader_sleeps(tmp_path):
-    import threading
-    import time
-
-    from fsdp2nb.pool.protocol import StreamOutput
-    from fsdp2nb.pool.transport import KernelChannels, RankChannels
-
-    signer = Signer(b"k" * KEY_BYTES)
-    kernel = KernelChannels(signer, str(tmp_path / "pool.sock"))
-    rank = RankChannels(signer, str(tmp_path / "pool.sock"), rank=0)
-    background, here, stop = [], [], threading.Event()
-
-    def read_in_background() -> None:
-        while not stop.is_set():
-            kernel.receive(20, lambda message: background.append(message.text))
-
-    reader = threading.Thread(target=read_in_background)
-    reader.start()
-    try:
-        def send(*texts: str) -> None:
-            for text in texts:
-                rank.send_event(StreamOutput(rank=0, cell_id=1, stream="stdout", text=text))
-
-        send("a", "b", "c")
-        with kernel.reading_here():
-            read_before = len(background)
-            send("d", "e")
-            deadline = time.monotonic() + 10
-            while len(background) + len(here) < 5 and time.monotonic() < deadline:
-                kernel.receive_here(100, lambda message: here.append(message.text))
-            time.sleep(0.1)  # the background reader had its chance to read something and did not
-            assert len(background) == read_before
-        assert background + here == ["a", "b", "c", "d", "e"]
-        send("f")
-        deadline = time.monotonic() + 10
-        while len(background) < read_before + 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert background[-1] == "f"  # reading went back to the background thread
-    finally:
-        stop.set()
-        reader.join()
-        rank.close()
-        kernel.close()
-
-
-@pytest.mark.parametrize("key", [b"k" * KEY_BYTES, bytes(range(64)), bytes(range(200))])
-def test_signatures_are_standard_hmac_sha256(key):
-    import hashlib
-    import hmac
-
-    from fsdp2nb.pool.transport import HmacSha256
-
-    mac = HmacSha256(key)
-    for payload in (b"", b"x", bytes(range(256)) * 100):
-        assert mac.sign(payload) == hmac.new(key, payload, hashlib.sha256).digest()
-
-
 class _Channels:
     """A kernel end and one rank's end on a socket in `directory`, with a background reader."""
 
@@ -184,9 +127,46 @@ def _wait_until(condition, timeout_s: float = 10.0) -> bool:
     return condition()
 
 
+def test_a_thread_reading_events_itself_takes_over_in_order_and_the_background_reader_sleeps(tmp_path):
+    import time
+
+    channels = _Channels(tmp_path)
+    here: list[str] = []
+    try:
+        for text in ("a", "b", "c"):
+            channels.send(text)
+        with channels.kernel.reading_here():
+            read_before = len(channels.background)
+            channels.send("d")
+            channels.send("e")
+            _wait_until(lambda: channels.kernel.receive_here(100, lambda m: here.append(m.text))
+                        or len(channels.background) + len(here) >= 5)
+            time.sleep(0.1)  # the background reader had its chance to read something and did not
+            assert len(channels.background) == read_before
+        assert channels.background + here == ["a", "b", "c", "d", "e"]
+        channels.send("f")
+        _wait_until(lambda: len(channels.background) > read_before)
+        assert channels.background[-1] == "f"  # reading went back to the background thread
+    finally:
+        channels.close()
+
+
+@pytest.mark.parametrize("key", [b"k" * KEY_BYTES, bytes(range(64)), bytes(range(200))])
+def test_signatures_are_standard_hmac_sha256(key):
+    import hashlib
+    import hmac
+
+    from fsdp2nb.pool.transport import HmacSha256
+
+    mac = HmacSha256(key)
+    for payload in (b"", b"x", bytes(range(256)) * 100):
+        assert mac.sign(payload) == hmac.new(key, payload, hashlib.sha256).digest()
+
+
 def test_a_connection_made_while_another_thread_reads_does_not_wake_the_background_reader_for_good(tmp_path):
     import time
 
+    from fsdp2nb.pool.protocol import StreamOutput
     from fsdp2nb.pool.transport import RankChannels
 
     channels = _Channels(tmp_path)
@@ -198,8 +178,7 @@ def test_a_connection_made_while_another_thread_reads_does_not_wake_the_backgrou
             time.sleep(0.5)
             # 20 ms waits give about 25 passes; a reader woken for good would make thousands
             assert channels.background_passes - passes < 100
-            newcomer.send_event(__import__("fsdp2nb.pool.protocol").pool.protocol.StreamOutput(
-                rank=1, cell_id=1, stream="stdout", text="new"))
+            newcomer.send_event(StreamOutput(rank=1, cell_id=1, stream="stdout", text="new"))
             here: list[str] = []
             assert _wait_until(lambda: channels.kernel.receive_here(100, lambda m: here.append(m.text)) or here)
             assert here == ["new"]
