@@ -1,10 +1,26 @@
 #!/usr/bin/env bash
-# GPU checks for a machine with CUDA: the GPU-marked tests (NCCL pool, device assignment, direct
-# reads of a cold checkpoint onto GPUs, async save with pinned staging and resume, the
-# engine in bf16 and with offloaded parameters), then the pool benchmark. Prints what it measured.
-set -euo pipefail
+# GPU checks on a machine with CUDA: the GPU-marked tests (NCCL pool, device choice, direct reads
+# onto GPUs, async save with pinned staging and resume, bf16 and offloaded parameters), then
+# benchmarks/bench_gpu.py. Everything is written to $OUT (default
+# gpu-check-out/) and printed.
+# Where .whl/ holds wheels (a lent GPU machine reaches no registry), the machine's own python3 and
+# torch are used with those wheels on PYTHONPATH; otherwise the project's .venv.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || bash scripts/setup_venv.sh .venv
-nvidia-smi -L
-.venv/bin/python -m pytest -q -m gpu tests/gpu
-.venv/bin/python benchmarks/bench_pool.py --runs 50 --starts 2
+out=${OUT:-gpu-check-out}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  site=/tmp/fsdp2nb-site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+  export PYTHONPATH="$site:$PWD"
+  py=python3
+else
+  [ -x .venv/bin/python ] || bash scripts/setup_venv.sh .venv
+  py=.venv/bin/python
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+{ nvidia-smi -L; nproc; "$py" -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"; } 2>&1 | tee "$out/env.txt"
+status=0
+timeout "${GPU_TESTS_S:-220}" "$py" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -o timeout=150 2>&1 | tee "$out/gpu_tests.txt" || status=1
+timeout "${GPU_BENCH_S:-320}" "$py" -m benchmarks.bench_gpu ${BENCH_GPU_ARGS:-} --json "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.txt" || status=1
+exit $status

@@ -5,11 +5,13 @@ backward only read parameters and optimizer state, so they overlap the copy, and
 step, the first thing that writes them, waits for it (`Checkpointer` gates it with a step
 pre-hook).
 
-On CPU the copy goes into buffers kept from one save to the next: allocating (and page-faulting)
+The copy goes into host buffers kept from one save to the next: allocating (and page-faulting)
 fresh memory every save costs several times the copy itself. The DTensor wrapping a buffer is kept
 too: rebuilding ~200 of them costs as much as the copy on a small model. A buffer is reused only
 after the save that used it has finished, which `Checkpointer.save` guarantees by waiting first.
-On GPU, DCP's DefaultStager copies through pinned host memory.
+GPU tensors are copied into pinned buffers on a side stream that first waits for the work queued
+before the save, so the copy overlaps the next forward and backward. (DCP's DefaultStager deep-
+copies the whole state dict instead, and in torch 2.11 fails on a state holding a class object.)
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 
 class ReusedBufferStager(AsyncStager):
-    """Copies CPU state into buffers cached by key path; DTensors keep their mesh and placements."""
+    """Copies state into host buffers cached by key path (pinned for GPU tensors); DTensors keep
+    their mesh and placements."""
 
     _synchronize_after_execute = False
 
@@ -32,9 +35,23 @@ class ReusedBufferStager(AsyncStager):
         self._buffers: dict[str, torch.Tensor] = {}
         self._wrappers: dict[str, DTensor] = {}
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="fsdp2nb-stage")
+        self._stream: torch.cuda.Stream | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]]:
-        return self._copier.submit(self._copy, state_dict, "")
+        ready = _queued_gpu_work()
+        return self._copier.submit(self._copy_all, state_dict, ready)
+
+    def _copy_all(self, state_dict: dict[str, Any], ready: tuple[int, torch.cuda.Event] | None) -> dict[str, Any]:
+        if ready is None:
+            return self._copy(state_dict, "")
+        device, queued = ready
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(self._stream):
+            self._stream.wait_event(queued)  # what was queued before save() (the last step) lands first
+            staged = self._copy(state_dict, "")
+        self._stream.synchronize()  # the non-blocking copies are in the buffers once this returns
+        return staged
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
@@ -66,15 +83,22 @@ class ReusedBufferStager(AsyncStager):
 
     def _buffer(self, path: str, source: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(path)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+        pinned = source.is_cuda  # pinned host memory lets the copy run without blocking the stream
+        if (buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype
+                or (pinned and not buffer.is_pinned())):
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pinned)
             self._buffers[path] = buffer
-        return buffer.copy_(source.detach())
+        return buffer.copy_(source.detach(), non_blocking=pinned)
 
 
 def make_stager() -> AsyncStager:
-    """The stager for this machine: reused CPU buffers, or pinned-memory staging when CUDA is present."""
-    if torch.cuda.is_available():
-        return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                            use_async_staging=True, use_non_blocking_copy=True))
+    """The stager of async saves: reused host buffers, pinned for GPU tensors."""
     return ReusedBufferStager()
+
+
+def _queued_gpu_work() -> tuple[int, torch.cuda.Event] | None:
+    """This thread's GPU and an event after the work queued so far on its current stream; None
+    where CUDA is not in use."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return torch.cuda.current_device(), torch.cuda.current_stream().record_event()

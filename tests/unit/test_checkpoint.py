@@ -400,3 +400,16 @@ def test_status_lists_the_directory_again_only_after_it_changed(tmp_path, traine
         status = ckpt.status()
         assert status.latest_step == 2 and [e.step for e in status.entries] == [1, 2]
         assert len(listings) == 1
+
+
+def test_staging_copies_tensors_and_keeps_other_values_such_as_classes():
+    # DCP's DefaultStager (torch 2.11) failed on a class object in the state; ours keeps it.
+    stager = ReusedBufferStager()
+    try:
+        weight = torch.arange(6.0)
+        staged = stager.stage({"model": {"w": weight}, "extra": {"kind": torch.nn.Linear, "step": 3}}).result()
+        weight.add_(1)  # the staged copy must not follow later writes
+        assert torch.equal(staged["model"]["w"], torch.arange(6.0))
+        assert staged["extra"] == {"kind": torch.nn.Linear, "step": 3}
+    finally:
+        stager.close()
