@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import psutil
 
-from fsdp2nb.pool.protocol import CheckpointView, RankSnapshot
+from fsdp2nb.pool.protocol import CheckpointStep, CheckpointView, RankSnapshot
+from fsdp2nb.worker.metrics import process_metrics
 
 SAMPLE_INTERVAL_S = 0.5
 
@@ -26,6 +27,7 @@ class ResourceSampler:
         self._interval_s = interval_s
         self._process = psutil.Process()
         self._stopped = threading.Event()
+        self._rss_peak = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name="fsdp2nb-sampler")
 
     def start(self) -> None:
@@ -35,11 +37,22 @@ class ResourceSampler:
     def stop(self) -> None:
         self._stopped.set()
 
+    def reset_peak(self) -> None:
+        """Start the peak readings afresh (RSS here, the CUDA allocator's peak on a GPU rank)."""
+        self._rss_peak = 0
+        if self._device.startswith("cuda"):
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(int(self._device.split(":")[1]))
+
     def sample(self) -> RankSnapshot:
+        rss = self._process.memory_info().rss
+        self._rss_peak = max(self._rss_peak, rss)
         return RankSnapshot(
             rank=self._rank, time=time.time(), busy=self._is_busy(),
-            rss_bytes=self._process.memory_info().rss, cpu_percent=self._process.cpu_percent(),
+            rss_bytes=rss, cpu_percent=self._process.cpu_percent(), rss_peak_bytes=self._rss_peak,
             checkpoint=_checkpoint_view() if self._rank == 0 else None, **_device_memory(self._device),
+            **_tracked_bytes(), metrics=process_metrics().drain(),
         )
 
     def _run(self) -> None:
@@ -77,7 +90,30 @@ def _checkpoint_view() -> CheckpointView | None:
     if tracked is None:
         return None
     status = tracked.status()
+    from fsdp2nb.checkpoint.requests import process_requests
+
+    entries = tuple(CheckpointStep(step=e.step, wall_time=e.wall_time, size_bytes=e.size_bytes,
+                                   world_size=e.world_size, valid=e.valid) for e in status.entries)
     return CheckpointView(directory=status.directory, latest_step=status.latest_step,
                           saving_step=status.saving_step, last_error=status.last_error,
                           steps=tuple(entry.step for entry in status.entries if entry.valid),
-                          blocked_s=status.blocked_s)
+                          blocked_s=status.blocked_s, entries=entries,
+                          requests_served=process_requests().served())
+
+
+def _tracked_bytes() -> dict[str, int]:
+    """Bytes of the tracked model's parameters, gradients and optimizer state on this rank."""
+    tracked = getattr(loaded_checkpointer(), "_tracked", None)
+    if tracked is None:
+        return {}
+    params = list(tracked.model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = list(tracked.optimizer.state.values()) if tracked.optimizer is not None else []
+    optimizer = [v for state in states for v in state.values() if hasattr(v, "element_size")]
+    return dict(param_bytes=_local_bytes(params), grad_bytes=_local_bytes(grads), optimizer_bytes=_local_bytes(optimizer))
+
+
+def _local_bytes(tensors: list) -> int:
+    """Bytes this rank holds: a DTensor counts its local shard, not the whole tensor."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local)
