@@ -1,0 +1,178 @@
+"""The dashboard's pieces as HTML (with inline SVG plots) and as plain text.
+
+Inline SVG in an HTML widget needs no plotting library in the kernel or a frontend extension,
+renders alike in JupyterLab, Notebook 7 and VS Code, and one plot is a string of a few
+kilobytes: an unchanged plot is an unchanged string, so nothing is sent for it.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+
+from fsdp2nb.pool.protocol import CheckpointStep, CheckpointView, MetricPoint
+from fsdp2nb.widgets.model import MemoryReading, RankRow
+
+_OK, _WARN, _PEAK, _RESERVED = "#3b82f6", "#dc2626", "#111827", "#bfdbfe"
+_STATE_COLOURS = {"idle": "#15803d", "busy": "#b45309", "dead": "#dc2626", "starting": "#6b7280",
+                  "stopped": "#6b7280"}
+SPARK_POINTS = 120
+
+
+def size(num_bytes: int) -> str:
+    """`512 MiB`, `1.5 GiB`: binary units, three significant figures."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+def memory_text(memory: MemoryReading | None) -> str:
+    """`1.2 GiB / 80 GiB (peak 3 GiB, reserved 2 GiB)`, or RSS for a CPU rank."""
+    if memory is None:
+        return "no reading yet"
+    total = f" / {size(memory.total)}" if memory.total else ""
+    if memory.kind == "gpu":
+        return (f"{size(memory.used)}{total} alloc · reserved {size(memory.reserved)} · "
+                f"peak {size(memory.peak)} · host RSS {size(memory.rss)}")
+    return f"RSS {size(memory.used)}{total} · peak {size(memory.peak)}"
+
+
+def tracked_text(memory: MemoryReading | None) -> str:
+    if memory is None or not any(memory.tracked):
+        return ""
+    params, grads, optimizer = memory.tracked
+    return f"params {size(params)} · grads {size(grads)} · optimizer {size(optimizer)}"
+
+
+def memory_bar(memory: MemoryReading | None, width: int = 180, height: int = 12) -> str:
+    """A bar of `used` (and `reserved`) against the total, red past 90%, a tick at the peak."""
+    if memory is None or not memory.total:
+        return f'<svg width="{width}" height="{height}"><rect width="{width}" height="{height}" fill="#e5e7eb"/></svg>'
+    x = lambda value: min(width, round(width * value / memory.total))  # noqa: E731
+    fill = _WARN if memory.warning else _OK
+    parts = [f'<rect width="{width}" height="{height}" fill="#e5e7eb" rx="2"/>',
+             f'<rect width="{x(memory.reserved)}" height="{height}" fill="{_RESERVED}" rx="2"/>',
+             f'<rect width="{x(memory.used)}" height="{height}" fill="{fill}" rx="2"/>']
+    if memory.peak:
+        parts.append(f'<rect x="{max(0, x(memory.peak) - 2)}" width="2" height="{height}" fill="{_PEAK}"/>')
+    return f'<svg width="{width}" height="{height}" class="fsdp2nb-bar">{"".join(parts)}</svg>'
+
+
+def sparkline(values: tuple[float, ...], width: int = 120, height: int = 22) -> str:
+    """The last minutes of memory as a line; each pixel column keeps its bucket's maximum, so a
+    short spike stays visible."""
+    values = _bucket_max(values, SPARK_POINTS)
+    if len(values) < 2:
+        return f'<svg width="{width}" height="{height}"></svg>'
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    step = width / (len(values) - 1)
+    points = " ".join(f"{i * step:.1f},{height - 2 - (v - low) / span * (height - 4):.1f}" for i, v in enumerate(values))
+    return (f'<svg width="{width}" height="{height}" class="fsdp2nb-spark"><polyline points="{points}" '
+            f'fill="none" stroke="#6b7280" stroke-width="1.2"/></svg>')
+
+
+def _bucket_max(values: tuple[float, ...], buckets: int) -> list[float]:
+    if len(values) <= buckets:
+        return list(values)
+    per = len(values) / buckets
+    return [max(values[int(i * per):max(int((i + 1) * per), int(i * per) + 1)]) for i in range(buckets)]
+
+
+_ROW_STYLE = "display:grid;grid-template-columns:56px 110px 130px 190px 130px 1fr;align-items:center;gap:8px"
+
+
+def rank_row_html(row: RankRow) -> str:
+    colour = _STATE_COLOURS.get(row.state, "#6b7280")
+    warn = ' style="color:#dc2626;font-weight:600"' if row.memory is not None and row.memory.warning else ""
+    tracked = tracked_text(row.memory)
+    return (f'<div class="fsdp2nb-rank" data-rank="{row.rank}" data-state="{row.state}" style="{_ROW_STYLE}">'
+            f'<b>rank {row.rank}</b>'
+            f'<span style="color:{colour}">● {html.escape(row.state_text)}</span>'
+            f'<span style="color:#6b7280">{html.escape(row.device)} · pid {row.pid or "-"}</span>'
+            f'{memory_bar(row.memory)}{sparkline(row.history)}'
+            f'<span class="fsdp2nb-mem"{warn}>{html.escape(memory_text(row.memory))}'
+            f'{"<br><small>" + html.escape(tracked) + "</small>" if tracked else ""}</span></div>')
+
+
+# --- training curves ----------------------------------------------------------------------------
+
+
+def metric_plot(points: list[MetricPoint], name: str, width: int = 520, height: int = 130) -> str:
+    """`name` against step, with the axes' ranges written at the corners."""
+    data = [(p.step, p.values[name]) for p in points if math.isfinite(p.values.get(name, math.nan))]
+    if not data:
+        return ('<div class="fsdp2nb-plot" data-points="0" style="color:#6b7280">no values logged yet: '
+                'call <code>fsdp2nb.log(step, loss=loss)</code> in the training loop</div>')
+    steps, values = [s for s, _ in data], [v for _, v in data]
+    x0, x1, y0, y1 = min(steps), max(steps), min(values), max(values)
+    sx = lambda s: 40 + (s - x0) / ((x1 - x0) or 1) * (width - 50)  # noqa: E731
+    sy = lambda v: 8 + (y1 - v) / ((y1 - y0) or 1) * (height - 26)  # noqa: E731
+    line = " ".join(f"{sx(s):.1f},{sy(v):.1f}" for s, v in data)
+    last = data[-1]
+    return (f'<div class="fsdp2nb-plot" data-points="{len(data)}"><svg width="{width}" height="{height}">'
+            f'<rect x="40" y="8" width="{width - 50}" height="{height - 26}" fill="#f9fafb" stroke="#e5e7eb"/>'
+            f'<polyline points="{line}" fill="none" stroke="{_OK}" stroke-width="1.5"/>'
+            f'<circle cx="{sx(last[0]):.1f}" cy="{sy(last[1]):.1f}" r="2.5" fill="{_OK}"/>'
+            f'<text x="36" y="16" font-size="10" text-anchor="end">{y1:.4g}</text>'
+            f'<text x="36" y="{height - 18}" font-size="10" text-anchor="end">{y0:.4g}</text>'
+            f'<text x="40" y="{height - 4}" font-size="10">step {x0}</text>'
+            f'<text x="{width - 10}" y="{height - 4}" font-size="10" text-anchor="end">step {x1}</text>'
+            f'</svg><br><small>{html.escape(name)} at step {last[0]}: {last[1]:.5g}</small></div>')
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+
+def checkpoint_label(entry: CheckpointStep, latest: int | None) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(entry.wall_time)) if entry.wall_time else "--:--:--"
+    world = f"{entry.world_size} ranks" if entry.world_size else "? ranks"
+    flags = (" LATEST" if entry.step == latest else "") + ("" if entry.valid else " (incomplete)")
+    return f"step {entry.step:>7} · {when} · {size(entry.size_bytes):>9} · {world}{flags}"
+
+
+def checkpoint_options(view: CheckpointView | None) -> list[tuple[str, int]]:
+    """(label, step) pairs, newest first, for the selection list."""
+    if view is None:
+        return []
+    return [(checkpoint_label(e, view.latest_step), e.step) for e in reversed(view.entries)]
+
+
+def checkpoint_header(view: CheckpointView | None) -> str:
+    if view is None:
+        return ('<span style="color:#6b7280">no tracked checkpointer: run '
+                '<code>fsdp2nb.Checkpointer(dir).track(model=..., optimizer=...)</code> on the ranks</span>')
+    saving = f" · saving step {view.saving_step}" if view.saving_step is not None else ""
+    latest = view.latest_step if view.latest_step is not None else "none"
+    return (f'<span class="fsdp2nb-ckpt-dir"><b>checkpoints</b> in <code>{html.escape(view.directory)}</code> · '
+            f'LATEST {latest}{saving}</span>')
+
+
+# --- text, where widgets cannot render ------------------------------------------------------------
+
+
+def text_tables(rows: list[RankRow], view: CheckpointView | None, pool_line: str) -> str:
+    lines = [pool_line, _table([("rank", "state", "device", "pid", "memory", "tracked")] + [
+        (str(r.rank), r.state_text, r.device, str(r.pid or "-"), memory_text(r.memory), tracked_text(r.memory) or "-")
+        for r in rows])]
+    if view is None:
+        lines.append("no tracked checkpointer")
+    else:
+        lines.append(f"checkpoints in {view.directory} (LATEST {view.latest_step})")
+        lines.append(_table([("step", "saved", "size", "ranks", "complete")] + [
+            (str(e.step) + (" LATEST" if e.step == view.latest_step else ""),
+             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.wall_time)) if e.wall_time else "-",
+             size(e.size_bytes), str(e.world_size or "-"), "yes" if e.valid else "no") for e in view.entries]))
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
