@@ -1,0 +1,157 @@
+"""The dashboard in a real ipykernel: what its comms send while a cell runs, and a click on a
+subshell (as JupyterLab sends it) served during a `%%fsdp2` training cell."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+import pytest
+
+from tests.kernel.client import WITHOUT_GPUS, Kernel
+
+SETUP = """%%fsdp2
+import time, fsdp2nb
+from torch.distributed.fsdp import fully_shard
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+ckpt = fsdp2nb.Checkpointer(ckpt_dir, keep=None).track(model=model, optimizer=optimizer)
+
+def train_step(step):
+    x = torch.randn(4, 16)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    fsdp2nb.log(step, loss=loss.item())
+    return loss.item()
+"""
+
+
+class Iopub:
+    """Every iopub message, whatever its parent (the dashboard's thread has none of ours)."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self.comms: dict[str, dict] = {}  # comm id -> last known state
+
+    def run(self, code: str, on_message=None, timeout: float = 180) -> list[dict]:
+        msg_id = self.kernel.client.execute(code)
+        seen, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                message = self.kernel.client.get_iopub_msg(timeout=1.0)
+            except queue.Empty:
+                continue
+            seen.append(message)
+            self._track(message)
+            if on_message is not None:
+                on_message(message)
+            if (message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "status"
+                    and message["content"]["execution_state"] == "idle"):
+                return seen
+        raise TimeoutError(f"no idle status within {timeout} s for {code[:60]!r}")
+
+    def _track(self, message: dict) -> None:
+        content = message["content"]
+        if message["msg_type"] == "comm_open":
+            self.comms[content["comm_id"]] = dict(content["data"].get("state", {}))
+        elif message["msg_type"] == "comm_msg" and content["data"].get("method") == "update":
+            self.comms.setdefault(content["comm_id"], {}).update(content["data"]["state"])
+
+    def comm_of(self, **state) -> str:
+        return next(cid for cid, known in self.comms.items() if all(known.get(k) == v for k, v in state.items()))
+
+
+@pytest.fixture(scope="module")
+def dash(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dashboard")
+    kernel = Kernel(env=WITHOUT_GPUS)
+    iopub = Iopub(kernel)
+    iopub.run(f"%load_ext fsdp2nb\nckpt_dir = {str(root / 'ckpt')!r}\nflag = {str(root / 'flag')!r}")
+    iopub.started = iopub.run("%fsdp2 start --cpu 2")
+    iopub.run("%fsdp2 push ckpt_dir flag")
+    setup = iopub.run(SETUP)
+    assert not [m for m in setup if m["msg_type"] == "error"], setup
+    iopub.root = root
+    yield iopub
+    kernel.stop()
+
+
+def test_start_shows_a_widget_with_a_text_fallback(dash):
+    displays = [m["content"]["data"] for m in dash.started if m["msg_type"] == "display_data"]
+    (shown,) = [d for d in displays if "application/vnd.jupyter.widget-view+json" in d]
+    text = shown["text/plain"]
+    assert "rank  state" in text and "\n0     " in text and "\n1     " in text
+    assert dash.comm_of(_model_name="ButtonModel", description="Save now")
+
+
+def test_rank_rows_update_while_a_cell_runs(dash):
+    """The cell runs until the test has seen a rank row say "busy" (or 60 s pass)."""
+    busy_seen = []
+
+    def on_message(message):
+        state = message["content"].get("data", {}).get("state", {}) if message["msg_type"] == "comm_msg" else {}
+        if 'data-state="busy"' in str(state.get("value", "")) and not busy_seen:
+            busy_seen.append(message)
+            open(dash.root / "flag", "w").close()
+
+    code = ("%%fsdp2\nimport os, time\ndeadline = time.monotonic() + 60\n"
+            "while not os.path.exists(flag) and time.monotonic() < deadline:\n    time.sleep(0.05)\n"
+            "print('flag seen' if os.path.exists(flag) else 'no flag')")
+    messages = dash.run(code, on_message=on_message)
+    os.remove(dash.root / "flag")
+    outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    assert busy_seen and "[all] flag seen" in outputs
+    assert messages.index(busy_seen[0]) < len(messages) - 1
+
+
+def _subshell(kernel: Kernel) -> str:
+    request = kernel.client.session.msg("create_subshell_request", {})
+    kernel.client.control_channel.send(request)
+    while True:
+        reply = kernel.client.get_control_msg(timeout=10)
+        if reply["parent_header"].get("msg_id") == request["header"]["msg_id"]:
+            return reply["content"]["subshell_id"]
+
+
+def _click(kernel: Kernel, comm_id: str, subshell_id: str) -> None:
+    """What JupyterLab sends for a button click under its default commsOverSubshells setting."""
+    message = kernel.client.session.msg("comm_msg", {"comm_id": comm_id,
+                                                     "data": {"method": "custom", "content": {"event": "click"}}})
+    message["header"]["subshell_id"] = subshell_id
+    kernel.client.shell_channel.send(message)
+
+
+def test_save_clicked_on_a_subshell_lands_at_the_next_maybe_save(dash):
+    save = dash.comm_of(_model_name="ButtonModel", description="Save now")
+    subshell = _subshell(dash.kernel)
+    clicked = []
+
+    def on_message(message):
+        if message["msg_type"] == "stream" and "step 1 " in message["content"]["text"] and not clicked:
+            clicked.append(True)
+            _click(dash.kernel, save, subshell)
+
+    code = ("%%fsdp2\nfor step in range(1, 3000):\n    loss = train_step(step)\n"
+            "    if rank == 0 and step == 1: print(f'step {step} trained', flush=True)\n"
+            "    if ckpt.maybe_save(step):\n        print(f'saved at step {step}')\n        break\n"
+            "    time.sleep(0.02)\nckpt.wait()")
+    messages = dash.run(code, on_message=on_message)
+    outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    assert clicked, outputs
+    saved = [int(line.split()[-1]) for line in outputs.splitlines() if "saved at step" in line]
+    assert saved and len(set(saved)) == 1, outputs  # every rank served it at the same step
+    assert (dash.root / "ckpt" / f"step-{saved[0]:06d}").is_dir()
+    message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
+    assert "requested" in dash.comms[message_widget]["value"]
+
+
+def test_metrics_magic_returns_the_logged_losses(dash):
+    code = ("rows = %fsdp2 metrics\nrows = rows.to_dict('records') if hasattr(rows, 'to_dict') else rows\n"
+            "print(sorted({r['rank'] for r in rows}), all('loss' in r for r in rows), len(rows) > 0)")
+    messages = dash.run(code)
+    out = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    assert out.strip() == "[0, 1] True True", out
