@@ -179,7 +179,7 @@ class DashboardView:
     def refresh(self, pool_line: str) -> None:
         """Bring every widget up to date with the model; unchanged values are not sent."""
         model = self._model
-        _set(self.header, "value", f"<b>fsdp2nb</b> · {html.escape(pool_line)}")
+        _set(self.header, "value", f"{render.STYLE}<b>fsdp2nb</b> · pool {html.escape(pool_line)}")
         self._refresh_ranks(model)
         names = model.metrics.names(0)
         _set(self.plot, "value", render.metric_plot(model.metrics.points(0), "loss" if "loss" in names else

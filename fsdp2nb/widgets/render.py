@@ -51,7 +51,7 @@ def tracked_text(memory: MemoryReading | None) -> str:
     return f"params {size(params)} · grads {size(grads)} · optimizer {size(optimizer)}"
 
 
-def memory_bar(memory: MemoryReading | None, width: int = 180, height: int = 12) -> str:
+def memory_bar(memory: MemoryReading | None, width: int = 146, height: int = 12) -> str:
     """A bar of `used` (and `reserved`) against the total, red past 90%, a tick at the peak."""
     if memory is None or not memory.total:
         return f'<svg width="{width}" height="{height}"><rect width="{width}" height="{height}" fill="#e5e7eb"/></svg>'
@@ -65,7 +65,7 @@ def memory_bar(memory: MemoryReading | None, width: int = 180, height: int = 12)
     return f'<svg width="{width}" height="{height}" class="fsdp2nb-bar">{"".join(parts)}</svg>'
 
 
-def sparkline(values: tuple[float, ...], width: int = 120, height: int = 22) -> str:
+def sparkline(values: tuple[float, ...], width: int = 104, height: int = 22) -> str:
     """The last minutes of memory as a line; each pixel column keeps its bucket's maximum, so a
     short spike stays visible."""
     values = _bucket_max(values, SPARK_POINTS)
@@ -86,7 +86,11 @@ def _bucket_max(values: tuple[float, ...], buckets: int) -> list[float]:
     return [max(values[int(i * per):max(int((i + 1) * per), int(i * per) + 1)]) for i in range(buckets)]
 
 
-_ROW_STYLE = "display:grid;grid-template-columns:56px 110px 130px 190px 130px 1fr;align-items:center;gap:8px"
+_ROW_STYLE = ("display:grid;grid-template-columns:120px 92px 150px 110px 1fr;align-items:center;"
+              "column-gap:8px;line-height:1.35;padding:2px 0;font-size:12px")
+STYLE = ("<style>.fsdp2nb-steps select{font-family:var(--jp-code-font-family,monospace);font-size:12px}"
+         ".fsdp2nb-dashboard .widget-html-content{line-height:1.35}</style>")
+"""CSS for the list and the HTML rows; sent once, in the header."""
 
 
 def rank_row_html(row: RankRow) -> str:
@@ -94,12 +98,12 @@ def rank_row_html(row: RankRow) -> str:
     warn = ' style="color:#dc2626;font-weight:600"' if row.memory is not None and row.memory.warning else ""
     tracked = tracked_text(row.memory)
     return (f'<div class="fsdp2nb-rank" data-rank="{row.rank}" data-state="{row.state}" style="{_ROW_STYLE}">'
-            f'<b>rank {row.rank}</b>'
+            f'<span><b>rank {row.rank}</b><br><span style="color:#6b7280">{html.escape(row.device)} · '
+            f'pid {row.pid or "-"}</span></span>'
             f'<span style="color:{colour}">● {html.escape(row.state_text)}</span>'
-            f'<span style="color:#6b7280">{html.escape(row.device)} · pid {row.pid or "-"}</span>'
             f'{memory_bar(row.memory)}{sparkline(row.history)}'
-            f'<span class="fsdp2nb-mem"{warn}>{html.escape(memory_text(row.memory))}'
-            f'{"<br><small>" + html.escape(tracked) + "</small>" if tracked else ""}</span></div>')
+            f'<span class="fsdp2nb-mem"><span{warn}>{html.escape(memory_text(row.memory))}</span>'
+            f'{"<br><span style=color:#6b7280>" + html.escape(tracked) + "</span>" if tracked else ""}</span></div>')
 
 
 # --- training curves ----------------------------------------------------------------------------
@@ -134,8 +138,8 @@ def metric_plot(points: list[MetricPoint], name: str, width: int = 520, height: 
 def checkpoint_label(entry: CheckpointStep, latest: int | None) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(entry.wall_time)) if entry.wall_time else "--:--:--"
     world = f"{entry.world_size} ranks" if entry.world_size else "? ranks"
-    flags = (" LATEST" if entry.step == latest else "") + ("" if entry.valid else " (incomplete)")
-    return f"step {entry.step:>7} · {when} · {size(entry.size_bytes):>9} · {world}{flags}"
+    flags = (" · LATEST" if entry.step == latest else "") + ("" if entry.valid else " · incomplete")
+    return f"step {entry.step:>7} · {when} · {size(entry.size_bytes):>9} · {world}{flags}".replace(" ", "\u00a0")
 
 
 def checkpoint_options(view: CheckpointView | None) -> list[tuple[str, int]]:
