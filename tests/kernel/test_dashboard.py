@@ -155,3 +155,19 @@ def test_metrics_magic_returns_the_logged_losses(dash):
     messages = dash.run(code)
     out = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
     assert out.strip() == "[0, 1] True True", out
+
+
+def test_terminal_ipython_prints_the_text_tables(tmp_path):
+    """No kernel, no widget frontend: `%fsdp2 dashboard` prints the same facts as text."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "dash.ipy"
+    script.write_text("%load_ext fsdp2nb\n%fsdp2 start --cpu 2 --no-dashboard\n%fsdp2 dashboard\n%fsdp2 stop\n")
+    ipython = [sys.executable, "-m", "IPython", "--no-banner", "--colors=NoColor", str(script)]
+    done = subprocess.run(ipython, capture_output=True, text=True, timeout=120, env={**os.environ, **WITHOUT_GPUS})
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stderr
+    assert any(line.startswith("fsdp2nb pool: --cpu 2 · ready") for line in lines), done.stdout
+    assert [line.split()[:2] for line in lines if line[:2] in ("0 ", "1 ")] == [["0", "idle"], ["1", "idle"]]
+    assert "no tracked checkpointer" in done.stdout
