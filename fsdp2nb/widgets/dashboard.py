@@ -91,9 +91,12 @@ class DashboardView:
         self.stop_button = _button("Stop", "warning", "interrupt every rank (the cell's stop button)")
         self.restart_button = _button("Restart", "danger", "a fresh pool: every rank's state is lost")
         self.reset_peak_button = _button("Reset peak", "", "start the peak memory readings afresh")
-        self.confirm = widgets.HBox([widgets.HTML("Restart the pool? All rank state is lost."),
-                                     _button("Yes, restart", "danger"), _button("Cancel")])
+        self.question = widgets.HTML()
+        self.confirm = widgets.HBox([self.question, _button("Yes", "danger"), _button("Cancel")],
+                                    layout=widgets.Layout(align_items="center"))
+        self.confirm.add_class("fsdp2nb-confirm")
         self.confirm.layout.display = "none"
+        self._confirmed = None  # the action the shown question asks about
         # Made here, on the main thread: one per rank, and one for ranks a later, larger pool adds.
         self._rank_rows = [widgets.HTML() for _ in range(model.facts.world_size)]
         self._more_ranks = widgets.HTML()
@@ -138,23 +141,36 @@ class DashboardView:
         return found
 
     def _connect(self) -> None:
-        selected = lambda: self.steps.value  # noqa: E731
         self.stop_button.on_click(lambda _: self._act(self._actions.stop))
-        self.restart_button.on_click(lambda _: self._show_confirm(True))
-        self.confirm.children[1].on_click(lambda _: self._confirmed_restart())
-        self.confirm.children[2].on_click(lambda _: self._show_confirm(False))
+        self.restart_button.on_click(lambda _: self._ask("Restart the pool? All rank state is lost.",
+                                                         self._actions.restart))
+        self.confirm.children[1].on_click(lambda _: self._answer(True))
+        self.confirm.children[2].on_click(lambda _: self._answer(False))
         self.reset_peak_button.on_click(lambda _: self._act(self._actions.reset_peak))
         self.save_button.on_click(lambda _: self._act(self._actions.save))
-        self.load_button.on_click(lambda _: self._act(lambda: self._actions.load(_need(selected()))))
-        self.delete_button.on_click(lambda _: self._act(lambda: self._actions.delete(_need(selected()))))
+        self.load_button.on_click(lambda _: self._ask_about_step(
+            "Load step {}? The model, optimizer and RNG on every rank are replaced.", self._actions.load))
+        self.delete_button.on_click(lambda _: self._ask_about_step(
+            "Delete step {}? Its files are removed.", self._actions.delete))
         self.export_button.on_click(lambda _: self._act(lambda: self._actions.export(self.export_path.value)))
 
-    def _show_confirm(self, shown: bool) -> None:
-        self.confirm.layout.display = "flex" if shown else "none"
+    def _ask(self, question: str, action) -> None:  # noqa: ANN001 - what Yes runs
+        self._confirmed = action
+        self.question.value = f"<b>{html.escape(question)}</b>"
+        self.confirm.layout.display = "flex"
 
-    def _confirmed_restart(self) -> None:
-        self._show_confirm(False)
-        self._act(self._actions.restart)
+    def _ask_about_step(self, question: str, action) -> None:  # noqa: ANN001 - takes the step
+        step = self.steps.value
+        if step is None:
+            self.message.value = _line("select a checkpoint in the list first", "#dc2626")
+            return
+        self._ask(question.format(step), lambda: action(step))
+
+    def _answer(self, yes: bool) -> None:
+        action, self._confirmed = self._confirmed, None
+        self.confirm.layout.display = "none"
+        if yes and action is not None:
+            self._act(action)
 
     def _act(self, action) -> None:  # noqa: ANN001 - a callable returning the panel's line
         """Run one action, putting its outcome (or why it was refused) on the message line."""
@@ -208,12 +224,6 @@ class DashboardView:
 def _set(widget: widgets.Widget, name: str, value: object) -> None:
     if getattr(widget, name) != value:
         setattr(widget, name, value)
-
-
-def _need(step: int | None) -> int:
-    if step is None:
-        raise ActionRefused("select a checkpoint in the list first")
-    return step
 
 
 def _line(text: str, colour: str) -> str:

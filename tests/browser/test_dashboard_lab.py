@@ -160,9 +160,15 @@ def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir)
     assert re.match(rf"step\s+{step}\s", label) and "LATEST" in label, label
     dash.locator(".fsdp2nb-steps select").select_option(label=label)
     dash.locator("button:has-text('Load selected')").click()
+    page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-confirm')"
+                                f".innerText.includes('Load step {step}?')", timeout=30_000)
+    dash.locator(".fsdp2nb-confirm button:has-text('Yes')").click()
     page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message')"
                                 f".innerText.includes('loaded step {step}')", timeout=60_000)
     dash.locator("button:has-text('Delete selected')").click()  # LATEST: refused, nothing removed
+    page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-confirm')"
+                                f".innerText.includes('Delete step {step}?')", timeout=30_000)
+    dash.locator(".fsdp2nb-confirm button:has-text('Yes')").click()
     page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message')"
                                 ".innerText.includes('is LATEST')", timeout=30_000)
     assert (lab.root / "ckpt" / f"step-{step:06d}").is_dir()

@@ -150,15 +150,29 @@ def test_every_button_calls_its_action():
     view.refresh("ready")
     view.steps.value = 2
     view.export_path.value = "/tmp/export"
-    for button in (view.stop_button, view.reset_peak_button, view.save_button, view.load_button,
-                   view.delete_button, view.export_button):
+    for button in (view.stop_button, view.reset_peak_button, view.save_button, view.export_button):
         button.click()
-    view.restart_button.click()
-    assert view.confirm.layout.display == "flex"
-    view.confirm.children[1].click()
-    assert actions.calls == [("stop",), ("reset_peak",), ("save",), ("load", 2), ("delete", 2),
-                             ("export", "/tmp/export"), ("restart",)]
+    for button in (view.load_button, view.delete_button, view.restart_button):
+        button.click()
+        assert view.confirm.layout.display == "flex"
+        view.confirm.children[1].click()  # Yes
+        assert view.confirm.layout.display == "none"
+    assert actions.calls == [("stop",), ("reset_peak",), ("save",), ("export", "/tmp/export"), ("load", 2),
+                             ("delete", 2), ("restart",)]
     assert "restart done" in view.message.value
+
+
+def test_confirmation_names_the_step_and_cancel_does_nothing():
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
+    actions = RecordingActions()
+    view = DashboardView(model, actions)
+    view.refresh("ready")
+    view.steps.value = 2
+    view.delete_button.click()
+    assert "Delete step 2?" in view.question.value
+    view.confirm.children[2].click()  # Cancel
+    assert actions.calls == [] and view.confirm.layout.display == "none"
 
 
 def test_refused_action_shows_one_line_and_calls_nothing():
