@@ -160,6 +160,8 @@ class DashboardLink:
         pool = self._ready_pool()
         self._checkpoint_view()
         if pool.busy_ranks:
+            if self.model.save_pending:  # a double click is one save
+                return f"{self.model.save_text} (asked once already)"
             self.model.save_requested(pool.request_save())
             return self.model.save_text
         self._run_on_ranks(pool, "save_checkpoint(None)")

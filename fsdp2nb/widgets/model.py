@@ -153,6 +153,11 @@ class DashboardModel:
 
     # --- saves asked for while a cell runs ------------------------------------------------------
 
+    @property
+    def save_pending(self) -> bool:
+        """Whether a save asked for from the dashboard has not reached its outcome yet."""
+        return self._save is not None
+
     def save_requested(self, request_id: int) -> None:
         with self._lock:
             self._save = _SaveRequest(request_id, self._checkpoint_latest())

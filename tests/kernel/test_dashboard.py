@@ -36,6 +36,7 @@ class Iopub:
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
         self.comms: dict[str, dict] = {}  # comm id -> last known state
+        self.updates: list[tuple[str, dict]] = []  # every state update, in order
 
     def run(self, code: str, on_message=None, timeout: float = 180) -> list[dict]:
         msg_id = self.kernel.client.execute(code)
@@ -60,6 +61,7 @@ class Iopub:
             self.comms[content["comm_id"]] = dict(content["data"].get("state", {}))
         elif message["msg_type"] == "comm_msg" and content["data"].get("method") == "update":
             self.comms.setdefault(content["comm_id"], {}).update(content["data"]["state"])
+            self.updates.append((content["comm_id"], content["data"]["state"]))
 
     def comm_of(self, **state) -> str:
         return next(cid for cid, known in self.comms.items() if all(known.get(k) == v for k, v in state.items()))
@@ -171,3 +173,26 @@ def test_terminal_ipython_prints_the_text_tables(tmp_path):
     assert any(line.startswith("fsdp2nb pool: --cpu 2 · ready") for line in lines), done.stdout
     assert [line.split()[:2] for line in lines if line[:2] in ("0 ", "1 ")] == [["0", "idle"], ["1", "idle"]]
     assert "no tracked checkpointer" in done.stdout
+
+
+def test_reset_peak_and_stop_act_during_a_cell(dash):
+    """Reset peak, then Stop, clicked on a subshell while a cell runs: the cell ends interrupted."""
+    buttons = {name: dash.comm_of(_model_name="ButtonModel", description=name) for name in ("Reset peak", "Stop")}
+    subshell = _subshell(dash.kernel)
+    clicked, first_update = [], len(dash.updates)
+
+    def on_message(message):
+        if message["msg_type"] == "stream" and "waiting" in message["content"]["text"] and not clicked:
+            clicked.append(True)
+            _click(dash.kernel, buttons["Reset peak"], subshell)
+            _click(dash.kernel, buttons["Stop"], subshell)
+
+    messages = dash.run("%%fsdp2\nimport time\nprint('waiting', flush=True)\nfor _ in range(1200):\n"
+                        "    time.sleep(0.05)\nprint('not stopped')", on_message=on_message)
+    outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    errors = ["\n".join(m["content"]["traceback"]) for m in messages if m["msg_type"] == "error"]
+    assert clicked and "not stopped" not in outputs, outputs
+    assert len(errors) == 1 and "KeyboardInterrupt" in errors[0], errors  # as the stop button does
+    message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
+    lines = [state["value"] for cid, state in dash.updates[first_update:] if cid == message_widget and "value" in state]
+    assert any("peak memory readings restarted" in line for line in lines) and "stop sent" in lines[-1], lines
