@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import tempfile
 import threading
 from typing import TYPE_CHECKING
 
@@ -247,8 +248,11 @@ def _unwritable(path: str) -> str | None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return f"cannot export to {path}: {existing} is a file"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"cannot export to {path}: {existing} is not writable"
+    try:  # a real write: os.access says yes to root on a read-only mount
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        return f"cannot export to {path}: {existing} is not writable ({error.strerror})"
     return None
 
 

@@ -196,3 +196,32 @@ def test_reset_peak_and_stop_act_during_a_cell(dash):
     message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
     lines = [state["value"] for cid, state in dash.updates[first_update:] if cid == message_widget and "value" in state]
     assert any("peak memory readings restarted" in line for line in lines) and "stop sent" in lines[-1], lines
+
+
+BAD_INPUT = """
+from fsdp2nb.frontend.dashboard_link import link_for
+import fsdp2nb
+link = link_for(fsdp2nb._session)
+def attempt(action, *args):
+    try:
+        print("DONE", action(*args))
+    except Exception as refused:
+        print(type(refused).__name__, refused)
+attempt(link.export, {file!r} + "/export")
+attempt(link.load, 424242)
+attempt(link.delete, link.model.checkpoint.latest_step)
+attempt(link.delete, 424242)
+"""
+
+
+def test_bad_input_gets_one_line_and_changes_nothing(dash):
+    """Through the link the buttons call, in the kernel: each refusal is one line, the steps stay."""
+    steps_before = sorted(p.name for p in (dash.root / "ckpt").iterdir())
+    a_file = dash.root / "a-file"
+    a_file.write_text("")
+    messages = dash.run(BAD_INPUT.format(file=str(a_file)))
+    lines = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream").splitlines()
+    assert [line.split()[0] for line in lines] == ["ActionRefused"] * 4, lines
+    assert "is a file" in lines[0] and "step 424242 is not a complete checkpoint" in lines[1]
+    assert "is LATEST" in lines[2] and "not a finished checkpoint" in lines[3]
+    assert sorted(p.name for p in (dash.root / "ckpt").iterdir()) == steps_before
