@@ -103,6 +103,9 @@ class DashboardView:
         self.ranks = widgets.VBox([*self._rank_rows, self._more_ranks])
         self._shown_save_text = ""
         self.plot = widgets.HTML()
+        self.metric = widgets.Dropdown(options=["loss"], value="loss", layout=widgets.Layout(width="160px"))
+        self.metric_view = widgets.ToggleButtons(options=["rank 0", "mean", "all ranks"], value="rank 0",
+                                                 style={"button_width": "84px"})
         self.checkpoint_header = widgets.HTML()
         self.steps = widgets.Select(options=[], rows=5, layout=widgets.Layout(width="460px"))
         self.steps.add_class("fsdp2nb-steps")
@@ -127,7 +130,8 @@ class DashboardView:
         buttons = widgets.VBox([self.save_button, self.load_button, self.delete_button])
         export = widgets.HBox([self.export_path, self.export_button])
         checkpoints = widgets.VBox([self.checkpoint_header, widgets.HBox([self.steps, buttons]), export])
-        root = widgets.VBox([toolbar, self.confirm, self.ranks, self.plot, checkpoints, self.message, self.note],
+        curves = widgets.VBox([widgets.HBox([self.metric, self.metric_view]), self.plot])
+        root = widgets.VBox([toolbar, self.confirm, self.ranks, curves, checkpoints, self.message, self.note],
                             layout=widgets.Layout(border="1px solid #e5e7eb", padding="6px 10px"))
         root.add_class("fsdp2nb-dashboard")
         return root
@@ -197,15 +201,22 @@ class DashboardView:
         model = self._model
         _set(self.header, "value", f"{render.STYLE}<b>fsdp2nb</b> · pool {html.escape(pool_line)}")
         self._refresh_ranks(model)
-        names = model.metrics.names(0)
-        _set(self.plot, "value", render.metric_plot(model.metrics.points(0), "loss" if "loss" in names else
-                                                    (names[0] if names else "loss")))
+        self._refresh_plot(model)
         view = model.checkpoint
         _set(self.checkpoint_header, "value", render.checkpoint_header(view))
         self._refresh_steps(render.checkpoint_options(view))
         if model.save_text and model.save_text != self._shown_save_text:
             self._shown_save_text = model.save_text
             self.message.value = _line(model.save_text, "#dc2626" if "failed" in model.save_text else "#15803d")
+
+    def _refresh_plot(self, model: DashboardModel) -> None:
+        names = tuple(model.metrics.names(0)) or ("loss",)
+        if names != tuple(self.metric.options):
+            chosen = self.metric.value
+            self.metric.options = names
+            self.metric.value = chosen if chosen in names else ("loss" if "loss" in names else names[0])
+        name = self.metric.value or names[0]
+        _set(self.plot, "value", render.metric_plot(model.metrics.series(name, self.metric_view.value), name))
 
     def _refresh_ranks(self, model: DashboardModel) -> None:
         rows = [render.rank_row_html(row) for row in model.rows()]

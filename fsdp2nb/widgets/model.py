@@ -105,6 +105,20 @@ class MetricsHistory:
             seen.update(dict.fromkeys(point.values))
         return list(seen)
 
+    def series(self, name: str, view: str) -> dict[str, list[tuple[int, float]]]:
+        """(step, value) lines to plot: `view` is "rank 0", "mean" (over ranks, per step) or "all ranks"."""
+        per_rank = {rank: [(p.step, p.values[name]) for p in points if name in p.values]
+                    for rank, points in sorted(self._points.items())}
+        if view == "all ranks":
+            return {f"rank {rank}": line for rank, line in per_rank.items() if line}
+        if view == "mean":
+            by_step: dict[int, list[float]] = {}
+            for line in per_rank.values():
+                for step, value in line:
+                    by_step.setdefault(step, []).append(value)
+            return {"mean": [(step, sum(v) / len(v)) for step, v in sorted(by_step.items())]}
+        return {"rank 0": per_rank.get(0, [])}
+
     def rows(self) -> list[dict]:
         """Every point as a dict (rank, step, time, and its values), for `%fsdp2 metrics`."""
         return [dict(rank=rank, step=p.step, time=p.time, **p.values)

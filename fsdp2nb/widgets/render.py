@@ -11,7 +11,7 @@ import html
 import math
 import time
 
-from fsdp2nb.pool.protocol import CheckpointStep, CheckpointView, MetricPoint
+from fsdp2nb.pool.protocol import CheckpointStep, CheckpointView
 from fsdp2nb.widgets.model import MemoryReading, RankRow
 
 _OK, _WARN, _PEAK, _RESERVED = "#3b82f6", "#dc2626", "#111827", "#bfdbfe"
@@ -109,27 +109,44 @@ def rank_row_html(row: RankRow) -> str:
 # --- training curves ----------------------------------------------------------------------------
 
 
-def metric_plot(points: list[MetricPoint], name: str, width: int = 520, height: int = 130) -> str:
-    """`name` against step, with the axes' ranges written at the corners."""
-    data = [(p.step, p.values[name]) for p in points if math.isfinite(p.values.get(name, math.nan))]
-    if not data:
+_SERIES_COLOURS = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#db2777", "#0891b2", "#ca8a04", "#4b5563")
+
+
+def metric_plot(series: dict[str, list[tuple[int, float]]], name: str, width: int = 520, height: int = 130) -> str:
+    """Lines of `name` against step, one per series, with the axes' ranges at the corners."""
+    series = {label: [(s, v) for s, v in line if math.isfinite(v)] for label, line in series.items()}
+    series = {label: line for label, line in series.items() if line}
+    if not series:
         return ('<div class="fsdp2nb-plot" data-points="0" style="color:#6b7280">no values logged yet: '
                 'call <code>fsdp2nb.log(step, loss=loss)</code> in the training loop</div>')
-    steps, values = [s for s, _ in data], [v for _, v in data]
-    x0, x1, y0, y1 = min(steps), max(steps), min(values), max(values)
+    every = [point for line in series.values() for point in line]
+    x0, x1 = min(s for s, _ in every), max(s for s, _ in every)
+    y0, y1 = min(v for _, v in every), max(v for _, v in every)
     sx = lambda s: 40 + (s - x0) / ((x1 - x0) or 1) * (width - 50)  # noqa: E731
     sy = lambda v: 8 + (y1 - v) / ((y1 - y0) or 1) * (height - 26)  # noqa: E731
-    line = " ".join(f"{sx(s):.1f},{sy(v):.1f}" for s, v in data)
-    last = data[-1]
-    return (f'<div class="fsdp2nb-plot" data-points="{len(data)}"><svg width="{width}" height="{height}">'
+    lines, captions = [], []
+    for index, (label, line) in enumerate(series.items()):
+        colour = _SERIES_COLOURS[index % len(_SERIES_COLOURS)]
+        points = " ".join(f"{sx(s):.1f},{sy(v):.1f}" for s, v in _thin(line, 400))
+        lines.append(f'<polyline points="{points}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
+        captions.append(f'<span style="color:{colour}">{html.escape(label)}</span> {line[-1][1]:.5g}')
+    first = next(iter(series.values()))
+    return (f'<div class="fsdp2nb-plot" data-points="{len(first)}"><svg width="{width}" height="{height}">'
             f'<rect x="40" y="8" width="{width - 50}" height="{height - 26}" fill="#f9fafb" stroke="#e5e7eb"/>'
-            f'<polyline points="{line}" fill="none" stroke="{_OK}" stroke-width="1.5"/>'
-            f'<circle cx="{sx(last[0]):.1f}" cy="{sy(last[1]):.1f}" r="2.5" fill="{_OK}"/>'
+            f'{"".join(lines)}'
             f'<text x="36" y="16" font-size="10" text-anchor="end">{y1:.4g}</text>'
             f'<text x="36" y="{height - 18}" font-size="10" text-anchor="end">{y0:.4g}</text>'
             f'<text x="40" y="{height - 4}" font-size="10">step {x0}</text>'
             f'<text x="{width - 10}" y="{height - 4}" font-size="10" text-anchor="end">step {x1}</text>'
-            f'</svg><br><small>{html.escape(name)} at step {last[0]}: {last[1]:.5g}</small></div>')
+            f'</svg><br><small>{html.escape(name)} at step {first[-1][0]}: {" · ".join(captions)}</small></div>')
+
+
+def _thin(line: list[tuple[int, float]], most: int) -> list[tuple[int, float]]:
+    """At most about `most` points (the last one kept): a plot wider than its pixels sends bytes for nothing."""
+    if len(line) <= most:
+        return line
+    every = -(-len(line) // most)
+    return line[::every] + ([line[-1]] if (len(line) - 1) % every else [])
 
 
 # --- checkpoints --------------------------------------------------------------------------------

@@ -172,4 +172,6 @@ def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir)
     page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message')"
                                 ".innerText.includes('is LATEST')", timeout=30_000)
     assert (lab.root / "ckpt" / f"step-{step:06d}").is_dir()
+    dash.locator("button:has-text('all ranks')").click()
+    page.page.wait_for_function("document.querySelectorAll('.fsdp2nb-plot polyline').length == 2", timeout=30_000)
     page.shoot(shots / "3-loaded.png")

@@ -191,7 +191,23 @@ def test_loss_plot_has_a_point_per_logged_step():
     model.observe(_gpu(0, 1, metrics=points))
     view = DashboardView(model, RecordingActions())
     view.refresh("ready")
-    assert 'data-points="5"' in view.plot.value and "loss at step 4: 2.6" in view.plot.value
+    assert 'data-points="5"' in view.plot.value and "loss at step 4:" in view.plot.value
+    assert "rank 0</span> 2.6" in view.plot.value
+
+
+def test_mean_and_every_rank_curves():
+    model = _model()
+    for rank, offset in ((0, 0.0), (1, 2.0)):
+        points = tuple(MetricPoint(step=s, time=0.0, values={"loss": 1.0 + offset, "lr": 0.1}) for s in range(3))
+        model.observe(_gpu(rank, 1, metrics=points))
+    assert model.metrics.series("loss", "mean") == {"mean": [(0, 2.0), (1, 2.0), (2, 2.0)]}
+    assert list(model.metrics.series("loss", "all ranks")) == ["rank 0", "rank 1"]
+    view = DashboardView(model, RecordingActions())
+    view.refresh("ready")
+    assert list(view.metric.options) == ["loss", "lr"]
+    view.metric_view.value = "all ranks"
+    view.refresh("ready")
+    assert view.plot.value.count("<polyline") == 2
 
 
 def test_text_tables_carry_the_same_facts():
