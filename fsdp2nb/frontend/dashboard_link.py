@@ -9,6 +9,7 @@ thread-safe (pool.send, pool.request_save) or refused while a cell runs (load, d
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
@@ -22,6 +23,8 @@ from fsdp2nb.widgets.model import DashboardModel, PoolFacts
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.session import NotebookSession
+
+logger = logging.getLogger(__name__)
 
 REFRESH_S = 0.5
 _COMMANDS = "__import__('fsdp2nb.worker.commands', fromlist=['_'])"
@@ -59,9 +62,7 @@ class DashboardLink:
                 for view in list(self.views):
                     view.refresh(self.pool_line())
             except Exception:  # the panel must outlive a bad snapshot; the next tick tries again
-                import logging
-
-                logging.getLogger(__name__).exception("fsdp2nb dashboard update failed")
+                logger.exception("fsdp2nb dashboard update failed")
 
     def tick(self) -> None:
         """Bring the model up to date with the pool (safe from any thread)."""

@@ -102,6 +102,7 @@ class DashboardView:
         self._more_ranks = widgets.HTML()
         self.ranks = widgets.VBox([*self._rank_rows, self._more_ranks])
         self._shown_save_text = ""
+        self._shown_notice = ""
         self.plot = widgets.HTML()
         self.metric = widgets.Dropdown(options=["loss"], value="loss", layout=widgets.Layout(width="160px"))
         self.metric_view = widgets.ToggleButtons(options=["rank 0", "mean", "all ranks"], value="rank 0",
@@ -208,6 +209,9 @@ class DashboardView:
         if model.save_text and model.save_text != self._shown_save_text:
             self._shown_save_text = model.save_text
             self.message.value = _line(model.save_text, "#dc2626" if "failed" in model.save_text else "#15803d")
+        if model.notice and model.notice != self._shown_notice:
+            self._shown_notice = model.notice
+            self.message.value = _line(model.notice, "#dc2626")
 
     def _refresh_plot(self, model: DashboardModel) -> None:
         names = tuple(model.metrics.names(0)) or ("loss",)

@@ -138,6 +138,8 @@ class DashboardModel:
         self._save: _SaveRequest | None = None
         self.save_text = ""
         """The outcome line of the last save asked for from the dashboard."""
+        self.notice = ""
+        """The last thing that happened to the pool itself (a rank died and the pool was replaced)."""
 
     # --- feeding ------------------------------------------------------------------------------
 
@@ -160,6 +162,9 @@ class DashboardModel:
                 self.save_text = ("the cell ended before a maybe_save served the requested save; "
                                   "Save now saves at once while the pool is idle")
                 self._save = None
+            if self.facts.deaths and not facts.deaths and facts.state != "broken":
+                self.notice = "; ".join(f"rank {rank} died ({why})" for rank, why in sorted(self.facts.deaths.items()))
+                self.notice += ": the pool was replaced and all rank state was lost"
             if facts.state == "starting" and self.facts.state != "starting":
                 self._history.clear()  # a new pool: the old ranks' readings would mislead
                 self.snapshots.clear()

@@ -73,6 +73,16 @@ def test_dead_and_busy_ranks_are_told_apart():
     assert busy.state == "busy"
 
 
+def test_a_replaced_pool_says_which_rank_died():
+    model = _model()
+    model.set_facts(PoolFacts(state="broken", world_size=2, deaths={1: "killed by SIGSEGV"}))
+    assert model.rows()[1].state_text == "dead: killed by SIGSEGV"
+    model.set_facts(PoolFacts(state="ready", world_size=2))
+    view = DashboardView(model, RecordingActions())
+    view.refresh("ready")
+    assert "rank 1 died (killed by SIGSEGV): the pool was replaced" in view.message.value
+
+
 def test_busy_rank_shows_how_long_it_has_been_busy():
     model = _model()
     model.set_facts(PoolFacts(state="ready", world_size=2, busy=frozenset({0, 1})), now=100.0)
