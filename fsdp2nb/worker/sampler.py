@@ -28,6 +28,7 @@ class ResourceSampler:
         self._process = psutil.Process()
         self._stopped = threading.Event()
         self._rss_peak = 0
+        self._tracked_sizes = TrackedSizes()
         self._thread = threading.Thread(target=self._run, daemon=True, name="fsdp2nb-sampler")
 
     def start(self) -> None:
@@ -52,7 +53,7 @@ class ResourceSampler:
             rank=self._rank, time=time.time(), busy=self._is_busy(),
             rss_bytes=rss, cpu_percent=self._process.cpu_percent(), rss_peak_bytes=self._rss_peak,
             checkpoint=_checkpoint_view() if self._rank == 0 else None, **_device_memory(self._device),
-            **_tracked_bytes(), metrics=process_metrics().drain(),
+            **self._tracked_sizes.read(), metrics=process_metrics().drain(),
         )
 
     def _run(self) -> None:
@@ -101,16 +102,38 @@ def _checkpoint_view() -> CheckpointView | None:
                           requests_served=process_requests().served())
 
 
-def _tracked_bytes() -> dict[str, int]:
-    """Bytes of the tracked model's parameters, gradients and optimizer state on this rank."""
-    tracked = getattr(loaded_checkpointer(), "_tracked", None)
-    if tracked is None:
-        return {}
-    params = list(tracked.model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    states = list(tracked.optimizer.state.values()) if tracked.optimizer is not None else []
-    optimizer = [v for state in states for v in state.values() if hasattr(v, "element_size")]
-    return dict(param_bytes=_local_bytes(params), grad_bytes=_local_bytes(grads), optimizer_bytes=_local_bytes(optimizer))
+class TrackedSizes:
+    """Bytes of the tracked model's parameters, gradients and optimizer state on this rank.
+
+    Reading a DTensor's local shard goes through an autograd function (tens of µs, holding the
+    GIL the training thread needs), so each parameter's local size is read once per model and
+    the optimizer state again only every `refresh_every` samples. A gradient's shard is its
+    parameter's (FSDP2 shards them alike), so gradients cost one attribute read each."""
+
+    def __init__(self, refresh_every: int = 20) -> None:
+        self._refresh_every = refresh_every
+        self._model = None
+        self._params: list[tuple[object, int]] = []
+        self._optimizer_bytes = 0
+        self._samples = 0
+
+    def read(self) -> dict[str, int]:
+        tracked = getattr(loaded_checkpointer(), "_tracked", None)
+        if tracked is None:
+            return {}
+        if tracked.model is not self._model or self._samples % self._refresh_every == 0:
+            self._model = tracked.model
+            self._params = [(p, _local_bytes([p])) for p in tracked.model.parameters()]
+            self._optimizer_bytes = _optimizer_bytes(tracked.optimizer)
+        self._samples += 1
+        return dict(param_bytes=sum(size for _, size in self._params),
+                    grad_bytes=sum(size for p, size in self._params if p.grad is not None),
+                    optimizer_bytes=self._optimizer_bytes)
+
+
+def _optimizer_bytes(optimizer) -> int:  # noqa: ANN001 - a torch optimizer or None
+    states = list(optimizer.state.values()) if optimizer is not None else []
+    return _local_bytes([v for state in states for v in state.values() if hasattr(v, "element_size")])
 
 
 def _local_bytes(tensors: list) -> int:

@@ -51,3 +51,20 @@ def test_reset_peak_starts_the_rss_peak_afresh():
     sampler._rss_peak = 1 << 50  # a peak far above any real RSS
     sampler.reset_peak()
     assert sampler.sample().rss_peak_bytes < 1 << 50
+
+
+def test_tracked_sizes_count_params_grads_and_optimizer_state(tmp_path):
+    import torch
+
+    from fsdp2nb.checkpoint import Checkpointer
+    from fsdp2nb.worker.sampler import TrackedSizes
+
+    model = torch.nn.Linear(4, 4)  # 20 float32 values: 80 bytes
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with Checkpointer(tmp_path, async_save=False).track(model=model, optimizer=optimizer):
+        sizes = TrackedSizes(refresh_every=1)
+        assert sizes.read() == dict(param_bytes=80, grad_bytes=0, optimizer_bytes=0)
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        assert sizes.read() == dict(param_bytes=80, grad_bytes=80, optimizer_bytes=80)  # momentum buffers
+    assert TrackedSizes().read() == {}  # closed: nothing tracked
