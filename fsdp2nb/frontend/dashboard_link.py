@@ -199,6 +199,14 @@ class DashboardLink:
         self._run_on_ranks(pool, f"export_hf({path!r})")
         return f"exported the model in Hugging Face format to {path}"
 
+    def take_unserved_request(self) -> bool:
+        """Whether a save requested during the cell that just ended may still be unserved (the
+        ranks decide, collectively); the panel says it is being made now."""
+        if not self.model.save_pending:
+            return False
+        self.model.cell_ended_with_request()
+        return True
+
     # --- checks ---------------------------------------------------------------------------------
 
     def _ready_pool(self) -> WorkerPool:
@@ -264,6 +272,11 @@ def _host_memory() -> int:
 
 
 _LINKS: dict[int, DashboardLink] = {}
+
+
+def existing_link(session: NotebookSession) -> DashboardLink | None:
+    link = _LINKS.get(id(session))
+    return link if link is not None and link.session is session else None
 
 
 def link_for(session: NotebookSession) -> DashboardLink:

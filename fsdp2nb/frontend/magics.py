@@ -6,6 +6,7 @@ import argparse
 import functools
 import pickle
 import shlex
+import sys
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
@@ -145,6 +146,14 @@ class FSDP2Magics(Magics):
         if starting and not options.no_dashboard:
             self._dashboard().show()  # under the cell that starts the pool, above its output
         self.session.run_cell(pool, cell, ranks)
+        self._serve_dashboard_save(pool)
+
+    def _serve_dashboard_save(self, pool: WorkerPool) -> None:
+        """A save clicked during the cell that no maybe_save reached is made now, on this thread."""
+        dashboard_link = sys.modules.get("fsdp2nb.frontend.dashboard_link")  # none shown: not imported
+        link = dashboard_link.existing_link(self.session) if dashboard_link is not None else None
+        if link is not None and link.take_unserved_request():
+            self._run_on_ranks("save_if_requested()")
 
     # --- %fsdp2 COMMAND -----------------------------------------------------------------------
 

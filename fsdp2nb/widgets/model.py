@@ -158,10 +158,6 @@ class DashboardModel:
         with self._lock:
             for rank in facts.busy - self.facts.busy:
                 self._busy_since[rank] = now
-            if self._save is not None and self.facts.busy and not facts.busy:
-                self.save_text = ("the cell ended before a maybe_save served the requested save; "
-                                  "Save now saves at once while the pool is idle")
-                self._save = None
             if self.facts.deaths and not facts.deaths and facts.state != "broken":
                 self.notice = "; ".join(f"rank {rank} died ({why})" for rank, why in sorted(self.facts.deaths.items()))
                 self.notice += ": the pool was replaced and all rank state was lost"
@@ -181,6 +177,12 @@ class DashboardModel:
         with self._lock:
             self._save = _SaveRequest(request_id, self._checkpoint_latest())
             self.save_text = "save requested: it happens at the training loop's next maybe_save"
+
+    def cell_ended_with_request(self) -> None:
+        with self._lock:
+            if self._save is not None:
+                self.save_text = ("the cell ended before its next maybe_save: saving at the last step "
+                                  "the checkpointer saw")
 
     def _follow_save(self, view: CheckpointView) -> None:
         request = self._save

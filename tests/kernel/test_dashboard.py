@@ -225,3 +225,26 @@ def test_bad_input_gets_one_line_and_changes_nothing(dash):
     assert "is a file" in lines[0] and "step 424242 is not a complete checkpoint" in lines[1]
     assert "is LATEST" in lines[2] and "not a finished checkpoint" in lines[3]
     assert sorted(p.name for p in (dash.root / "ckpt").iterdir()) == steps_before
+
+
+def test_a_save_no_maybe_save_reached_is_made_when_the_cell_ends(dash):
+    save = dash.comm_of(_model_name="ButtonModel", description="Save now")
+    message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
+    subshell = _subshell(dash.kernel)
+    clicked = []
+
+    def on_message(message):
+        if message["msg_type"] == "stream" and "waiting" in message["content"]["text"] and not clicked:
+            clicked.append(True)
+            _click(dash.kernel, save, subshell)
+        state = message["content"].get("data", {}).get("state", {}) if message["msg_type"] == "comm_msg" else {}
+        if message["content"].get("comm_id") == message_widget and "requested" in state.get("value", ""):
+            open(dash.root / "flag", "w").close()  # the click was taken: let the cell end
+
+    code = ("%%fsdp2\nimport os\ntrain_step(5000)\nckpt.maybe_save(5000)\nprint('waiting', flush=True)\n"
+            "for _ in range(1200):\n    if os.path.exists(flag): break\n    time.sleep(0.05)")
+    messages = dash.run(code, on_message=on_message)
+    os.remove(dash.root / "flag")
+    outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    assert clicked and "saved step 5000 at the end of the cell" in outputs, outputs
+    assert (dash.root / "ckpt" / "step-005000").is_dir()

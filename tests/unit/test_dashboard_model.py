@@ -118,12 +118,14 @@ def test_save_request_is_followed_to_its_outcome():
     assert model.save_text == "saved step 7"
 
 
-def test_a_request_the_cell_never_served_is_reported():
+def test_a_request_the_cell_never_served_is_saved_at_its_end():
     model = _model()
-    model.set_facts(PoolFacts(state="ready", world_size=2, busy=frozenset({0, 1})))
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
     model.save_requested(3)
-    model.set_facts(PoolFacts(state="ready", world_size=2))
-    assert "ended before a maybe_save" in model.save_text
+    model.cell_ended_with_request()
+    assert model.save_pending and "saving at the last step" in model.save_text
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=9, served=3, steps=(2, 4, 9))))
+    assert model.save_text == "saved step 9" and not model.save_pending
 
 
 def test_view_lists_steps_newest_first_with_latest_marked():
