@@ -4,6 +4,7 @@ the step listed while the cell still runs, then Load. Screenshots go to /tmp/das
 from __future__ import annotations
 
 import re
+import time
 
 import nbformat
 
@@ -136,13 +137,16 @@ def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir)
     page.run(2)
     page.page.wait_for_function("document.querySelectorAll('.jp-CodeCell')[2].innerText.includes('step 50 ')",
                                 timeout=60_000)
+    clicked_at = time.monotonic()
     dash.locator("button:has-text('Save now')").click()
     # The saved step must show in the panel's list while the training cell still runs.
     page.page.wait_for_function(
         "[...document.querySelectorAll('.fsdp2nb-dashboard .fsdp2nb-steps option')].length > 0 && "
         "document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message').innerText.includes('saved step')",
         timeout=60_000)
+    saved_after_s = time.monotonic() - clicked_at  # measured, not asserted: it depends on the machine
     assert "[*]" in page.page.locator(".jp-CodeCell").nth(2).locator(".jp-InputArea-prompt").inner_text()
+    (shots / "click-to-saved.txt").write_text(f"{saved_after_s:.2f} s from the Save click to 'saved step N'\n")
     page.page.wait_for_function("document.querySelector('.fsdp2nb-plot') && "
                                 "+document.querySelector('.fsdp2nb-plot').dataset.points > 20", timeout=30_000)
     page.shoot(shots / "2-saved-during-training.png")
