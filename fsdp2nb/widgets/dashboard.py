@@ -103,6 +103,7 @@ class DashboardView:
         self.ranks = widgets.VBox([*self._rank_rows, self._more_ranks])
         self._shown_save_text = ""
         self._shown_notice = ""
+        self._drawn: tuple | None = None
         self.plot = widgets.HTML()
         self.metric = widgets.Dropdown(options=["loss"], value="loss", layout=widgets.Layout(width="160px"))
         self.metric_view = widgets.ToggleButtons(options=["rank 0", "mean", "all ranks"], value="rank 0",
@@ -220,7 +221,10 @@ class DashboardView:
             self.metric.options = names
             self.metric.value = chosen if chosen in names else ("loss" if "loss" in names else names[0])
         name = self.metric.value or names[0]
-        _set(self.plot, "value", render.metric_plot(model.metrics.series(name, self.metric_view.value), name))
+        drawn = (model.metrics.version, name, self.metric_view.value)
+        if drawn != self._drawn:  # a plot is the dearest part of a refresh: redrawn only when new
+            self._drawn = drawn
+            _set(self.plot, "value", render.metric_plot(model.metrics.series(name, self.metric_view.value), name))
 
     def _refresh_ranks(self, model: DashboardModel) -> None:
         rows = [render.rank_row_html(row) for row in model.rows()]

@@ -88,8 +88,13 @@ class MetricsHistory:
     def __init__(self, max_points: int = MAX_METRIC_POINTS) -> None:
         self._max_points = max_points
         self._points: dict[int, list[MetricPoint]] = {}
+        self.version = 0
+        """Counts additions, so a view redraws a plot only when there is something new."""
 
     def add(self, rank: int, points: tuple[MetricPoint, ...]) -> None:
+        if not points:
+            return
+        self.version += 1
         kept = self._points.setdefault(rank, [])
         kept.extend(points)
         if len(kept) > self._max_points:
