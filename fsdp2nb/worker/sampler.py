@@ -107,7 +107,7 @@ class TrackedSizes:
 
     Reading a DTensor's local shard goes through an autograd function (tens of µs, holding the
     GIL the training thread needs), so each parameter's local size is read once per model and
-    the optimizer state again only every `refresh_every` samples. A gradient's shard is its
+    the optimizer state when it gains entries (the first step) and every `refresh_every` samples. A gradient's shard is its
     parameter's (FSDP2 shards them alike), so gradients cost one attribute read each."""
 
     def __init__(self, refresh_every: int = 20) -> None:
@@ -115,15 +115,20 @@ class TrackedSizes:
         self._model = None
         self._params: list[tuple[object, int]] = []
         self._optimizer_bytes = 0
+        self._num_states = 0
         self._samples = 0
 
     def read(self) -> dict[str, int]:
         tracked = getattr(loaded_checkpointer(), "_tracked", None)
         if tracked is None:
             return {}
+        num_states = len(tracked.optimizer.state) if tracked.optimizer is not None else 0
         if tracked.model is not self._model or self._samples % self._refresh_every == 0:
             self._model = tracked.model
             self._params = [(p, _local_bytes([p])) for p in tracked.model.parameters()]
+            self._num_states = -1
+        if num_states != self._num_states:  # the first step creates the state: read it at once
+            self._num_states = num_states
             self._optimizer_bytes = _optimizer_bytes(tracked.optimizer)
         self._samples += 1
         return dict(param_bytes=sum(size for _, size in self._params),
