@@ -1,5 +1,6 @@
 # make demo: run the demo notebook headless on CPU ranks (or GPUs when present).
-# make test: the whole test suite (CPU, gloo). Both set up .venv themselves and may be run twice.
+# make test: the whole test suite (CPU, gloo; tests/browser in Debian's chromium, installed when
+#            missing). Both set up .venv themselves and may be run twice.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fsdp2nb-installed
@@ -14,11 +15,11 @@ demo: $(STAMP)
 	$(PY) scripts/run_demo.py notebooks/demo.ipynb
 
 test: $(STAMP)
+	bash scripts/install_chromium.sh
 	$(PY) -m ruff check fsdp2nb tests benchmarks scripts
 	$(PY) -m pytest -q tests
 
 lab: $(STAMP)
-	$(VENV)/bin/pip install -q jupyterlab
 	$(VENV)/bin/jupyter lab notebooks/demo.ipynb
 
 bench: $(STAMP)

@@ -274,3 +274,14 @@ def apply_retention(directory: Path, keep: int | None, newest: int, protected: f
         deleted.append(entry.step)
         excess -= 1
     return deleted
+
+
+def remove_step_dir(directory: Path, step: int) -> None:
+    """Delete one step directory: renamed first, so a crash midway leaves no half-deleted `step-N`."""
+    final = Path(directory) / step_dir_name(step)
+    if not final.is_dir():
+        raise FileNotFoundError(f"there is no checkpoint of step {step} in {directory}")
+    doomed = Path(directory) / f".del-{final.name}-{os.getpid():x}"
+    os.rename(final, doomed)
+    fsync_dir(Path(directory))
+    shutil.rmtree(doomed, ignore_errors=True)

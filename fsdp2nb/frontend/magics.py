@@ -6,6 +6,7 @@ import argparse
 import functools
 import pickle
 import shlex
+import sys
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
@@ -15,7 +16,7 @@ from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list, spec_from_options
 
-_COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load")
+_COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics")
 
 
 def _add_pool_options(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,7 @@ def _add_pool_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpus", metavar="N|I,J,..", help="N GPUs (the first N visible) or a list of GPU indices")
     group.add_argument("--cpu", type=int, metavar="N", help="N CPU ranks joined by gloo")
     group.add_argument("--timeout", type=float, metavar="SECONDS", help="collective timeout (default 600 s)")
+    group.add_argument("--no-dashboard", action="store_true", help="do not show the dashboard when the pool starts")
 
 
 def _parser(prog: str, description: str) -> MagicArgumentParser:
@@ -102,6 +104,8 @@ class FSDP2Magics(Magics):
             ws = %fsdp2 pull loss --all             # {rank: value}
             %fsdp2 save [STEP]                      # save through the ranks' tracked Checkpointer
             %fsdp2 load [STEP|latest]               # restore model, optimizer, RNG and step
+            %fsdp2 dashboard                        # show the live dashboard (again)
+            df = %fsdp2 metrics                     # what fsdp2nb.log recorded, as a table
             %fsdp2 restart [--cpu 2]                # fresh pool, rank state is lost
             %fsdp2 stop
         """
@@ -137,8 +141,19 @@ class FSDP2Magics(Magics):
         ranks = parse_rank_list(options.ranks, world_size) if options.ranks else tuple(range(world_size))
         if not cell.strip():
             cell = ""
+        starting = self.session.pool is None
         pool = self.session.pool_for(spec, default_spec)
+        if starting and not options.no_dashboard:
+            self._dashboard().show()  # under the cell that starts the pool, above its output
         self.session.run_cell(pool, cell, ranks)
+        self._serve_dashboard_save(pool)
+
+    def _serve_dashboard_save(self, pool: WorkerPool) -> None:
+        """A save clicked during the cell that no maybe_save reached is made now, on this thread."""
+        dashboard_link = sys.modules.get("fsdp2nb.frontend.dashboard_link")  # none shown: not imported
+        link = dashboard_link.existing_link(self.session) if dashboard_link is not None else None
+        if link is not None and link.take_unserved_request():
+            self._run_on_ranks("save_if_requested()")
 
     # --- %fsdp2 COMMAND -----------------------------------------------------------------------
 
@@ -160,6 +175,8 @@ class FSDP2Magics(Magics):
     def _command_start(self, options) -> None:
         pool = self.session.start(self._with_running_devices(_spec_or_none(options), options) or default_spec())
         print(f"started {pool.world_size} ranks ({pool.spec.describe()})")
+        if not options.no_dashboard:
+            self._dashboard().show()
 
     def _command_restart(self, options) -> None:
         pool = self.session.restart(self._with_running_devices(_spec_or_none(options), options))
@@ -198,6 +215,17 @@ class FSDP2Magics(Magics):
         if target != "latest" and not (target.isascii() and target.isdigit()):
             raise UsageError(f"%fsdp2 load takes 'latest' or a step number, got {target!r}")
         self._run_on_ranks(f"load_checkpoint({int(target) if target.isdigit() else repr(target)})")
+
+    def _command_dashboard(self, options) -> None:
+        self._dashboard().show()
+
+    def _command_metrics(self, options):
+        return self._dashboard().metrics_table()
+
+    def _dashboard(self):  # noqa: ANN202 - a DashboardLink, imported only when a dashboard is asked for
+        from fsdp2nb.frontend.dashboard_link import link_for
+
+        return link_for(self.session)
 
     def _run_on_ranks(self, call: str) -> None:
         """Run one fsdp2nb.worker.commands call on every rank, without touching the user's names."""

@@ -35,6 +35,7 @@ from fsdp2nb.pool.protocol import (
     RankReady,
     RankSnapshot,
     RequestSave,
+    ResetPeak,
     RichOutput,
     Shutdown,
     StreamOutput,
@@ -241,7 +242,7 @@ class WorkerPool:
     def send(self, ranks: int | tuple[int, ...], message: ControlMessage, connect_timeout_s: float = 5.0) -> None:
         """Send `message` to one rank or to several."""
         assert self._channels is not None, "the pool is not running"
-        control = isinstance(message, (Interrupt, RequestSave))
+        control = isinstance(message, (Interrupt, RequestSave, ResetPeak))
         self._channels.send(ranks, message, control=control, connect_timeout_s=connect_timeout_s)
 
     def request_save(self) -> int:

@@ -76,11 +76,16 @@ class RequestSave:
 
 
 @dataclass(frozen=True)
+class ResetPeak:
+    """Start the rank's peak-memory reading afresh (the dashboard's "reset peak"; handled mid-cell)."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the rank's main loop and exit cleanly."""
 
 
-ControlMessage = RunCell | PushValues | PullValue | Interrupt | RequestSave | Shutdown
+ControlMessage = RunCell | PushValues | PullValue | Interrupt | RequestSave | ResetPeak | Shutdown
 
 
 # --- rank -> kernel (event channel) -----------------------------------------------------------
@@ -140,6 +145,17 @@ class CellFinished:
 
 
 @dataclass(frozen=True)
+class CheckpointStep:
+    """One step directory of the tracked checkpointer, as the dashboard lists it."""
+
+    step: int
+    wall_time: float | None
+    size_bytes: int
+    world_size: int | None
+    valid: bool
+
+
+@dataclass(frozen=True)
 class CheckpointView:
     """What the dashboard shows of a rank's tracked checkpointer (plain types: no torch needed)."""
 
@@ -150,6 +166,19 @@ class CheckpointView:
     steps: tuple[int, ...]
     blocked_s: float = 0.0
     """Seconds the rank's training has waited on saves."""
+    entries: tuple[CheckpointStep, ...] = ()
+    """Every step directory, oldest first, complete or not."""
+    requests_served: int = 0
+    """The highest save request id (`RequestSave`) this rank has served."""
+
+
+@dataclass(frozen=True)
+class MetricPoint:
+    """Values the rank's code logged with `fsdp2nb.log(step, **values)`."""
+
+    step: int
+    time: float
+    values: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -167,6 +196,15 @@ class RankSnapshot:
     device_total_bytes: int = 0
     checkpoint: CheckpointView | None = None
     """Rank 0 only, once a checkpointer tracks a model."""
+    rss_peak_bytes: int = 0
+    """Highest RSS this rank's sampler saw since the start or the last `ResetPeak`."""
+    param_bytes: int = 0
+    """Bytes of the tracked model's parameters held by this rank (its local shards)."""
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    """Bytes of the tracked optimizer's state tensors held by this rank."""
+    metrics: tuple[MetricPoint, ...] = ()
+    """What `fsdp2nb.log` recorded since the previous snapshot."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +221,7 @@ class RankExited:
 EventMessage = RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited
 
 WIRE_TYPES = (ChannelHello, RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
-              RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited)
+              RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak)
 """Messages that travel as (index in this tuple, field values): see transport.Signer."""
 
 

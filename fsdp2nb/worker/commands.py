@@ -28,3 +28,42 @@ def _is_rank0() -> bool:
     import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def delete_checkpoint(step: int) -> None:
+    """Remove one step directory (the dashboard's Delete); rank 0 removes, every rank waits for it."""
+    import torch.distributed as dist
+
+    from fsdp2nb.checkpoint import tracked_checkpointer
+    from fsdp2nb.checkpoint.layout import remove_step_dir
+
+    checkpointer = tracked_checkpointer()
+    if _is_rank0():
+        remove_step_dir(checkpointer.directory, step)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def export_hf(path: str) -> None:
+    """Write the tracked model in Hugging Face format to `path` (the dashboard's Export)."""
+    from fsdp2nb.checkpoint import tracked_checkpointer
+    from fsdp2nb.checkpoint.hf_export import export_hf_model
+
+    export_hf_model(tracked_checkpointer()._require_tracked().model, path)
+
+
+def save_if_requested() -> None:
+    """At the end of a cell: serve a save asked for from the dashboard that no `maybe_save` reached,
+    at the last step the checkpointer saw. Every rank agrees on it inside `maybe_save`."""
+    from fsdp2nb.checkpoint import tracked_checkpointer
+
+    checkpointer = tracked_checkpointer()
+    step = checkpointer._last_step
+    if step is None:
+        if _is_rank0():
+            print("the save asked for from the dashboard was dropped: the checkpointer has seen no step yet")
+        return
+    if checkpointer.maybe_save(step):
+        checkpointer.wait()
+        if _is_rank0():
+            print(f"saved step {step} at the end of the cell: the save was asked for after its last maybe_save")

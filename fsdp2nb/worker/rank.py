@@ -30,6 +30,7 @@ from fsdp2nb.pool.protocol import (
     RankPlan,
     RankReady,
     RequestSave,
+    ResetPeak,
     RichKind,
     RichOutput,
     RunCell,
@@ -234,6 +235,8 @@ class Rank:
             from fsdp2nb.checkpoint.requests import post_save_request
 
             post_save_request(message.request_id)
+        elif isinstance(message, ResetPeak):
+            self._sampler.reset_peak()
 
     def _interrupt(self, cell_id: int) -> None:
         self._interrupted_cell_id = cell_id

@@ -1,0 +1,287 @@
+"""Connects the session's pool to the dashboard: feeds its model, serves its buttons.
+
+One link per session. A daemon thread wakes every REFRESH_S, takes the snapshots the pool's
+receiving side queued for it, updates the model and sets the traits of every view that
+changed: background work only sets traits, at most twice a second. Button handlers run on the
+thread the click arrived on (a subshell thread during a busy cell): what they call here is
+thread-safe (pool.send, pool.request_save) or refused while a cell runs (load, delete, export).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import tempfile
+import threading
+from typing import TYPE_CHECKING
+
+from fsdp2nb.pool.pool import WorkerPool, describe_exit
+from fsdp2nb.pool.protocol import CheckpointView, ResetPeak
+from fsdp2nb.widgets.model import DashboardModel, PoolFacts
+
+if TYPE_CHECKING:
+    from fsdp2nb.frontend.session import NotebookSession
+
+logger = logging.getLogger(__name__)
+
+REFRESH_S = 0.5
+_COMMANDS = "__import__('fsdp2nb.worker.commands', fromlist=['_'])"
+_HOW_TO_TRACK = ("no tracked checkpointer: run `ckpt = fsdp2nb.Checkpointer(dir).track(model=..., optimizer=...)` "
+                 "on the ranks first")
+
+
+def _refused(text: str) -> Exception:
+    from fsdp2nb.widgets.dashboard import ActionRefused as Refused
+
+    return Refused(text)
+
+
+class DashboardLink:
+    """Feeds one DashboardModel from `session`'s pool; implements the dashboard's Actions."""
+
+    def __init__(self, session: NotebookSession) -> None:
+        self.session = session
+        self.model = DashboardModel()
+        self.views: list = []
+        self._snapshots: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool: WorkerPool | None = None
+        self._restarting = False
+        self._host_total = _host_memory()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fsdp2nb-dashboard")
+        self._thread.start()
+
+    # --- feeding --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        stopped = threading.Event()
+        while not stopped.wait(REFRESH_S):
+            try:
+                self.tick()
+                for view in list(self.views):
+                    view.refresh(self.pool_line())
+            except Exception:  # the panel must outlive a bad snapshot; the next tick tries again
+                logger.exception("fsdp2nb dashboard update failed")
+
+    def tick(self) -> None:
+        """Bring the model up to date with the pool (safe from any thread)."""
+        pool = self.session.pool
+        if pool is not self._pool and pool is not None:
+            pool.snapshot_listeners.append(self._snapshots.put)  # runs on the pool's reading thread
+        self._pool = pool
+        while True:
+            try:
+                self.model.observe(self._snapshots.get_nowait())
+            except queue.Empty:
+                break
+        self.model.set_facts(self._facts(pool))
+
+    def _facts(self, pool: WorkerPool | None) -> PoolFacts:
+        if pool is None:
+            return PoolFacts(state="starting" if self._restarting else "stopped",
+                             world_size=self.model.facts.world_size)
+        return PoolFacts(
+            state=pool.state, world_size=pool.world_size, description=pool.spec.describe(),
+            devices={r: info.device for r, info in pool.ranks.items()},
+            pids={r: info.pid for r, info in pool.ranks.items()},
+            deaths={r: describe_exit(report) for r, report in pool.exited.items()},
+            busy=frozenset(pool.busy_ranks), host_total_bytes=self._host_total)
+
+    def pool_line(self) -> str:
+        facts = self.model.facts
+        if facts.state == "stopped":
+            return "no pool is running"
+        return f"{facts.description} · {'restarting' if self._restarting else facts.state}"
+
+    # --- showing --------------------------------------------------------------------------------
+
+    def text(self) -> str:
+        from fsdp2nb.widgets.render import text_tables
+
+        self.tick()
+        return text_tables(self.model.rows(), self.model.checkpoint, f"fsdp2nb pool: {self.pool_line()}")
+
+    def show(self) -> None:
+        """Display a live dashboard, or print the text tables where no widget can render."""
+        from IPython.core.getipython import get_ipython
+        from IPython.display import display
+
+        text = self.text()
+        if getattr(get_ipython(), "kernel", None) is None:  # terminal IPython: no frontend for widgets
+            print(text)
+            return
+        from fsdp2nb.widgets.dashboard import DashboardView
+
+        view = DashboardView(self.model, self)
+        view.refresh(self.pool_line())
+        self.views.append(view)
+        # The text is what nbconvert, nbclient and frontends without widgets show.
+        display({"text/plain": text, "application/vnd.jupyter.widget-view+json": {
+            "version_major": 2, "version_minor": 0, "model_id": view.root.model_id}}, raw=True)
+
+    def metrics_table(self):  # noqa: ANN201 - a DataFrame when pandas is installed, else a list
+        """Every logged point (rank, step, time, values) for `%fsdp2 metrics`."""
+        self.tick()
+        rows = self.model.metrics.rows()
+        try:
+            import pandas
+        except ImportError:
+            return rows
+        return pandas.DataFrame(rows)
+
+    # --- actions (on the thread the click arrived on) -------------------------------------------
+
+    def stop(self) -> str:
+        pool = self._ready_pool()
+        if not pool.busy_ranks:
+            raise _refused("no cell is running on the ranks")
+        # The stop button's own path: the waiting main thread turns SIGINT into an interrupt of every rank.
+        os.kill(os.getpid(), signal.SIGINT)
+        return "stop sent: every rank is interrupted"
+
+    def restart(self) -> str:
+        pool = self.session.pool
+        if pool is not None and pool.busy_ranks:
+            raise _refused("a cell is running: Stop it first, then Restart")
+        if pool is None:
+            raise _refused("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
+        self._restarting = True
+        try:
+            pool = self.session.restart()
+        finally:
+            self._restarting = False
+        return f"restarted: {pool.world_size} fresh ranks ({pool.spec.describe()}); rank state was cleared"
+
+    def reset_peak(self) -> str:
+        pool = self._ready_pool()
+        pool.send(tuple(range(pool.world_size)), ResetPeak(), connect_timeout_s=0)
+        return "peak memory readings restarted on every rank"
+
+    def save(self) -> str:
+        pool = self._ready_pool()
+        self._checkpoint_view()
+        if pool.busy_ranks:
+            if self.model.save_pending:  # a double click is one save
+                return f"{self.model.save_text} (asked once already)"
+            self.model.save_requested(pool.request_save())
+            return self.model.save_text
+        self._run_on_ranks(pool, "save_checkpoint(None)")
+        self.model.save_requested(0)  # served already: the next snapshot names the step
+        return "saved; the list shows the new step"
+
+    def load(self, step: int) -> str:
+        pool = self._idle_pool("Load")
+        view = self._checkpoint_view()
+        if not any(e.step == step and e.valid for e in view.entries):
+            raise _refused(f"step {step} is not a complete checkpoint in {view.directory} "
+                           f"(complete: {', '.join(str(e.step) for e in view.entries if e.valid) or 'none'})")
+        self._run_on_ranks(pool, f"load_checkpoint({step})")
+        return f"loaded step {step}: model, optimizer, RNG and step restored on every rank"
+
+    def delete(self, step: int) -> str:
+        pool = self._idle_pool("Delete")
+        view = self._checkpoint_view()
+        if step == view.latest_step:
+            raise _refused(f"step {step} is LATEST, the one a resume loads: not deleted")
+        if step == view.saving_step or not any(e.step == step for e in view.entries):
+            raise _refused(f"step {step} is not a finished checkpoint in {view.directory}: not deleted")
+        self._run_on_ranks(pool, f"delete_checkpoint({step})")
+        return f"deleted step {step}"
+
+    def export(self, path: str) -> str:
+        pool = self._idle_pool("Export")
+        self._checkpoint_view()
+        path = os.path.abspath(os.path.expanduser(path.strip())) if path.strip() else ""
+        problem = _unwritable(path)
+        if problem:
+            raise _refused(problem)
+        self._run_on_ranks(pool, f"export_hf({path!r})")
+        return f"exported the model in Hugging Face format to {path}"
+
+    def take_unserved_request(self) -> bool:
+        """Whether a save requested during the cell that just ended may still be unserved (the
+        ranks decide, collectively); the panel says it is being made now."""
+        if not self.model.save_pending:
+            return False
+        self.model.cell_ended_with_request()
+        return True
+
+    # --- checks ---------------------------------------------------------------------------------
+
+    def _ready_pool(self) -> WorkerPool:
+        pool = self.session.pool
+        if pool is None or pool.state != "ready":
+            state = "stopped" if pool is None else pool.state
+            raise _refused(f"the pool is {state}: start one with `%fsdp2 start` or `%fsdp2 restart`")
+        return pool
+
+    def _idle_pool(self, what: str) -> WorkerPool:
+        pool = self._ready_pool()
+        if pool.busy_ranks:
+            raise _refused(f"{what} acts while the pool is idle: a cell is running")
+        return pool
+
+    def _checkpoint_view(self) -> CheckpointView:
+        self.tick()
+        view = self.model.checkpoint
+        if view is None:
+            raise _refused(_HOW_TO_TRACK)
+        return view
+
+    def _run_on_ranks(self, pool: WorkerPool, call: str) -> None:
+        """One fsdp2nb.worker.commands call on every rank; a rank's error becomes the panel's line."""
+        from fsdp2nb.frontend.render import RankError
+
+        try:
+            self.session.run_cell(pool, f"{_COMMANDS}.{call}", tuple(range(pool.world_size)))
+        except RankError as error:
+            raise _refused(_first_error(error)) from None
+        self.tick()
+
+
+def _first_error(error: Exception) -> str:
+    errors = getattr(error, "errors", None)
+    if errors:
+        rank, info = errors[0]
+        return f"rank {rank}: {info.ename}: {info.evalue}"
+    return str(error)
+
+
+def _unwritable(path: str) -> str | None:
+    """Why `path` cannot take an export, or None."""
+    if not path:
+        return "type a directory to export to"
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"cannot export to {path}: {existing} is a file"
+    try:  # a real write: os.access says yes to root on a read-only mount
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        return f"cannot export to {path}: {existing} is not writable ({error.strerror})"
+    return None
+
+
+def _host_memory() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+_LINKS: dict[int, DashboardLink] = {}
+
+
+def existing_link(session: NotebookSession) -> DashboardLink | None:
+    link = _LINKS.get(id(session))
+    return link if link is not None and link.session is session else None
+
+
+def link_for(session: NotebookSession) -> DashboardLink:
+    """The session's link, made on first use (its thread starts then)."""
+    link = _LINKS.get(id(session))
+    if link is None or link.session is not session:
+        link = _LINKS[id(session)] = DashboardLink(session)
+    return link

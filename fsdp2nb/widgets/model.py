@@ -1,0 +1,255 @@
+"""What the dashboard shows, computed from snapshots alone: no widgets, no processes, no torch.
+
+`DashboardModel` is fed `RankSnapshot`s and `PoolFacts` by whoever owns the pool, keeps bounded
+histories (memory per rank, logged metrics), follows a save request until its outcome, and
+answers the questions the views ask. It is tested with synthetic snapshots.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from fsdp2nb.pool.protocol import CheckpointView, MetricPoint, RankSnapshot
+
+HISTORY_S = 300.0
+"""How far back the memory sparklines reach."""
+MAX_HISTORY_POINTS = 600
+"""Per rank: five minutes of snapshots at 2 Hz."""
+MAX_METRIC_POINTS = 2_000
+"""Per rank; past it every other old point is dropped, so a week-long run keeps a flat memory."""
+WARN_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class PoolFacts:
+    """What the pool's owner knows beyond snapshots (states, pids, devices, deaths)."""
+
+    state: str
+    """"stopped", "starting", "ready" or "broken" (a rank died)."""
+    world_size: int
+    description: str = ""
+    devices: dict[int, str] = field(default_factory=dict)
+    pids: dict[int, int] = field(default_factory=dict)
+    deaths: dict[int, str] = field(default_factory=dict)
+    """Rank -> "killed by SIGKILL" or "exit code 1"."""
+    busy: frozenset[int] = frozenset()
+    host_total_bytes: int = 0
+    """Memory of the host, the limit a CPU rank's bar is drawn against."""
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """One rank's bar: `used` (and `reserved`, `peak`) against `total`, all in bytes."""
+
+    kind: str  # "gpu" or "cpu"
+    used: int
+    reserved: int
+    peak: int
+    total: int
+    rss: int
+    tracked: tuple[int, int, int]
+    """Bytes of the tracked model's parameters, gradients and optimizer state on the rank."""
+
+    @property
+    def fraction(self) -> float:
+        return max(self.used, self.reserved) / self.total if self.total else 0.0
+
+    @property
+    def warning(self) -> bool:
+        return self.fraction > WARN_FRACTION
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """Everything one rank's line of the dashboard shows."""
+
+    rank: int
+    state: str  # "idle", "busy", "dead", "starting", "stopped"
+    state_text: str
+    device: str
+    pid: int | None
+    memory: MemoryReading | None
+    history: tuple[float, ...]
+    """Used bytes over the last HISTORY_S, oldest first."""
+
+
+@dataclass
+class _SaveRequest:
+    request_id: int
+    latest_before: int | None
+
+
+class MetricsHistory:
+    """Logged points per rank, bounded by halving the resolution of the oldest part."""
+
+    def __init__(self, max_points: int = MAX_METRIC_POINTS) -> None:
+        self._max_points = max_points
+        self._points: dict[int, list[MetricPoint]] = {}
+        self.version = 0
+        """Counts additions, so a view redraws a plot only when there is something new."""
+
+    def add(self, rank: int, points: tuple[MetricPoint, ...]) -> None:
+        if not points:
+            return
+        self.version += 1
+        kept = self._points.setdefault(rank, [])
+        kept.extend(points)
+        if len(kept) > self._max_points:
+            half = len(kept) // 2
+            kept[:half] = kept[:half:2]  # the older half at half the resolution
+
+    def points(self, rank: int = 0) -> list[MetricPoint]:
+        return list(self._points.get(rank, ()))
+
+    def names(self, rank: int = 0) -> list[str]:
+        seen: dict[str, None] = {}
+        for point in self._points.get(rank, ()):
+            seen.update(dict.fromkeys(point.values))
+        return list(seen)
+
+    def series(self, name: str, view: str) -> dict[str, list[tuple[int, float]]]:
+        """(step, value) lines to plot: `view` is "rank 0", "mean" (over ranks, per step) or "all ranks"."""
+        per_rank = {rank: [(p.step, p.values[name]) for p in points if name in p.values]
+                    for rank, points in sorted(self._points.items())}
+        if view == "all ranks":
+            return {f"rank {rank}": line for rank, line in per_rank.items() if line}
+        if view == "mean":
+            by_step: dict[int, list[float]] = {}
+            for line in per_rank.values():
+                for step, value in line:
+                    by_step.setdefault(step, []).append(value)
+            return {"mean": [(step, sum(v) / len(v)) for step, v in sorted(by_step.items())]}
+        return {"rank 0": per_rank.get(0, [])}
+
+    def rows(self) -> list[dict]:
+        """Every point as a dict (rank, step, time, and its values), for `%fsdp2 metrics`."""
+        return [dict(rank=rank, step=p.step, time=p.time, **p.values)
+                for rank, points in sorted(self._points.items()) for p in points]
+
+
+class DashboardModel:
+    """Bounded state behind every view of the dashboard; thread-safe (fed and read from threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.facts = PoolFacts(state="stopped", world_size=0)
+        self.snapshots: dict[int, RankSnapshot] = {}
+        self.metrics = MetricsHistory()
+        self._history: dict[int, deque[tuple[float, int]]] = {}
+        self._busy_since: dict[int, float] = {}
+        self._save: _SaveRequest | None = None
+        self.save_text = ""
+        """The outcome line of the last save asked for from the dashboard."""
+        self.notice = ""
+        """The last thing that happened to the pool itself (a rank died and the pool was replaced)."""
+
+    # --- feeding ------------------------------------------------------------------------------
+
+    def observe(self, snapshot: RankSnapshot) -> None:
+        with self._lock:
+            self.snapshots[snapshot.rank] = snapshot
+            used = snapshot.device_allocated_bytes if snapshot.device_total_bytes else snapshot.rss_bytes
+            history = self._history.setdefault(snapshot.rank, deque(maxlen=MAX_HISTORY_POINTS))
+            history.append((snapshot.time, used))
+            self.metrics.add(snapshot.rank, snapshot.metrics)
+            if snapshot.checkpoint is not None:
+                self._follow_save(snapshot.checkpoint)
+
+    def set_facts(self, facts: PoolFacts, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self._lock:
+            for rank in facts.busy - self.facts.busy:
+                self._busy_since[rank] = now
+            if self.facts.deaths and not facts.deaths and facts.state != "broken":
+                self.notice = "; ".join(f"rank {rank} died ({why})" for rank, why in sorted(self.facts.deaths.items()))
+                self.notice += ": the pool was replaced and all rank state was lost"
+            if facts.state == "starting" and self.facts.state != "starting":
+                self._history.clear()  # a new pool: the old ranks' readings would mislead
+                self.snapshots.clear()
+            self.facts = facts
+
+    # --- saves asked for while a cell runs ------------------------------------------------------
+
+    @property
+    def save_pending(self) -> bool:
+        """Whether a save asked for from the dashboard has not reached its outcome yet."""
+        return self._save is not None
+
+    def save_requested(self, request_id: int) -> None:
+        with self._lock:
+            self._save = _SaveRequest(request_id, self._checkpoint_latest())
+            self.save_text = "save requested: it happens at the training loop's next maybe_save"
+
+    def cell_ended_with_request(self) -> None:
+        with self._lock:
+            if self._save is not None:
+                self.save_text = ("the cell ended before its next maybe_save: saving at the last step "
+                                  "the checkpointer saw")
+
+    def _follow_save(self, view: CheckpointView) -> None:
+        request = self._save
+        if request is None or view.requests_served < request.request_id:
+            return
+        if view.last_error:
+            self.save_text, self._save = f"save failed: {view.last_error}", None
+        elif view.saving_step is not None:
+            self.save_text = f"saving step {view.saving_step} ..."
+        elif view.latest_step != request.latest_before:
+            self.save_text, self._save = f"saved step {view.latest_step}", None
+
+    def _checkpoint_latest(self) -> int | None:
+        view = self.checkpoint
+        return view.latest_step if view is not None else None
+
+    # --- reading ------------------------------------------------------------------------------
+
+    @property
+    def checkpoint(self) -> CheckpointView | None:
+        snapshot = self.snapshots.get(0)
+        return snapshot.checkpoint if snapshot is not None else None
+
+    def rows(self, now: float | None = None) -> list[RankRow]:
+        now = time.time() if now is None else now
+        with self._lock:
+            return [self._row(rank, now) for rank in range(self.facts.world_size)]
+
+    def _row(self, rank: int, now: float) -> RankRow:
+        snapshot = self.snapshots.get(rank)
+        state, text = self._state(rank, now)
+        history = tuple(used for t, used in self._history.get(rank, ()) if now - t <= HISTORY_S)
+        return RankRow(rank=rank, state=state, state_text=text, device=self.facts.devices.get(rank, "-"),
+                       pid=self.facts.pids.get(rank), memory=self._memory(snapshot), history=history)
+
+    def _state(self, rank: int, now: float) -> tuple[str, str]:
+        facts = self.facts
+        if rank in facts.deaths:
+            return "dead", f"dead: {facts.deaths[rank]}"
+        if facts.state in ("starting", "stopped"):
+            return facts.state, "restarting" if facts.state == "starting" else "stopped"
+        if rank in facts.busy:
+            return "busy", f"busy {_duration(now - self._busy_since.get(rank, now))}"
+        return "idle", "idle"
+
+    def _memory(self, snapshot: RankSnapshot | None) -> MemoryReading | None:
+        if snapshot is None:
+            return None
+        tracked = (snapshot.param_bytes, snapshot.grad_bytes, snapshot.optimizer_bytes)
+        if snapshot.device_total_bytes:
+            return MemoryReading("gpu", snapshot.device_allocated_bytes, snapshot.device_reserved_bytes,
+                                 snapshot.device_peak_bytes, snapshot.device_total_bytes, snapshot.rss_bytes, tracked)
+        return MemoryReading("cpu", snapshot.rss_bytes, 0, max(snapshot.rss_peak_bytes, snapshot.rss_bytes),
+                             self.facts.host_total_bytes, snapshot.rss_bytes, tracked)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"

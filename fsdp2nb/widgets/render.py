@@ -1,0 +1,199 @@
+"""The dashboard's pieces as HTML (with inline SVG plots) and as plain text.
+
+Inline SVG in an HTML widget needs no plotting library in the kernel or a frontend extension,
+renders alike in JupyterLab, Notebook 7 and VS Code, and one plot is a string of a few
+kilobytes: an unchanged plot is an unchanged string, so nothing is sent for it.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+
+from fsdp2nb.pool.protocol import CheckpointStep, CheckpointView
+from fsdp2nb.widgets.model import MemoryReading, RankRow
+
+_OK, _WARN, _PEAK, _RESERVED = "#3b82f6", "#dc2626", "#111827", "#bfdbfe"
+_STATE_COLOURS = {"idle": "#15803d", "busy": "#b45309", "dead": "#dc2626", "starting": "#6b7280",
+                  "stopped": "#6b7280"}
+SPARK_POINTS = 120
+
+
+def size(num_bytes: int) -> str:
+    """`512 MiB`, `1.5 GiB`: binary units, three significant figures."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+def memory_text(memory: MemoryReading | None) -> str:
+    """`1.2 GiB / 80 GiB (peak 3 GiB, reserved 2 GiB)`, or RSS for a CPU rank."""
+    if memory is None:
+        return "no reading yet"
+    total = f" / {size(memory.total)}" if memory.total else ""
+    if memory.kind == "gpu":
+        return (f"{size(memory.used)}{total} alloc · reserved {size(memory.reserved)} · "
+                f"peak {size(memory.peak)} · host RSS {size(memory.rss)}")
+    return f"RSS {size(memory.used)}{total} · peak {size(memory.peak)}"
+
+
+def tracked_text(memory: MemoryReading | None) -> str:
+    if memory is None or not any(memory.tracked):
+        return ""
+    params, grads, optimizer = memory.tracked
+    return f"params {size(params)} · grads {size(grads)} · optimizer {size(optimizer)}"
+
+
+def memory_bar(memory: MemoryReading | None, width: int = 146, height: int = 12) -> str:
+    """A bar of `used` (and `reserved`) against the total, red past 90%, a tick at the peak."""
+    if memory is None or not memory.total:
+        return f'<svg width="{width}" height="{height}"><rect width="{width}" height="{height}" fill="#e5e7eb"/></svg>'
+    x = lambda value: min(width, round(width * value / memory.total))  # noqa: E731
+    fill = _WARN if memory.warning else _OK
+    parts = [f'<rect width="{width}" height="{height}" fill="#e5e7eb" rx="2"/>',
+             f'<rect width="{x(memory.reserved)}" height="{height}" fill="{_RESERVED}" rx="2"/>',
+             f'<rect width="{x(memory.used)}" height="{height}" fill="{fill}" rx="2"/>']
+    if memory.peak:
+        parts.append(f'<rect x="{max(0, x(memory.peak) - 2)}" width="2" height="{height}" fill="{_PEAK}"/>')
+    return f'<svg width="{width}" height="{height}" class="fsdp2nb-bar">{"".join(parts)}</svg>'
+
+
+def sparkline(values: tuple[float, ...], width: int = 104, height: int = 22) -> str:
+    """The last minutes of memory as a line; each pixel column keeps its bucket's maximum, so a
+    short spike stays visible."""
+    values = _bucket_max(values, SPARK_POINTS)
+    if len(values) < 2:
+        return f'<svg width="{width}" height="{height}"></svg>'
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    step = width / (len(values) - 1)
+    points = " ".join(f"{i * step:.1f},{height - 2 - (v - low) / span * (height - 4):.1f}" for i, v in enumerate(values))
+    return (f'<svg width="{width}" height="{height}" class="fsdp2nb-spark"><polyline points="{points}" '
+            f'fill="none" stroke="#6b7280" stroke-width="1.2"/></svg>')
+
+
+def _bucket_max(values: tuple[float, ...], buckets: int) -> list[float]:
+    if len(values) <= buckets:
+        return list(values)
+    per = len(values) / buckets
+    return [max(values[int(i * per):max(int((i + 1) * per), int(i * per) + 1)]) for i in range(buckets)]
+
+
+_ROW_STYLE = ("display:grid;grid-template-columns:120px 92px 150px 110px 1fr;align-items:center;"
+              "column-gap:8px;line-height:1.35;padding:2px 0;font-size:12px")
+STYLE = ("<style>.fsdp2nb-steps select{font-family:var(--jp-code-font-family,monospace);font-size:12px}"
+         ".fsdp2nb-dashboard .widget-html-content{line-height:1.35}</style>")
+"""CSS for the list and the HTML rows; sent once, in the header."""
+
+
+def rank_row_html(row: RankRow) -> str:
+    colour = _STATE_COLOURS.get(row.state, "#6b7280")
+    warn = ' style="color:#dc2626;font-weight:600"' if row.memory is not None and row.memory.warning else ""
+    tracked = tracked_text(row.memory)
+    return (f'<div class="fsdp2nb-rank" data-rank="{row.rank}" data-state="{row.state}" style="{_ROW_STYLE}">'
+            f'<span><b>rank {row.rank}</b><br><span style="color:#6b7280">{html.escape(row.device)} · '
+            f'pid {row.pid or "-"}</span></span>'
+            f'<span style="color:{colour}">● {html.escape(row.state_text)}</span>'
+            f'{memory_bar(row.memory)}{sparkline(row.history)}'
+            f'<span class="fsdp2nb-mem"><span{warn}>{html.escape(memory_text(row.memory))}</span>'
+            f'{"<br><span style=color:#6b7280>" + html.escape(tracked) + "</span>" if tracked else ""}</span></div>')
+
+
+# --- training curves ----------------------------------------------------------------------------
+
+
+_SERIES_COLOURS = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#db2777", "#0891b2", "#ca8a04", "#4b5563")
+
+
+def metric_plot(series: dict[str, list[tuple[int, float]]], name: str, width: int = 520, height: int = 130) -> str:
+    """Lines of `name` against step, one per series, with the axes' ranges at the corners."""
+    series = {label: [(s, v) for s, v in line if math.isfinite(v)] for label, line in series.items()}
+    series = {label: line for label, line in series.items() if line}
+    if not series:
+        return ('<div class="fsdp2nb-plot" data-points="0" style="color:#6b7280">no values logged yet: '
+                'call <code>fsdp2nb.log(step, loss=loss)</code> in the training loop</div>')
+    every = [point for line in series.values() for point in line]
+    x0, x1 = min(s for s, _ in every), max(s for s, _ in every)
+    y0, y1 = min(v for _, v in every), max(v for _, v in every)
+    sx = lambda s: 40 + (s - x0) / ((x1 - x0) or 1) * (width - 50)  # noqa: E731
+    sy = lambda v: 8 + (y1 - v) / ((y1 - y0) or 1) * (height - 26)  # noqa: E731
+    lines, captions = [], []
+    for index, (label, line) in enumerate(series.items()):
+        colour = _SERIES_COLOURS[index % len(_SERIES_COLOURS)]
+        points = " ".join(f"{sx(s):.1f},{sy(v):.1f}" for s, v in _thin(line, 400))
+        lines.append(f'<polyline points="{points}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
+        captions.append(f'<span style="color:{colour}">{html.escape(label)}</span> {line[-1][1]:.5g}')
+    first = next(iter(series.values()))
+    return (f'<div class="fsdp2nb-plot" data-points="{len(first)}"><svg width="{width}" height="{height}">'
+            f'<rect x="40" y="8" width="{width - 50}" height="{height - 26}" fill="#f9fafb" stroke="#e5e7eb"/>'
+            f'{"".join(lines)}'
+            f'<text x="36" y="16" font-size="10" text-anchor="end">{y1:.4g}</text>'
+            f'<text x="36" y="{height - 18}" font-size="10" text-anchor="end">{y0:.4g}</text>'
+            f'<text x="40" y="{height - 4}" font-size="10">step {x0}</text>'
+            f'<text x="{width - 10}" y="{height - 4}" font-size="10" text-anchor="end">step {x1}</text>'
+            f'</svg><br><small>{html.escape(name)} at step {first[-1][0]}: {" · ".join(captions)}</small></div>')
+
+
+def _thin(line: list[tuple[int, float]], most: int) -> list[tuple[int, float]]:
+    """At most about `most` points (the last one kept): a plot wider than its pixels sends bytes for nothing."""
+    if len(line) <= most:
+        return line
+    every = -(-len(line) // most)
+    return line[::every] + ([line[-1]] if (len(line) - 1) % every else [])
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+
+def checkpoint_label(entry: CheckpointStep, latest: int | None) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(entry.wall_time)) if entry.wall_time else "--:--:--"
+    world = f"{entry.world_size} ranks" if entry.world_size else "? ranks"
+    flags = (" · LATEST" if entry.step == latest else "") + ("" if entry.valid else " · incomplete")
+    return f"step {entry.step:>7} · {when} · {size(entry.size_bytes):>9} · {world}{flags}".replace(" ", "\u00a0")
+
+
+def checkpoint_options(view: CheckpointView | None) -> list[tuple[str, int]]:
+    """(label, step) pairs, newest first, for the selection list."""
+    if view is None:
+        return []
+    return [(checkpoint_label(e, view.latest_step), e.step) for e in reversed(view.entries)]
+
+
+def checkpoint_header(view: CheckpointView | None) -> str:
+    if view is None:
+        return ('<span style="color:#6b7280">no tracked checkpointer: run '
+                '<code>fsdp2nb.Checkpointer(dir).track(model=..., optimizer=...)</code> on the ranks</span>')
+    saving = f" · saving step {view.saving_step}" if view.saving_step is not None else ""
+    latest = view.latest_step if view.latest_step is not None else "none"
+    return (f'<span class="fsdp2nb-ckpt-dir"><b>checkpoints</b> in <code>{html.escape(view.directory)}</code> · '
+            f'LATEST {latest}{saving}</span>')
+
+
+# --- text, where widgets cannot render ------------------------------------------------------------
+
+
+def text_tables(rows: list[RankRow], view: CheckpointView | None, pool_line: str) -> str:
+    lines = [pool_line, _table([("rank", "state", "device", "pid", "memory", "tracked")] + [
+        (str(r.rank), r.state_text, r.device, str(r.pid or "-"), memory_text(r.memory), tracked_text(r.memory) or "-")
+        for r in rows])]
+    if view is None:
+        lines.append("no tracked checkpointer")
+    else:
+        lines.append(f"checkpoints in {view.directory} (LATEST {view.latest_step})")
+        lines.append(_table([("step", "saved", "size", "ranks", "complete")] + [
+            (str(e.step) + (" LATEST" if e.step == view.latest_step else ""),
+             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.wall_time)) if e.wall_time else "-",
+             size(e.size_bytes), str(e.world_size or "-"), "yes" if e.valid else "no") for e in view.entries]))
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)

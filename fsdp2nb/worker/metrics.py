@@ -1,0 +1,57 @@
+"""`fsdp2nb.log(step, **values)`: training metrics a rank records for the dashboard.
+
+Points wait here until the sampler thread sends them with its next snapshot (about 2 Hz), so a
+training loop pays for a lock and an append, never for a message. The buffer is bounded: a loop
+that logs faster than the sampler drains keeps its newest points.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from fsdp2nb.pool.protocol import MetricPoint
+
+MAX_PENDING_POINTS = 5_000
+
+
+class MetricsBuffer:
+    """Thread-safe queue of logged points between the training thread and the sampler."""
+
+    def __init__(self, max_points: int = MAX_PENDING_POINTS) -> None:
+        self._lock = threading.Lock()
+        self._points: deque[MetricPoint] = deque(maxlen=max_points)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        point = MetricPoint(step=int(step), time=time.time(), values=_numbers(values))
+        with self._lock:
+            self._points.append(point)
+
+    def drain(self) -> tuple[MetricPoint, ...]:
+        with self._lock:
+            points = tuple(self._points)
+            self._points.clear()
+        return points
+
+
+def _numbers(values: dict[str, object]) -> dict[str, float]:
+    """Plain floats (a tensor's `.item()`), so the kernel never needs torch to read them."""
+    return {name: float(value.item() if hasattr(value, "item") else value) for name, value in values.items()}
+
+
+_BUFFER = MetricsBuffer()
+
+
+def process_metrics() -> MetricsBuffer:
+    return _BUFFER
+
+
+def log(step: int, **values: float) -> None:
+    """Record `values` (loss=..., lr=..., any number or 1-element tensor) at `step` for the dashboard.
+
+    Example: `fsdp2nb.log(step, loss=loss, grad_norm=norm)`; the dashboard plots rank 0's values.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
+        raise ValueError(f"step={step!r} must be an int")
+    _BUFFER.log(int(step), values)

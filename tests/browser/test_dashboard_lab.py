@@ -1,0 +1,181 @@
+"""End to end in JupyterLab: a 2-rank CPU pool's dashboard, Save clicked during a training cell,
+the step listed while the cell still runs, then Load. Screenshots go to /tmp/dash-shots."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import nbformat
+
+SETUP = """%%fsdp2 --cpu 2
+import time, fsdp2nb
+from torch.distributed.fsdp import fully_shard
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+for layer in model:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+ckpt = fsdp2nb.Checkpointer(CKPT, keep=None).track(model=model, optimizer=optimizer)
+target = torch.randn(64, 1, generator=torch.Generator().manual_seed(0))
+"""
+
+TRAIN = """%%fsdp2
+import os
+saved_at = None
+for step in range(1, 100_000):
+    x = torch.randn(32, 64)
+    loss = (model(x) - x @ target).pow(2).mean()
+    loss.backward(); optimizer.step(); optimizer.zero_grad()
+    fsdp2nb.log(step, loss=loss.item())
+    if ckpt.maybe_save(step):
+        saved_at = step
+    if rank == 0 and step % 25 == 0: print(f"step {step} loss {loss.item():.4f}", flush=True)
+    if os.path.exists(FLAG) or step > 6000:  # the test makes FLAG once the panel lists the save
+        break
+    time.sleep(0.01)
+ckpt.wait()
+print("panel saw the step during the cell" if os.path.exists(FLAG) else "no flag", "saved at", saved_at)
+"""
+
+
+def _notebook(path, ckpt: str, flag: str) -> None:
+    cells = [nbformat.v4.new_code_cell("%load_ext fsdp2nb"),
+             nbformat.v4.new_code_cell(SETUP.replace("%%fsdp2 --cpu 2\n", "%%fsdp2 --cpu 2\n" +
+                                                     f"CKPT, FLAG = {ckpt!r}, {flag!r}\n")),
+             nbformat.v4.new_code_cell(TRAIN)]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, path)
+
+
+def _bytes(frame: str | bytes) -> bytes:
+    return frame if isinstance(frame, bytes) else frame.encode()
+
+
+class Page:
+    """The open notebook: run cells, read outputs, find the dashboard."""
+
+    def __init__(self, page) -> None:
+        self.page = page
+
+    def open(self, url: str) -> None:
+        """Open the notebook and wait until its kernel answered kernel_info (an idle indicator
+        alone shows before the kernel's channels are connected, and a cell run then is lost)."""
+        replies = []
+        self.page.on("websocket", lambda ws: ws.on("framereceived", lambda frame: replies.append(1)
+                                                   if b"kernel_info_reply" in _bytes(frame) else None))
+        self.page.goto(url)
+        self.page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
+        select = self.page.locator(".jp-Dialog button:has-text('Select')")
+        if select.count():
+            select.first.click()
+        news = self.page.locator(".jp-toast-container button:has-text('No')")
+        if news.count():
+            news.first.click()
+        self.page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) "
+                                    ".jp-Notebook-ExecutionIndicator[data-status=idle]", timeout=60_000)
+        for _ in range(600):
+            if replies:
+                break
+            self.page.wait_for_timeout(100)
+
+    def _prompt(self, index: int) -> str:
+        return f"document.querySelectorAll('.jp-CodeCell')[{index}].querySelector('.jp-InputArea-prompt').innerText"
+
+    def run(self, index: int) -> None:
+        """Run cell `index` and wait until the kernel took it (its prompt is `[*]` or numbered)."""
+        self.page.locator(".jp-CodeCell").nth(index).locator(".jp-InputPrompt").click()
+        self.page.keyboard.press("Shift+Enter")
+        self.page.wait_for_function(f"/\\[(\\*|\\d+)\\]/.test({self._prompt(index)})", timeout=30_000)
+
+    def wait_done(self, index: int, timeout_ms: int = 150_000) -> None:
+        self.page.wait_for_function(f"/\\[\\d+\\]/.test({self._prompt(index)})", timeout=timeout_ms)
+
+    def output(self, index: int) -> str:
+        return self.page.locator(".jp-CodeCell").nth(index).locator(".jp-OutputArea").inner_text()
+
+    def shoot(self, path) -> None:
+        news = self.page.locator(".jp-toast-container button:has-text('No')")
+        if news.count():  # the news toast would cover the dashboard
+            news.first.click()
+        self.page.locator(".fsdp2nb-dashboard").first.scroll_into_view_if_needed()
+        self.page.screenshot(path=str(path), full_page=False)
+
+
+def test_save_during_training_then_load(lab, browser, shots):
+    ckpt, flag = str(lab.root / "ckpt"), str(lab.root / "flag")
+    _notebook(lab.root / "dash.ipynb", ckpt, flag)
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    page = Page(context.new_page())
+    try:
+        _save_during_training_then_load(page, lab, shots, flag, step_dir=lab.root / "ckpt")
+    except Exception:
+        page.page.screenshot(path=str(shots / "failure.png"))  # what the page showed when it failed
+        raise
+    finally:
+        context.close()
+
+
+def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir) -> None:
+    page.open(lab.url("dash.ipynb"))
+    dash = page.page.locator(".fsdp2nb-dashboard").first
+
+    page.run(0)
+    page.wait_done(0)
+    page.run(1)
+    page.wait_done(1)
+    assert "error" not in page.output(1).lower(), page.output(1)
+    page.page.wait_for_function("document.querySelectorAll('.fsdp2nb-dashboard .fsdp2nb-rank').length == 2 && "
+                                "![...document.querySelectorAll('.fsdp2nb-dashboard .fsdp2nb-mem')]"
+                                ".some(e => e.innerText.includes('no reading'))", timeout=30_000)
+    before = [dash.locator(f".fsdp2nb-rank[data-rank='{r}'] .fsdp2nb-mem").inner_text() for r in (0, 1)]
+    assert all(re.search(r"RSS [1-9][0-9.]* (MiB|GiB)", text) for text in before), before
+    page.shoot(shots / "1-pool-started.png")
+
+    page.run(2)
+    page.page.wait_for_function("document.querySelectorAll('.jp-CodeCell')[2].innerText.includes('step 50 ')",
+                                timeout=60_000)
+    clicked_at = time.monotonic()
+    dash.locator("button:has-text('Save now')").click()
+    # The saved step must show in the panel's list while the training cell still runs.
+    page.page.wait_for_function(
+        "[...document.querySelectorAll('.fsdp2nb-dashboard .fsdp2nb-steps option')].length > 0 && "
+        "document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message').innerText.includes('saved step')",
+        timeout=60_000)
+    saved_after_s = time.monotonic() - clicked_at  # measured, not asserted: it depends on the machine
+    assert "[*]" in page.page.locator(".jp-CodeCell").nth(2).locator(".jp-InputArea-prompt").inner_text()
+    (shots / "click-to-saved.txt").write_text(f"{saved_after_s:.2f} s from the Save click to 'saved step N'\n")
+    page.page.wait_for_function("document.querySelector('.fsdp2nb-plot') && "
+                                "+document.querySelector('.fsdp2nb-plot').dataset.points > 20", timeout=30_000)
+    page.shoot(shots / "2-saved-during-training.png")
+    message = dash.locator(".fsdp2nb-message").inner_text()
+    step = int(re.search(r"saved step (\d+)", message).group(1))
+    open(flag, "w").close()
+    page.wait_done(2)
+    output = page.output(2)
+    assert "panel saw the step during the cell" in output and f"saved at {step}" in output, output
+    assert (lab.root / "ckpt" / f"step-{step:06d}").is_dir()
+    after = [dash.locator(f".fsdp2nb-rank[data-rank='{r}'] .fsdp2nb-mem").inner_text() for r in (0, 1)]
+    assert after != before and "params" in after[0] and "optimizer 0 B" not in after[0], (before, after)
+
+    label = dash.locator(".fsdp2nb-steps option").first.inner_text()
+    assert re.match(rf"step\s+{step}\s", label) and "LATEST" in label, label
+    dash.locator(".fsdp2nb-steps select").select_option(label=label)
+    dash.locator("button:has-text('Load selected')").click()
+    page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-confirm')"
+                                f".innerText.includes('Load step {step}?')", timeout=30_000)
+    dash.locator(".fsdp2nb-confirm button:has-text('Yes')").click()
+    page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message')"
+                                f".innerText.includes('loaded step {step}')", timeout=60_000)
+    dash.locator("button:has-text('Delete selected')").click()  # LATEST: refused, nothing removed
+    page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-confirm')"
+                                f".innerText.includes('Delete step {step}?')", timeout=30_000)
+    dash.locator(".fsdp2nb-confirm button:has-text('Yes')").click()
+    page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message')"
+                                ".innerText.includes('is LATEST')", timeout=30_000)
+    assert (lab.root / "ckpt" / f"step-{step:06d}").is_dir()
+    dash.locator("button:has-text('all ranks')").click()
+    page.page.wait_for_function("document.querySelectorAll('.fsdp2nb-plot polyline').length == 2", timeout=30_000)
+    page.shoot(shots / "3-loaded.png")

@@ -1,0 +1,250 @@
+"""The dashboard in a real ipykernel: what its comms send while a cell runs, and a click on a
+subshell (as JupyterLab sends it) served during a `%%fsdp2` training cell."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+import pytest
+
+from tests.kernel.client import WITHOUT_GPUS, Kernel
+
+SETUP = """%%fsdp2
+import time, fsdp2nb
+from torch.distributed.fsdp import fully_shard
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+ckpt = fsdp2nb.Checkpointer(ckpt_dir, keep=None).track(model=model, optimizer=optimizer)
+
+def train_step(step):
+    x = torch.randn(4, 16)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    fsdp2nb.log(step, loss=loss.item())
+    return loss.item()
+"""
+
+
+class Iopub:
+    """Every iopub message, whatever its parent (the dashboard's thread has none of ours)."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self.comms: dict[str, dict] = {}  # comm id -> last known state
+        self.updates: list[tuple[str, dict]] = []  # every state update, in order
+
+    def run(self, code: str, on_message=None, timeout: float = 180) -> list[dict]:
+        msg_id = self.kernel.client.execute(code)
+        seen, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                message = self.kernel.client.get_iopub_msg(timeout=1.0)
+            except queue.Empty:
+                continue
+            seen.append(message)
+            self._track(message)
+            if on_message is not None:
+                on_message(message)
+            if (message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "status"
+                    and message["content"]["execution_state"] == "idle"):
+                return seen
+        raise TimeoutError(f"no idle status within {timeout} s for {code[:60]!r}")
+
+    def _track(self, message: dict) -> None:
+        content = message["content"]
+        if message["msg_type"] == "comm_open":
+            self.comms[content["comm_id"]] = dict(content["data"].get("state", {}))
+        elif message["msg_type"] == "comm_msg" and content["data"].get("method") == "update":
+            self.comms.setdefault(content["comm_id"], {}).update(content["data"]["state"])
+            self.updates.append((content["comm_id"], content["data"]["state"]))
+
+    def comm_of(self, **state) -> str:
+        return next(cid for cid, known in self.comms.items() if all(known.get(k) == v for k, v in state.items()))
+
+
+@pytest.fixture(scope="module")
+def dash(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dashboard")
+    kernel = Kernel(env=WITHOUT_GPUS)
+    iopub = Iopub(kernel)
+    iopub.run(f"%load_ext fsdp2nb\nckpt_dir = {str(root / 'ckpt')!r}\nflag = {str(root / 'flag')!r}")
+    iopub.started = iopub.run("%fsdp2 start --cpu 2")
+    iopub.run("%fsdp2 push ckpt_dir flag")
+    setup = iopub.run(SETUP)
+    assert not [m for m in setup if m["msg_type"] == "error"], setup
+    iopub.root = root
+    yield iopub
+    kernel.stop()
+
+
+def test_start_shows_a_widget_with_a_text_fallback(dash):
+    displays = [m["content"]["data"] for m in dash.started if m["msg_type"] == "display_data"]
+    (shown,) = [d for d in displays if "application/vnd.jupyter.widget-view+json" in d]
+    text = shown["text/plain"]
+    assert "rank  state" in text and "\n0     " in text and "\n1     " in text
+    assert dash.comm_of(_model_name="ButtonModel", description="Save now")
+
+
+def test_rank_rows_update_while_a_cell_runs(dash):
+    """The cell runs until the test has seen a rank row say "busy" (or 60 s pass)."""
+    busy_seen = []
+
+    def on_message(message):
+        state = message["content"].get("data", {}).get("state", {}) if message["msg_type"] == "comm_msg" else {}
+        if 'data-state="busy"' in str(state.get("value", "")) and not busy_seen:
+            busy_seen.append(message)
+            open(dash.root / "flag", "w").close()
+
+    code = ("%%fsdp2\nimport os, time\ndeadline = time.monotonic() + 60\n"
+            "while not os.path.exists(flag) and time.monotonic() < deadline:\n    time.sleep(0.05)\n"
+            "print('flag seen' if os.path.exists(flag) else 'no flag')")
+    messages = dash.run(code, on_message=on_message)
+    os.remove(dash.root / "flag")
+    outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    assert busy_seen and "[all] flag seen" in outputs
+    assert messages.index(busy_seen[0]) < len(messages) - 1
+
+
+def _subshell(kernel: Kernel) -> str:
+    request = kernel.client.session.msg("create_subshell_request", {})
+    kernel.client.control_channel.send(request)
+    while True:
+        reply = kernel.client.get_control_msg(timeout=10)
+        if reply["parent_header"].get("msg_id") == request["header"]["msg_id"]:
+            return reply["content"]["subshell_id"]
+
+
+def _click(kernel: Kernel, comm_id: str, subshell_id: str) -> None:
+    """What JupyterLab sends for a button click under its default commsOverSubshells setting."""
+    message = kernel.client.session.msg("comm_msg", {"comm_id": comm_id,
+                                                     "data": {"method": "custom", "content": {"event": "click"}}})
+    message["header"]["subshell_id"] = subshell_id
+    kernel.client.shell_channel.send(message)
+
+
+def test_save_clicked_on_a_subshell_lands_at_the_next_maybe_save(dash):
+    save = dash.comm_of(_model_name="ButtonModel", description="Save now")
+    subshell = _subshell(dash.kernel)
+    clicked = []
+
+    def on_message(message):
+        if message["msg_type"] == "stream" and "step 1 " in message["content"]["text"] and not clicked:
+            clicked.append(True)
+            _click(dash.kernel, save, subshell)
+
+    code = ("%%fsdp2\nfor step in range(1, 3000):\n    loss = train_step(step)\n"
+            "    if rank == 0 and step == 1: print(f'step {step} trained', flush=True)\n"
+            "    if ckpt.maybe_save(step):\n        print(f'saved at step {step}')\n        break\n"
+            "    time.sleep(0.02)\nckpt.wait()")
+    messages = dash.run(code, on_message=on_message)
+    outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    assert clicked, outputs
+    saved = [int(line.split()[-1]) for line in outputs.splitlines() if "saved at step" in line]
+    assert saved and len(set(saved)) == 1, outputs  # every rank served it at the same step
+    assert (dash.root / "ckpt" / f"step-{saved[0]:06d}").is_dir()
+    message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
+    assert "requested" in dash.comms[message_widget]["value"]
+
+
+def test_metrics_magic_returns_the_logged_losses(dash):
+    code = ("rows = %fsdp2 metrics\nrows = rows.to_dict('records') if hasattr(rows, 'to_dict') else rows\n"
+            "print(sorted({r['rank'] for r in rows}), all('loss' in r for r in rows), len(rows) > 0)")
+    messages = dash.run(code)
+    out = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    assert out.strip() == "[0, 1] True True", out
+
+
+def test_terminal_ipython_prints_the_text_tables(tmp_path):
+    """No kernel, no widget frontend: `%fsdp2 dashboard` prints the same facts as text."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "dash.ipy"
+    script.write_text("%load_ext fsdp2nb\n%fsdp2 start --cpu 2 --no-dashboard\n%fsdp2 dashboard\n%fsdp2 stop\n")
+    ipython = [sys.executable, "-m", "IPython", "--no-banner", "--colors=NoColor", str(script)]
+    done = subprocess.run(ipython, capture_output=True, text=True, timeout=120, env={**os.environ, **WITHOUT_GPUS})
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stderr
+    assert any(line.startswith("fsdp2nb pool: --cpu 2 · ready") for line in lines), done.stdout
+    assert [line.split()[:2] for line in lines if line[:2] in ("0 ", "1 ")] == [["0", "idle"], ["1", "idle"]]
+    assert "no tracked checkpointer" in done.stdout
+
+
+def test_reset_peak_and_stop_act_during_a_cell(dash):
+    """Reset peak, then Stop, clicked on a subshell while a cell runs: the cell ends interrupted."""
+    buttons = {name: dash.comm_of(_model_name="ButtonModel", description=name) for name in ("Reset peak", "Stop")}
+    subshell = _subshell(dash.kernel)
+    clicked, first_update = [], len(dash.updates)
+
+    def on_message(message):
+        if message["msg_type"] == "stream" and "waiting" in message["content"]["text"] and not clicked:
+            clicked.append(True)
+            _click(dash.kernel, buttons["Reset peak"], subshell)
+            _click(dash.kernel, buttons["Stop"], subshell)
+
+    messages = dash.run("%%fsdp2\nimport time\nprint('waiting', flush=True)\nfor _ in range(1200):\n"
+                        "    time.sleep(0.05)\nprint('not stopped')", on_message=on_message)
+    outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    errors = ["\n".join(m["content"]["traceback"]) for m in messages if m["msg_type"] == "error"]
+    assert clicked and "not stopped" not in outputs, outputs
+    assert len(errors) == 1 and "KeyboardInterrupt" in errors[0], errors  # as the stop button does
+    message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
+    lines = [state["value"] for cid, state in dash.updates[first_update:] if cid == message_widget and "value" in state]
+    assert any("peak memory readings restarted" in line for line in lines) and "stop sent" in lines[-1], lines
+
+
+BAD_INPUT = """
+from fsdp2nb.frontend.dashboard_link import link_for
+import fsdp2nb
+link = link_for(fsdp2nb._session)
+def attempt(action, *args):
+    try:
+        print("DONE", action(*args))
+    except Exception as refused:
+        print(type(refused).__name__, refused)
+attempt(link.export, {file!r} + "/export")
+attempt(link.load, 424242)
+attempt(link.delete, link.model.checkpoint.latest_step)
+attempt(link.delete, 424242)
+"""
+
+
+def test_bad_input_gets_one_line_and_changes_nothing(dash):
+    """Through the link the buttons call, in the kernel: each refusal is one line, the steps stay."""
+    steps_before = sorted(p.name for p in (dash.root / "ckpt").iterdir())
+    a_file = dash.root / "a-file"
+    a_file.write_text("")
+    messages = dash.run(BAD_INPUT.format(file=str(a_file)))
+    lines = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream").splitlines()
+    assert [line.split()[0] for line in lines] == ["ActionRefused"] * 4, lines
+    assert "is a file" in lines[0] and "step 424242 is not a complete checkpoint" in lines[1]
+    assert "is LATEST" in lines[2] and "not a finished checkpoint" in lines[3]
+    assert sorted(p.name for p in (dash.root / "ckpt").iterdir()) == steps_before
+
+
+def test_a_save_no_maybe_save_reached_is_made_when_the_cell_ends(dash):
+    save = dash.comm_of(_model_name="ButtonModel", description="Save now")
+    message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
+    subshell = _subshell(dash.kernel)
+    clicked = []
+
+    def on_message(message):
+        if message["msg_type"] == "stream" and "waiting" in message["content"]["text"] and not clicked:
+            clicked.append(True)
+            _click(dash.kernel, save, subshell)
+        state = message["content"].get("data", {}).get("state", {}) if message["msg_type"] == "comm_msg" else {}
+        if message["content"].get("comm_id") == message_widget and "requested" in state.get("value", ""):
+            open(dash.root / "flag", "w").close()  # the click was taken: let the cell end
+
+    code = ("%%fsdp2\nimport os\ntrain_step(5000)\nckpt.maybe_save(5000)\nprint('waiting', flush=True)\n"
+            "for _ in range(1200):\n    if os.path.exists(flag): break\n    time.sleep(0.05)")
+    messages = dash.run(code, on_message=on_message)
+    os.remove(dash.root / "flag")
+    outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    assert clicked and "saved step 5000 at the end of the cell" in outputs, outputs
+    assert (dash.root / "ckpt" / "step-005000").is_dir()

@@ -1,0 +1,235 @@
+"""The dashboard's model and widget tree, fed synthetic snapshots: no processes, no kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp2nb.pool.protocol import CheckpointStep, CheckpointView, MetricPoint, RankSnapshot
+from fsdp2nb.widgets import render
+from fsdp2nb.widgets.dashboard import ActionRefused, DashboardView
+from fsdp2nb.widgets.model import MAX_HISTORY_POINTS, DashboardModel, MetricsHistory, PoolFacts
+
+GiB = 2**30
+
+
+def _gpu(rank: int, allocated: float, t: float = 1000.0, **extra) -> RankSnapshot:
+    return RankSnapshot(rank=rank, time=t, busy=False, rss_bytes=3 * GiB, cpu_percent=10.0,
+                        device_allocated_bytes=int(allocated * GiB), device_reserved_bytes=int(allocated * GiB),
+                        device_peak_bytes=int(allocated * GiB), device_total_bytes=80 * GiB, **extra)
+
+
+def _view(latest: int | None, served: int = 0, saving: int | None = None, steps=(2, 4)) -> CheckpointView:
+    entries = tuple(CheckpointStep(step=s, wall_time=1.7e9, size_bytes=5 * 2**20, world_size=2, valid=True)
+                    for s in steps)
+    return CheckpointView(directory="/ckpt/run1", latest_step=latest, saving_step=saving, last_error=None,
+                          steps=steps, entries=entries, requests_served=served)
+
+
+def _model(world_size: int = 2, **facts) -> DashboardModel:
+    model = DashboardModel()
+    model.set_facts(PoolFacts(state="ready", world_size=world_size, devices={0: "cuda:0", 1: "cuda:1"},
+                              pids={0: 11, 1: 12}, **facts))
+    return model
+
+
+class RecordingActions:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        def action(*args):
+            self.calls.append((name, *args))
+            if name == "export" and not args[0]:
+                raise ActionRefused("give a path to export to")
+            return f"{name} done"
+        return action
+
+
+def test_memory_bar_turns_red_past_90_percent():
+    model = _model()
+    model.observe(_gpu(0, allocated=40))
+    model.observe(_gpu(1, allocated=75))
+    low, high = model.rows()
+    assert not low.memory.warning and high.memory.warning
+    assert "#dc2626" in render.memory_bar(high.memory) and "#dc2626" not in render.memory_bar(low.memory)
+    assert render.memory_text(low.memory).startswith("40 GiB / 80 GiB alloc")
+
+
+def test_cpu_rank_shows_rss_and_tracked_bytes_against_host_memory():
+    model = _model(world_size=1, host_total_bytes=16 * GiB)
+    model.observe(RankSnapshot(rank=0, time=1.0, busy=False, rss_bytes=2 * GiB, cpu_percent=0.0,
+                               rss_peak_bytes=3 * GiB, param_bytes=2**20, grad_bytes=2**20, optimizer_bytes=2**21))
+    (row,) = model.rows()
+    assert row.memory.kind == "cpu" and row.memory.total == 16 * GiB and row.memory.peak == 3 * GiB
+    assert render.tracked_text(row.memory) == "params 1 MiB · grads 1 MiB · optimizer 2 MiB"
+
+
+def test_dead_and_busy_ranks_are_told_apart():
+    model = _model(deaths={1: "killed by SIGKILL"}, busy=frozenset({0}))
+    model.set_facts(PoolFacts(state="broken", world_size=2, deaths={1: "killed by SIGKILL"}, busy=frozenset({0})),
+                    now=100.0)
+    busy, dead = model.rows(now=112.0)
+    assert dead.state == "dead" and dead.state_text == "dead: killed by SIGKILL"
+    assert busy.state == "busy"
+
+
+def test_a_replaced_pool_says_which_rank_died():
+    model = _model()
+    model.set_facts(PoolFacts(state="broken", world_size=2, deaths={1: "killed by SIGSEGV"}))
+    assert model.rows()[1].state_text == "dead: killed by SIGSEGV"
+    model.set_facts(PoolFacts(state="ready", world_size=2))
+    view = DashboardView(model, RecordingActions())
+    view.refresh("ready")
+    assert "rank 1 died (killed by SIGSEGV): the pool was replaced" in view.message.value
+
+
+def test_busy_rank_shows_how_long_it_has_been_busy():
+    model = _model()
+    model.set_facts(PoolFacts(state="ready", world_size=2, busy=frozenset({0, 1})), now=100.0)
+    assert model.rows(now=175.0)[0].state_text == "busy 1 min 15 s"
+
+
+def test_memory_history_is_bounded_and_shows_a_leak():
+    model = _model(world_size=1)
+    for i in range(MAX_HISTORY_POINTS + 50):
+        model.observe(_gpu(0, allocated=1 + i / 100, t=1000.0 + i * 0.01))
+    (row,) = model.rows(now=1000.0 + MAX_HISTORY_POINTS * 0.01)
+    assert len(row.history) == MAX_HISTORY_POINTS
+    assert row.history[-1] > row.history[0]
+    assert "<polyline" in render.sparkline(row.history)
+
+
+def test_metric_history_keeps_a_flat_memory():
+    history = MetricsHistory(max_points=100)
+    for step in range(10_000):
+        history.add(0, (MetricPoint(step=step, time=0.0, values={"loss": 1.0 / (step + 1)}),))
+    points = history.points(0)
+    assert len(points) <= 100 and points[-1].step == 9_999 and points[0].step == 0
+
+
+def test_save_request_is_followed_to_its_outcome():
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
+    model.save_requested(1)
+    assert "requested" in model.save_text
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4, served=1, saving=7)))
+    assert model.save_text == "saving step 7 ..."
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=7, served=1, steps=(2, 4, 7))))
+    assert model.save_text == "saved step 7"
+
+
+def test_a_request_the_cell_never_served_is_saved_at_its_end():
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
+    model.save_requested(3)
+    model.cell_ended_with_request()
+    assert model.save_pending and "saving at the last step" in model.save_text
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=9, served=3, steps=(2, 4, 9))))
+    assert model.save_text == "saved step 9" and not model.save_pending
+
+
+def test_view_lists_steps_newest_first_with_latest_marked():
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
+    view = DashboardView(model, RecordingActions())
+    view.refresh("cpu 2 · ready")
+    labels = [label for label, _ in view.steps.options]
+    assert [step for _, step in view.steps.options] == [4, 2]
+    assert labels[0].endswith("LATEST") and "LATEST" not in labels[1]
+    assert "/ckpt/run1" in view.checkpoint_header.value
+
+
+def test_view_sends_nothing_when_nothing_changed():
+    model = _model()
+    model.observe(_gpu(0, 1))
+    view = DashboardView(model, RecordingActions())
+    view.refresh("ready")
+    changes = []
+    for widget in view._all_widgets():
+        widget.observe(lambda change: changes.append(change["name"]), names="value")
+    view.refresh("ready")
+    assert changes == []
+    model.observe(_gpu(0, 2))
+    view.refresh("ready")
+    assert changes == ["value"]  # rank 0's row only
+
+
+def test_every_button_calls_its_action():
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
+    actions = RecordingActions()
+    view = DashboardView(model, actions)
+    view.refresh("ready")
+    view.steps.value = 2
+    view.export_path.value = "/tmp/export"
+    for button in (view.stop_button, view.reset_peak_button, view.save_button, view.export_button):
+        button.click()
+    for button in (view.load_button, view.delete_button, view.restart_button):
+        button.click()
+        assert view.confirm.layout.display == "flex"
+        view.confirm.children[1].click()  # Yes
+        assert view.confirm.layout.display == "none"
+    assert actions.calls == [("stop",), ("reset_peak",), ("save",), ("export", "/tmp/export"), ("load", 2),
+                             ("delete", 2), ("restart",)]
+    assert "restart done" in view.message.value
+
+
+def test_confirmation_names_the_step_and_cancel_does_nothing():
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
+    actions = RecordingActions()
+    view = DashboardView(model, actions)
+    view.refresh("ready")
+    view.steps.value = 2
+    view.delete_button.click()
+    assert "Delete step 2?" in view.question.value
+    view.confirm.children[2].click()  # Cancel
+    assert actions.calls == [] and view.confirm.layout.display == "none"
+
+
+def test_refused_action_shows_one_line_and_calls_nothing():
+    model = _model()
+    actions = RecordingActions()
+    view = DashboardView(model, actions)
+    view.load_button.click()
+    assert "select a checkpoint" in view.message.value and actions.calls == []
+    view.export_button.click()
+    assert "give a path" in view.message.value
+
+
+def test_loss_plot_has_a_point_per_logged_step():
+    model = _model(world_size=1)
+    points = tuple(MetricPoint(step=s, time=0.0, values={"loss": 3.0 - s / 10}) for s in range(5))
+    model.observe(_gpu(0, 1, metrics=points))
+    view = DashboardView(model, RecordingActions())
+    view.refresh("ready")
+    assert 'data-points="5"' in view.plot.value and "loss at step 4:" in view.plot.value
+    assert "rank 0</span> 2.6" in view.plot.value
+
+
+def test_mean_and_every_rank_curves():
+    model = _model()
+    for rank, offset in ((0, 0.0), (1, 2.0)):
+        points = tuple(MetricPoint(step=s, time=0.0, values={"loss": 1.0 + offset, "lr": 0.1}) for s in range(3))
+        model.observe(_gpu(rank, 1, metrics=points))
+    assert model.metrics.series("loss", "mean") == {"mean": [(0, 2.0), (1, 2.0), (2, 2.0)]}
+    assert list(model.metrics.series("loss", "all ranks")) == ["rank 0", "rank 1"]
+    view = DashboardView(model, RecordingActions())
+    view.refresh("ready")
+    assert list(view.metric.options) == ["loss", "lr"]
+    view.metric_view.value = "all ranks"
+    view.refresh("ready")
+    assert view.plot.value.count("<polyline") == 2
+
+
+def test_text_tables_carry_the_same_facts():
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
+    text = render.text_tables(model.rows(), model.checkpoint, "pool cpu 2 (ready)")
+    assert "rank  state" in text and "cuda:0" in text and "4 LATEST" in text
+    assert text.splitlines()[0] == "pool cpu 2 (ready)"
+
+
+@pytest.mark.parametrize("num_bytes, text", [(512, "512 B"), (1536 * 2**20, "1.5 GiB"), (200 * 2**20, "200 MiB")])
+def test_sizes_read_well(num_bytes, text):
+    assert render.size(num_bytes) == text
