@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from fsdp2nb.pool.protocol import ErrorInfo
+from fsdp2nb.wire.protocol import ErrorInfo
 
 MERGE_WINDOW_S = 0.5
 PARTIAL_LINE_WINDOW_S = 0.5

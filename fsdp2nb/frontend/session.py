@@ -21,7 +21,8 @@ from IPython.core.getipython import get_ipython
 
 from fsdp2nb.frontend.render import CellSyntaxError, RankError, StreamMerger, rank_label, write_to_kernel
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool, describe_exit
-from fsdp2nb.pool.protocol import (
+from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.protocol import (
     CellFinished,
     ControlMessage,
     ErrorInfo,
@@ -34,8 +35,7 @@ from fsdp2nb.pool.protocol import (
     RunCell,
     StreamOutput,
 )
-from fsdp2nb.pool.sigint import SigintNotes, sigint_noted
-from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.sigint import SigintNotes, sigint_noted
 
 logger = logging.getLogger(__name__)
 

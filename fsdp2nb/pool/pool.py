@@ -25,7 +25,8 @@ from typing import Literal
 
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.launcher import LaunchedRanks, Launcher, LocalLauncher
-from fsdp2nb.pool.protocol import (
+from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.protocol import (
     ControlMessage,
     EventMessage,
     Interrupt,
@@ -39,8 +40,7 @@ from fsdp2nb.pool.protocol import (
     Shutdown,
     StreamOutput,
 )
-from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.pool.transport import KEY_BYTES, KernelChannels, Signer
+from fsdp2nb.wire.transport import KEY_BYTES, KernelChannels, Signer
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import psutil
 
-from fsdp2nb.pool.protocol import (
+from fsdp2nb.wire.protocol import (
     CellFinished,
     ErrorInfo,
     Interrupt,
@@ -36,8 +36,8 @@ from fsdp2nb.pool.protocol import (
     Shutdown,
     StreamOutput,
 )
-from fsdp2nb.pool.sigint import SigintGate, sigint_deferred
-from fsdp2nb.pool.transport import RankChannels, Signer
+from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
+from fsdp2nb.wire.transport import RankChannels, Signer
 from fsdp2nb.worker.capture import FdCapture, OutputSync, write_through_streams
 from fsdp2nb.worker.sampler import ResourceSampler, loaded_checkpointer
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import psutil
 
-from fsdp2nb.pool.protocol import CheckpointView, RankSnapshot
+from fsdp2nb.wire.protocol import CheckpointView, RankSnapshot
 
 SAMPLE_INTERVAL_S = 0.5
 

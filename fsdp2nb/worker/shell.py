@@ -17,7 +17,7 @@ from IPython.core.displaypub import DisplayPublisher
 from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 from traitlets.config import Config
 
-from fsdp2nb.pool.protocol import ErrorInfo, RichKind
+from fsdp2nb.wire.protocol import ErrorInfo, RichKind
 
 RichSink = Callable[[RichKind, dict, dict], None]
 

@@ -1,5 +1,5 @@
 from fsdp2nb.frontend.render import MERGE_WINDOW_S, RankError, StreamMerger, rank_label
-from fsdp2nb.pool.protocol import ErrorInfo
+from fsdp2nb.wire.protocol import ErrorInfo
 from fsdp2nb.worker.capture import _partial_marker_length
 
 

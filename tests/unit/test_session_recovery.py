@@ -12,8 +12,8 @@ import pytest
 from fsdp2nb.frontend.render import RankError, StreamMerger
 from fsdp2nb.frontend.session import INTERRUPT_GRACE_S, NotebookSession, _CellProgress
 from fsdp2nb.pool.pool import HeldOutput, PoolStartError
-from fsdp2nb.pool.protocol import CellFinished, ErrorInfo, RankExited, RichOutput, StreamOutput
 from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, RankExited, RichOutput, StreamOutput
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))
 

@@ -33,8 +33,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from fsdp2nb.pool.protocol import WIRE_TYPES, ChannelHello, ChannelRole
-from fsdp2nb.pool.sigint import sigint_deferred
+from fsdp2nb.wire.protocol import WIRE_TYPES, ChannelHello, ChannelRole
+from fsdp2nb.wire.sigint import sigint_deferred
 
 logger = logging.getLogger(__name__)
 
