@@ -8,8 +8,8 @@ import pytest
 
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.channels import Signer, _Link
 from fsdp2nb.wire.protocol import ChannelHello, RankExited, RunCell, StreamOutput
-from fsdp2nb.wire.transport import Signer, _Link
 
 
 @pytest.fixture(scope="module")

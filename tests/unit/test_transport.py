@@ -2,8 +2,8 @@ import pickle
 
 import pytest
 
+from fsdp2nb.wire.channels import KEY_BYTES, Signer
 from fsdp2nb.wire.protocol import RunCell
-from fsdp2nb.wire.transport import KEY_BYTES, Signer
 
 UNPICKLED = []
 
@@ -53,7 +53,7 @@ def test_frames_of_every_size_arrive_whole():
     import socket
     import threading
 
-    from fsdp2nb.wire.transport import _Link
+    from fsdp2nb.wire.channels import _Link
 
     left, right = socket.socketpair()
     sender, receiver = _Link(left), _Link(right)
@@ -71,7 +71,7 @@ def test_frames_of_every_size_arrive_whole():
 def test_a_closed_connection_ends_reading():
     import socket
 
-    from fsdp2nb.wire.transport import _Link
+    from fsdp2nb.wire.channels import _Link
 
     left, right = socket.socketpair()
     sender, receiver = _Link(left), _Link(right)
@@ -89,7 +89,7 @@ class _Channels:
     def __init__(self, directory, kernel_class=None) -> None:
         import threading
 
-        from fsdp2nb.wire.transport import KernelChannels, RankChannels
+        from fsdp2nb.wire.channels import KernelChannels, RankChannels
 
         self.signer = Signer(b"k" * KEY_BYTES)
         self.address = str(directory / "pool.sock")
@@ -156,7 +156,7 @@ def test_signatures_are_standard_hmac_sha256(key):
     import hashlib
     import hmac
 
-    from fsdp2nb.wire.transport import HmacSha256
+    from fsdp2nb.wire.channels import HmacSha256
 
     mac = HmacSha256(key)
     for payload in (b"", b"x", bytes(range(256)) * 100):
@@ -166,8 +166,8 @@ def test_signatures_are_standard_hmac_sha256(key):
 def test_a_connection_made_while_another_thread_reads_does_not_wake_the_background_reader_for_good(tmp_path):
     import time
 
+    from fsdp2nb.wire.channels import RankChannels
     from fsdp2nb.wire.protocol import StreamOutput
-    from fsdp2nb.wire.transport import RankChannels
 
     channels = _Channels(tmp_path)
     try:
@@ -191,7 +191,7 @@ def test_a_background_wait_that_spans_a_handoff_does_not_read_a_link_emptied_mea
     import threading
     import time
 
-    from fsdp2nb.wire.transport import KernelChannels
+    from fsdp2nb.wire.channels import KernelChannels
 
     class SlowToResume(KernelChannels):
         """The background reader loses the CPU between its wait and its read, on request."""
