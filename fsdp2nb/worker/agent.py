@@ -17,8 +17,9 @@ import signal
 import sys
 import time
 
-from fsdp2nb.wire.channels import RankChannels, Signer
+from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
+from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import drain_pipe
 
 _WATCH_INTERVAL_S = 0.05

@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import psutil
 
-from fsdp2nb.wire.channels import RankChannels, Signer
+from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.protocol import (
     CellFinished,
     ErrorInfo,
@@ -38,6 +38,7 @@ from fsdp2nb.wire.protocol import (
     StreamOutput,
 )
 from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
+from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import FdCapture, OutputSync, write_through_streams
 from fsdp2nb.worker.sampler import ResourceSampler, loaded_checkpointer
 

@@ -2,8 +2,8 @@ import pickle
 
 import pytest
 
-from fsdp2nb.wire.channels import KEY_BYTES, Signer
 from fsdp2nb.wire.protocol import RunCell
+from fsdp2nb.wire.signing import KEY_BYTES, Signer
 
 UNPICKLED = []
 
@@ -53,10 +53,10 @@ def test_frames_of_every_size_arrive_whole():
     import socket
     import threading
 
-    from fsdp2nb.wire.channels import _Link
+    from fsdp2nb.wire.framing import Link
 
     left, right = socket.socketpair()
-    sender, receiver = _Link(left), _Link(right)
+    sender, receiver = Link(left), Link(right)
     frames = [b"", b"x", bytes(range(256)) * 300, b"y" * (3 * 1024 * 1024)]  # past the socket buffer
     writer = threading.Thread(target=lambda: [sender.send(frame) for frame in frames])
     writer.start()
@@ -71,10 +71,10 @@ def test_frames_of_every_size_arrive_whole():
 def test_a_closed_connection_ends_reading():
     import socket
 
-    from fsdp2nb.wire.channels import _Link
+    from fsdp2nb.wire.framing import Link
 
     left, right = socket.socketpair()
-    sender, receiver = _Link(left), _Link(right)
+    sender, receiver = Link(left), Link(right)
     sender.send(b"last")
     sender.close()
     assert bytes(receiver.receive()) == b"last"
@@ -156,7 +156,7 @@ def test_signatures_are_standard_hmac_sha256(key):
     import hashlib
     import hmac
 
-    from fsdp2nb.wire.channels import HmacSha256
+    from fsdp2nb.wire.signing import HmacSha256
 
     mac = HmacSha256(key)
     for payload in (b"", b"x", bytes(range(256)) * 100):
