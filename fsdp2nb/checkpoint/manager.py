@@ -39,7 +39,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from fsdp2nb.checkpoint import layout
+from fsdp2nb.checkpoint import layout, tracking
 from fsdp2nb.checkpoint.agreement import (
     FailedElsewhere,
     all_ranks_succeeded,
@@ -63,7 +63,6 @@ from fsdp2nb.checkpoint.state import (
 
 logger = logging.getLogger(__name__)
 
-_tracked: Checkpointer | None = None
 # Temporary directories of saves in flight in this process, by any checkpointer: the sweep for
 # abandoned ones (on creation and before each save) must not take a live one for a leftover.
 _in_flight: set[Path] = set()
@@ -141,16 +140,6 @@ class _ShardWriter(FileSystemWriter):
             # Background work: training keeps the cores and the writer takes what is left.
             os.setpriority(os.PRIO_PROCESS, 0, _WRITER_NICENESS)
         return super().write_data(plan, planner)
-
-
-def tracked_checkpointer() -> Checkpointer:
-    """The Checkpointer that most recently called `track()` in this process."""
-    if _tracked is None:
-        raise RuntimeError(
-            "no checkpointer is tracking a model in this process: run "
-            "`Checkpointer(directory).track(model=model, optimizer=optimizer)` on every rank first"
-        )
-    return _tracked
 
 
 class Checkpointer:
@@ -231,9 +220,8 @@ class Checkpointer:
         for name, obj in {"scheduler": scheduler, **extra_stateful}.items():
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ValueError(f"{name}={type(obj).__name__} has no state_dict/load_state_dict")
-        global _tracked
         self._tracked = _Tracked(model, optimizer, scheduler, dict(extra_stateful))
-        _tracked = self
+        tracking.set_tracked(self)
         self._gate_optimizer_step(optimizer)
         return self
 
@@ -591,9 +579,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
-            global _tracked
-            if _tracked is self:
-                _tracked = None
+            tracking.clear_tracked(self)
             self._executor.shutdown(wait=True)
             self._gate_optimizer_step(None)
             if self._stager is not None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
 
 import psutil
 
+from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.wire.protocol import CheckpointView, RankSnapshot
 
 SAMPLE_INTERVAL_S = 0.5
@@ -66,14 +66,9 @@ def _device_memory(device: str) -> dict[str, int]:
     )
 
 
-def loaded_checkpointer():  # noqa: ANN201 - a Checkpointer, without importing torch to say so
-    """The tracked checkpointer, if this rank has one; never imports the checkpoint module itself."""
-    return getattr(sys.modules.get("fsdp2nb.checkpoint.manager"), "_tracked", None)
-
-
 def _checkpoint_view() -> CheckpointView | None:
     """The tracked checkpointer's status, if this rank has one."""
-    tracked = loaded_checkpointer()
+    tracked = current_checkpointer()
     if tracked is None:
         return None
     status = tracked.status()

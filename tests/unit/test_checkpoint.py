@@ -17,6 +17,7 @@ from fsdp2nb.checkpoint import (
     CheckpointStatus,
     SaveRequests,
     tracked_checkpointer,
+    tracking,
 )
 from fsdp2nb.checkpoint import manager as manager_module
 from fsdp2nb.checkpoint.layout import METADATA_FILE, read_latest
@@ -261,7 +262,7 @@ def test_status_is_a_picklable_snapshot(tmp_path, trained):
 
 
 def test_tracked_checkpointer_is_the_last_to_track(tmp_path, trained, monkeypatch):
-    monkeypatch.setattr(manager_module, "_tracked", None)
+    monkeypatch.setattr(tracking, "_tracked", None)
     with pytest.raises(RuntimeError, match=r"Checkpointer\(directory\)\.track"):
         tracked_checkpointer()
     model, optimizer = trained
@@ -400,3 +401,13 @@ def test_status_lists_the_directory_again_only_after_it_changed(tmp_path, traine
         status = ckpt.status()
         assert status.latest_step == 2 and [e.step for e in status.entries] == [1, 2]
         assert len(listings) == 1
+
+
+def test_the_tracked_checkpointer_is_read_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from fsdp2nb.checkpoint.tracking import current_checkpointer; "
+            "import fsdp2nb.worker.sampler; "
+            "assert current_checkpointer() is None; assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
