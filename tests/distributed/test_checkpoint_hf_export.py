@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fsdp2nb.checkpoint import export_hf_model
+from fsdp2nb.testing.gloo_harness import run_ranks
 from fsdp2nb.testing.tiny_models import make_tiny_model, make_tiny_tokenizer
-from tests.distributed.harness import run_ranks
 from tests.distributed.test_checkpoint_helpers import assert_same, build, full_model_state, train_step
 
 

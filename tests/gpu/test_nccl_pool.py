@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernel.client import Kernel
+from fsdp2nb.testing.kernel_client import Kernel
 
 pytestmark = [
     pytest.mark.gpu,
