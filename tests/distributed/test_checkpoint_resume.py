@@ -10,7 +10,7 @@ import torch
 from fsdp2nb.checkpoint import Checkpointer, post_save_request, tracked_checkpointer
 from fsdp2nb.checkpoint.requests import process_requests
 from fsdp2nb.testing.gloo_harness import run_ranks
-from tests.distributed.test_checkpoint_helpers import (
+from tests.distributed.checkpoint_helpers import (
     assert_same,
     build,
     full_model_state,
