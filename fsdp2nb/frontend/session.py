@@ -8,8 +8,6 @@ every rank that is still running.
 
 from __future__ import annotations
 
-import ast
-import functools
 import itertools
 import logging
 import sys
@@ -17,9 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from IPython.core.getipython import get_ipython
-
-from fsdp2nb.frontend.render import CellSyntaxError, RankError, StreamMerger, rank_label, write_to_kernel
+from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
+from fsdp2nb.frontend.render import RankError, StreamMerger, rank_label, write_to_kernel
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool, describe_exit
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import (
@@ -130,7 +127,7 @@ class NotebookSession:
     def run_cell(self, pool: WorkerPool, code: str, ranks: tuple[int, ...]) -> None:
         """Run `code` on `ranks`, streaming output; raises RankError if any rank raised."""
         transformed = transform_and_check(code)
-        count = _notebook_execution_count()
+        count = notebook_execution_count()
         self.run_request(pool, ranks, lambda cell_id: RunCell(cell_id=cell_id, code=code, transformed=transformed,
                                                               execution_count=count))
 
@@ -266,59 +263,6 @@ class NotebookSession:
                     f"{error}\x1b[0m\n`%fsdp2 start {spec.describe()}` tries again")
         return (f"\x1b[1;31m{what_happened}; the pool was restarted ({spec.describe()}) "
                 "and all rank state was lost\x1b[0m")
-
-
-def transform_and_check(code: str) -> str:
-    """IPython's input transformations, once for all ranks; a cell that does not parse raises
-    CellSyntaxError here, before any rank sees it."""
-    shell = get_ipython()
-    if shell is None or _is_plain_python(shell, code):
-        source = code if code.endswith("\n") else code + "\n"
-    else:
-        source = shell.transform_cell(code)
-    _check_syntax(source)
-    return source
-
-
-@functools.lru_cache(maxsize=64)  # a failure raises, so only sources that parsed are kept
-def _check_syntax(source: str) -> None:
-    """Raise CellSyntaxError if `source` does not parse. A cell run again unchanged was parsed
-    before: parsing even `pass` costs about 70 µs when the parser is out of the CPU's caches."""
-    try:
-        ast.parse(source, "<fsdp2 cell>")
-    except SyntaxError as error:
-        raise CellSyntaxError(error) from None
-
-
-def _is_plain_python(shell, code: str) -> bool:  # noqa: ANN001 - an IPython shell
-    """Whether IPython's input transformations would leave `code` as it is, so they can be
-    skipped (they cost about a tenth of an empty cell): none of the characters its syntax uses
-    (`%`, `!`, `?`), no leading blank line, indent or prompt, and only IPython's own transformers."""
-    if not code or code[0].isspace() or code.startswith((">>>", "...", "In [")):
-        return False
-    if "%" in code or "!" in code or "?" in code:
-        return False
-    manager = shell.input_transformer_manager
-    counts = (len(manager.cleanup_transforms), len(manager.line_transforms), len(manager.token_transformers))
-    return not shell.input_transformers_post and counts == _default_transformer_counts()
-
-
-@functools.cache
-def _default_transformer_counts() -> tuple[int, int, int]:
-    from IPython.core.inputtransformer2 import TransformerManager
-
-    manager = TransformerManager()
-    return len(manager.cleanup_transforms), len(manager.line_transforms), len(manager.token_transformers)
-
-
-def _notebook_execution_count() -> int | None:
-    """The number the notebook shows for the running cell (`In [N]`), if known."""
-    shell = get_ipython()
-    # The running cell's result carries its number; the shell's own counter is already one
-    # ahead while a cell runs (IPython 9 advances it first).
-    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
-    count = getattr(running, "execution_count", None)
-    return count if isinstance(count, int) else None
 
 
 def _show_held_output(pool: WorkerPool) -> None:
