@@ -1,4 +1,4 @@
-"""The notebook side of a pool: runs a request on the ranks and renders what comes back.
+"""The notebook side of a pool: its lifecycle, and running a request on the ranks until they reply.
 
 One `NotebookSession` lives in the kernel per loaded extension. It owns at most one pool, and
 every magic is one call into it. Waiting for the ranks happens on the kernel's main thread, so
@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
-from fsdp2nb.frontend.render import RankError, StreamMerger, rank_label, write_to_kernel
+from fsdp2nb.frontend.render import (
+    RankError,
+    StreamMerger,
+    rank_exit_error,
+    show_display,
+    show_held_output,
+    show_results,
+    write_to_kernel,
+)
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool, describe_exit
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import (
@@ -156,14 +163,14 @@ class NotebookSession:
             merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
                                   {r: info.log_path for r, info in pool.ranks.items()})
             try:
-                _show_held_output(pool)  # printed by ranks' own threads since the last cell: first
+                show_held_output(pool)  # printed by ranks' own threads since the last cell: first
                 self._wait(pool, cell_id, progress, merger, stop_button)
                 merger.flush()  # the cell's own output first
-                _show_held_output(pool)  # then what was still on its way when the cell began
+                show_held_output(pool)  # then what was still on its way when the cell began
             finally:
                 pool.busy_ranks.clear()
                 merger.flush()  # ipykernel flushes its streams itself before a display or an error
-        _show_results(progress.results, pool.world_size)
+        show_results(progress.results, pool.world_size)
         if progress.errors:
             raise RankError(progress.errors, pool.world_size)
         return progress
@@ -187,14 +194,17 @@ class NotebookSession:
                 world_size: int) -> None:
         if isinstance(event, RankExited):
             merger.flush()
-            raise RankError([(event.rank, _exit_error(event))], world_size,
+            raise RankError([(event.rank, rank_exit_error(event))], world_size,
                             notes=self._after_dead_rank(event))
         if getattr(event, "cell_id", cell_id) != cell_id:
             return  # late output of an earlier, abandoned request
         if isinstance(event, StreamOutput):
             merger.feed(event.rank, event.stream, event.text)
         elif isinstance(event, RichOutput):
-            self._show_rich(event, merger, progress, world_size)
+            if event.kind == "result":  # shown once the cell ends, alike values once
+                progress.results.append((event.rank, event))
+            else:
+                show_display(event, merger, world_size)
         elif isinstance(event, CellFinished):
             progress.finished[event.rank] = event
             merger.rank_done(event.rank)
@@ -202,21 +212,6 @@ class NotebookSession:
                 progress.errors.append((event.rank, event.error))
                 progress.first_error_at = progress.first_error_at or time.monotonic()
 
-    def _show_rich(self, event: RichOutput, merger: StreamMerger, progress: _CellProgress, world_size: int) -> None:
-        if event.kind == "result":
-            progress.results.append((event.rank, event))
-            return
-        merger.flush()
-        from IPython.display import clear_output, publish_display_data
-
-        if event.kind == "clear":
-            clear_output(wait=bool(event.data.get("wait")))
-            return
-        label = rank_label([event.rank], world_size)
-        if label:
-            sys.stdout.write(f"{label}\n")
-            sys.stdout.flush()
-        publish_display_data(event.data, event.metadata)
 
     def _enforce_deadlines(self, pool: WorkerPool, cell_id: int, progress: _CellProgress,
                            merger: StreamMerger) -> None:
@@ -263,65 +258,3 @@ class NotebookSession:
                     f"{error}\x1b[0m\n`%fsdp2 start {spec.describe()}` tries again")
         return (f"\x1b[1;31m{what_happened}; the pool was restarted ({spec.describe()}) "
                 "and all rank state was lost\x1b[0m")
-
-
-def _show_held_output(pool: WorkerPool) -> None:
-    """What ranks' own threads printed or displayed since the last cell, labelled as such."""
-    if not pool.held_output:
-        return
-    pieces, dropped_chars, dropped_displays = pool.held_output.take()
-    for rank, count in sorted(dropped_chars.items()):
-        log = pool.ranks[rank].log_path if rank in pool.ranks else "its log"
-        write_to_kernel("stderr", f"{_outside_label(rank, pool.world_size)} ... {count} earlier characters not "
-                                  f"shown; all of it is in {log}\n")
-    for rank, count in sorted(dropped_displays.items()):
-        write_to_kernel("stderr", f"{_outside_label(rank, pool.world_size)} ... {count} earlier displays not shown\n")
-    texts: dict[tuple[int, str], str] = {}  # a print arrives in pieces: label whole lines
-
-    def write_texts(rank: int | None = None) -> None:
-        for key in [key for key in texts if rank is None or key[0] == rank]:
-            label = _outside_label(key[0], pool.world_size)
-            text = texts.pop(key)
-            text += "" if text.endswith("\n") else "\n"  # a display's label must start its own line
-            write_to_kernel(key[1], "".join(f"{label} {line}" for line in text.splitlines(keepends=True)))
-
-    for piece in pieces:
-        if isinstance(piece, StreamOutput):
-            texts[(piece.rank, piece.stream)] = texts.get((piece.rank, piece.stream), "") + piece.text
-        elif piece.kind == "display":
-            write_texts(piece.rank)  # what the rank printed before it displayed this
-            from IPython.display import publish_display_data
-
-            write_to_kernel("stdout", f"{_outside_label(piece.rank, pool.world_size)}\n")
-            sys.stdout.flush()
-            publish_display_data(piece.data, piece.metadata)
-    write_texts()
-
-
-def _outside_label(rank: int, world_size: int) -> str:
-    return f"{rank_label([rank], world_size) or '[rank 0]'} (outside a cell)"
-
-
-def _exit_error(event: RankExited) -> ErrorInfo:
-    tail = event.stderr_tail[-10:]
-    lines = (f"rank {event.rank} (pid {event.pid}) died: {describe_exit(event)}",
-             *(("last output lines:", *tail) if tail else ()))
-    return ErrorInfo(ename="RankDied", evalue=describe_exit(event), traceback=tuple(lines))
-
-
-def _show_results(results: list[tuple[int, RichOutput]], world_size: int) -> None:
-    """Each distinct last-expression value once, labelled with the ranks that produced it."""
-    if not results:
-        return
-    from IPython.display import publish_display_data
-
-    groups: dict[str, tuple[list[int], RichOutput]] = {}
-    for rank, result in sorted(results, key=lambda item: item[0]):
-        key = repr(sorted(result.data.items()))
-        groups.setdefault(key, ([], result))[0].append(rank)
-    for ranks, result in groups.values():
-        label = rank_label(ranks, world_size)
-        if label:
-            sys.stdout.write(f"Out{label}:\n")
-            sys.stdout.flush()
-        publish_display_data(result.data, result.metadata)
