@@ -55,7 +55,7 @@ class PoolMismatchError(RuntimeError):
 
 
 @dataclass
-class _CellProgress:
+class CellProgress:
     """What the kernel knows about one request while it runs."""
 
     ranks: tuple[int, ...]
@@ -148,7 +148,7 @@ class NotebookSession:
         return {rank: progress.finished[rank].value for rank in reply_ranks}
 
     def run_request(self, pool: WorkerPool, ranks: tuple[int, ...],
-                    make_request: Callable[[int], ControlMessage]) -> _CellProgress:
+                    make_request: Callable[[int], ControlMessage]) -> CellProgress:
         cell_id = next(self._cell_ids)
         request = make_request(cell_id)
         # The stop button only takes note while a request is sent and waited for: sent to all
@@ -158,13 +158,13 @@ class NotebookSession:
         with sigint_noted() as stop_button, pool.events_read_here():
             # Sent first: what follows runs while the ranks wake up.
             pool.send(ranks, request)
-            progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
+            progress = CellProgress(ranks=ranks, finished={}, errors=[], results=[])
             pool.busy_ranks.update(ranks)
             merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
                                   {r: info.log_path for r, info in pool.ranks.items()})
             try:
                 show_held_output(pool)  # printed by ranks' own threads since the last cell: first
-                self._wait(pool, cell_id, progress, merger, stop_button)
+                self.wait(pool, cell_id, progress, merger, stop_button)
                 merger.flush()  # the cell's own output first
                 show_held_output(pool)  # then what was still on its way when the cell began
             finally:
@@ -175,8 +175,12 @@ class NotebookSession:
             raise RankError(progress.errors, pool.world_size)
         return progress
 
-    def _wait(self, pool: WorkerPool, cell_id: int, progress: _CellProgress, merger: StreamMerger,
-              stop_button: SigintNotes | None) -> None:
+    def wait(self, pool: WorkerPool, cell_id: int, progress: CellProgress, merger: StreamMerger,
+             stop_button: SigintNotes | None) -> None:
+        """Take the ranks' events for request `cell_id` until each rank in `progress` finished.
+
+        A rank that failed while others wait is interrupted after ERROR_GRACE_S; ranks that do not
+        return INTERRUPT_GRACE_S after an interrupt (or a second stop-button press) get a new pool."""
         while progress.running:
             event = pool.next_event(_POLL_S)  # a press during the wait is acted on within _POLL_S
             if event is not None:
@@ -190,7 +194,7 @@ class NotebookSession:
                 else:
                     self._recover(pool, progress, merger, "the ranks did not return after a second interrupt")
 
-    def _handle(self, event: EventMessage, cell_id: int, progress: _CellProgress, merger: StreamMerger,
+    def _handle(self, event: EventMessage, cell_id: int, progress: CellProgress, merger: StreamMerger,
                 world_size: int) -> None:
         if isinstance(event, RankExited):
             merger.flush()
@@ -213,7 +217,7 @@ class NotebookSession:
                 progress.first_error_at = progress.first_error_at or time.monotonic()
 
 
-    def _enforce_deadlines(self, pool: WorkerPool, cell_id: int, progress: _CellProgress,
+    def _enforce_deadlines(self, pool: WorkerPool, cell_id: int, progress: CellProgress,
                            merger: StreamMerger) -> None:
         """A rank failed while others wait (likely in a collective): interrupt, then restart."""
         if not progress.running:  # the last rank returned in this very pass
@@ -227,7 +231,7 @@ class NotebookSession:
             self._recover(pool, progress, merger, f"rank(s) {stuck} did not return within "
                                                   f"{INTERRUPT_GRACE_S:g} s of the interrupt")
 
-    def _interrupt(self, pool: WorkerPool, cell_id: int, progress: _CellProgress) -> None:
+    def _interrupt(self, pool: WorkerPool, cell_id: int, progress: CellProgress) -> None:
         progress.interrupted_at = time.monotonic()
         for rank in progress.running:
             try:
@@ -235,7 +239,7 @@ class NotebookSession:
             except ConnectionError:
                 pass
 
-    def _recover(self, pool: WorkerPool, progress: _CellProgress, merger: StreamMerger, why: str) -> None:
+    def _recover(self, pool: WorkerPool, progress: CellProgress, merger: StreamMerger, why: str) -> None:
         """Replace a pool whose ranks are stuck, then end the cell saying that state was lost."""
         merger.flush()
         errors = progress.errors or [(progress.running[0], ErrorInfo("KeyboardInterrupt", "", ()))]
