@@ -39,8 +39,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2nb.checkpoint import directory_swap
-from fsdp2nb.checkpoint.agreement import all_ranks_succeeded, make_dir_everywhere, on_rank0_agreed
 from fsdp2nb.checkpoint.layout import fsync_file
+from fsdp2nb.collectives import all_ranks_succeeded, make_dir_everywhere, on_rank0_agreed
 
 logger = logging.getLogger(__name__)
 

@@ -40,13 +40,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp2nb.checkpoint import layout, tracking
-from fsdp2nb.checkpoint.agreement import (
-    FailedElsewhere,
-    all_ranks_succeeded,
-    describe,
-    make_dir_everywhere,
-    on_rank0_agreed,
-)
 from fsdp2nb.checkpoint.direct_writes import DirectFileSystem
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
@@ -59,6 +52,13 @@ from fsdp2nb.checkpoint.state import (
     has_frozen_params,
     read_dcp_metadata,
     set_training_state,
+)
+from fsdp2nb.collectives import (
+    FailedElsewhere,
+    all_ranks_succeeded,
+    describe,
+    make_dir_everywhere,
+    on_rank0_agreed,
 )
 
 logger = logging.getLogger(__name__)

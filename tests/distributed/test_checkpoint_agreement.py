@@ -57,7 +57,7 @@ def test_a_damaged_rank_file_fails_the_load_on_every_rank_and_changes_nothing(tm
 
 
 def _agree_on_failures() -> dict:
-    from fsdp2nb.checkpoint.agreement import all_ranks_succeeded, on_rank0_agreed
+    from fsdp2nb.collectives import all_ranks_succeeded, on_rank0_agreed
 
     seen = {"shared": on_rank0_agreed(lambda: "rank 0's answer", "asking rank 0")}
 
