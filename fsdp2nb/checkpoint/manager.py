@@ -39,6 +39,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from fsdp2nb import collectives
 from fsdp2nb.checkpoint import layout, tracking
 from fsdp2nb.checkpoint.direct_writes import DirectFileSystem
 from fsdp2nb.checkpoint.faults import fault_point
@@ -177,9 +178,9 @@ class Checkpointer:
         self.async_save = async_save
         self.async_writer = async_writer
         self._requests = requests if requests is not None else process_requests()
-        self._distributed = dist.is_available() and dist.is_initialized()
-        self._rank = dist.get_rank() if self._distributed else 0
-        self._world_size = dist.get_world_size() if self._distributed else 1
+        self._distributed = collectives.is_distributed()
+        self._rank = collectives.get_rank()
+        self._world_size = collectives.get_world_size()
         # Two groups: the calling thread's collectives must never interleave with a background save's.
         self._fg_group = dist.new_group(backend="gloo") if self._distributed else None
         self._bg_group = dist.new_group(backend="gloo") if self._distributed else None
@@ -649,11 +650,7 @@ class Checkpointer:
 
     def _all_max(self, values: tuple[int, ...], group: dist.ProcessGroup | None) -> tuple[int, ...]:
         """The largest of each value over the ranks, in one collective."""
-        if not self._distributed:
-            return values
-        tensor = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        return tuple(tensor.tolist())
+        return collectives.all_max(values, group) if self._distributed else values
 
 
 def _sweep(directory: Path) -> None:

@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from fsdp2nb.collectives import is_distributed
+
 logger = logging.getLogger(__name__)
 
 MODEL_KEY = "model"
@@ -117,7 +119,7 @@ def _short(items: list[str]) -> str:
 
 
 def _no_dist(process_group: dist.ProcessGroup | None) -> bool:
-    return process_group is None and not (dist.is_available() and dist.is_initialized())
+    return process_group is None and not is_distributed()
 
 
 def save_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,

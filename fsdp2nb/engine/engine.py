@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdp2nb.collectives import is_distributed
 from fsdp2nb.engine import grad, wrapping
 from fsdp2nb.engine.buffers import recompute_non_persistent_buffers
 from fsdp2nb.engine.checkpoint_files import find_checkpoint_files
@@ -50,7 +51,7 @@ def gpu_index(chosen: int | None, local_rank: str | None, device_count: int) -> 
 
 
 def _require_process_group() -> None:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         raise RuntimeError(
             "FSDP2Engine needs an initialised process group: call torch.distributed.init_process_group() "
             "first (torchrun sets RANK/WORLD_SIZE for it)"

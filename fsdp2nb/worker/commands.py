@@ -25,6 +25,6 @@ def load_checkpoint(target: int | str) -> None:
 
 
 def _is_rank0() -> bool:
-    import torch.distributed as dist
+    from fsdp2nb.collectives import get_rank
 
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return get_rank() == 0
