@@ -180,7 +180,7 @@ class FSDP2Engine:
         return model
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip gradients to a global norm of `max_norm`; returns the total norm across all ranks."""
+        """`fsdp2nb.clip_grad_norm_` (it needs no engine); kept so `engine.clip_grad_norm_` reads as before."""
         return grad.clip_grad_norm_(model, max_norm, norm_type)
 
     def save_model(self, model: nn.Module, output_dir: str | os.PathLike, processor: Any = None) -> None:
