@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -324,7 +324,3 @@ def _gather_to_rank0(written: list[_WrittenFile]) -> list[list[_WrittenFile]]:
     dist.gather_object(written, gathered if get_rank() == 0 else None, dst=0)
     return [files or [] for files in gathered]
 
-
-def iter_export_keys(model: nn.Module) -> Iterator[str]:
-    """The keys `export_hf_model` writes for a plain model, in order (for tests and tools)."""
-    return (entry.key for entry in _plain_entries(model))
