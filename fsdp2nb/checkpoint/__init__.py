@@ -21,9 +21,7 @@ _LAZY_NAMES = {
     "Checkpointer": "fsdp2nb.checkpoint.manager",
     "SaveRequests": "fsdp2nb.checkpoint.requests",
     "export_hf_model": "fsdp2nb.checkpoint.hf_export",
-    "load_training_state": "fsdp2nb.checkpoint.state",
     "post_save_request": "fsdp2nb.checkpoint.requests",
-    "save_training_state": "fsdp2nb.checkpoint.state",
     "tracked_checkpointer": "fsdp2nb.checkpoint.tracking",
 }
 

@@ -189,18 +189,6 @@ class FSDP2Engine:
 
         export_hf_model(model, output_dir, processor=processor, dtype=self.compute_dtype)
 
-    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | os.PathLike) -> None:
-        """Save sharded model and optimizer state for resuming."""
-        from fsdp2nb.checkpoint.state import save_training_state
-
-        save_training_state(model, optimizer, ckpt_dir)
-
-    def load_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | os.PathLike) -> None:
-        """Restore what `save_checkpoint` wrote."""
-        from fsdp2nb.checkpoint.state import load_training_state
-
-        load_training_state(model, optimizer, ckpt_dir)
-
 
 @torch.no_grad()
 def move_buffers(model: nn.Module, device: torch.device) -> None:
