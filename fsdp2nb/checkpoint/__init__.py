@@ -3,8 +3,9 @@
     from fsdp2nb.checkpoint import Checkpointer
     ckpt = Checkpointer("/ckpt/run1", keep=3).track(model=model, optimizer=optimizer)
 
-The names below are resolved on first use, so `fsdp2nb.checkpoint.tracking` (which the ranks'
-sampler reads) can be imported without torch.
+The names below are the public API, resolved on first use, so `fsdp2nb.checkpoint.tracking`
+(which the ranks' sampler reads) can be imported without torch. The plumbing that the ranks
+use (`tracking`, `requests`) is imported from its own module.
 """
 
 from __future__ import annotations
@@ -19,10 +20,7 @@ _LAZY_NAMES = {
     "CheckpointSaveError": "fsdp2nb.checkpoint.manager",
     "CheckpointStatus": "fsdp2nb.checkpoint.manager",
     "Checkpointer": "fsdp2nb.checkpoint.manager",
-    "SaveRequests": "fsdp2nb.checkpoint.requests",
     "export_hf_model": "fsdp2nb.checkpoint.hf_export",
-    "post_save_request": "fsdp2nb.checkpoint.requests",
-    "tracked_checkpointer": "fsdp2nb.checkpoint.tracking",
 }
 
 __all__ = sorted(_LAZY_NAMES)

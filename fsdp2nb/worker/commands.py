@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def save_checkpoint(step: int | None) -> None:
     """Save through the tracked checkpointer and wait until the save is committed."""
-    from fsdp2nb.checkpoint import tracked_checkpointer
+    from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
     checkpointer = tracked_checkpointer()
     checkpointer.save(step)
@@ -17,7 +17,7 @@ def save_checkpoint(step: int | None) -> None:
 
 def load_checkpoint(target: int | str) -> None:
     """Restore model, optimizer, scheduler, RNG and step from a checkpoint of the tracked checkpointer."""
-    from fsdp2nb.checkpoint import tracked_checkpointer
+    from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
     step = tracked_checkpointer().load(target)
     if _is_rank0():

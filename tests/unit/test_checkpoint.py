@@ -15,14 +15,14 @@ from fsdp2nb.checkpoint import (
     CheckpointMismatchError,
     CheckpointSaveError,
     CheckpointStatus,
-    SaveRequests,
-    tracked_checkpointer,
     tracking,
 )
 from fsdp2nb.checkpoint import manager as manager_module
 from fsdp2nb.checkpoint.layout import METADATA_FILE, read_latest
+from fsdp2nb.checkpoint.requests import SaveRequests
 from fsdp2nb.checkpoint.staging import ReusedBufferStager
 from fsdp2nb.checkpoint.state import read_dcp_metadata
+from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 from fsdp2nb.testing.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
