@@ -122,7 +122,7 @@ class _ShardWriter(FileSystemWriter):
     zip CRC32s and runs at the lowest CPU priority.
 
     Direct writes (see direct_writes) leave the CPU to training. torch.load never checks the
-    CRC32s, and computing them is about half the CPU time of serializing a shard; the switch is
+    CRC32s, and computing them is a large part of the CPU time of serializing a shard; the switch is
     process-wide, so it is only thrown in the writer process, which does nothing else. Niceness
     is per process too: a thread of the training process cannot be deprioritised without
     stalling training on the GIL it holds.
@@ -151,10 +151,8 @@ class Checkpointer:
     `async_writer` says where: "thread" (default) writes from a thread of this process; "process"
     serializes and writes in DCP's persistent writer process, off this process's GIL (started by
     the first async save, shared by every checkpointer of the process, running at the lowest CPU
-    priority). With CPU training on every core the process slowed the overlapping steps less in
-    some runs, but the difference is within this machine's noise (benchmarks/bench_checkpoint.py
-    prints both); it pays off where training leaves cores idle. Without a process group async
-    saves always use a thread.
+    priority); it pays off where training leaves cores idle (benchmarks/bench_checkpoint.py
+    measures both). Without a process group async saves always use a thread.
 
         ckpt = Checkpointer("/ckpt/run1", keep=3)
         ckpt.track(model=model, optimizer=opt, scheduler=sched)

@@ -11,7 +11,7 @@ The host agent opens an events connection only.
 
 Frames are laid out by `framing` and signed by `signing`. Plain sockets wake the reader
 directly, where a ZeroMQ socket hands every message through an extra I/O thread on each side
-(a round trip of about 55 µs against 190 µs on a 2-core machine).
+(the README's measured table compares the round trips).
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ class KernelChannels:
     Events are read by one reader at a time. The pool's background thread reads them between
     requests (`receive`); while a request runs, the thread waiting for it reads them itself
     inside `reading_here()`, which pauses the background reader. That spares each event a hop
-    between threads, a wake-up that cost about 60-80 µs on a 2-core machine (a good part of an
-    empty cell's cost).
+    between threads, a thread wake-up that is a good part of an empty cell's cost.
     """
 
     def __init__(self, signer: Signer, address: str) -> None:
@@ -55,7 +54,7 @@ class KernelChannels:
         self._event_links: list[Link] = []
         # Each reader waits on its own epoll set, built up as events connections arrive (the
         # accepting thread queues them and wakes the background reader through a pipe):
-        # rebuilding a selector for every wait cost the kernel about 0.2 ms per event. Pausing
+        # rebuilding a selector for every wait cost the kernel time on every event. Pausing
         # the background reader switches its connections off in its set, so it sleeps on.
         self._background = select.epoll()
         self._foreground = select.epoll()

@@ -65,9 +65,9 @@ class HmacSha256:
     """HMAC-SHA256 (RFC 2104) from the two keyed SHA-256 states, computed once per key.
 
     Built on CPython's own SHA-256 where it has one: OpenSSL's HMAC gives the same signature,
-    but its layers cost about 50 µs per message when the CPU caches are cold, as they are at
-    the start of a cell after the notebook sat idle, against about 16 µs here (and every cell
-    signs and verifies at least four messages on its critical path).
+    but its layers cost several times more per message when the CPU caches are cold, as they
+    are at the start of a cell after the notebook sat idle (and every cell signs and verifies
+    at least four messages on its critical path).
     """
 
     _BLOCK_BYTES = 64
