@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +11,8 @@ import psutil
 
 from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.wire.protocol import CheckpointView, RankSnapshot
+
+logger = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 0.5
 
@@ -43,11 +46,15 @@ class ResourceSampler:
         )
 
     def _run(self) -> None:
+        failed_before = False
         while True:
             try:
                 self._send(self.sample())
-            except Exception:  # a failed reading must never take the rank down
-                pass
+            except Exception:  # a failed reading must never take the rank down; say why once
+                if not failed_before:
+                    logger.exception("rank %d: a resource reading failed (later failures are not logged)",
+                                     self._rank)
+                failed_before = True
             if self._stopped.wait(self._interval_s):
                 return
 
