@@ -35,13 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp2nb import collectives
 from fsdp2nb.checkpoint import layout, tracking
-from fsdp2nb.checkpoint.direct_writes import DirectFileSystem
+from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
@@ -111,36 +110,8 @@ class _Tracked:
     extra: dict[str, Any]
 
 
-_WRITER_NICENESS = 19
-
 AsyncWriter = Literal["process", "thread"]
 ASYNC_WRITERS: tuple[AsyncWriter, ...] = ("process", "thread")
-
-
-class _ShardWriter(FileSystemWriter):
-    """FileSystemWriter that writes past the page cache; in DCP's writer process it also skips
-    zip CRC32s and runs at the lowest CPU priority.
-
-    Direct writes (see direct_writes) leave the CPU to training. torch.load never checks the
-    CRC32s, and computing them is a large part of the CPU time of serializing a shard; the switch is
-    process-wide, so it is only thrown in the writer process, which does nothing else. Niceness
-    is per process too: a thread of the training process cannot be deprioritised without
-    stalling training on the GIL it holds.
-    """
-
-    def __init__(self, path: Path) -> None:
-        # DirectWriteStream fsyncs every file as it closes it; DCP's own fsync would come before
-        # the stream's last buffer is written, so it is left off rather than done twice.
-        super().__init__(path, sync_files=False)
-        self.fs = DirectFileSystem()
-        self._owner_pid = os.getpid()
-
-    def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - signature of the base class
-        if os.getpid() != self._owner_pid:
-            torch.serialization.set_crc32_options(False)
-            # Background work: training keeps the cores and the writer takes what is left.
-            os.setpriority(os.PRIO_PROCESS, 0, _WRITER_NICENESS)
-        return super().write_data(plan, planner)
 
 
 class Checkpointer:
@@ -266,7 +237,7 @@ class Checkpointer:
         state = get_training_state(tracked.model, tracked.optimizer)
         self._last_step = step
         rank_state = self._capture_rank_state(tracked, step)
-        writer = _ShardWriter(job.tmp_dir)
+        writer = ShardWriter(job.tmp_dir)
         if not self.async_save:
             with self._abandoned_on_failure(job):
                 dcp.save(state, storage_writer=writer, process_group=self._bg_group,
