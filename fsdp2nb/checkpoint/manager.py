@@ -400,8 +400,8 @@ class Checkpointer:
         trainable_only = has_frozen_params(model)
         return CheckpointMetadata(
             step=job.step, world_size=self._world_size, wall_time=job.wall_time,
-            trainable_only=trainable_only, versions=_library_versions(),
-            rebuild=_rebuild_info(model) if trainable_only else {},
+            trainable_only=trainable_only, versions=layout.library_versions(),
+            rebuild=layout.rebuild_info(model) if trainable_only else {},
         )
 
     # ---- load ----------------------------------------------------------------------------------
@@ -645,39 +645,3 @@ def _unwritable_error(directory: Path, rank: int) -> OSError | None:
     except OSError as exc:
         return exc
     return None
-
-
-def _library_versions() -> dict[str, str]:
-    from importlib import metadata
-
-    versions = {}
-    for name in ("torch", "transformers", "peft", "fsdp2nb"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return versions
-
-
-def _rebuild_info(model: nn.Module) -> dict[str, object]:
-    """What a trainable-only checkpoint needs besides itself: the base model and adapter configs."""
-    info: dict[str, object] = {}
-    config = getattr(model, "config", None)
-    if config is not None:
-        info["base_model_name_or_path"] = getattr(config, "_name_or_path", "")
-        info["model_type"] = getattr(config, "model_type", "")
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, dict):
-        info["peft_config"] = {name: _jsonable(cfg.to_dict()) for name, cfg in peft_config.items()}
-    return info
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = [_jsonable(v) for v in value]
-        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
