@@ -84,6 +84,9 @@ def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
 
         traceback.print_exc()
     finally:
+        # Never through Python's shutdown: gloo's worker threads may still be releasing a finished
+        # collective's tensors, and a thread that takes the GIL while the interpreter finalizes
+        # is ended inside a C++ destructor, which aborts the process (SIGABRT).
         os._exit(exit_code)
 
 
