@@ -12,6 +12,10 @@ leaves LATEST naming the previous, complete checkpoint.
 
 Background work talks over its own gloo group and the calling thread over another, so a save in
 flight never interleaves its collectives with `maybe_save`'s or the training step's.
+
+The module is one class on purpose: save, commit, load and close share the two groups, the lock
+and the pending save, and read best in one place. What does not need that state lives beside it
+(layout, direct_writes, staging, state, collectives).
 """
 
 from __future__ import annotations
