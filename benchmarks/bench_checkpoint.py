@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.bench_checkpoint [--world-size 2] [--hidden 512] [--layers 8]
 
-(run from the repository root: the ranks import this module and the test harness by name)
+(run from the repository root: the ranks import this module by name)
 
 1. Save throughput: a synchronous Checkpointer.save (DCP shards, fsync, commit) against the same
    number of bytes written by every rank with plain file writes + fsync, in the same run.
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from fsdp2nb.checkpoint import Checkpointer, export_hf_model
 from fsdp2nb.checkpoint.layout import dir_size
 from fsdp2nb.checkpoint.manager import ASYNC_WRITERS
+from fsdp2nb.testing.gloo_harness import run_ranks
 from fsdp2nb.testing.tiny_models import make_tiny_model
-from tests.distributed.harness import run_ranks
 
 logger = logging.getLogger("bench_checkpoint")
 _CHUNK = 16 * 1024**2

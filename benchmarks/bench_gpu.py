@@ -25,7 +25,7 @@ import sys
 import tempfile
 import traceback
 
-from tests.kernel.client import Kernel
+from fsdp2nb.testing.kernel_client import Kernel
 
 HALF_BILLION = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096)

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.kernel.client import Kernel  # noqa: E402
+from fsdp2nb.testing.kernel_client import Kernel  # noqa: E402
 
 TORCHRUN_SCRIPT = """
 import torch, torch.distributed as dist

@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.kernel.client import Kernel  # noqa: E402
+from fsdp2nb.testing.kernel_client import Kernel  # noqa: E402
 
 NUM_RANKS = 2
 DIMS = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,

@@ -10,11 +10,20 @@ import atexit
 import importlib
 from typing import Any
 
-__all__ = ["Checkpointer", "FSDP2Engine", "load_ipython_extension", "load_model", "log", "unload_ipython_extension"]
+__all__ = [
+    "Checkpointer",
+    "FSDP2Engine",
+    "clip_grad_norm_",
+    "load_ipython_extension",
+    "load_model",
+    "log",
+    "unload_ipython_extension",
+]
 
 _LAZY_NAMES = {
     "FSDP2Engine": "fsdp2nb.engine",
     "load_model": "fsdp2nb.engine",
+    "clip_grad_norm_": "fsdp2nb.engine",
     "Checkpointer": "fsdp2nb.checkpoint",
     "log": "fsdp2nb.worker.metrics",
 }

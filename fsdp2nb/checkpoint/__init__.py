@@ -2,30 +2,36 @@
 
     from fsdp2nb.checkpoint import Checkpointer
     ckpt = Checkpointer("/ckpt/run1", keep=3).track(model=model, optimizer=optimizer)
+
+The names below are the public API, resolved on first use, so `fsdp2nb.checkpoint.tracking`
+(which the ranks' sampler reads) can be imported without torch. The plumbing that the ranks
+use (`tracking`, `requests`) is imported from its own module.
 """
 
-from fsdp2nb.checkpoint.hf_export import export_hf_model
-from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
-from fsdp2nb.checkpoint.manager import (
-    Checkpointer,
-    CheckpointSaveError,
-    CheckpointStatus,
-    tracked_checkpointer,
-)
-from fsdp2nb.checkpoint.requests import SaveRequests, post_save_request
-from fsdp2nb.checkpoint.state import CheckpointMismatchError, load_training_state, save_training_state
+from __future__ import annotations
 
-__all__ = [
-    "CheckpointEntry",
-    "CheckpointMetadata",
-    "CheckpointMismatchError",
-    "CheckpointSaveError",
-    "CheckpointStatus",
-    "Checkpointer",
-    "SaveRequests",
-    "export_hf_model",
-    "load_training_state",
-    "post_save_request",
-    "save_training_state",
-    "tracked_checkpointer",
-]
+import importlib
+from typing import Any
+
+_LAZY_NAMES = {
+    "CheckpointEntry": "fsdp2nb.checkpoint.layout",
+    "CheckpointMetadata": "fsdp2nb.checkpoint.layout",
+    "CheckpointMismatchError": "fsdp2nb.checkpoint.state",
+    "CheckpointSaveError": "fsdp2nb.checkpoint.manager",
+    "CheckpointStatus": "fsdp2nb.checkpoint.manager",
+    "Checkpointer": "fsdp2nb.checkpoint.manager",
+    "export_hf_model": "fsdp2nb.checkpoint.hf_export",
+}
+
+__all__ = sorted(_LAZY_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdp2nb.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY_NAMES])

@@ -6,6 +6,7 @@ CPU time is taken from training. Here DCP's bytes are gathered in a reused page-
 and written from it by DMA; the file keeps exactly DCP's format, so any DCP reader loads it.
 
 A file system that refuses O_DIRECT (tmpfs) gets the same stream over a buffered descriptor.
+`ShardWriter` is the FileSystemWriter the Checkpointer hands DCP: it writes through this file system.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from fsdp2nb.direct_io import BufferPool, open_direct, round_up
 
+_WRITER_NICENESS = 19
 _BUFFER_BYTES = 8 * 1024 * 1024  # a multiple of BLOCK
 
 _buffers = BufferPool(keep=2)  # one stream's pair: DCP writes a rank's files one after another
@@ -135,3 +139,29 @@ def _pwrite_all(fd: int, buffer: mmap.mmap, length: int, offset: int) -> None:
             done += os.pwrite(fd, view[done:], offset + done)
     finally:
         view.release()
+
+
+class ShardWriter(FileSystemWriter):
+    """FileSystemWriter that writes past the page cache; in DCP's writer process it also skips
+    zip CRC32s and runs at the lowest CPU priority.
+
+    Direct writes (DirectFileSystem above) leave the CPU to training. torch.load never checks the
+    CRC32s, and computing them is a large part of the CPU time of serializing a shard; the switch is
+    process-wide, so it is only thrown in the writer process, which does nothing else. Niceness
+    is per process too: a thread of the training process cannot be deprioritised without
+    stalling training on the GIL it holds.
+    """
+
+    def __init__(self, path: Path) -> None:
+        # DirectWriteStream fsyncs every file as it closes it; DCP's own fsync would come before
+        # the stream's last buffer is written, so it is left off rather than done twice.
+        super().__init__(path, sync_files=False)
+        self.fs = DirectFileSystem()
+        self._owner_pid = os.getpid()
+
+    def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - signature of the base class
+        if os.getpid() != self._owner_pid:
+            torch.serialization.set_crc32_options(False)
+            # Background work: training keeps the cores and the writer takes what is left.
+            os.setpriority(os.PRIO_PROCESS, 0, _WRITER_NICENESS)
+        return super().write_data(plan, planner)

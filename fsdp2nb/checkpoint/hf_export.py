@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +39,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2nb.checkpoint import directory_swap
-from fsdp2nb.checkpoint.agreement import all_ranks_succeeded, make_dir_everywhere, on_rank0_agreed
 from fsdp2nb.checkpoint.layout import fsync_file
+from fsdp2nb.collectives import (
+    all_ranks_succeeded,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    make_dir_everywhere,
+    make_dir_on_rank0_then_everywhere,
+    on_rank0_agreed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +97,7 @@ def export_hf_model(model: nn.Module, output_dir: str | os.PathLike, *, processo
         _write_export(model, staging, processor, dtype, merge_lora, is_peft, max_shard_bytes)
         on_rank0_agreed(lambda: directory_swap.commit_staging(staging, output_dir, carry=_is_user_file), _EXPORT)
     except BaseException:
-        if _rank() == 0:
+        if get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
     logger.info("exported %s to %s", type(model).__name__, output_dir)
@@ -102,7 +110,7 @@ def _write_export(model: nn.Module, out: Path, processor, dtype: torch.dtype, me
         _export_adapter(model, out, dtype)
         if merge_lora:
             merged_dir = out / "merged"
-            _mkdir_collectively(merged_dir)
+            make_dir_on_rank0_then_everywhere(merged_dir, _EXPORT)
             _export_full(_merged_entries(model), model.get_base_model().config, merged_dir, dtype,
                          max_shard_bytes, model)
     else:
@@ -116,7 +124,7 @@ def _write_export(model: nn.Module, out: Path, processor, dtype: torch.dtype, me
 
 def _export_full(entries: list[_Entry], config, out: Path, dtype: torch.dtype, max_shard_bytes: int,
                  model: nn.Module) -> None:
-    owners = _assign_owners(entries, _world_size())
+    owners = _assign_owners(entries, get_world_size())
     written, error = _write_owned(entries, owners, out, dtype, max_shard_bytes)
     all_ranks_succeeded(error, _EXPORT)
     all_written = _gather_to_rank0(written)
@@ -195,7 +203,7 @@ def _write_owned(entries: list[_Entry], owners: list[int], out: Path, dtype: tor
                  max_shard_bytes: int) -> tuple[list[_WrittenFile], Exception | None]:
     """(the files this rank wrote, the error that stopped its writing). After an error (a full
     disk) the rank keeps taking part in the gathers, so the others are not left waiting."""
-    rank = _rank()
+    rank = get_rank()
     written: list[_WrittenFile] = []
     buffer: dict[str, torch.Tensor] = {}
     buffered_bytes = 0
@@ -217,7 +225,7 @@ def _write_owned(entries: list[_Entry], owners: list[int], out: Path, dtype: tor
 
 def _flush_into(written: list[_WrittenFile], tensors: dict[str, torch.Tensor], out: Path) -> Exception | None:
     try:
-        written.append(_flush(tensors, out / f".part-rank{_rank():05d}-{len(written):05d}.safetensors"))
+        written.append(_flush(tensors, out / f".part-rank{get_rank():05d}-{len(written):05d}.safetensors"))
     except Exception as error:  # noqa: BLE001 - reported to every rank by all_ranks_succeeded
         return error
     return None
@@ -261,7 +269,7 @@ def _export_adapter(model: nn.Module, out: Path, dtype: torch.dtype) -> None:
         if "lora_" not in key and not tensor.requires_grad:
             continue
         full = _full_getter(tensor)()
-        if _rank() == 0:
+        if get_rank() == 0:
             full_state[key] = full.to(dtype) if full.is_floating_point() else full
 
     def save() -> None:
@@ -309,32 +317,10 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if _distributed() else 1
-
-
-def _mkdir_collectively(path: Path) -> None:
-    """Rank 0 makes `path` first (shared storage), then every rank (storage that is not)."""
-    on_rank0_agreed(lambda: path.mkdir(parents=True, exist_ok=True), _EXPORT)
-    make_dir_everywhere(path, _EXPORT)
-
-
 def _gather_to_rank0(written: list[_WrittenFile]) -> list[list[_WrittenFile]]:
-    if not _distributed():
+    if not is_distributed():
         return [written]
-    gathered: list[list[_WrittenFile] | None] = [None] * _world_size() if _rank() == 0 else []
-    dist.gather_object(written, gathered if _rank() == 0 else None, dst=0)
+    gathered: list[list[_WrittenFile] | None] = [None] * get_world_size() if get_rank() == 0 else []
+    dist.gather_object(written, gathered if get_rank() == 0 else None, dst=0)
     return [files or [] for files in gathered]
 
-
-def iter_export_keys(model: nn.Module) -> Iterator[str]:
-    """The keys `export_hf_model` writes for a plain model, in order (for tests and tools)."""
-    return (entry.key for entry in _plain_entries(model))

@@ -12,6 +12,10 @@ leaves LATEST naming the previous, complete checkpoint.
 
 Background work talks over its own gloo group and the calling thread over another, so a save in
 flight never interleaves its collectives with `maybe_save`'s or the training step's.
+
+The module is one class on purpose: save, commit, load and close share the two groups, the lock
+and the pending save, and read best in one place. What does not need that state lives beside it
+(layout, direct_writes, staging, state, collectives).
 """
 
 from __future__ import annotations
@@ -35,19 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from fsdp2nb.checkpoint import layout
-from fsdp2nb.checkpoint.agreement import (
-    FailedElsewhere,
-    all_ranks_succeeded,
-    describe,
-    make_dir_everywhere,
-    on_rank0_agreed,
-)
-from fsdp2nb.checkpoint.direct_writes import DirectFileSystem
+from fsdp2nb import collectives
+from fsdp2nb.checkpoint import layout, tracking
+from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
@@ -60,10 +57,16 @@ from fsdp2nb.checkpoint.state import (
     read_dcp_metadata,
     set_training_state,
 )
+from fsdp2nb.collectives import (
+    FailedElsewhere,
+    all_ranks_succeeded,
+    describe,
+    make_dir_everywhere,
+    on_rank0_agreed,
+)
 
 logger = logging.getLogger(__name__)
 
-_tracked: Checkpointer | None = None
 # Temporary directories of saves in flight in this process, by any checkpointer: the sweep for
 # abandoned ones (on creation and before each save) must not take a live one for a leftover.
 _in_flight: set[Path] = set()
@@ -111,46 +114,8 @@ class _Tracked:
     extra: dict[str, Any]
 
 
-_WRITER_NICENESS = 19
-
 AsyncWriter = Literal["process", "thread"]
 ASYNC_WRITERS: tuple[AsyncWriter, ...] = ("process", "thread")
-
-
-class _ShardWriter(FileSystemWriter):
-    """FileSystemWriter that writes past the page cache; in DCP's writer process it also skips
-    zip CRC32s and runs at the lowest CPU priority.
-
-    Direct writes (see direct_writes) leave the CPU to training. torch.load never checks the
-    CRC32s, and computing them is about half the CPU time of serializing a shard; the switch is
-    process-wide, so it is only thrown in the writer process, which does nothing else. Niceness
-    is per process too: a thread of the training process cannot be deprioritised without
-    stalling training on the GIL it holds.
-    """
-
-    def __init__(self, path: Path) -> None:
-        # DirectWriteStream fsyncs every file as it closes it; DCP's own fsync would come before
-        # the stream's last buffer is written, so it is left off rather than done twice.
-        super().__init__(path, sync_files=False)
-        self.fs = DirectFileSystem()
-        self._owner_pid = os.getpid()
-
-    def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - signature of the base class
-        if os.getpid() != self._owner_pid:
-            torch.serialization.set_crc32_options(False)
-            # Background work: training keeps the cores and the writer takes what is left.
-            os.setpriority(os.PRIO_PROCESS, 0, _WRITER_NICENESS)
-        return super().write_data(plan, planner)
-
-
-def tracked_checkpointer() -> Checkpointer:
-    """The Checkpointer that most recently called `track()` in this process."""
-    if _tracked is None:
-        raise RuntimeError(
-            "no checkpointer is tracking a model in this process: run "
-            "`Checkpointer(directory).track(model=model, optimizer=optimizer)` on every rank first"
-        )
-    return _tracked
 
 
 class Checkpointer:
@@ -161,10 +126,8 @@ class Checkpointer:
     `async_writer` says where: "thread" (default) writes from a thread of this process; "process"
     serializes and writes in DCP's persistent writer process, off this process's GIL (started by
     the first async save, shared by every checkpointer of the process, running at the lowest CPU
-    priority). With CPU training on every core the process slowed the overlapping steps less in
-    some runs, but the difference is within this machine's noise (benchmarks/bench_checkpoint.py
-    prints both); it pays off where training leaves cores idle. Without a process group async
-    saves always use a thread.
+    priority); it pays off where training leaves cores idle (benchmarks/bench_checkpoint.py
+    measures both). Without a process group async saves always use a thread.
 
         ckpt = Checkpointer("/ckpt/run1", keep=3)
         ckpt.track(model=model, optimizer=opt, scheduler=sched)
@@ -188,9 +151,9 @@ class Checkpointer:
         self.async_save = async_save
         self.async_writer = async_writer
         self._requests = requests if requests is not None else process_requests()
-        self._distributed = dist.is_available() and dist.is_initialized()
-        self._rank = dist.get_rank() if self._distributed else 0
-        self._world_size = dist.get_world_size() if self._distributed else 1
+        self._distributed = collectives.is_distributed()
+        self._rank = collectives.get_rank()
+        self._world_size = collectives.get_world_size()
         # Two groups: the calling thread's collectives must never interleave with a background save's.
         self._fg_group = dist.new_group(backend="gloo") if self._distributed else None
         self._bg_group = dist.new_group(backend="gloo") if self._distributed else None
@@ -231,9 +194,8 @@ class Checkpointer:
         for name, obj in {"scheduler": scheduler, **extra_stateful}.items():
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ValueError(f"{name}={type(obj).__name__} has no state_dict/load_state_dict")
-        global _tracked
         self._tracked = _Tracked(model, optimizer, scheduler, dict(extra_stateful))
-        _tracked = self
+        tracking.set_tracked(self)
         self._gate_optimizer_step(optimizer)
         return self
 
@@ -279,7 +241,7 @@ class Checkpointer:
         state = get_training_state(tracked.model, tracked.optimizer)
         self._last_step = step
         rank_state = self._capture_rank_state(tracked, step)
-        writer = _ShardWriter(job.tmp_dir)
+        writer = ShardWriter(job.tmp_dir)
         if not self.async_save:
             with self._abandoned_on_failure(job):
                 dcp.save(state, storage_writer=writer, process_group=self._bg_group,
@@ -442,8 +404,8 @@ class Checkpointer:
         trainable_only = has_frozen_params(model)
         return CheckpointMetadata(
             step=job.step, world_size=self._world_size, wall_time=job.wall_time,
-            trainable_only=trainable_only, versions=_library_versions(),
-            rebuild=_rebuild_info(model) if trainable_only else {},
+            trainable_only=trainable_only, versions=layout.library_versions(),
+            rebuild=layout.rebuild_info(model) if trainable_only else {},
         )
 
     # ---- load ----------------------------------------------------------------------------------
@@ -591,9 +553,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
-            global _tracked
-            if _tracked is self:
-                _tracked = None
+            tracking.clear_tracked(self)
             self._executor.shutdown(wait=True)
             self._gate_optimizer_step(None)
             if self._stager is not None:
@@ -663,11 +623,7 @@ class Checkpointer:
 
     def _all_max(self, values: tuple[int, ...], group: dist.ProcessGroup | None) -> tuple[int, ...]:
         """The largest of each value over the ranks, in one collective."""
-        if not self._distributed:
-            return values
-        tensor = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        return tuple(tensor.tolist())
+        return collectives.all_max(values, group) if self._distributed else values
 
 
 def _sweep(directory: Path) -> None:
@@ -693,39 +649,3 @@ def _unwritable_error(directory: Path, rank: int) -> OSError | None:
     except OSError as exc:
         return exc
     return None
-
-
-def _library_versions() -> dict[str, str]:
-    from importlib import metadata
-
-    versions = {}
-    for name in ("torch", "transformers", "peft", "fsdp2nb"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return versions
-
-
-def _rebuild_info(model: nn.Module) -> dict[str, object]:
-    """What a trainable-only checkpoint needs besides itself: the base model and adapter configs."""
-    info: dict[str, object] = {}
-    config = getattr(model, "config", None)
-    if config is not None:
-        info["base_model_name_or_path"] = getattr(config, "_name_or_path", "")
-        info["model_type"] = getattr(config, "model_type", "")
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, dict):
-        info["peft_config"] = {name: _jsonable(cfg.to_dict()) for name, cfg in peft_config.items()}
-    return info
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = [_jsonable(v) for v in value]
-        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)

@@ -12,8 +12,6 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -114,22 +112,3 @@ def checked_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | 
 def _short(items: list[str]) -> str:
     more = f" (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
     return ", ".join(items[:_MAX_LISTED]) + more
-
-
-def _no_dist(process_group: dist.ProcessGroup | None) -> bool:
-    return process_group is None and not (dist.is_available() and dist.is_initialized())
-
-
-def save_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                        ckpt_dir: str | os.PathLike, *, process_group: dist.ProcessGroup | None = None) -> None:
-    """Synchronously write model and optimizer shards of every rank into one DCP checkpoint."""
-    state = get_training_state(model, optimizer)
-    dcp.save(state, checkpoint_id=ckpt_dir, process_group=process_group, no_dist=_no_dist(process_group))
-
-
-def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                        ckpt_dir: str | os.PathLike, *, process_group: dist.ProcessGroup | None = None) -> None:
-    """Load what `save_training_state` wrote, on any number of ranks; nothing changes on a mismatch."""
-    state = checked_training_state(model, optimizer, read_dcp_metadata(ckpt_dir), ckpt_dir)
-    dcp.load(state, checkpoint_id=ckpt_dir, process_group=process_group, no_dist=_no_dist(process_group))
-    set_training_state(model, optimizer, state)

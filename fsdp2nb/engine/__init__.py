@@ -6,7 +6,8 @@ as from notebook ranks.
 
 from fsdp2nb.engine.config import EngineConfig
 from fsdp2nb.engine.engine import FSDP2Engine
+from fsdp2nb.engine.grad import clip_grad_norm_
 from fsdp2nb.engine.loader import load_model
 from fsdp2nb.engine.sharded_load import LoadReport
 
-__all__ = ["EngineConfig", "FSDP2Engine", "LoadReport", "load_model"]
+__all__ = ["EngineConfig", "FSDP2Engine", "LoadReport", "clip_grad_norm_", "load_model"]

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 MixedPrecision = Literal["bf16", "fp32"]
-InitMode = Literal["meta", "rank0", "default"]
 
 MIXED_PRECISION_CHOICES: tuple[str, ...] = ("bf16", "fp32")
 INIT_CHOICES: tuple[str, ...] = ("meta", "rank0", "default")

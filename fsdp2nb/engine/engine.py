@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdp2nb.collectives import is_distributed
 from fsdp2nb.engine import grad, wrapping
 from fsdp2nb.engine.buffers import recompute_non_persistent_buffers
 from fsdp2nb.engine.checkpoint_files import find_checkpoint_files
@@ -50,7 +51,7 @@ def gpu_index(chosen: int | None, local_rank: str | None, device_count: int) -> 
 
 
 def _require_process_group() -> None:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         raise RuntimeError(
             "FSDP2Engine needs an initialised process group: call torch.distributed.init_process_group() "
             "first (torchrun sets RANK/WORLD_SIZE for it)"
@@ -179,7 +180,7 @@ class FSDP2Engine:
         return model
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip gradients to a global norm of `max_norm`; returns the total norm across all ranks."""
+        """`fsdp2nb.clip_grad_norm_` (it needs no engine); kept so `engine.clip_grad_norm_` reads as before."""
         return grad.clip_grad_norm_(model, max_norm, norm_type)
 
     def save_model(self, model: nn.Module, output_dir: str | os.PathLike, processor: Any = None) -> None:
@@ -187,18 +188,6 @@ class FSDP2Engine:
         from fsdp2nb.checkpoint.hf_export import export_hf_model
 
         export_hf_model(model, output_dir, processor=processor, dtype=self.compute_dtype)
-
-    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | os.PathLike) -> None:
-        """Save sharded model and optimizer state for resuming."""
-        from fsdp2nb.checkpoint.state import save_training_state
-
-        save_training_state(model, optimizer, ckpt_dir)
-
-    def load_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | os.PathLike) -> None:
-        """Restore what `save_checkpoint` wrote."""
-        from fsdp2nb.checkpoint.state import load_training_state
-
-        load_training_state(model, optimizer, ckpt_dir)
 
 
 @torch.no_grad()

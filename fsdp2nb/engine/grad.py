@@ -11,6 +11,8 @@ from torch.distributed.tensor import DTensor
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
     """Scale gradients so their global norm is at most `max_norm`; return the norm before clipping.
 
+    Called on every rank after `backward()`, as `fsdp2nb.clip_grad_norm_(model, 1.0)`.
+
     Gradients are DTensor shards; their local norms are combined across ranks by DTensor
     (`full_tensor()` reduces the partial norm), so the result equals the single-process norm.
     With CPU offload the shards live on CPU and that reduction runs on the CPU (gloo) backend.

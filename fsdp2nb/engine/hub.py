@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from fsdp2nb.collectives import is_distributed
+
 logger = logging.getLogger(__name__)
 
 # Only what loading needs: config, weight index and tokenizer/processor files (chat templates
@@ -53,7 +55,7 @@ def resolve_model_dir(
     if _looks_like_a_path(path):
         raise FileNotFoundError(f"{path!r} is not a model directory (it {'is a file' if os.path.exists(path) else 'does not exist'}); "
                                 "give the directory holding config.json and the weights, or a Hub id like 'owner/name'")
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = is_distributed()
     local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() if distributed else 0))
     failure: BaseException | None = None
     resolved = ""

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp2nb.collectives import is_distributed
+
 logger = logging.getLogger(__name__)
 
 _META_INIT_CHOICES: tuple[Any, ...] = (True, False, "gaussian")
@@ -23,7 +25,7 @@ _META_INIT_CHOICES: tuple[Any, ...] = (True, False, "gaussian")
 def shared_seed() -> int:
     """A seed drawn on rank 0 and sent to all ranks, so every rank initialises adapters alike."""
     seed = [int(torch.randint(0, 2**62, (1,)).item())]
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.broadcast_object_list(seed, src=0)
     return seed[0]
 

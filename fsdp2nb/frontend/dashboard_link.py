@@ -18,8 +18,8 @@ import threading
 from typing import TYPE_CHECKING
 
 from fsdp2nb.pool.pool import WorkerPool, describe_exit
-from fsdp2nb.pool.protocol import CheckpointView, ResetPeak
 from fsdp2nb.widgets.model import DashboardModel, PoolFacts
+from fsdp2nb.wire.protocol import CheckpointView, ResetPeak
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.session import NotebookSession

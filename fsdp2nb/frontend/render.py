@@ -1,8 +1,10 @@
-"""How rank output looks in the notebook: labelled lines, repeated lines shown once, tracebacks.
+"""How rank output looks in the notebook: labelled lines, repeated lines shown once, tracebacks,
+displays, last-expression values and what ranks printed between cells.
 
 Lines are held back for a short window so that a line every rank prints (a loss, a banner) can
 be shown once as `[all]` instead of N times. Lines that differ are shown per rank, grouped by
-text, so eight ranks printing two distinct values give two lines, not eight.
+text, so eight ranks printing two distinct values give two lines, not eight. The session decides
+when to show what; this module decides how it looks.
 """
 
 from __future__ import annotations
@@ -12,8 +14,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from fsdp2nb.pool.protocol import ErrorInfo
+from fsdp2nb.pool.pool import describe_exit
+from fsdp2nb.wire.protocol import ErrorInfo, RankExited, RichOutput, StreamOutput
+
+if TYPE_CHECKING:
+    from fsdp2nb.pool.pool import WorkerPool
 
 MERGE_WINDOW_S = 0.5
 PARTIAL_LINE_WINDOW_S = 0.5
@@ -200,3 +207,80 @@ def _without_cell_numbers(traceback_lines: tuple[str, ...]) -> tuple[str, ...]:
 
 def write_to_kernel(stream: str, text: str) -> None:
     (sys.stdout if stream == "stdout" else sys.stderr).write(text)
+
+
+def show_display(event: RichOutput, merger: StreamMerger, world_size: int) -> None:
+    """A rank's display (or clear_output) during a cell, after the text it printed before it."""
+    merger.flush()
+    from IPython.display import clear_output, publish_display_data
+
+    if event.kind == "clear":
+        clear_output(wait=bool(event.data.get("wait")))
+        return
+    label = rank_label([event.rank], world_size)
+    if label:
+        sys.stdout.write(f"{label}\n")
+        sys.stdout.flush()
+    publish_display_data(event.data, event.metadata)
+
+
+def show_held_output(pool: WorkerPool) -> None:
+    """What ranks' own threads printed or displayed since the last cell, labelled as such."""
+    if not pool.held_output:
+        return
+    pieces, dropped_chars, dropped_displays = pool.held_output.take()
+    for rank, count in sorted(dropped_chars.items()):
+        log = pool.ranks[rank].log_path if rank in pool.ranks else "its log"
+        write_to_kernel("stderr", f"{_outside_label(rank, pool.world_size)} ... {count} earlier characters not "
+                                  f"shown; all of it is in {log}\n")
+    for rank, count in sorted(dropped_displays.items()):
+        write_to_kernel("stderr", f"{_outside_label(rank, pool.world_size)} ... {count} earlier displays not shown\n")
+    texts: dict[tuple[int, str], str] = {}  # a print arrives in pieces: label whole lines
+
+    def write_texts(rank: int | None = None) -> None:
+        for key in [key for key in texts if rank is None or key[0] == rank]:
+            label = _outside_label(key[0], pool.world_size)
+            text = texts.pop(key)
+            text += "" if text.endswith("\n") else "\n"  # a display's label must start its own line
+            write_to_kernel(key[1], "".join(f"{label} {line}" for line in text.splitlines(keepends=True)))
+
+    for piece in pieces:
+        if isinstance(piece, StreamOutput):
+            texts[(piece.rank, piece.stream)] = texts.get((piece.rank, piece.stream), "") + piece.text
+        elif piece.kind == "display":
+            write_texts(piece.rank)  # what the rank printed before it displayed this
+            from IPython.display import publish_display_data
+
+            write_to_kernel("stdout", f"{_outside_label(piece.rank, pool.world_size)}\n")
+            sys.stdout.flush()
+            publish_display_data(piece.data, piece.metadata)
+    write_texts()
+
+
+def _outside_label(rank: int, world_size: int) -> str:
+    return f"{rank_label([rank], world_size) or '[rank 0]'} (outside a cell)"
+
+
+def rank_exit_error(event: RankExited) -> ErrorInfo:
+    tail = event.stderr_tail[-10:]
+    lines = (f"rank {event.rank} (pid {event.pid}) died: {describe_exit(event)}",
+             *(("last output lines:", *tail) if tail else ()))
+    return ErrorInfo(ename="RankDied", evalue=describe_exit(event), traceback=tuple(lines))
+
+
+def show_results(results: list[tuple[int, RichOutput]], world_size: int) -> None:
+    """Each distinct last-expression value once, labelled with the ranks that produced it."""
+    if not results:
+        return
+    from IPython.display import publish_display_data
+
+    groups: dict[str, tuple[list[int], RichOutput]] = {}
+    for rank, result in sorted(results, key=lambda item: item[0]):
+        key = repr(sorted(result.data.items()))
+        groups.setdefault(key, ([], result))[0].append(rank)
+    for ranks, result in groups.values():
+        label = rank_label(ranks, world_size)
+        if label:
+            sys.stdout.write(f"Out{label}:\n")
+            sys.stdout.flush()
+        publish_display_data(result.data, result.metadata)

@@ -1,4 +1,4 @@
-"""The notebook side of a pool: runs a request on the ranks and renders what comes back.
+"""The notebook side of a pool: its lifecycle, and running a request on the ranks until they reply.
 
 One `NotebookSession` lives in the kernel per loaded extension. It owns at most one pool, and
 every magic is one call into it. Waiting for the ranks happens on the kernel's main thread, so
@@ -8,20 +8,25 @@ every rank that is still running.
 
 from __future__ import annotations
 
-import ast
-import functools
 import itertools
 import logging
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from IPython.core.getipython import get_ipython
-
-from fsdp2nb.frontend.render import CellSyntaxError, RankError, StreamMerger, rank_label, write_to_kernel
+from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
+from fsdp2nb.frontend.render import (
+    RankError,
+    StreamMerger,
+    rank_exit_error,
+    show_display,
+    show_held_output,
+    show_results,
+    write_to_kernel,
+)
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool, describe_exit
-from fsdp2nb.pool.protocol import (
+from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.protocol import (
     CellFinished,
     ControlMessage,
     ErrorInfo,
@@ -34,8 +39,7 @@ from fsdp2nb.pool.protocol import (
     RunCell,
     StreamOutput,
 )
-from fsdp2nb.pool.sigint import SigintNotes, sigint_noted
-from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.sigint import SigintNotes, sigint_noted
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class PoolMismatchError(RuntimeError):
 
 
 @dataclass
-class _CellProgress:
+class CellProgress:
     """What the kernel knows about one request while it runs."""
 
     ranks: tuple[int, ...]
@@ -130,7 +134,7 @@ class NotebookSession:
     def run_cell(self, pool: WorkerPool, code: str, ranks: tuple[int, ...]) -> None:
         """Run `code` on `ranks`, streaming output; raises RankError if any rank raised."""
         transformed = transform_and_check(code)
-        count = _notebook_execution_count()
+        count = notebook_execution_count()
         self.run_request(pool, ranks, lambda cell_id: RunCell(cell_id=cell_id, code=code, transformed=transformed,
                                                               execution_count=count))
 
@@ -144,7 +148,7 @@ class NotebookSession:
         return {rank: progress.finished[rank].value for rank in reply_ranks}
 
     def run_request(self, pool: WorkerPool, ranks: tuple[int, ...],
-                    make_request: Callable[[int], ControlMessage]) -> _CellProgress:
+                    make_request: Callable[[int], ControlMessage]) -> CellProgress:
         cell_id = next(self._cell_ids)
         request = make_request(cell_id)
         # The stop button only takes note while a request is sent and waited for: sent to all
@@ -154,25 +158,29 @@ class NotebookSession:
         with sigint_noted() as stop_button, pool.events_read_here():
             # Sent first: what follows runs while the ranks wake up.
             pool.send(ranks, request)
-            progress = _CellProgress(ranks=ranks, finished={}, errors=[], results=[])
+            progress = CellProgress(ranks=ranks, finished={}, errors=[], results=[])
             pool.busy_ranks.update(ranks)
             merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
                                   {r: info.log_path for r, info in pool.ranks.items()})
             try:
-                _show_held_output(pool)  # printed by ranks' own threads since the last cell: first
-                self._wait(pool, cell_id, progress, merger, stop_button)
+                show_held_output(pool)  # printed by ranks' own threads since the last cell: first
+                self.wait(pool, cell_id, progress, merger, stop_button)
                 merger.flush()  # the cell's own output first
-                _show_held_output(pool)  # then what was still on its way when the cell began
+                show_held_output(pool)  # then what was still on its way when the cell began
             finally:
                 pool.busy_ranks.clear()
                 merger.flush()  # ipykernel flushes its streams itself before a display or an error
-        _show_results(progress.results, pool.world_size)
+        show_results(progress.results, pool.world_size)
         if progress.errors:
             raise RankError(progress.errors, pool.world_size)
         return progress
 
-    def _wait(self, pool: WorkerPool, cell_id: int, progress: _CellProgress, merger: StreamMerger,
-              stop_button: SigintNotes | None) -> None:
+    def wait(self, pool: WorkerPool, cell_id: int, progress: CellProgress, merger: StreamMerger,
+             stop_button: SigintNotes | None) -> None:
+        """Take the ranks' events for request `cell_id` until each rank in `progress` finished.
+
+        A rank that failed while others wait is interrupted after ERROR_GRACE_S; ranks that do not
+        return INTERRUPT_GRACE_S after an interrupt (or a second stop-button press) get a new pool."""
         while progress.running:
             event = pool.next_event(_POLL_S)  # a press during the wait is acted on within _POLL_S
             if event is not None:
@@ -186,18 +194,21 @@ class NotebookSession:
                 else:
                     self._recover(pool, progress, merger, "the ranks did not return after a second interrupt")
 
-    def _handle(self, event: EventMessage, cell_id: int, progress: _CellProgress, merger: StreamMerger,
+    def _handle(self, event: EventMessage, cell_id: int, progress: CellProgress, merger: StreamMerger,
                 world_size: int) -> None:
         if isinstance(event, RankExited):
             merger.flush()
-            raise RankError([(event.rank, _exit_error(event))], world_size,
+            raise RankError([(event.rank, rank_exit_error(event))], world_size,
                             notes=self._after_dead_rank(event))
         if getattr(event, "cell_id", cell_id) != cell_id:
             return  # late output of an earlier, abandoned request
         if isinstance(event, StreamOutput):
             merger.feed(event.rank, event.stream, event.text)
         elif isinstance(event, RichOutput):
-            self._show_rich(event, merger, progress, world_size)
+            if event.kind == "result":  # shown once the cell ends, alike values once
+                progress.results.append((event.rank, event))
+            else:
+                show_display(event, merger, world_size)
         elif isinstance(event, CellFinished):
             progress.finished[event.rank] = event
             merger.rank_done(event.rank)
@@ -205,23 +216,8 @@ class NotebookSession:
                 progress.errors.append((event.rank, event.error))
                 progress.first_error_at = progress.first_error_at or time.monotonic()
 
-    def _show_rich(self, event: RichOutput, merger: StreamMerger, progress: _CellProgress, world_size: int) -> None:
-        if event.kind == "result":
-            progress.results.append((event.rank, event))
-            return
-        merger.flush()
-        from IPython.display import clear_output, publish_display_data
 
-        if event.kind == "clear":
-            clear_output(wait=bool(event.data.get("wait")))
-            return
-        label = rank_label([event.rank], world_size)
-        if label:
-            sys.stdout.write(f"{label}\n")
-            sys.stdout.flush()
-        publish_display_data(event.data, event.metadata)
-
-    def _enforce_deadlines(self, pool: WorkerPool, cell_id: int, progress: _CellProgress,
+    def _enforce_deadlines(self, pool: WorkerPool, cell_id: int, progress: CellProgress,
                            merger: StreamMerger) -> None:
         """A rank failed while others wait (likely in a collective): interrupt, then restart."""
         if not progress.running:  # the last rank returned in this very pass
@@ -235,7 +231,7 @@ class NotebookSession:
             self._recover(pool, progress, merger, f"rank(s) {stuck} did not return within "
                                                   f"{INTERRUPT_GRACE_S:g} s of the interrupt")
 
-    def _interrupt(self, pool: WorkerPool, cell_id: int, progress: _CellProgress) -> None:
+    def _interrupt(self, pool: WorkerPool, cell_id: int, progress: CellProgress) -> None:
         progress.interrupted_at = time.monotonic()
         for rank in progress.running:
             try:
@@ -243,7 +239,7 @@ class NotebookSession:
             except ConnectionError:
                 pass
 
-    def _recover(self, pool: WorkerPool, progress: _CellProgress, merger: StreamMerger, why: str) -> None:
+    def _recover(self, pool: WorkerPool, progress: CellProgress, merger: StreamMerger, why: str) -> None:
         """Replace a pool whose ranks are stuck, then end the cell saying that state was lost."""
         merger.flush()
         errors = progress.errors or [(progress.running[0], ErrorInfo("KeyboardInterrupt", "", ()))]
@@ -266,118 +262,3 @@ class NotebookSession:
                     f"{error}\x1b[0m\n`%fsdp2 start {spec.describe()}` tries again")
         return (f"\x1b[1;31m{what_happened}; the pool was restarted ({spec.describe()}) "
                 "and all rank state was lost\x1b[0m")
-
-
-def transform_and_check(code: str) -> str:
-    """IPython's input transformations, once for all ranks; a cell that does not parse raises
-    CellSyntaxError here, before any rank sees it."""
-    shell = get_ipython()
-    if shell is None or _is_plain_python(shell, code):
-        source = code if code.endswith("\n") else code + "\n"
-    else:
-        source = shell.transform_cell(code)
-    _check_syntax(source)
-    return source
-
-
-@functools.lru_cache(maxsize=64)  # a failure raises, so only sources that parsed are kept
-def _check_syntax(source: str) -> None:
-    """Raise CellSyntaxError if `source` does not parse. A cell run again unchanged was parsed
-    before: parsing even `pass` costs about 70 µs when the parser is out of the CPU's caches."""
-    try:
-        ast.parse(source, "<fsdp2 cell>")
-    except SyntaxError as error:
-        raise CellSyntaxError(error) from None
-
-
-def _is_plain_python(shell, code: str) -> bool:  # noqa: ANN001 - an IPython shell
-    """Whether IPython's input transformations would leave `code` as it is, so they can be
-    skipped (they cost about a tenth of an empty cell): none of the characters its syntax uses
-    (`%`, `!`, `?`), no leading blank line, indent or prompt, and only IPython's own transformers."""
-    if not code or code[0].isspace() or code.startswith((">>>", "...", "In [")):
-        return False
-    if "%" in code or "!" in code or "?" in code:
-        return False
-    manager = shell.input_transformer_manager
-    counts = (len(manager.cleanup_transforms), len(manager.line_transforms), len(manager.token_transformers))
-    return not shell.input_transformers_post and counts == _default_transformer_counts()
-
-
-@functools.cache
-def _default_transformer_counts() -> tuple[int, int, int]:
-    from IPython.core.inputtransformer2 import TransformerManager
-
-    manager = TransformerManager()
-    return len(manager.cleanup_transforms), len(manager.line_transforms), len(manager.token_transformers)
-
-
-def _notebook_execution_count() -> int | None:
-    """The number the notebook shows for the running cell (`In [N]`), if known."""
-    shell = get_ipython()
-    # The running cell's result carries its number; the shell's own counter is already one
-    # ahead while a cell runs (IPython 9 advances it first).
-    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
-    count = getattr(running, "execution_count", None)
-    return count if isinstance(count, int) else None
-
-
-def _show_held_output(pool: WorkerPool) -> None:
-    """What ranks' own threads printed or displayed since the last cell, labelled as such."""
-    if not pool.held_output:
-        return
-    pieces, dropped_chars, dropped_displays = pool.held_output.take()
-    for rank, count in sorted(dropped_chars.items()):
-        log = pool.ranks[rank].log_path if rank in pool.ranks else "its log"
-        write_to_kernel("stderr", f"{_outside_label(rank, pool.world_size)} ... {count} earlier characters not "
-                                  f"shown; all of it is in {log}\n")
-    for rank, count in sorted(dropped_displays.items()):
-        write_to_kernel("stderr", f"{_outside_label(rank, pool.world_size)} ... {count} earlier displays not shown\n")
-    texts: dict[tuple[int, str], str] = {}  # a print arrives in pieces: label whole lines
-
-    def write_texts(rank: int | None = None) -> None:
-        for key in [key for key in texts if rank is None or key[0] == rank]:
-            label = _outside_label(key[0], pool.world_size)
-            text = texts.pop(key)
-            text += "" if text.endswith("\n") else "\n"  # a display's label must start its own line
-            write_to_kernel(key[1], "".join(f"{label} {line}" for line in text.splitlines(keepends=True)))
-
-    for piece in pieces:
-        if isinstance(piece, StreamOutput):
-            texts[(piece.rank, piece.stream)] = texts.get((piece.rank, piece.stream), "") + piece.text
-        elif piece.kind == "display":
-            write_texts(piece.rank)  # what the rank printed before it displayed this
-            from IPython.display import publish_display_data
-
-            write_to_kernel("stdout", f"{_outside_label(piece.rank, pool.world_size)}\n")
-            sys.stdout.flush()
-            publish_display_data(piece.data, piece.metadata)
-    write_texts()
-
-
-def _outside_label(rank: int, world_size: int) -> str:
-    return f"{rank_label([rank], world_size) or '[rank 0]'} (outside a cell)"
-
-
-def _exit_error(event: RankExited) -> ErrorInfo:
-    tail = event.stderr_tail[-10:]
-    lines = (f"rank {event.rank} (pid {event.pid}) died: {describe_exit(event)}",
-             *(("last output lines:", *tail) if tail else ()))
-    return ErrorInfo(ename="RankDied", evalue=describe_exit(event), traceback=tuple(lines))
-
-
-def _show_results(results: list[tuple[int, RichOutput]], world_size: int) -> None:
-    """Each distinct last-expression value once, labelled with the ranks that produced it."""
-    if not results:
-        return
-    from IPython.display import publish_display_data
-
-    groups: dict[str, tuple[list[int], RichOutput]] = {}
-    for rank, result in sorted(results, key=lambda item: item[0]):
-        key = repr(sorted(result.data.items()))
-        groups.setdefault(key, ([], result))[0].append(rank)
-    for ranks, result in groups.values():
-        label = rank_label(ranks, world_size)
-        if label:
-            sys.stdout.write(f"Out{label}:\n")
-            sys.stdout.flush()
-        publish_display_data(result.data, result.metadata)

@@ -1,1 +1,1 @@
-"""Process lifecycle, the signed transport and the message types shared by kernel and ranks. No torch."""
+"""The kernel's handle on the ranks: spec, launcher, pool lifecycle, reaper. No torch."""

@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict
 from typing import Protocol
 
-from fsdp2nb.pool.protocol import LaunchPlan
+from fsdp2nb.wire.protocol import LaunchPlan
 
 
 class LaunchedRanks(Protocol):

@@ -25,7 +25,9 @@ from typing import Literal
 
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.launcher import LaunchedRanks, Launcher, LocalLauncher
-from fsdp2nb.pool.protocol import (
+from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.channels import KernelChannels
+from fsdp2nb.wire.protocol import (
     ControlMessage,
     EventMessage,
     Interrupt,
@@ -40,8 +42,7 @@ from fsdp2nb.pool.protocol import (
     Shutdown,
     StreamOutput,
 )
-from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.pool.transport import KEY_BYTES, KernelChannels, Signer
+from fsdp2nb.wire.signing import KEY_BYTES, Signer
 
 logger = logging.getLogger(__name__)
 

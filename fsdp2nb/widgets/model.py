@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from fsdp2nb.pool.protocol import CheckpointView, MetricPoint, RankSnapshot
+from fsdp2nb.wire.protocol import CheckpointView, MetricPoint, RankSnapshot
 
 HISTORY_S = 300.0
 """How far back the memory sparklines reach."""

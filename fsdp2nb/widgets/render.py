@@ -11,8 +11,8 @@ import html
 import math
 import time
 
-from fsdp2nb.pool.protocol import CheckpointStep, CheckpointView
 from fsdp2nb.widgets.model import MemoryReading, RankRow
+from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView
 
 _OK, _WARN, _PEAK, _RESERVED = "#3b82f6", "#dc2626", "#111827", "#bfdbfe"
 _STATE_COLOURS = {"idle": "#15803d", "busy": "#b45309", "dead": "#dc2626", "starting": "#6b7280",

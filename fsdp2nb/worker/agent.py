@@ -17,8 +17,9 @@ import signal
 import sys
 import time
 
-from fsdp2nb.pool.protocol import LaunchPlan, RankExited, RankPlan
-from fsdp2nb.pool.transport import RankChannels, Signer
+from fsdp2nb.wire.channels import RankChannels
+from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
+from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import drain_pipe
 
 _WATCH_INTERVAL_S = 0.05
@@ -83,6 +84,9 @@ def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
 
         traceback.print_exc()
     finally:
+        # Never through Python's shutdown: gloo's worker threads may still be releasing a finished
+        # collective's tensors, and a thread that takes the GIL while the interpreter finalizes
+        # is ended inside a C++ destructor, which aborts the process (SIGABRT).
         os._exit(exit_code)
 
 

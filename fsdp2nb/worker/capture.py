@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
-from fsdp2nb.pool.sigint import sigint_deferred
+from fsdp2nb.wire.sigint import sigint_deferred
 
 _READ_SIZE = 1 << 16
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def save_checkpoint(step: int | None) -> None:
     """Save through the tracked checkpointer and wait until the save is committed."""
-    from fsdp2nb.checkpoint import tracked_checkpointer
+    from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
     checkpointer = tracked_checkpointer()
     checkpointer.save(step)
@@ -17,7 +17,7 @@ def save_checkpoint(step: int | None) -> None:
 
 def load_checkpoint(target: int | str) -> None:
     """Restore model, optimizer, scheduler, RNG and step from a checkpoint of the tracked checkpointer."""
-    from fsdp2nb.checkpoint import tracked_checkpointer
+    from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
     step = tracked_checkpointer().load(target)
     if _is_rank0():
@@ -25,17 +25,17 @@ def load_checkpoint(target: int | str) -> None:
 
 
 def _is_rank0() -> bool:
-    import torch.distributed as dist
+    from fsdp2nb.collectives import get_rank
 
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return get_rank() == 0
 
 
 def delete_checkpoint(step: int) -> None:
     """Remove one step directory (the dashboard's Delete); rank 0 removes, every rank waits for it."""
     import torch.distributed as dist
 
-    from fsdp2nb.checkpoint import tracked_checkpointer
     from fsdp2nb.checkpoint.layout import remove_step_dir
+    from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
     checkpointer = tracked_checkpointer()
     if _is_rank0():
@@ -46,8 +46,8 @@ def delete_checkpoint(step: int) -> None:
 
 def export_hf(path: str) -> None:
     """Write the tracked model in Hugging Face format to `path` (the dashboard's Export)."""
-    from fsdp2nb.checkpoint import tracked_checkpointer
     from fsdp2nb.checkpoint.hf_export import export_hf_model
+    from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
     export_hf_model(tracked_checkpointer()._require_tracked().model, path)
 
@@ -55,7 +55,7 @@ def export_hf(path: str) -> None:
 def save_if_requested() -> None:
     """At the end of a cell: serve a save asked for from the dashboard that no `maybe_save` reached,
     at the last step the checkpointer saw. Every rank agrees on it inside `maybe_save`."""
-    from fsdp2nb.checkpoint import tracked_checkpointer
+    from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
     checkpointer = tracked_checkpointer()
     step = checkpointer._last_step

@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 
-from fsdp2nb.pool.protocol import MetricPoint
+from fsdp2nb.wire.protocol import MetricPoint
 
 MAX_PENDING_POINTS = 5_000
 

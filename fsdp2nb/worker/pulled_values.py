@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp2nb.collectives import all_max
+
 
 def value_for_notebook(value: Any, reply_ranks: tuple[int, ...]) -> Any:
     """`value` as the notebook should receive it; for a DTensor, None on ranks that do not reply.
@@ -31,12 +33,11 @@ def value_for_notebook(value: Any, reply_ranks: tuple[int, ...]) -> Any:
 
 def _is_dtensor_everywhere(is_dtensor: bool) -> bool:
     """Whether every rank holds a DTensor; ValueError if only some do."""
-    flags = torch.tensor([int(is_dtensor), -int(is_dtensor)])  # a CPU tensor: gloo carries it on every pool
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    if flags[0] != -flags[1]:
+    highest, negated_lowest = all_max((int(is_dtensor), -int(is_dtensor)))  # gloo carries it on every pool
+    if highest != -negated_lowest:
         raise ValueError("it is a DTensor on some ranks only, so its pieces cannot be gathered; "
                          "make it a DTensor on every rank, or a plain value on every rank")
-    return bool(flags[0])
+    return bool(highest)
 
 
 def _full_on(tensor: DTensor, reply_ranks: tuple[int, ...]) -> torch.Tensor | None:

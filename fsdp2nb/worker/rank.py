@@ -20,7 +20,9 @@ from datetime import timedelta
 
 import psutil
 
-from fsdp2nb.pool.protocol import (
+from fsdp2nb.checkpoint.tracking import current_checkpointer
+from fsdp2nb.wire.channels import RankChannels
+from fsdp2nb.wire.protocol import (
     CellFinished,
     ErrorInfo,
     Interrupt,
@@ -37,10 +39,10 @@ from fsdp2nb.pool.protocol import (
     Shutdown,
     StreamOutput,
 )
-from fsdp2nb.pool.sigint import SigintGate, sigint_deferred
-from fsdp2nb.pool.transport import RankChannels, Signer
+from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
+from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import FdCapture, OutputSync, write_through_streams
-from fsdp2nb.worker.sampler import ResourceSampler, loaded_checkpointer
+from fsdp2nb.worker.sampler import ResourceSampler
 
 _CONTROL_POLL_MS = 200
 
@@ -166,7 +168,7 @@ class Rank:
 
     def _finish_background_work(self) -> None:
         """Before exiting, let an asynchronous checkpoint save finish (os._exit would cut it off)."""
-        checkpointer = loaded_checkpointer()
+        checkpointer = current_checkpointer()
         if checkpointer is None:
             return
         try:

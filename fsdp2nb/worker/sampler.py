@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from collections.abc import Callable
 
 import psutil
 
-from fsdp2nb.pool.protocol import CheckpointStep, CheckpointView, RankSnapshot
+from fsdp2nb.checkpoint.tracking import current_checkpointer
+from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView, RankSnapshot
 from fsdp2nb.worker.metrics import process_metrics
+
+logger = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 0.5
 
@@ -57,11 +60,15 @@ class ResourceSampler:
         )
 
     def _run(self) -> None:
+        failed_before = False
         while True:
             try:
                 self._send(self.sample())
-            except Exception:  # a failed reading must never take the rank down
-                pass
+            except Exception:  # a failed reading must never take the rank down; say why once
+                if not failed_before:
+                    logger.exception("rank %d: a resource reading failed (later failures are not logged)",
+                                     self._rank)
+                failed_before = True
             if self._stopped.wait(self._interval_s):
                 return
 
@@ -80,14 +87,9 @@ def _device_memory(device: str) -> dict[str, int]:
     )
 
 
-def loaded_checkpointer():  # noqa: ANN201 - a Checkpointer, without importing torch to say so
-    """The tracked checkpointer, if this rank has one; never imports the checkpoint module itself."""
-    return getattr(sys.modules.get("fsdp2nb.checkpoint.manager"), "_tracked", None)
-
-
 def _checkpoint_view() -> CheckpointView | None:
     """The tracked checkpointer's status, if this rank has one."""
-    tracked = loaded_checkpointer()
+    tracked = current_checkpointer()
     if tracked is None:
         return None
     status = tracked.status()
@@ -105,10 +107,10 @@ def _checkpoint_view() -> CheckpointView | None:
 class TrackedSizes:
     """Bytes of the tracked model's parameters, gradients and optimizer state on this rank.
 
-    Reading a DTensor's local shard goes through an autograd function (tens of µs, holding the
-    GIL the training thread needs), so each parameter's local size is read once per model and
-    the optimizer state when it gains entries (the first step) and every `refresh_every` samples. A gradient's shard is its
-    parameter's (FSDP2 shards them alike), so gradients cost one attribute read each."""
+    Reading a DTensor's local shard goes through an autograd function, holding the GIL the
+    training thread needs, so each parameter's local size is read once per model, and the
+    optimizer state when it gains entries (the first step) and every `refresh_every` samples.
+    A gradient's shard is its parameter's (FSDP2 shards them alike): one attribute read each."""
 
     def __init__(self, refresh_every: int = 20) -> None:
         self._refresh_every = refresh_every
@@ -119,7 +121,7 @@ class TrackedSizes:
         self._samples = 0
 
     def read(self) -> dict[str, int]:
-        tracked = getattr(loaded_checkpointer(), "_tracked", None)
+        tracked = getattr(current_checkpointer(), "_tracked", None)
         if tracked is None:
             return {}
         num_states = len(tracked.optimizer.state) if tracked.optimizer is not None else 0

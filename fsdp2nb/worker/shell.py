@@ -17,7 +17,7 @@ from IPython.core.displaypub import DisplayPublisher
 from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 from traitlets.config import Config
 
-from fsdp2nb.pool.protocol import ErrorInfo, RichKind
+from fsdp2nb.wire.protocol import ErrorInfo, RichKind
 
 RichSink = Callable[[RichKind, dict, dict], None]
 
@@ -62,7 +62,8 @@ class _RankCompiler(CachingCompiler):
     """IPython's compiler, naming cells as it does, with the hash of a cell run before reused.
 
     A cell's name carries a hash of its source. A notebook runs the same cells again and again
-    (a training step), and hashing even `pass` cost a rank about 35 µs when the caches are cold."""
+    (a training step), and hashing the source is a visible part of an empty cell's cost on a
+    rank whose caches went cold."""
 
     _MAX_NAMED = 32
     _PROBE = 918273645  # a cell number that shows where IPython puts the number in a name
@@ -109,7 +110,7 @@ def make_shell(namespace: dict, sink: RichSink) -> RankShell:
     shell.display_pub.sink = sink
     shell.events.register("post_run_cell", _flush_matplotlib_figures)
     # A rank runs nothing but cells: its builtins (get_ipython, exit) and sys.displayhook are set
-    # once for good, where IPython sets and restores them around every cell (~60 µs cold).
+    # once for good, where IPython sets and restores them around every cell.
     shell.builtin_trap.__enter__()
     shell.display_trap.__enter__()
     return shell

@@ -6,8 +6,8 @@ import torch.distributed as dist
 
 from fsdp2nb.checkpoint import Checkpointer
 from fsdp2nb.checkpoint.layout import rank_file_name, read_latest, step_dir_name
-from tests.distributed.harness import run_ranks
-from tests.distributed.test_checkpoint_helpers import build, full_model_state, train_step
+from fsdp2nb.testing.gloo_harness import run_ranks
+from tests.distributed.checkpoint_helpers import build, full_model_state, train_step
 
 
 def _save_different_steps(directory: str) -> dict:
@@ -57,7 +57,7 @@ def test_a_damaged_rank_file_fails_the_load_on_every_rank_and_changes_nothing(tm
 
 
 def _agree_on_failures() -> dict:
-    from fsdp2nb.checkpoint.agreement import all_ranks_succeeded, on_rank0_agreed
+    from fsdp2nb.collectives import all_ranks_succeeded, on_rank0_agreed
 
     seen = {"shared": on_rank0_agreed(lambda: "rank 0's answer", "asking rank 0")}
 

@@ -7,10 +7,11 @@ import random
 import pytest
 import torch
 
-from fsdp2nb.checkpoint import Checkpointer, post_save_request, tracked_checkpointer
-from fsdp2nb.checkpoint.requests import process_requests
-from tests.distributed.harness import run_ranks
-from tests.distributed.test_checkpoint_helpers import (
+from fsdp2nb.checkpoint import Checkpointer
+from fsdp2nb.checkpoint.requests import post_save_request, process_requests
+from fsdp2nb.checkpoint.tracking import tracked_checkpointer
+from fsdp2nb.testing.gloo_harness import run_ranks
+from tests.distributed.checkpoint_helpers import (
     assert_same,
     build,
     full_model_state,

@@ -1,7 +1,7 @@
 import torch
 import torch.distributed as dist
 
-from tests.distributed.harness import run_ranks
+from fsdp2nb.testing.gloo_harness import run_ranks
 
 
 def _sum_of_ranks() -> float:

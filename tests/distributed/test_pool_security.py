@@ -7,9 +7,10 @@ import stat
 import pytest
 
 from fsdp2nb.pool.pool import WorkerPool
-from fsdp2nb.pool.protocol import ChannelHello, RankExited, RunCell, StreamOutput
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.pool.transport import Signer, _Link
+from fsdp2nb.wire.framing import Link
+from fsdp2nb.wire.protocol import ChannelHello, RankExited, RunCell, StreamOutput
+from fsdp2nb.wire.signing import Signer
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_a_peer_without_the_key_is_not_heard(pool):
     forger = Signer(os.urandom(32))
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.connect(os.path.join(pool._runtime_dir, "pool.sock"))
-    link = _Link(client)  # the pool's own framing: only the signature can give the forger away
+    link = Link(client)  # the pool's own framing: only the signature can give the forger away
     link.send(forger.pack(ChannelHello(role="events", rank=None)))
     link.send(forger.pack(StreamOutput(rank=0, cell_id=1, stream="stdout", text="forged\n")))
     output = _run(pool, 1, "print('genuine')")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernel.client import Kernel
+from fsdp2nb.testing.kernel_client import Kernel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,13 +38,27 @@ def test_each_rank_owns_its_gpu_and_nccl_works(gpu_kernel):
     assert f"{n * (n + 1) / 2}" in run.stdout
 
 
-def test_status_shows_device_memory(gpu_kernel):
-    gpu_kernel.execute("%%fsdp2\nblock = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)")
+def _allocated_mib_by_rank(status_text: str) -> dict[int, int]:
+    """Each rank's allocated device memory from `%fsdp2 status` ("rank pid device ... A MiB / T MiB")."""
+    import re
+
+    rows = re.findall(r"^(\d+)\s.*?([\d,]+) MiB / [\d,]+ MiB\s*$", status_text, flags=re.MULTILINE)
+    return {int(rank): int(allocated.replace(",", "")) for rank, allocated in rows}
+
+
+def test_status_shows_the_device_memory_each_rank_allocated(gpu_kernel):
+    run = gpu_kernel.execute("%%fsdp2\nblock = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)")
+    assert run.status == "ok", run.traceback_text
     import time
 
-    time.sleep(1.5)  # let one snapshot carry the allocation
-    run = gpu_kernel.execute("%fsdp2 status")
-    assert "MiB /" in run.stdout
+    deadline = time.monotonic() + 10  # ranks send a snapshot twice a second: wait for one after the cell
+    while True:
+        allocated = _allocated_mib_by_rank(gpu_kernel.execute("%fsdp2 status").stdout)
+        if all(allocated.get(rank, 0) >= 256 for rank in range(gpu_kernel.num_gpus)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sorted(allocated) == list(range(gpu_kernel.num_gpus)), allocated
+    assert all(mib >= 256 for mib in allocated.values()), allocated
 
 
 def test_engine_bf16_and_offload_on_gpus(gpu_kernel, tmp_path):

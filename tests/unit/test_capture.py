@@ -1,7 +1,7 @@
 import os
 import threading
 
-from fsdp2nb.worker.capture import FdCapture, OutputSync
+from fsdp2nb.worker.capture import FdCapture, OutputSync, _partial_marker_length
 
 
 def test_output_is_synced_from_several_threads_at_once(tmp_path):
@@ -31,3 +31,11 @@ def test_output_is_synced_from_several_threads_at_once(tmp_path):
     assert errors == []
     lines = "".join(forwarded).splitlines()
     assert sorted(lines) == sorted(f"{name} {i}" for name in "ab" for i in range(0, 20_000, 1000))
+
+
+def test_partial_marker_detection():
+    marker = b"\x00sync-123\x00"
+    assert _partial_marker_length(b"text\x00syn", marker) == 4
+    assert _partial_marker_length(b"text\x00", marker) == 1
+    assert _partial_marker_length(b"text\x00x", marker) == 0
+    assert _partial_marker_length(b"plain", marker) == 0

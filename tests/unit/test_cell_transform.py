@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from fsdp2nb.frontend.session import _is_plain_python
+from fsdp2nb.frontend.cell_transform import is_plain_python
 
 CELLS = [
     "x = 1",
@@ -32,14 +32,14 @@ def shell():
 
 @pytest.mark.parametrize("code", CELLS)
 def test_skipping_the_transform_gives_what_it_would(shell, code):
-    if _is_plain_python(shell, code):
+    if is_plain_python(shell, code):
         assert shell.transform_cell(code) == (code if code.endswith("\n") else code + "\n")
 
 
 def test_plain_cells_take_the_short_way(shell):
-    assert _is_plain_python(shell, "x = 1\nx")
-    assert not _is_plain_python(shell, "%time x = 1")
-    assert not _is_plain_python(shell, "\nx = 1")
+    assert is_plain_python(shell, "x = 1\nx")
+    assert not is_plain_python(shell, "%time x = 1")
+    assert not is_plain_python(shell, "\nx = 1")
 
 
 def test_a_registered_transformer_disables_the_short_way(shell):
@@ -48,7 +48,7 @@ def test_a_registered_transformer_disables_the_short_way(shell):
 
     shell.input_transformers_cleanup.append(upper)
     try:
-        assert not _is_plain_python(shell, "x = 1")
+        assert not is_plain_python(shell, "x = 1")
     finally:
         shell.input_transformers_cleanup.remove(upper)
 

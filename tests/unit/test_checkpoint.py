@@ -15,13 +15,14 @@ from fsdp2nb.checkpoint import (
     CheckpointMismatchError,
     CheckpointSaveError,
     CheckpointStatus,
-    SaveRequests,
-    tracked_checkpointer,
+    tracking,
 )
 from fsdp2nb.checkpoint import manager as manager_module
 from fsdp2nb.checkpoint.layout import METADATA_FILE, read_latest
+from fsdp2nb.checkpoint.requests import SaveRequests
 from fsdp2nb.checkpoint.staging import ReusedBufferStager
 from fsdp2nb.checkpoint.state import read_dcp_metadata
+from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 from fsdp2nb.testing.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -261,7 +262,7 @@ def test_status_is_a_picklable_snapshot(tmp_path, trained):
 
 
 def test_tracked_checkpointer_is_the_last_to_track(tmp_path, trained, monkeypatch):
-    monkeypatch.setattr(manager_module, "_tracked", None)
+    monkeypatch.setattr(tracking, "_tracked", None)
     with pytest.raises(RuntimeError, match=r"Checkpointer\(directory\)\.track"):
         tracked_checkpointer()
     model, optimizer = trained
@@ -413,3 +414,13 @@ def test_staging_copies_tensors_and_keeps_other_values_such_as_classes():
         assert staged["extra"] == {"kind": torch.nn.Linear, "step": 3}
     finally:
         stager.close()
+
+
+def test_the_tracked_checkpointer_is_read_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from fsdp2nb.checkpoint.tracking import current_checkpointer; "
+            "import fsdp2nb.worker.sampler; "
+            "assert current_checkpointer() is None; assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

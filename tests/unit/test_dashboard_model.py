@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp2nb.pool.protocol import CheckpointStep, CheckpointView, MetricPoint, RankSnapshot
 from fsdp2nb.widgets import render
 from fsdp2nb.widgets.dashboard import ActionRefused, DashboardView
 from fsdp2nb.widgets.model import MAX_HISTORY_POINTS, DashboardModel, MetricsHistory, PoolFacts
+from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView, MetricPoint, RankSnapshot
 
 GiB = 2**30
 

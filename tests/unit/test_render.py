@@ -1,6 +1,5 @@
 from fsdp2nb.frontend.render import MERGE_WINDOW_S, RankError, StreamMerger, rank_label
-from fsdp2nb.pool.protocol import ErrorInfo
-from fsdp2nb.worker.capture import _partial_marker_length
+from fsdp2nb.wire.protocol import ErrorInfo
 
 
 def _merger(ranks=(0, 1, 2, 3), **kwargs):
@@ -68,11 +67,3 @@ def test_rank_error_groups_identical_tracebacks_root_cause_first():
     assert lines[0].endswith("[2] rank 2 raised ValueError\x1b[0m")
     assert sum("raised KeyboardInterrupt" in line for line in lines) == 1
     assert "ranks 0, 1" in next(line for line in lines if "KeyboardInterrupt" in line and "raised" in line)
-
-
-def test_partial_marker_detection():
-    marker = b"\x00sync-123\x00"
-    assert _partial_marker_length(b"text\x00syn", marker) == 4
-    assert _partial_marker_length(b"text\x00", marker) == 1
-    assert _partial_marker_length(b"text\x00x", marker) == 0
-    assert _partial_marker_length(b"plain", marker) == 0

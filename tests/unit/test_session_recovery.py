@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from fsdp2nb.frontend.render import RankError, StreamMerger
-from fsdp2nb.frontend.session import INTERRUPT_GRACE_S, NotebookSession, _CellProgress
+from fsdp2nb.frontend.session import INTERRUPT_GRACE_S, CellProgress, NotebookSession
 from fsdp2nb.pool.pool import HeldOutput, PoolStartError
-from fsdp2nb.pool.protocol import CellFinished, ErrorInfo, RankExited, RichOutput, StreamOutput
 from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, RankExited, RichOutput, StreamOutput
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))
 
@@ -56,10 +56,10 @@ def test_a_rank_returning_as_the_interrupt_deadline_passes_ends_the_cell_normall
     session = NotebookSession(pool_factory=lambda spec: pytest.fail("the pool must not be replaced"))
     session.pool = pool
     error = ErrorInfo("ValueError", "bad", ("ValueError: bad",))
-    progress = _CellProgress(ranks=(0, 1), finished={0: CellFinished(0, 7, "error", error)}, errors=[(0, error)],
+    progress = CellProgress(ranks=(0, 1), finished={0: CellFinished(0, 7, "error", error)}, errors=[(0, error)],
                              results=[], first_error_at=time.monotonic() - 10,
                              interrupted_at=time.monotonic() - INTERRUPT_GRACE_S - 1)
-    session._wait(pool, 7, progress, StreamMerger((0, 1), 2, lambda stream, text: None), None)
+    session.wait(pool, 7, progress, StreamMerger((0, 1), 2, lambda stream, text: None), None)
     assert not pool.stopped and progress.running == []
 
 

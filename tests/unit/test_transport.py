@@ -2,8 +2,8 @@ import pickle
 
 import pytest
 
-from fsdp2nb.pool.protocol import RunCell
-from fsdp2nb.pool.transport import KEY_BYTES, Signer
+from fsdp2nb.wire.protocol import RunCell
+from fsdp2nb.wire.signing import KEY_BYTES, Signer
 
 UNPICKLED = []
 
@@ -35,7 +35,7 @@ def test_short_keys_are_refused():
 
 
 def test_messages_keep_their_type_and_fields_through_a_frame():
-    from fsdp2nb.pool import protocol
+    from fsdp2nb.wire import protocol
 
     signer = Signer(b"k" * KEY_BYTES)
     messages = [
@@ -53,10 +53,10 @@ def test_frames_of_every_size_arrive_whole():
     import socket
     import threading
 
-    from fsdp2nb.pool.transport import _Link
+    from fsdp2nb.wire.framing import Link
 
     left, right = socket.socketpair()
-    sender, receiver = _Link(left), _Link(right)
+    sender, receiver = Link(left), Link(right)
     frames = [b"", b"x", bytes(range(256)) * 300, b"y" * (3 * 1024 * 1024)]  # past the socket buffer
     writer = threading.Thread(target=lambda: [sender.send(frame) for frame in frames])
     writer.start()
@@ -71,10 +71,10 @@ def test_frames_of_every_size_arrive_whole():
 def test_a_closed_connection_ends_reading():
     import socket
 
-    from fsdp2nb.pool.transport import _Link
+    from fsdp2nb.wire.framing import Link
 
     left, right = socket.socketpair()
-    sender, receiver = _Link(left), _Link(right)
+    sender, receiver = Link(left), Link(right)
     sender.send(b"last")
     sender.close()
     assert bytes(receiver.receive()) == b"last"
@@ -89,7 +89,7 @@ class _Channels:
     def __init__(self, directory, kernel_class=None) -> None:
         import threading
 
-        from fsdp2nb.pool.transport import KernelChannels, RankChannels
+        from fsdp2nb.wire.channels import KernelChannels, RankChannels
 
         self.signer = Signer(b"k" * KEY_BYTES)
         self.address = str(directory / "pool.sock")
@@ -107,7 +107,7 @@ class _Channels:
             self.background_passes += 1
 
     def send(self, text: str) -> None:
-        from fsdp2nb.pool.protocol import StreamOutput
+        from fsdp2nb.wire.protocol import StreamOutput
 
         self.rank.send_event(StreamOutput(rank=0, cell_id=1, stream="stdout", text=text))
 
@@ -156,7 +156,7 @@ def test_signatures_are_standard_hmac_sha256(key):
     import hashlib
     import hmac
 
-    from fsdp2nb.pool.transport import HmacSha256
+    from fsdp2nb.wire.signing import HmacSha256
 
     mac = HmacSha256(key)
     for payload in (b"", b"x", bytes(range(256)) * 100):
@@ -166,8 +166,8 @@ def test_signatures_are_standard_hmac_sha256(key):
 def test_a_connection_made_while_another_thread_reads_does_not_wake_the_background_reader_for_good(tmp_path):
     import time
 
-    from fsdp2nb.pool.protocol import StreamOutput
-    from fsdp2nb.pool.transport import RankChannels
+    from fsdp2nb.wire.channels import RankChannels
+    from fsdp2nb.wire.protocol import StreamOutput
 
     channels = _Channels(tmp_path)
     try:
@@ -191,7 +191,7 @@ def test_a_background_wait_that_spans_a_handoff_does_not_read_a_link_emptied_mea
     import threading
     import time
 
-    from fsdp2nb.pool.transport import KernelChannels
+    from fsdp2nb.wire.channels import KernelChannels
 
     class SlowToResume(KernelChannels):
         """The background reader loses the CPU between its wait and its read, on request."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -35,6 +36,21 @@ def _rank_main(rank: int, fn: Callable, world_size: int, workdir: str, args: tup
         dist.destroy_process_group()
     with open(os.path.join(workdir, f"result-{rank}.pkl"), "wb") as f:
         pickle.dump(outcome, f)
+    _exit_without_finalizing()
+
+
+def _exit_without_finalizing() -> None:
+    """End the rank process here, as the pool's ranks end, without Python's shutdown.
+
+    A gloo worker thread releases a finished collective's tensors after the caller's wait has
+    returned, and that release takes the GIL. If the interpreter is finalizing by then, CPython
+    ends the thread with pthread_exit inside a C++ destructor, and the process dies of SIGABRT
+    ("terminate called without an active exception"). destroy_process_group() does not join those
+    threads while a DeviceMesh still holds the group, so the rank leaves with os._exit instead.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:

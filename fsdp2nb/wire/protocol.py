@@ -1,8 +1,8 @@
 """Every message that crosses the boundary between the notebook kernel and the ranks.
 
-Messages are frozen dataclasses, pickled and signed by `transport`. They have no `__slots__`:
+Messages are frozen dataclasses, pickled and signed by `signing`. They have no `__slots__`:
 pickle then takes its C path, where a slotted dataclass goes through Python-level
-`__getstate__`/`__setstate__` (a third of a message's cost, on every hop of every cell). Nothing here imports torch,
+`__getstate__`/`__setstate__` on every hop of every cell. Nothing here imports torch,
 so the kernel side stays light. User values (push/pull) travel as opaque pickled bytes inside a
 message and are unpickled only after the message's signature has been verified.
 """

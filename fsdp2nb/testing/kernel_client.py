@@ -1,4 +1,7 @@
-"""Drive a real ipykernel through jupyter_client, exactly as a notebook front end does."""
+"""Drive a real ipykernel through jupyter_client, exactly as a notebook front end does.
+
+Needs the `test` extra (jupyter_client, ipykernel); imported only by tests and benchmarks.
+"""
 
 from __future__ import annotations
 

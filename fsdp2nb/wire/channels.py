@@ -1,4 +1,4 @@
-"""Signed messages over Unix stream sockets between the notebook kernel and its ranks.
+"""The kernel's and the ranks' ends of the pool's Unix stream sockets.
 
 The kernel listens on one socket in the pool's private (0700) runtime directory. Every rank opens
 three connections to it, each introduced by a signed `ChannelHello`:
@@ -9,184 +9,29 @@ three connections to it, each introduced by a signed `ChannelHello`:
   ordered stream per process means a rank's output always arrives before its `CellFinished`.
 The host agent opens an events connection only.
 
-A frame is an 8-byte big-endian length and then `hmac_sha256(key, payload) + payload`; a frame
-whose signature fails is dropped without being unpickled. Plain sockets wake the reader
-directly, where a ZeroMQ socket hands every message through an extra I/O thread on each side (a
-round trip of about 55 µs against 190 µs on a 2-core machine), and the frames are read with
-one `recv(MSG_WAITALL)` per part (multiprocessing.connection's Python loop cost a third more).
+Frames are laid out by `framing` and signed by `signing`. Plain sockets wake the reader
+directly, where a ZeroMQ socket hands every message through an extra I/O thread on each side
+(the README's measured table compares the round trips).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import hashlib
-import hmac
-import logging
 import os
-import pickle
 import select
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from fsdp2nb.pool.protocol import WIRE_TYPES, ChannelHello, ChannelRole
-from fsdp2nb.pool.sigint import sigint_deferred
+from fsdp2nb.wire.framing import Link
+from fsdp2nb.wire.protocol import ChannelHello, ChannelRole
+from fsdp2nb.wire.signing import Signer
 
-logger = logging.getLogger(__name__)
-
-KEY_BYTES = 32
-_SIGNATURE_BYTES = hashlib.sha256().digest_size
 _ACCEPT_POLL_S = 0.2
 _HELLO_TIMEOUT_S = 10.0
 _MAX_HELLO_BYTES = 4096
-
-
-class Signer:
-    """Packs messages into signed frames and unpacks only frames whose signature verifies.
-
-    A message of `WIRE_TYPES` is pickled as (its type's index, its field values): plain tuples
-    take pickle's quickest path, where a dataclass is looked up by module and name on both
-    sides. With the HMAC state of the key computed once, this halves the cost of a message
-    when the caches are cold, as they are for a cell after the notebook sat idle.
-    """
-
-    def __init__(self, key: bytes) -> None:
-        if len(key) < KEY_BYTES:
-            raise ValueError(f"the pool key must have at least {KEY_BYTES} bytes, got {len(key)}")
-        self._mac = HmacSha256(key)
-        self.num_rejected = 0
-        self.num_undecodable = 0
-
-    def pack(self, message: Any) -> bytes:
-        tag = _WIRE_TAGS.get(type(message))
-        encoded = (tag, tuple(vars(message).values())) if tag is not None else (None, message)
-        payload = pickle.dumps(encoded, protocol=pickle.HIGHEST_PROTOCOL)
-        return self._mac.sign(payload) + payload
-
-    def unpack(self, frame: bytes) -> Any | None:
-        """The message, or None when the frame is malformed, its signature is wrong or it does
-        not decode here."""
-        signature, payload = frame[:_SIGNATURE_BYTES], frame[_SIGNATURE_BYTES:]
-        if len(frame) <= _SIGNATURE_BYTES or not hmac.compare_digest(signature, self._mac.sign(payload)):
-            self.num_rejected += 1
-            logger.warning("dropped a message that failed signature verification")
-            return None
-        try:
-            tag, content = pickle.loads(payload)
-            return content if tag is None else _rebuild(tag, content)
-        except Exception:  # signed by the other end, but not something this end can rebuild
-            self.num_undecodable += 1  # (e.g. a display whose metadata holds a rank-only class)
-            logger.exception("dropped a signed message that could not be decoded")
-            return None
-
-
-class HmacSha256:
-    """HMAC-SHA256 (RFC 2104) from the two keyed SHA-256 states, computed once per key.
-
-    Built on CPython's own SHA-256 where it has one: OpenSSL's HMAC gives the same signature,
-    but its layers cost about 50 µs per message when the CPU caches are cold, as they are at
-    the start of a cell after the notebook sat idle, against about 16 µs here (and every cell
-    signs and verifies at least four messages on its critical path).
-    """
-
-    _BLOCK_BYTES = 64
-
-    def __init__(self, key: bytes) -> None:
-        sha256 = _builtin_sha256()
-        if len(key) > self._BLOCK_BYTES:
-            key = sha256(key).digest()
-        key = key.ljust(self._BLOCK_BYTES, b"\0")
-        self._inner = sha256(bytes(byte ^ 0x36 for byte in key))
-        self._outer = sha256(bytes(byte ^ 0x5C for byte in key))
-
-    def sign(self, payload: bytes) -> bytes:
-        inner = self._inner.copy()
-        inner.update(payload)
-        outer = self._outer.copy()
-        outer.update(inner.digest())
-        return outer.digest()
-
-
-def _builtin_sha256() -> Callable[..., Any]:
-    for module in ("_sha2", "_sha256"):  # Python 3.12+, then 3.10-3.11
-        try:
-            return __import__(module).sha256
-        except (ImportError, AttributeError):
-            pass
-    return hashlib.sha256  # a Python built without its own hashes: OpenSSL's
-
-
-_WIRE_TAGS = {cls: tag for tag, cls in enumerate(WIRE_TYPES)}
-_WIRE_FIELDS = tuple(tuple(field.name for field in dataclasses.fields(cls)) for cls in WIRE_TYPES)
-
-
-def _rebuild(tag: int, values: tuple) -> Any:
-    """The message from its field values, without running its (frozen) __init__."""
-    cls, names = WIRE_TYPES[tag], _WIRE_FIELDS[tag]
-    if len(values) != len(names):
-        raise ValueError(f"a {cls.__name__} needs {len(names)} fields, got {len(values)}")
-    message = object.__new__(cls)
-    vars(message).update(zip(names, values, strict=True))
-    return message
-
-
-_LENGTH = struct.Struct("!Q")
-_ONE_WRITE_BYTES = 64 * 1024
-"""Frames up to this size go out with their length in one write; larger ones are not copied."""
-
-
-class _Link:
-    """One framed connection with a lock, so several threads may send on it."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.lock = threading.Lock()
-        self.poller = select.poll()  # for the one thread that reads this link
-        self.poller.register(sock.fileno(), select.POLLIN)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def send(self, frame: bytes) -> None:
-        header = _LENGTH.pack(len(frame))
-        with self.lock, sigint_deferred():
-            if len(frame) <= _ONE_WRITE_BYTES:
-                self.sock.sendall(header + frame)
-            else:
-                self.sock.sendall(header)
-                self.sock.sendall(frame)
-
-    def receive(self, max_bytes: int | None = None) -> bytes | bytearray:
-        """The next frame; EOFError when the other end closed, OSError for one over `max_bytes`."""
-        (size,) = _LENGTH.unpack(_receive_exactly(self.sock, _LENGTH.size))
-        if max_bytes is not None and size > max_bytes:
-            raise OSError(f"a frame of {size} bytes is over the {max_bytes} allowed here")
-        return _receive_exactly(self.sock, size)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _receive_exactly(sock: socket.socket, size: int) -> bytes | bytearray:
-    data = sock.recv(size, socket.MSG_WAITALL)
-    if len(data) == size:
-        return data
-    if not data and size:
-        raise EOFError("the connection was closed")
-    # Cut short (a signal, or the peer closed mid-frame): gather the rest in place.
-    buffer = bytearray(size)
-    buffer[:len(data)] = data
-    view, received = memoryview(buffer), len(data)
-    while received < size:
-        count = sock.recv_into(view[received:], size - received)
-        if not count:
-            raise EOFError("the connection was closed in the middle of a frame")
-        received += count
-    return buffer
 
 
 class KernelChannels:
@@ -195,8 +40,7 @@ class KernelChannels:
     Events are read by one reader at a time. The pool's background thread reads them between
     requests (`receive`); while a request runs, the thread waiting for it reads them itself
     inside `reading_here()`, which pauses the background reader. That spares each event a hop
-    between threads, a wake-up that cost about 60-80 µs on a 2-core machine (a good part of an
-    empty cell's cost).
+    between threads, a thread wake-up that is a good part of an empty cell's cost.
     """
 
     def __init__(self, signer: Signer, address: str) -> None:
@@ -205,12 +49,12 @@ class KernelChannels:
         self._server.bind(address)
         self._server.listen(128)
         self._server.settimeout(_ACCEPT_POLL_S)
-        self._links: dict[tuple[ChannelRole, int], _Link] = {}
+        self._links: dict[tuple[ChannelRole, int], Link] = {}
         self._links_changed = threading.Condition()
-        self._event_links: list[_Link] = []
+        self._event_links: list[Link] = []
         # Each reader waits on its own epoll set, built up as events connections arrive (the
         # accepting thread queues them and wakes the background reader through a pipe):
-        # rebuilding a selector for every wait cost the kernel about 0.2 ms per event. Pausing
+        # rebuilding a selector for every wait cost the kernel time on every event. Pausing
         # the background reader switches its connections off in its set, so it sleeps on.
         self._background = select.epoll()
         self._foreground = select.epoll()
@@ -220,11 +64,11 @@ class KernelChannels:
         """Held while frames are read and delivered, and while the reader changes hands."""
         self._handoffs = 0
         """How often reading changed hands: a reader's wait that spans a change is stale."""
-        self._readers: dict[int, _Link] = {}
+        self._readers: dict[int, Link] = {}
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._background.register(self._wake_read, select.EPOLLIN)
-        self._unregistered: collections.deque[_Link] = collections.deque()
+        self._unregistered: collections.deque[Link] = collections.deque()
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="fsdp2nb-accept")
         self._acceptor.start()
@@ -244,7 +88,7 @@ class KernelChannels:
             except OSError as error:
                 raise ConnectionError(f"rank {rank} is not connected to the pool ({error})") from error
 
-    def _wait_for_link(self, role: ChannelRole, rank: int, timeout_s: float) -> _Link | None:
+    def _wait_for_link(self, role: ChannelRole, rank: int, timeout_s: float) -> Link | None:
         with self._links_changed:
             self._links_changed.wait_for(lambda: (role, rank) in self._links or self._closed, timeout_s)
             return self._links.get((role, rank))
@@ -327,7 +171,7 @@ class KernelChannels:
             self._foreground.register(link.fileno(), select.EPOLLIN)
             self._background.register(link.fileno(), 0 if self._foreground_thread is not None else select.EPOLLIN)
 
-    def _read(self, link: _Link) -> Any | None:
+    def _read(self, link: Link) -> Any | None:
         """The next message on `link`, or None (a frame that failed verification, or the
         connection closed: then the link is dropped)."""
         try:
@@ -355,7 +199,7 @@ class KernelChannels:
     def _introduce(self, client: socket.socket) -> None:
         """Register a connection under the role its signed hello names; drop it otherwise."""
         client.settimeout(_HELLO_TIMEOUT_S)  # a peer that sends nothing is dropped
-        link = _Link(client)
+        link = Link(client)
         try:
             hello = self._signer.unpack(link.receive(max_bytes=_MAX_HELLO_BYTES))
             client.settimeout(None)
@@ -429,10 +273,10 @@ class RankChannels:
             self._control = self._connect(address, "control", rank)
         self._closed = False
 
-    def _connect(self, address: str, role: ChannelRole, rank: int | None) -> _Link:
+    def _connect(self, address: str, role: ChannelRole, rank: int | None) -> Link:
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         client.connect(address)
-        link = _Link(client)
+        link = Link(client)
         link.send(self._signer.pack(ChannelHello(role=role, rank=rank)))
         return link
 
@@ -448,7 +292,7 @@ class RankChannels:
         """Called only from the rank's control thread; raises EOFError once the kernel is gone."""
         return self._receive(self._control, timeout_ms)
 
-    def _receive(self, link: _Link | None, timeout_ms: int) -> Any | None:
+    def _receive(self, link: Link | None, timeout_ms: int) -> Any | None:
         assert link is not None
         # One poll object per link, made once: selectors build and tear down one per call.
         if not link.poller.poll(timeout_ms):

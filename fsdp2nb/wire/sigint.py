@@ -65,14 +65,14 @@ def sigint_noted():
 
 def _set_sigint_handler(handler):  # noqa: ANN001, ANN202 - a signal handler
     """signal.signal for SIGINT without its wrapper's enum conversion of the old handler, which
-    for a Python handler raises and catches a ValueError: 10 µs against 1 µs, twice per cell."""
+    for a Python handler raises and catches a ValueError, twice per cell."""
     return _c_signal.signal(signal.SIGINT, handler)
 
 
 class SigintGate:
     """A SIGINT handler that holds the signal back inside `sigint_deferred` blocks and passes it
     to `handler` otherwise. A process that installs one (the ranks do) spares every such block
-    two handler swaps, about 20 µs, which a rank would pay on each reply."""
+    two handler swaps, which a rank would pay on each reply."""
 
     def __init__(self, handler) -> None:  # noqa: ANN001 - a signal handler
         self.handler = handler

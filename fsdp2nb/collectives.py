@@ -1,8 +1,11 @@
-"""Failures that every rank hears about: one rank that raised alone would leave the others
-waiting at their next collective, so each step that can fail on some ranks ends in agreement.
+"""Collective helpers that checkpoint, engine and worker share.
 
+Failures that every rank hears about: one rank that raised alone would leave the others
+waiting at their next collective, so each step that can fail on some ranks ends in agreement.
 Every rank raises; the rank that failed raises its own error, the others one that names the
 failing rank and its cause. Collective: every rank of `group` must call, in the same order.
+
+Each helper also works in a single process without a process group, as one rank of one.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 
 _T = TypeVar("_T")
@@ -20,8 +24,28 @@ class FailedElsewhere(RuntimeError):
     """Another rank failed at a step this rank took part in."""
 
 
-def _distributed() -> bool:
+def is_distributed() -> bool:
+    """Whether this process is a rank of an initialised process group."""
     return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's global rank; 0 without a process group."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    """The number of ranks; 1 without a process group."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def all_max(values: tuple[int, ...], group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
+    """The largest of each value over the ranks of `group`, in one collective.
+
+    A CPU tensor, so a gloo group carries it; the minimum of x is `-all_max(-x)`."""
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tuple(tensor.tolist())
 
 
 def all_ranks_succeeded(error: BaseException | None, what: str, group: dist.ProcessGroup | None = None) -> None:
@@ -29,7 +53,7 @@ def all_ranks_succeeded(error: BaseException | None, what: str, group: dist.Proc
     FailedElsewhere("`what` failed on rank R: cause")."""
     reason = None if error is None else describe(error)
     reasons: list[str | None] = [reason]
-    if _distributed():
+    if is_distributed():
         reasons = [None] * dist.get_world_size(group)
         dist.all_gather_object(reasons, reason, group=group)
     if error is not None:
@@ -45,13 +69,13 @@ def on_rank0_agreed(action: Callable[[], _T], what: str, group: dist.ProcessGrou
     """Run `action` on the group's first rank only and share its result with every rank, or its failure."""
     outcome: list = [None, None]
     error: BaseException | None = None
-    first = dist.get_global_rank(group, 0) if _distributed() and group is not None else 0
-    if not _distributed() or dist.get_rank() == first:
+    first = dist.get_global_rank(group, 0) if is_distributed() and group is not None else 0
+    if not is_distributed() or dist.get_rank() == first:
         try:
             outcome[0] = action()
         except Exception as exc:  # re-raised below, on every rank
             error, outcome[1] = exc, describe(exc)
-    if _distributed():
+    if is_distributed():
         dist.broadcast_object_list(outcome, src=first, group=group)
     if error is not None:
         raise error
@@ -68,6 +92,12 @@ def make_dir_everywhere(path: Path, what: str, group: dist.ProcessGroup | None =
     except OSError as exc:
         error = exc
     all_ranks_succeeded(error, what, group)
+
+
+def make_dir_on_rank0_then_everywhere(path: Path, what: str, group: dist.ProcessGroup | None = None) -> None:
+    """Rank 0 makes `path` first (shared storage), then every rank (storage that is not)."""
+    on_rank0_agreed(lambda: path.mkdir(parents=True, exist_ok=True), what, group)
+    make_dir_everywhere(path, what, group)
 
 
 def describe(error: BaseException) -> str:

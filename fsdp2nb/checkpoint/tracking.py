@@ -1,0 +1,43 @@
+"""Which Checkpointer tracks this process's training state; readable without importing torch.
+
+`Checkpointer.track()` records itself here and `close()` clears it. The ranks' sampler and
+shutdown read the slot through `current_checkpointer()`, which never loads the checkpoint code:
+a rank that never made a checkpointer pays nothing for it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fsdp2nb.checkpoint.manager import Checkpointer
+
+_tracked: Checkpointer | None = None
+
+
+def set_tracked(checkpointer: Checkpointer) -> None:
+    """Make `checkpointer` the one `%fsdp2 save` and the dashboard act on."""
+    global _tracked
+    _tracked = checkpointer
+
+
+def clear_tracked(checkpointer: Checkpointer) -> None:
+    """Forget `checkpointer` if it is the tracked one; another one stays tracked."""
+    global _tracked
+    if _tracked is checkpointer:
+        _tracked = None
+
+
+def current_checkpointer() -> Checkpointer | None:
+    """The Checkpointer that most recently called `track()` in this process, or None."""
+    return _tracked
+
+
+def tracked_checkpointer() -> Checkpointer:
+    """The Checkpointer that most recently called `track()` in this process."""
+    if _tracked is None:
+        raise RuntimeError(
+            "no checkpointer is tracking a model in this process: run "
+            "`Checkpointer(directory).track(model=model, optimizer=optimizer)` on every rank first"
+        )
+    return _tracked

@@ -1,0 +1,1 @@
+"""What the kernel and its ranks share: message types, signed framing over sockets, SIGINT handling. No torch."""
