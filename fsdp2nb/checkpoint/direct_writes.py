@@ -23,6 +23,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from fsdp2nb import progress
 from fsdp2nb.direct_io import BufferPool, open_direct, round_up
 
 _WRITER_NICENESS = 19
@@ -34,13 +35,17 @@ _buffers = BufferPool(keep=2)  # one stream's pair: DCP writes a rank's files on
 class DirectFileSystem(FileSystem):
     """DCP's local file system, with files opened for writing as `DirectWriteStream`s."""
 
+    def __init__(self, task: progress.AnyTask = progress.SILENT) -> None:
+        super().__init__()
+        self._task = task
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        stream = DirectWriteStream(Path(path))
+        stream = DirectWriteStream(Path(path), self._task)
         try:
             yield stream
         finally:
@@ -54,8 +59,9 @@ class DirectWriteStream(io.RawIOBase):
     so serializing the next bytes overlaps the disk's work on the last ones.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, task: progress.AnyTask = progress.SILENT) -> None:
         super().__init__()
+        self._task = task  # advanced by each buffer handed to the disk: 8 MiB, not each small write
         self._fd, self.direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         self._buffer = _buffers.take(_BUFFER_BYTES)
         self._filled = 0  # bytes waiting in the buffer
@@ -92,6 +98,7 @@ class DirectWriteStream(io.RawIOBase):
         self._buffer = spare
         self._written += _BUFFER_BYTES
         self._filled = 0
+        self._task.advance(_BUFFER_BYTES)
 
     def _wait_in_flight(self) -> mmap.mmap | None:
         """Wait for the buffer being written (raising its error); return it for reuse."""
@@ -121,6 +128,7 @@ class DirectWriteStream(io.RawIOBase):
                 _pwrite_all(self._fd, self._buffer, padded, self._written)
                 if padded != tail:
                     os.ftruncate(self._fd, self._written + tail)
+                self._task.advance(tail)
             os.fsync(self._fd)
         finally:
             self._io.shutdown(wait=True)
@@ -152,11 +160,11 @@ class ShardWriter(FileSystemWriter):
     stalling training on the GIL it holds.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, task: progress.AnyTask = progress.SILENT) -> None:
         # DirectWriteStream fsyncs every file as it closes it; DCP's own fsync would come before
         # the stream's last buffer is written, so it is left off rather than done twice.
         super().__init__(path, sync_files=False)
-        self.fs = DirectFileSystem()
+        self.fs = DirectFileSystem(task)
         self._owner_pid = os.getpid()
 
     def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - signature of the base class

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2nb import progress
 from fsdp2nb.checkpoint import directory_swap
 from fsdp2nb.checkpoint.layout import fsync_file
 from fsdp2nb.collectives import (
@@ -125,7 +126,11 @@ def _write_export(model: nn.Module, out: Path, processor, dtype: torch.dtype, me
 def _export_full(entries: list[_Entry], config, out: Path, dtype: torch.dtype, max_shard_bytes: int,
                  model: nn.Module) -> None:
     owners = _assign_owners(entries, get_world_size())
-    written, error = _write_owned(entries, owners, out, dtype, max_shard_bytes)
+    rank = get_rank()
+    owned_bytes = sum(e.numel for e, owner in zip(entries, owners, strict=True) if owner == rank) * dtype.itemsize
+    task = progress.start_task("export", "exporting in Hugging Face format", owned_bytes, len(entries))
+    written, error = _write_owned(entries, owners, out, dtype, max_shard_bytes, task)
+    task.finish(error)
     all_ranks_succeeded(error, _EXPORT)
     all_written = _gather_to_rank0(written)
     written = [f for files in all_written for f in files]
@@ -200,7 +205,8 @@ def _assign_owners(entries: list[_Entry], world_size: int) -> list[int]:
 
 
 def _write_owned(entries: list[_Entry], owners: list[int], out: Path, dtype: torch.dtype,
-                 max_shard_bytes: int) -> tuple[list[_WrittenFile], Exception | None]:
+                 max_shard_bytes: int, task: progress.AnyTask = progress.SILENT,
+                 ) -> tuple[list[_WrittenFile], Exception | None]:
     """(the files this rank wrote, the error that stopped its writing). After an error (a full
     disk) the rank keeps taking part in the gathers, so the others are not left waiting."""
     rank = get_rank()
@@ -210,6 +216,7 @@ def _write_owned(entries: list[_Entry], owners: list[int], out: Path, dtype: tor
     error: Exception | None = None
     for entry, owner in zip(entries, owners, strict=True):
         full = entry.full()  # every rank takes part in the gather; only the owner keeps the result
+        task.advance(entry.numel * dtype.itemsize if owner == rank else 0, 1)
         if owner != rank or error is not None:
             continue
         tensor = full.to(dtype) if full.is_floating_point() else full

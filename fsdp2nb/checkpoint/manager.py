@@ -42,11 +42,12 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from fsdp2nb import collectives
+from fsdp2nb import collectives, progress
 from fsdp2nb.checkpoint import layout, tracking
 from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
+from fsdp2nb.checkpoint.progress_hooks import ProgressLoadPlanner, start_state_task
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
 from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state
 from fsdp2nb.checkpoint.staging import make_stager
@@ -241,15 +242,16 @@ class Checkpointer:
         state = get_training_state(tracked.model, tracked.optimizer)
         self._last_step = step
         rank_state = self._capture_rank_state(tracked, step)
-        writer = ShardWriter(job.tmp_dir)
+        task = start_state_task("save", f"saving step {step}", state)
+        writer = ShardWriter(job.tmp_dir, task=task)
         if not self.async_save:
-            with self._abandoned_on_failure(job):
+            with self._abandoned_on_failure(job, task):
                 dcp.save(state, storage_writer=writer, process_group=self._bg_group,
                          no_dist=not self._distributed)
-            self._finish(job, rank_state, None, tracked.model)
+            self._finish(job, rank_state, None, tracked.model, task)
             return
         use_process = self.async_writer == "process" and self._distributed
-        with self._abandoned_on_failure(job):
+        with self._abandoned_on_failure(job, task):
             response = dcp.async_save(
                 state, storage_writer=writer, process_group=self._bg_group, async_stager=self._stager,
                 no_dist=not self._distributed,
@@ -261,16 +263,17 @@ class Checkpointer:
             upload, self._staging = response.upload_completion, response.staging_completion
             if self._step_gate is None:  # no optimizer step to gate: copy before returning
                 self._wait_for_staging()
-        future = self._executor.submit(self._finish, job, rank_state, upload, tracked.model)
+        future = self._executor.submit(self._finish, job, rank_state, upload, tracked.model, task)
         with self._lock:
             self._pending = (step, future)
 
     @contextlib.contextmanager
-    def _abandoned_on_failure(self, job: _SaveJob):
+    def _abandoned_on_failure(self, job: _SaveJob, task: progress.AnyTask):
         """A save that DCP failed (on every rank alike) leaves no temporary directory."""
         try:
             yield
         except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
+            task.finish(exc)
             with _in_flight_lock:
                 _in_flight.discard(job.tmp_dir)
             shutil.rmtree(job.tmp_dir, ignore_errors=True)
@@ -347,10 +350,14 @@ class Checkpointer:
         }
 
     def _finish(self, job: _SaveJob, rank_state: dict[str, Any], upload: Future | None,
-                model: nn.Module) -> None:
+                model: nn.Module, task: progress.AnyTask) -> None:
         """Wait for the shards, add this rank's file, then commit once every rank succeeded."""
         try:
             self._finish_and_commit(job, rank_state, upload, model)
+            task.finish()
+        except BaseException as error:
+            task.finish(error)
+            raise
         finally:
             with _in_flight_lock:
                 _in_flight.discard(job.tmp_dir)
@@ -419,7 +426,14 @@ class Checkpointer:
         assert metadata is not None  # _resolve_collectively only returns complete directories
         rank_state = self._read_rank_state_collectively(step_dir, metadata)
         state = checked_training_state(tracked.model, tracked.optimizer, read_dcp_metadata(step_dir), step_dir)
-        dcp.load(state, checkpoint_id=step_dir, process_group=self._fg_group, no_dist=not self._distributed)
+        task = start_state_task("load", f"loading step {metadata.step}", state)
+        try:
+            dcp.load(state, checkpoint_id=step_dir, process_group=self._fg_group, no_dist=not self._distributed,
+                     planner=ProgressLoadPlanner(task))
+        except BaseException as error:
+            task.finish(error)
+            raise
+        task.finish()
         set_training_state(tracked.model, tracked.optimizer, state)
         self._restore_rank_state(tracked, rank_state, metadata)
         self._last_step = metadata.step

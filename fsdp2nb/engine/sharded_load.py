@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from fsdp2nb import progress
 from fsdp2nb.engine.checkpoint_files import Block, CheckpointFiles, open_reader
 from fsdp2nb.engine.direct_reads import release_spare_buffers
 from fsdp2nb.engine.key_mapping import checkpoint_to_model_keys, hf_key, unwrap_peft
@@ -99,15 +100,35 @@ def load_sharded(
             used.add(ckpt_key)
         else:
             _fill_without_checkpoint(target, initial_values, allow_missing, report)
+    task = _start_progress(by_file)
     try:
         for file_name, entries in by_file.items():
             _copy_from_file(files, file_name, entries, report)
+            if task is not progress.SILENT:
+                task.advance(sum(_local_bytes(target) for _, target in entries), len(entries))
+    except BaseException as error:
+        task.finish(error)
+        raise
     finally:
         release_spare_buffers()
+    task.finish()
     report.unexpected = sorted(set(files.key_to_file) - used)
     if report.unexpected:
         logger.warning("checkpoint keys not used by the model: %s", report.unexpected)
     return report
+
+
+def _start_progress(by_file: dict[str, list[tuple[str, _Target]]]) -> progress.AnyTask:
+    """Progress in this rank's bytes (in the model's dtype) and tensors; totals only when someone listens."""
+    if not progress.listening():
+        return progress.SILENT
+    targets = [target for entries in by_file.values() for _, target in entries]
+    return progress.start_task("load_model", "loading model weights", sum(map(_local_bytes, targets)), len(targets))
+
+
+def _local_bytes(target: _Target) -> int:
+    local = target.tensor.to_local() if isinstance(target.tensor, DTensor) else target.tensor
+    return local.numel() * local.element_size()
 
 
 def _checkpoint_key(target: _Target, source_of: dict[str, str], is_peft: bool) -> str | None:

@@ -38,6 +38,7 @@ from fsdp2nb.wire.protocol import (
     RichOutput,
     RunCell,
     StreamOutput,
+    TaskProgress,
 )
 from fsdp2nb.wire.sigint import SigintNotes, sigint_noted
 
@@ -64,6 +65,8 @@ class CellProgress:
     results: list[tuple[int, RichOutput]]
     first_error_at: float | None = None
     interrupted_at: float | None = None
+    task_bar: object | None = None
+    """The cell's progress bar (frontend.progress_view), made when the ranks first report progress."""
 
     @property
     def running(self) -> list[int]:
@@ -170,6 +173,8 @@ class NotebookSession:
             finally:
                 pool.busy_ranks.clear()
                 merger.flush()  # ipykernel flushes its streams itself before a display or an error
+                if progress.task_bar is not None:
+                    progress.task_bar.close()
         show_results(progress.results, pool.world_size)
         if progress.errors:
             raise RankError(progress.errors, pool.world_size)
@@ -209,6 +214,13 @@ class NotebookSession:
                 progress.results.append((event.rank, event))
             else:
                 show_display(event, merger, world_size)
+        elif isinstance(event, TaskProgress):
+            if progress.task_bar is None:
+                from fsdp2nb.frontend.progress_view import CellTaskBar
+
+                merger.flush()  # what the ranks printed before the work began comes first
+                progress.task_bar = CellTaskBar(world_size)
+            progress.task_bar.update(event)
         elif isinstance(event, CellFinished):
             progress.finished[event.rank] = event
             merger.rank_done(event.rank)

@@ -41,6 +41,7 @@ from fsdp2nb.wire.protocol import (
     RichOutput,
     Shutdown,
     StreamOutput,
+    TaskProgress,
 )
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
 
@@ -133,7 +134,8 @@ class WorkerPool:
         self.exited: dict[int, RankExited] = {}
         self.busy_ranks: set[int] = set()
         """Ranks running a request from this kernel (kept by the session)."""
-        self.snapshot_listeners: list[Callable[[RankSnapshot], None]] = []
+        self.snapshot_listeners: list[Callable[[RankSnapshot | TaskProgress], None]] = []
+        """Called on the receiving thread with every snapshot and every progress event."""
         self.held_output = HeldOutput()
         self.log_dir = ""
         self._launcher = launcher or LocalLauncher()
@@ -283,11 +285,13 @@ class WorkerPool:
             logger.exception("fsdp2nb: failed to handle an event from the ranks")
 
     def _dispatch(self, event: EventMessage) -> None:
-        if isinstance(event, RankSnapshot):
-            self.snapshots[event.rank] = event
+        if isinstance(event, (RankSnapshot, TaskProgress)):
+            if isinstance(event, RankSnapshot):
+                self.snapshots[event.rank] = event
             for listener in list(self.snapshot_listeners):
                 listener(event)
-            return
+            if isinstance(event, RankSnapshot) or event.cell_id is None:
+                return  # a progress event of a cell also goes to the cell, for its own bar
         if isinstance(event, RankReady):
             self.ranks[event.rank] = event
             if len(self.ranks) == self.world_size:

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from fsdp2nb.wire.protocol import CheckpointView, MetricPoint, RankSnapshot
+from fsdp2nb.wire.protocol import CheckpointView, MetricPoint, RankSnapshot, TaskProgress
 
 HISTORY_S = 300.0
 """How far back the memory sparklines reach."""
@@ -130,6 +130,96 @@ class MetricsHistory:
                 for rank, points in sorted(self._points.items()) for p in points]
 
 
+@dataclass(frozen=True)
+class TaskView:
+    """One piece of long work (a load, a save, an export) summed over the ranks that reported it."""
+
+    kind: str
+    label: str
+    done_bytes: int
+    total_bytes: int
+    done_items: int
+    """Items every rank has done (collective work has the same items on every rank)."""
+    total_items: int
+    elapsed_s: float
+    finished: bool
+    """Every rank of the pool reported its end."""
+    error: str | None
+    num_ranks: int
+
+    @property
+    def fraction(self) -> float:
+        if self.finished and not self.error:
+            return 1.0
+        if self.total_bytes:
+            return min(1.0, self.done_bytes / self.total_bytes)
+        return min(1.0, self.done_items / self.total_items) if self.total_items else 0.0
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second since the task started."""
+        return self.done_bytes / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def seconds_left(self) -> float | None:
+        if self.finished or not self.rate or not self.total_bytes:
+            return None
+        return max(0.0, self.total_bytes - self.done_bytes) / self.rate
+
+
+MAX_TASKS = 8
+
+
+class TaskBoard:
+    """The latest progress event of each rank for the last few tasks; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tasks: dict[tuple[int, str, str], dict[int, TaskProgress]] = {}
+        self.version = 0
+
+    def observe(self, event: TaskProgress) -> None:
+        key = (event.task_id, event.kind, event.label)
+        with self._lock:
+            self.version += 1
+            self._tasks.setdefault(key, {})[event.rank] = event
+            self._tasks[key] = self._tasks.pop(key)  # the most recently updated task last
+            while len(self._tasks) > MAX_TASKS:
+                del self._tasks[next(iter(self._tasks))]
+
+    def latest(self, world_size: int) -> TaskView | None:
+        with self._lock:
+            if not self._tasks:
+                return None
+            return _summed(next(reversed(self._tasks.values())), world_size)
+
+    def find(self, kind: str, label: str, world_size: int) -> TaskView | None:
+        """The newest task of `kind` with `label`, or None."""
+        with self._lock:
+            for (_, task_kind, task_label), by_rank in reversed(self._tasks.items()):
+                if (task_kind, task_label) == (kind, label):
+                    return _summed(by_rank, world_size)
+        return None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._tasks.clear()
+            self.version += 1
+
+
+def _summed(by_rank: dict[int, TaskProgress], world_size: int) -> TaskView:
+    events = list(by_rank.values())
+    complete = len(events) >= world_size
+    errors = [f"rank {e.rank}: {e.error}" for e in sorted(events, key=lambda e: e.rank) if e.error]
+    return TaskView(
+        kind=events[0].kind, label=events[0].label,
+        done_bytes=sum(e.done_bytes for e in events), total_bytes=sum(e.total_bytes for e in events),
+        done_items=min(e.done_items for e in events) if complete else 0,
+        total_items=max(e.total_items for e in events), elapsed_s=max(e.elapsed_s for e in events),
+        finished=bool(errors) or (complete and all(e.finished for e in events)),
+        error=errors[0] if errors else None, num_ranks=len(events))
+
+
 class DashboardModel:
     """Bounded state behind every view of the dashboard; thread-safe (fed and read from threads)."""
 
@@ -138,6 +228,7 @@ class DashboardModel:
         self.facts = PoolFacts(state="stopped", world_size=0)
         self.snapshots: dict[int, RankSnapshot] = {}
         self.metrics = MetricsHistory()
+        self.tasks = TaskBoard()
         self._history: dict[int, deque[tuple[float, int]]] = {}
         self._busy_since: dict[int, float] = {}
         self._save: _SaveRequest | None = None
@@ -148,7 +239,10 @@ class DashboardModel:
 
     # --- feeding ------------------------------------------------------------------------------
 
-    def observe(self, snapshot: RankSnapshot) -> None:
+    def observe(self, snapshot: RankSnapshot | TaskProgress) -> None:
+        if isinstance(snapshot, TaskProgress):
+            self.tasks.observe(snapshot)
+            return
         with self._lock:
             self.snapshots[snapshot.rank] = snapshot
             used = snapshot.device_allocated_bytes if snapshot.device_total_bytes else snapshot.rss_bytes
@@ -167,6 +261,7 @@ class DashboardModel:
                 self.notice = "; ".join(f"rank {rank} died ({why})" for rank, why in sorted(self.facts.deaths.items()))
                 self.notice += ": the pool was replaced and all rank state was lost"
             if facts.state == "starting" and self.facts.state != "starting":
+                self.tasks.clear()  # a new pool counts its tasks afresh
                 self._history.clear()  # a new pool: the old ranks' readings would mislead
                 self.snapshots.clear()
             self.facts = facts
@@ -196,9 +291,26 @@ class DashboardModel:
         if view.last_error:
             self.save_text, self._save = f"save failed: {view.last_error}", None
         elif view.saving_step is not None:
-            self.save_text = f"saving step {view.saving_step} ..."
+            self.save_text = self._saving_text(view.saving_step)
         elif view.latest_step != request.latest_before:
-            self.save_text, self._save = f"saved step {view.latest_step}", None
+            task = self.tasks.find("save", f"saving step {view.latest_step}", self.facts.world_size)
+            if task is not None and not task.finished:  # committed; its last progress event is on its way
+                self.save_text = self._saving_text(view.latest_step)
+                return
+            self.save_text, self._save = self._saved_text(view.latest_step), None
+
+    def _saving_text(self, step: int) -> str:
+        """`saving step N: X of Y MiB` once the ranks report bytes written."""
+        task = self.tasks.find("save", f"saving step {step}", self.facts.world_size)
+        if task is None or not task.total_bytes:
+            return f"saving step {step} ..."
+        return f"saving step {step}: {_mib(task.done_bytes)} of {_mib(task.total_bytes)} MiB"
+
+    def _saved_text(self, step: int | None) -> str:
+        task = self.tasks.find("save", f"saving step {step}", self.facts.world_size)
+        if task is None or not task.finished:
+            return f"saved step {step}"
+        return f"saved step {step} in {task.elapsed_s:.1f} s"
 
     def _checkpoint_latest(self) -> int | None:
         view = self.checkpoint
@@ -242,6 +354,10 @@ class DashboardModel:
                                  snapshot.device_peak_bytes, snapshot.device_total_bytes, snapshot.rss_bytes, tracked)
         return MemoryReading("cpu", snapshot.rss_bytes, 0, max(snapshot.rss_peak_bytes, snapshot.rss_bytes),
                              self.facts.host_total_bytes, snapshot.rss_bytes, tracked)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f}"
 
 
 def _duration(seconds: float) -> str:

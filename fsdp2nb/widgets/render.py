@@ -11,7 +11,7 @@ import html
 import math
 import time
 
-from fsdp2nb.widgets.model import MemoryReading, RankRow
+from fsdp2nb.widgets.model import MemoryReading, RankRow, TaskView
 from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView
 
 _OK, _WARN, _PEAK, _RESERVED = "#3b82f6", "#dc2626", "#111827", "#bfdbfe"
@@ -174,6 +174,40 @@ def checkpoint_header(view: CheckpointView | None) -> str:
     latest = view.latest_step if view.latest_step is not None else "none"
     return (f'<span class="fsdp2nb-ckpt-dir"><b>checkpoints</b> in <code>{html.escape(view.directory)}</code> · '
             f'LATEST {latest}{saving}</span>')
+
+
+# --- progress of long work ----------------------------------------------------------------------
+
+
+def task_text(task: TaskView) -> str:
+    """`saving step 40: 1.2 GiB of 3 GiB (40%) · 12 of 30 tensors · 210 MiB/s · 9 s left`."""
+    if task.error:
+        return f"{task.label} failed: {task.error}"
+    amount = f"{size(task.done_bytes)} of {size(task.total_bytes)}" if task.total_bytes else ""
+    if task.finished:
+        rate = f" ({size(int(task.rate))}/s)" if task.rate else ""
+        return f"{task.label}: done, {size(task.done_bytes)} in {task.elapsed_s:.1f} s{rate}"
+    parts = [f"{amount} ({task.fraction:.0%})" if amount else f"{task.fraction:.0%}"]
+    if task.total_items:
+        parts.append(f"{task.done_items} of {task.total_items} tensors")
+    if task.rate:
+        parts.append(f"{size(int(task.rate))}/s")
+    if task.seconds_left is not None:
+        parts.append(f"{task.seconds_left:.0f} s left")
+    return f"{task.label}: {' · '.join(parts)}"
+
+
+def task_html(task: TaskView | None, width: int = 220, height: int = 12) -> str:
+    """A bar and `task_text`; empty when there is no task."""
+    if task is None:
+        return ""
+    fill = _WARN if task.error else ("#16a34a" if task.finished else _OK)
+    done = round(width * task.fraction)
+    return (f'<div class="fsdp2nb-progress" data-kind="{html.escape(task.kind)}" '
+            f'data-finished="{str(task.finished).lower()}" style="display:flex;align-items:center;gap:8px;'
+            f'font-size:12px"><svg width="{width}" height="{height}"><rect width="{width}" height="{height}" '
+            f'fill="#e5e7eb" rx="2"/><rect width="{done}" height="{height}" fill="{fill}" rx="2"/></svg>'
+            f'<span>{html.escape(task_text(task))}</span></div>')
 
 
 # --- text, where widgets cannot render ------------------------------------------------------------

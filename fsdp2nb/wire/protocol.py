@@ -218,10 +218,31 @@ class RankExited:
     stderr_tail: tuple[str, ...]
 
 
-EventMessage = RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited
+@dataclass(frozen=True)
+class TaskProgress:
+    """How far a rank is with a long piece of work (fsdp2nb.progress), at most a few times a second."""
+
+    rank: int
+    cell_id: int | None
+    """The request that started the task (an async save may end after it)."""
+    task_id: int
+    """Counts the rank's tasks; collective work has the same id on every rank."""
+    kind: str
+    label: str
+    done_bytes: int
+    total_bytes: int
+    done_items: int
+    total_items: int
+    elapsed_s: float
+    finished: bool = False
+    error: str | None = None
+
+
+EventMessage = RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited | TaskProgress
 
 WIRE_TYPES = (ChannelHello, RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
-              RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak)
+              RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak,
+              TaskProgress)
 """Messages that travel as (index in this tuple, field values): see transport.Signer."""
 
 

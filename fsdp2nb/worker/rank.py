@@ -92,6 +92,10 @@ class Rank:
         self._sampler = ResourceSampler(self.rank, self.device, self._channels.send_event,
                                         is_busy=lambda: self._cell_id is not None)
         self._sampler.start()
+        from fsdp2nb import progress
+        from fsdp2nb.worker.progress_events import ProgressSender
+
+        progress.install(ProgressSender(self.rank, self._channels.send_event, lambda: self._cell_id))
         threading.Thread(target=self._control_loop, daemon=True, name="fsdp2nb-control").start()
         process = psutil.Process()
         self._channels.send_event(RankReady(
