@@ -97,10 +97,12 @@ class DashboardLink:
     # --- showing --------------------------------------------------------------------------------
 
     def text(self) -> str:
-        from fsdp2nb.widgets.render import text_tables
+        from fsdp2nb.widgets.render import task_text, text_tables
 
         self.tick()
-        return text_tables(self.model.rows(), self.model.checkpoint, f"fsdp2nb pool: {self.pool_line()}")
+        text = text_tables(self.model.rows(), self.model.checkpoint, f"fsdp2nb pool: {self.pool_line()}")
+        task = self.model.tasks.latest(self.model.facts.world_size)
+        return text if task is None else f"{text}\n{task_text(task)}"
 
     def show(self) -> None:
         """Display a live dashboard, or print the text tables where no widget can render."""

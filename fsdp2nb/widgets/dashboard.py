@@ -116,6 +116,7 @@ class DashboardView:
         self.delete_button = _button("Delete selected")
         self.export_path = widgets.Text(placeholder="/path/for/hf-export", layout=widgets.Layout(width="340px"))
         self.export_button = _button("Export HF")
+        self.progress = widgets.HTML()  # the newest load, save or export, summed over the ranks
         self.message = widgets.HTML()
         self.message.add_class("fsdp2nb-message")
         self.note = widgets.HTML()
@@ -133,7 +134,8 @@ class DashboardView:
         export = widgets.HBox([self.export_path, self.export_button])
         checkpoints = widgets.VBox([self.checkpoint_header, widgets.HBox([self.steps, buttons]), export])
         curves = widgets.VBox([widgets.HBox([self.metric, self.metric_view]), self.plot])
-        root = widgets.VBox([toolbar, self.confirm, self.ranks, curves, checkpoints, self.message, self.note],
+        root = widgets.VBox([toolbar, self.confirm, self.ranks, curves, checkpoints, self.progress, self.message,
+                             self.note],
                             layout=widgets.Layout(border="1px solid #e5e7eb", padding="6px 10px"))
         root.add_class("fsdp2nb-dashboard")
         return root
@@ -207,6 +209,7 @@ class DashboardView:
         view = model.checkpoint
         _set(self.checkpoint_header, "value", render.checkpoint_header(view))
         self._refresh_steps(render.checkpoint_options(view))
+        _set(self.progress, "value", render.task_html(model.tasks.latest(model.facts.world_size)))
         if model.save_text and model.save_text != self._shown_save_text:
             self._shown_save_text = model.save_text
             self.message.value = _line(model.save_text, "#dc2626" if "failed" in model.save_text else "#15803d")
