@@ -326,3 +326,14 @@ def remove_step_dir(directory: Path, step: int) -> None:
     os.rename(final, doomed)
     fsync_dir(Path(directory))
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def point_latest_at_newest(directory: Path) -> int | None:
+    """After LATEST's step was deleted: name the newest complete step left (or remove LATEST)."""
+    valid = [entry.step for entry in list_entries(Path(directory)) if entry.valid]
+    if valid:
+        write_latest(Path(directory), valid[-1])
+        return valid[-1]
+    (Path(directory) / LATEST_FILE).unlink(missing_ok=True)
+    fsync_dir(Path(directory))
+    return None

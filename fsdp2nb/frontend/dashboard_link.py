@@ -181,15 +181,18 @@ class DashboardLink:
         self._run_on_ranks(pool, f"load_checkpoint({step})")
         return f"loaded step {step}: model, optimizer, RNG and step restored on every rank"
 
-    def delete(self, step: int) -> str:
+    def delete(self, step: int, latest_confirmed: bool = False) -> str:
         pool = self._idle_pool("Delete")
         view = self._checkpoint_view()
-        if step == view.latest_step:
-            raise _refused(f"step {step} is LATEST, the one a resume loads: not deleted")
+        if step == view.latest_step and not latest_confirmed:
+            raise _refused(f"step {step} is LATEST, the one a resume loads: confirm twice to delete it")
         if step == view.saving_step or not any(e.step == step for e in view.entries):
             raise _refused(f"step {step} is not a finished checkpoint in {view.directory}: not deleted")
         self._run_on_ranks(pool, f"delete_checkpoint({step})")
-        return f"deleted step {step}"
+        if step != view.latest_step:
+            return f"deleted step {step}"
+        latest = self.model.checkpoint.latest_step if self.model.checkpoint else None
+        return f"deleted step {step}; LATEST is now {latest if latest is not None else 'none'}"
 
     def export(self, path: str) -> str:
         pool = self._idle_pool("Export")

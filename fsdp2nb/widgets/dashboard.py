@@ -12,6 +12,8 @@ from __future__ import annotations
 import html
 import logging
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import ipywidgets as widgets
@@ -35,7 +37,8 @@ class Actions(Protocol):
     def reset_peak(self) -> str: ...
     def save(self) -> str: ...
     def load(self, step: int) -> str: ...
-    def delete(self, step: int) -> str: ...
+    def delete(self, step: int, latest_confirmed: bool = False) -> str:
+        """`latest_confirmed`: the user confirmed twice that LATEST itself goes."""
     def export(self, path: str) -> str: ...
 
 
@@ -158,8 +161,7 @@ class DashboardView:
         self.save_button.on_click(lambda _: self._act(self._actions.save))
         self.load_button.on_click(lambda _: self._ask_about_step(
             "Load step {}? The model, optimizer and RNG on every rank are replaced.", self._actions.load))
-        self.delete_button.on_click(lambda _: self._ask_about_step(
-            "Delete step {}? Its files are removed.", self._actions.delete))
+        self.delete_button.on_click(lambda _: self._ask_delete())
         self.export_button.on_click(lambda _: self._act(lambda: self._actions.export(self.export_path.value)))
 
     def _ask(self, question: str, action) -> None:  # noqa: ANN001 - what Yes runs
@@ -174,10 +176,25 @@ class DashboardView:
             return
         self._ask(question.format(step), lambda: action(step))
 
+    def _ask_delete(self) -> None:
+        """Delete asks once; for LATEST, a second time, saying what a resume would load instead."""
+        view, step = self._model.checkpoint, self.steps.value
+        if view is None or step is None or step != view.latest_step:
+            self._ask_about_step("Delete step {}? Its files are removed.", self._actions.delete)
+            return
+        previous = max((e.step for e in view.entries if e.valid and e.step < step), default=None)
+        then = (f"a resume would then load step {previous}, the previous one" if previous is not None
+                else "no complete checkpoint would be left to resume from")
+        second = _FollowUp(f"Step {step} is LATEST: {then}. Delete it anyway?",
+                           lambda: self._actions.delete(step, True))
+        self._ask(f"Delete step {step}? Its files are removed.", second)
+
     def _answer(self, yes: bool) -> None:
         action, self._confirmed = self._confirmed, None
         self.confirm.layout.display = "none"
-        if yes and action is not None:
+        if yes and isinstance(action, _FollowUp):
+            self._ask(action.question, action.action)
+        elif yes and action is not None:
             self._act(action)
 
     def _act(self, action) -> None:  # noqa: ANN001 - a callable returning the panel's line
@@ -241,6 +258,14 @@ class DashboardView:
         selected = self.steps.value
         self.steps.options = options
         self.steps.value = selected if selected in {step for _, step in options} else None
+
+
+@dataclass(frozen=True)
+class _FollowUp:
+    """A second question that a Yes leads to, instead of acting."""
+
+    question: str
+    action: Callable[[], str]
 
 
 def _set(widget: widgets.Widget, name: str, value: object) -> None:

@@ -34,12 +34,15 @@ def delete_checkpoint(step: int) -> None:
     """Remove one step directory (the dashboard's Delete); rank 0 removes, every rank waits for it."""
     import torch.distributed as dist
 
-    from fsdp2nb.checkpoint.layout import remove_step_dir
+    from fsdp2nb.checkpoint.layout import point_latest_at_newest, read_latest, remove_step_dir
     from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
     checkpointer = tracked_checkpointer()
     if _is_rank0():
+        was_latest = read_latest(checkpointer.directory) == step
         remove_step_dir(checkpointer.directory, step)
+        if was_latest:  # LATEST now names the newest complete step left, or nothing
+            point_latest_at_newest(checkpointer.directory)
     if dist.is_initialized():
         dist.barrier()
 

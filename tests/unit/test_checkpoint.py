@@ -424,3 +424,18 @@ def test_the_tracked_checkpointer_is_read_without_importing_torch():
             "import fsdp2nb.worker.sampler; "
             "assert current_checkpointer() is None; assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_deleting_latest_points_latest_at_the_previous_step(trained, tmp_path):
+    """The dashboard's Delete of LATEST (confirmed twice): a resume then loads the step before."""
+    from fsdp2nb.worker.commands import delete_checkpoint
+
+    model, optimizer = trained
+    with Checkpointer(tmp_path, async_save=False) as checkpointer:
+        checkpointer.track(model=model, optimizer=optimizer)
+        checkpointer.save(1)
+        checkpointer.save(2)
+        delete_checkpoint(2)
+        assert read_latest(tmp_path) == 1 and checkpointer.status().latest_step == 1
+        delete_checkpoint(1)
+        assert read_latest(tmp_path) is None and checkpointer.status().latest_step is None

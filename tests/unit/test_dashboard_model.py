@@ -7,7 +7,7 @@ import pytest
 from fsdp2nb.widgets import render
 from fsdp2nb.widgets.dashboard import ActionRefused, DashboardView
 from fsdp2nb.widgets.model import MAX_HISTORY_POINTS, DashboardModel, MetricsHistory, PoolFacts
-from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView, MetricPoint, RankSnapshot
+from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView, MetricPoint, RankSnapshot, TaskProgress
 
 GiB = 2**30
 
@@ -116,6 +116,68 @@ def test_save_request_is_followed_to_its_outcome():
     assert model.save_text == "saving step 7 ..."
     model.observe(_gpu(0, 1, checkpoint=_view(latest=7, served=1, steps=(2, 4, 7))))
     assert model.save_text == "saved step 7"
+
+
+def _save_progress(rank: int, done_mib: int, finished: bool = False) -> TaskProgress:
+    return TaskProgress(rank=rank, cell_id=3, task_id=2, kind="save", label="saving step 7",
+                        done_bytes=done_mib * 2**20, total_bytes=40 * 2**20, done_items=0, total_items=0,
+                        elapsed_s=2.5 if finished else 1.0, finished=finished)
+
+
+def test_save_line_says_bytes_written_then_how_long_it_took():
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
+    model.save_requested(1)
+    for rank in (0, 1):
+        model.observe(_save_progress(rank, 10))
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4, served=1, saving=7)))
+    assert model.save_text == "saving step 7: 20.0 of 80.0 MiB"
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=7, served=1, steps=(2, 4, 7))))
+    assert model.save_pending  # committed, but the ranks' last progress events are still on their way
+    for rank in (0, 1):
+        model.observe(_save_progress(rank, 40, finished=True))
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=7, served=1, steps=(2, 4, 7))))
+    assert model.save_text == "saved step 7 in 2.5 s" and not model.save_pending
+
+
+def test_dashboard_shows_the_newest_task_as_a_bar():
+    model = _model()
+    view = DashboardView(model, RecordingActions())
+    view.refresh("ready")
+    assert view.progress.value == ""
+    model.observe(_save_progress(0, 10))
+    view.refresh("ready")
+    assert 'data-kind="save"' in view.progress.value and "saving step 7: 10 MiB of 40 MiB" in view.progress.value
+
+
+def test_deleting_latest_asks_twice_naming_the_step_a_resume_would_load():
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
+    actions = RecordingActions()
+    view = DashboardView(model, actions)
+    view.refresh("ready")
+    view.steps.value = 4
+    view.delete_button.click()
+    assert "Delete step 4?" in view.question.value
+    view.confirm.children[1].click()  # Yes, once
+    assert actions.calls == [] and view.confirm.layout.display == "flex"
+    assert "Step 4 is LATEST: a resume would then load step 2, the previous one" in view.question.value
+    view.confirm.children[1].click()  # Yes, twice
+    assert actions.calls == [("delete", 4, True)] and view.confirm.layout.display == "none"
+
+
+def test_deleting_latest_stops_at_a_cancel_of_the_second_question():
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4, steps=(4,))))
+    actions = RecordingActions()
+    view = DashboardView(model, actions)
+    view.refresh("ready")
+    view.steps.value = 4
+    view.delete_button.click()
+    view.confirm.children[1].click()
+    assert "no complete checkpoint would be left to resume from" in view.question.value
+    view.confirm.children[2].click()  # Cancel
+    assert actions.calls == [] and view.confirm.layout.display == "none"
 
 
 def test_a_request_the_cell_never_served_is_saved_at_its_end():
