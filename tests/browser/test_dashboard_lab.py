@@ -1,8 +1,10 @@
 """End to end in JupyterLab: a 2-rank CPU pool's dashboard, Save clicked during a training cell,
-the step listed while the cell still runs, then Load. Screenshots go to /tmp/dash-shots."""
+the step listed while the cell still runs, then Load. Screenshots go to /tmp/dash-shots; with
+FSDP2NB_DASHBOARD_SCREENSHOT=path the panel alone, during training, goes to path (the README's)."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -149,16 +151,23 @@ def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir)
     (shots / "click-to-saved.txt").write_text(f"{saved_after_s:.2f} s from the Save click to 'saved step N'\n")
     page.page.wait_for_function("document.querySelector('.fsdp2nb-plot') && "
                                 "+document.querySelector('.fsdp2nb-plot').dataset.points > 20", timeout=30_000)
+    _check_loss_plot(dash)
     page.shoot(shots / "2-saved-during-training.png")
+    if os.environ.get("FSDP2NB_DASHBOARD_SCREENSHOT"):
+        dash.screenshot(path=os.environ["FSDP2NB_DASHBOARD_SCREENSHOT"])
     message = dash.locator(".fsdp2nb-message").inner_text()
-    step = int(re.search(r"saved step (\d+)", message).group(1))
+    step = int(re.search(r"saved step (\d+) in [0-9.]+ s", message).group(1))
+    assert f"saving step {step}: done" in dash.locator(".fsdp2nb-progress[data-kind='save']").inner_text()
     open(flag, "w").close()
     page.wait_done(2)
     output = page.output(2)
     assert "panel saw the step during the cell" in output and f"saved at {step}" in output, output
+    assert f"saving step {step}: done" in output, output  # the cell's own progress bar
     assert (lab.root / "ckpt" / f"step-{step:06d}").is_dir()
     after = [dash.locator(f".fsdp2nb-rank[data-rank='{r}'] .fsdp2nb-mem").inner_text() for r in (0, 1)]
-    assert after != before and "params" in after[0] and "optimizer 0 B" not in after[0], (before, after)
+    assert all(a != b for a, b in zip(after, before, strict=True)), (before, after)
+    assert "params" in after[0] and "optimizer 0 B" not in after[0], after
+    _check_memory_bars(dash)
 
     label = dash.locator(".fsdp2nb-steps option").first.inner_text()
     assert re.match(rf"step\s+{step}\s", label) and "LATEST" in label, label
@@ -169,13 +178,30 @@ def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir)
     dash.locator(".fsdp2nb-confirm button:has-text('Yes')").click()
     page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message')"
                                 f".innerText.includes('loaded step {step}')", timeout=60_000)
-    dash.locator("button:has-text('Delete selected')").click()  # LATEST: refused, nothing removed
+    dash.locator("button:has-text('Delete selected')").click()  # LATEST: asked twice, then cancelled
     page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-confirm')"
                                 f".innerText.includes('Delete step {step}?')", timeout=30_000)
     dash.locator(".fsdp2nb-confirm button:has-text('Yes')").click()
-    page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message')"
-                                ".innerText.includes('is LATEST')", timeout=30_000)
+    page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-confirm')"
+                                f".innerText.includes('Step {step} is LATEST')", timeout=30_000)
+    dash.locator(".fsdp2nb-confirm button:has-text('Cancel')").click()
     assert (lab.root / "ckpt" / f"step-{step:06d}").is_dir()
     dash.locator("button:has-text('all ranks')").click()
     page.page.wait_for_function("document.querySelectorAll('.fsdp2nb-plot polyline').length == 2", timeout=30_000)
     page.shoot(shots / "3-loaded.png")
+
+
+def _check_memory_bars(dash) -> None:
+    """Each rank's bar has a used part wider than nothing, and a history of at least two readings."""
+    for rank in (0, 1):
+        row = dash.locator(f".fsdp2nb-rank[data-rank='{rank}']")
+        used = row.locator("svg.fsdp2nb-bar rect").nth(2).get_attribute("width")
+        assert int(used) > 0, (rank, used)
+        history = row.locator("svg.fsdp2nb-spark polyline").get_attribute("points")
+        assert len(history.split()) >= 2, (rank, history)
+
+
+def _check_loss_plot(dash) -> None:
+    """The loss line has a drawn point per logged step (thinned past 400), not only a count."""
+    points = dash.locator(".fsdp2nb-plot polyline").first.get_attribute("points").split()
+    assert len(points) > 20 and len(set(points)) > 1, points[:5]
