@@ -1,0 +1,50 @@
+"""Progress of long work in a real kernel: one bar per cell, summed over 2 CPU ranks, with a text
+form that names each task's end (what nbclient keeps), never an update per event."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+
+WORK = """%%fsdp2
+import fsdp2nb
+from fsdp2nb.testing import save_tiny_checkpoint
+if rank == 0:
+    save_tiny_checkpoint(model_dir, "llama")
+dist.barrier()
+model, tokenizer = fsdp2nb.load_model(model_dir, mixed_precision="fp32")
+ckpt = fsdp2nb.Checkpointer(ckpt_dir, async_save=True).track(model=model)
+ckpt.save(1)
+ckpt.wait()
+ckpt.load(1)
+from fsdp2nb.checkpoint import export_hf_model
+export_hf_model(model, export_dir)
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel(env=WITHOUT_GPUS)
+    assert k.execute("%load_ext fsdp2nb").status == "ok"
+    assert k.execute("%fsdp2 start --cpu 2").status == "ok"
+    yield k
+    k.stop()
+
+
+def test_a_cell_of_long_work_shows_one_bar_and_a_few_lines(kernel, tmp_path):
+    paths = {name: str(tmp_path / name) for name in ("model_dir", "ckpt_dir", "export_dir")}
+    setup = "\n".join(f"{name} = {path!r}" for name, path in paths.items())
+    assert kernel.execute(f"{setup}\n%fsdp2 push {' '.join(paths)}").status == "ok"
+    run = kernel.execute(WORK, timeout=300)
+    assert run.status == "ok", run.traceback_text + run.stderr
+    bars = [m["content"] for m in run.messages if m["msg_type"] in ("display_data", "update_display_data")
+            and m["content"].get("transient", {}).get("display_id")]  # not the path export_hf_model returns
+    display_ids = {bar["transient"]["display_id"] for bar in bars}
+    assert len(display_ids) == 1 and run.messages[0]["msg_type"] != "update_display_data"
+    assert all("application/vnd.jupyter.widget-view+json" in bar["data"] for bar in bars)
+    assert len(bars) <= 10, [bar["data"]["text/plain"] for bar in bars]  # tasks start and end, nothing else
+    text = bars[-1]["data"]["text/plain"].splitlines()
+    kinds = ["loading model weights", "saving step 1", "loading step 1", "exporting in Hugging Face format"]
+    assert [line.split(":")[0] for line in text] == kinds, text
+    assert all(": done, " in line and " in " in line for line in text), text
