@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.render import (
@@ -40,6 +41,9 @@ from fsdp2nb.wire.protocol import (
     StreamOutput,
 )
 from fsdp2nb.wire.sigint import SigintNotes, sigint_noted
+
+if TYPE_CHECKING:
+    from fsdp2nb.frontend.background import BackgroundRuns
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +81,8 @@ class NotebookSession:
         self.pool: WorkerPool | None = None
         self._pool_factory = pool_factory
         self._cell_ids = itertools.count(1)
+        self.background: BackgroundRuns | None = None
+        """Background runs (`%%fsdp2 --bg`), made by the first one; see frontend/background.py."""
 
     # --- pool lifecycle -----------------------------------------------------------------------
 
@@ -146,6 +152,10 @@ class NotebookSession:
         progress = self.run_request(pool, tuple(range(pool.world_size)),
                                     lambda cell_id: PullValue(cell_id=cell_id, name=name, reply_ranks=reply_ranks))
         return {rank: progress.finished[rank].value for rank in reply_ranks}
+
+    def next_cell_id(self) -> int:
+        """A fresh request id (itertools.count: atomic, so any thread may take one)."""
+        return next(self._cell_ids)
 
     def run_request(self, pool: WorkerPool, ranks: tuple[int, ...],
                     make_request: Callable[[int], ControlMessage]) -> CellProgress:
