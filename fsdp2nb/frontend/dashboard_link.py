@@ -136,6 +136,10 @@ class DashboardLink:
         pool = self._ready_pool()
         if not pool.busy_ranks:
             raise _refused("no cell is running on the ranks")
+        run = self.session.background.active if self.session.background is not None else None
+        if run is not None:  # the kernel may be idle: no waiting main thread to take a SIGINT
+            run.interrupt()
+            return f"stop sent to {run.label}: every rank is interrupted"
         # The stop button's own path: the waiting main thread turns SIGINT into an interrupt of every rank.
         os.kill(os.getpid(), signal.SIGINT)
         return "stop sent: every rank is interrupted"
