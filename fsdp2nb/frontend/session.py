@@ -105,7 +105,8 @@ class NotebookSession:
         pool, self.pool = self.pool, None
         if pool is None:
             return False
-        pool.stop(polite=polite)
+        # Busy ranks (a background run at kernel exit) read no exit request until their cell ends.
+        pool.stop(polite=polite and not pool.busy_ranks)
         return True
 
     def restart(self, spec: PoolSpec | None = None) -> WorkerPool:

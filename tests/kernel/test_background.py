@@ -50,6 +50,9 @@ def test_output_streams_into_its_own_cell_while_other_cells_run(kernel):
     kernel.messages_for(bg_id, lambda ms: "bg before" in _streams(ms))
     plain = kernel.execute("print('plain cell', streamer.done(), streamer.state)")
     assert plain.stdout == "plain cell False running\n"
+    status = kernel.execute("%fsdp2 status")  # answered while the run goes, not queued
+    assert status.status == "ok" and [line.split()[3] for line in status.stdout.splitlines()
+                                      if line[:2] in ("0 ", "1 ")] == ["busy", "busy"], status.stdout
     _go(flag)
     waited = kernel.execute("%fsdp2 wait streamer")
     assert waited.status == "ok", waited.traceback_text
@@ -155,3 +158,21 @@ def test_a_rank_dying_is_reported_in_the_runs_cell(kernel):
     assert queued.status == "error" and "RankDied" in queued.traceback_text
     fresh = kernel.execute("%%fsdp2\nprint('fresh pool', rank)")
     assert fresh.status == "ok" and "[0] fresh pool 0\n" in fresh.stdout
+
+
+def test_kernel_shutdown_during_a_run_leaves_no_process():
+    import psutil
+
+    from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+
+    own = Kernel(env=WITHOUT_GPUS)
+    try:
+        own.execute("%load_ext fsdp2nb")
+        own.execute("%%fsdp2 --cpu 2 --no-dashboard --bg\nimport time\ntime.sleep(600)")
+        pids = own.execute("import fsdp2nb\nprint(*(r.pid for r in fsdp2nb._session.pool.ranks.values()))")
+        ranks = [psutil.Process(int(pid)) for pid in pids.stdout.split()]
+        assert len(ranks) == 2
+    finally:
+        own.stop()
+    gone, alive = psutil.wait_procs(ranks, timeout=60)  # a bound on the wait, not a timing check
+    assert not alive, alive
