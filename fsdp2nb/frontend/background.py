@@ -14,6 +14,7 @@ waits for the kernel's main thread.
 from __future__ import annotations
 
 import keyword
+import logging
 import sys
 import threading
 import time
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from fsdp2nb.frontend.session import CellProgress, NotebookSession
     from fsdp2nb.pool.pool import WorkerPool
     from fsdp2nb.wire.protocol import ControlMessage
+
+logger = logging.getLogger(__name__)
 
 RunState = Literal["running", "done", "failed", "interrupted"]
 RankState = Literal["running", "done", "failed"]
@@ -103,6 +106,10 @@ class BackgroundRun:
 
     def done(self) -> bool:
         return self._finished.is_set()
+
+    def ended_within(self, seconds: float) -> bool:
+        """Wait up to `seconds` for the end, without raising the run's error."""
+        return self._finished.wait(seconds)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the run; True once it ended, False if `timeout` passed first. Raises the
@@ -218,8 +225,8 @@ class BackgroundRuns:
         run = self.active
         if run is not None:
             say(f"waiting for {run.label}, started {time.strftime('%H:%M', time.localtime(run.started_at))}\n")
-            while not run.done():
-                run._finished.wait(_WAIT_SLICE_S)
+            while not run.ended_within(_WAIT_SLICE_S):
+                pass
         with self._lock:
             latest = self._latest
         error = latest.unseen_error() if latest is not None else None
@@ -278,7 +285,10 @@ def _run(session: NotebookSession, pool: WorkerPool, cell_id: int, run: Backgrou
         _wait_for_replies(session, pool, cell_id, _progress_for(run), run.stops)
     except BaseException as caught:  # every failure belongs to the run, shown in its cell
         error = caught
-        _show_error(shell, caught)
+        try:
+            _show_error(shell, caught)
+        except Exception:  # the handle still ends and carries the error
+            logger.exception("fsdp2nb: could not show the error of %s", run.label)
     finally:
         pool.busy_ranks.difference_update(run.ranks)
         _flush_streams()

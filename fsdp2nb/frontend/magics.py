@@ -105,6 +105,12 @@ class FSDP2Magics(Magics):
         `torch` and `dist` defined. Output is labelled by rank; a line every rank prints is shown
         once as [all]. The stop button interrupts every rank.
 
+        Background run: the cell returns a handle at once and its output streams into it::
+
+            %%fsdp2 --bg --name train    # train.done(), train.wait(), train.interrupt(), train.state
+            %fsdp2 wait [train]          # later cells that need the ranks wait for it anyway
+            %fsdp2 interrupt [train]     # the stop button of an idle kernel leaves the run alone
+
         Line magic::
 
             %fsdp2 start --cpu 4 [--timeout 300]   # start a pool without running a cell
