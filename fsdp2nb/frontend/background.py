@@ -131,6 +131,10 @@ class BackgroundRun:
             self._interrupt_asked = True
         self.stops.press()
 
+    def summary(self) -> str:
+        """One line for the dashboard: `background run In[12] (train) running 1:23`."""
+        return f"background run {self.label} {self.state} {_clock_text(self.elapsed_s)}"
+
     def __repr__(self) -> str:
         states = self.rank_states
         counts = {s: sum(1 for v in states.values() if v == s) for s in ("running", "done", "failed")}
@@ -199,6 +203,12 @@ class BackgroundRuns:
         with self._lock:
             run = self._active
         return run if run is not None and not run.done() else None
+
+    @property
+    def latest(self) -> BackgroundRun | None:
+        """The run started last, going or ended."""
+        with self._lock:
+            return self._latest
 
     def find(self, name: str | None) -> BackgroundRun:
         """The run called `name`, or the latest run; ValueError (a usage error) if there is none."""

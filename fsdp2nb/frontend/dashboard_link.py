@@ -92,7 +92,9 @@ class DashboardLink:
         facts = self.model.facts
         if facts.state == "stopped":
             return "no pool is running"
-        return f"{facts.description} · {'restarting' if self._restarting else facts.state}"
+        line = f"{facts.description} · {'restarting' if self._restarting else facts.state}"
+        run = self.session.background.latest if self.session.background is not None else None
+        return f"{line} · {run.summary()}" if run is not None else line
 
     # --- showing --------------------------------------------------------------------------------
 

@@ -41,15 +41,29 @@ def _read_until(dash: Iopub, text: str, seen: list[dict], timeout: float = 120) 
     raise TimeoutError(f"{text!r} not seen within {timeout} s")
 
 
+def _until_header_says(dash: Iopub, text: str, timeout: float = 120) -> None:
+    """Read iopub until a widget's value contains `text` (the panel refreshes twice a second)."""
+    deadline = time.monotonic() + timeout
+    while not any(text in str(state.get("value", "")) for state in dash.comms.values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no widget said {text!r} within {timeout} s")
+        try:
+            dash._track(dash.kernel.client.get_iopub_msg(timeout=1.0))
+        except queue.Empty:
+            pass
+
+
 def test_dashboard_stop_interrupts_a_background_run(dash):
     stop = dash.comm_of(_model_name="ButtonModel", description="Stop")
     started = dash.run("%%fsdp2 --bg --name looper\nimport time\nprint('looping', flush=True)\n"
              "for _ in range(1200):\n    time.sleep(0.05)\nprint('not stopped')")
     _read_until(dash, "looping", started)
+    _until_header_says(dash, "(looper) running")  # the panel's pool line names the run
     _click(dash.kernel, stop, subshell_id=None)  # the kernel is idle: served on the main shell
     waited = dash.run("%fsdp2 wait looper")
     errors = ["\n".join(m["content"]["traceback"]) for m in waited if m["msg_type"] == "error"]
     assert errors and "KeyboardInterrupt" in errors[-1]
+    _until_header_says(dash, "(looper) interrupted")
     state = dash.run("print(looper.state)")
     assert "interrupted\n" in [m["content"]["text"] for m in state if m["msg_type"] == "stream"]
 

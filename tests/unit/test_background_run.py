@@ -40,6 +40,7 @@ def test_a_run_goes_from_running_to_done_and_keeps_its_elapsed_time():
     assert run.state == "done" and run.done() and run.elapsed_s == 75
     assert run.wait(timeout=0) is True
     assert repr(run) == "<fsdp2 background run In[12] (train): done, 1:15; ranks: 2 done>"
+    assert run.summary() == "background run In[12] (train) done 1:15"
 
 
 def test_wait_times_out_on_a_running_run():
