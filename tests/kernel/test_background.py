@@ -176,3 +176,25 @@ def test_kernel_shutdown_during_a_run_leaves_no_process():
         own.stop()
     gone, alive = psutil.wait_procs(ranks, timeout=60)  # a bound on the wait, not a timing check
     assert not alive, alive
+
+
+def test_the_stop_button_ends_a_queued_cells_wait_not_the_run(kernel):
+    flag = _flag()
+    bg_id = _start_bg(kernel, "--bg --name held", _wait_for(flag) + "print('held run ended')")
+    queued_id = kernel.submit("%%fsdp2\nprint('queued cell ran')")
+    kernel.messages_for(queued_id, lambda ms: "waiting for In[" in _streams(ms))
+    kernel.manager.interrupt_kernel()
+    queued = kernel.collect(queued_id)
+    assert queued.status == "error" and queued.error["ename"] == "KeyboardInterrupt"
+    assert "queued cell ran" not in queued.stdout
+    assert kernel.execute("print(held.state)").stdout == "running\n"
+    _go(flag)
+    assert kernel.execute("%fsdp2 wait held").status == "ok"
+    assert "[all] held run ended\n" in _streams(kernel.messages_for(bg_id, lambda ms: "ended" in _streams(ms)))
+
+
+def test_a_background_run_on_some_ranks(kernel):
+    bg_id = _start_bg(kernel, "--bg --ranks 1 --name one", "print('only', rank)")
+    assert kernel.execute("%fsdp2 wait one").status == "ok"
+    assert _streams(kernel.messages_for(bg_id, lambda ms: "only" in _streams(ms))) == "[1] only 1\n"
+    assert kernel.execute("print(one.rank_states)").stdout == "{1: 'done'}\n"
