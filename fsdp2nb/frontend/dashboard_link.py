@@ -92,7 +92,9 @@ class DashboardLink:
         facts = self.model.facts
         if facts.state == "stopped":
             return "no pool is running"
-        return f"{facts.description} · {'restarting' if self._restarting else facts.state}"
+        line = f"{facts.description} · {'restarting' if self._restarting else facts.state}"
+        run = self.session.background.latest if self.session.background is not None else None
+        return f"{line} · {run.summary()}" if run is not None else line
 
     # --- showing --------------------------------------------------------------------------------
 
@@ -138,6 +140,10 @@ class DashboardLink:
         pool = self._ready_pool()
         if not pool.busy_ranks:
             raise _refused("no cell is running on the ranks")
+        run = self.session.background.active if self.session.background is not None else None
+        if run is not None:  # the kernel may be idle: no waiting main thread to take a SIGINT
+            run.interrupt()
+            return f"stop sent to {run.label}: every rank is interrupted"
         # The stop button's own path: the waiting main thread turns SIGINT into an interrupt of every rank.
         os.kill(os.getpid(), signal.SIGINT)
         return "stop sent: every rank is interrupted"

@@ -12,11 +12,16 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import MagicArgumentParser
 
+from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list, spec_from_options
+from fsdp2nb.wire.protocol import RunCell
 
-_COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics")
+_COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
+             "wait", "interrupt")
+_WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load"))
+"""Commands that need the ranks, so wait for a background run as a later cell does."""
 
 
 def _add_pool_options(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +49,8 @@ def _cell_parser() -> MagicArgumentParser:
     parser = _parser("%%fsdp2", "Run the cell on every rank of the pool.")
     _add_pool_options(parser)
     parser.add_argument("--ranks", metavar="R,..", help="run on these ranks only, e.g. 0 or 0,2 or 1-3")
+    parser.add_argument("--bg", action="store_true", help="run in the background: return a handle at once")
+    parser.add_argument("--name", metavar="NAME", help="with --bg: bind the run's handle to NAME")
     return parser
 
 
@@ -59,6 +66,9 @@ def _line_parsers() -> dict[str, MagicArgumentParser]:
     parsers["save"].add_argument("step", nargs="?", type=_non_negative_int, default=None,
                                  help="step to save as (default: the last step the checkpointer saw)")
     parsers["load"].add_argument("target", nargs="?", default="latest", help="'latest' (default) or a step")
+    for command in ("wait", "interrupt"):
+        parsers[command].add_argument("name", nargs="?", default=None, metavar="NAME",
+                                      help="the background run's --name (default: the latest run)")
     return parsers
 
 
@@ -95,6 +105,12 @@ class FSDP2Magics(Magics):
         `torch` and `dist` defined. Output is labelled by rank; a line every rank prints is shown
         once as [all]. The stop button interrupts every rank.
 
+        Background run: the cell returns a handle at once and its output streams into it::
+
+            %%fsdp2 --bg --name train    # train.done(), train.wait(), train.interrupt(), train.state
+            %fsdp2 wait [train]          # later cells that need the ranks wait for it anyway
+            %fsdp2 interrupt [train]     # the stop button of an idle kernel leaves the run alone
+
         Line magic::
 
             %fsdp2 start --cpu 4 [--timeout 300]   # start a pool without running a cell
@@ -111,6 +127,8 @@ class FSDP2Magics(Magics):
         """
         try:
             line = self._expand_variables(line)
+            if self.session.background is not None:  # only once a background run was started
+                self._wait_for_background_run(line, cell)
             if cell is not None:
                 return self._run_cell(line, cell)
             return self._run_command(line)
@@ -132,8 +150,10 @@ class FSDP2Magics(Magics):
 
     # --- %%fsdp2 --------------------------------------------------------------------------------
 
-    def _run_cell(self, line: str, cell: str) -> None:
+    def _run_cell(self, line: str, cell: str):
         options = _cell_options(line)
+        if options.bg or options.name is not None:
+            return self._run_in_background(options, cell)
         spec = _spec_or_none(options)
         spec = self._with_running_devices(spec, options)
         world_size = self.session.pool.world_size if self.session.pool and spec is None else None
@@ -147,6 +167,33 @@ class FSDP2Magics(Magics):
             self._dashboard().show()  # under the cell that starts the pool, above its output
         self.session.run_cell(pool, cell, ranks)
         self._serve_dashboard_save(pool)
+
+    def _run_in_background(self, options, cell: str):
+        """`%%fsdp2 --bg`: start the run and return its handle (bound to --name if given)."""
+        from fsdp2nb.frontend.background import BackgroundRun, check_run_name, start_background_run
+
+        if not options.bg:
+            raise UsageError("--name names a background run; use it with --bg")
+        check_run_name(options.name)
+        pool = self.session.pool_for(self._with_running_devices(_spec_or_none(options), options), default_spec)
+        ranks = parse_rank_list(options.ranks, pool.world_size) if options.ranks else tuple(range(pool.world_size))
+        code = cell if cell.strip() else ""
+        transformed = transform_and_check(code)
+        count = notebook_execution_count()
+        run = BackgroundRun(ranks=ranks, execution_count=count, name=options.name)
+        start_background_run(self.session, pool, ranks, lambda cell_id: RunCell(
+            cell_id=cell_id, code=code, transformed=transformed, execution_count=count), run)
+        if options.name:
+            self.shell.user_ns[options.name] = run
+        return run
+
+    def _wait_for_background_run(self, line: str, cell: str | None) -> None:
+        """A cell or command that needs the ranks waits for the run going, as it would in sequence."""
+        if cell is None:
+            words = line.split(maxsplit=1)
+            if not words or words[0] not in _WAIT_FOR_RUN:
+                return
+        self.session.background.wait_for_active(sys.stdout.write)
 
     def _serve_dashboard_save(self, pool: WorkerPool) -> None:
         """A save clicked during the cell that no maybe_save reached is made now, on this thread."""
@@ -215,6 +262,22 @@ class FSDP2Magics(Magics):
         if target != "latest" and not (target.isascii() and target.isdigit()):
             raise UsageError(f"%fsdp2 load takes 'latest' or a step number, got {target!r}")
         self._run_on_ranks(f"load_checkpoint({int(target) if target.isdigit() else repr(target)})")
+
+    def _command_wait(self, options) -> None:
+        self._background_runs().find(options.name).wait()
+
+    def _command_interrupt(self, options) -> None:
+        run = self._background_runs().find(options.name)
+        if run.done():
+            print(f"{run.label} has already ended ({run.state})")
+            return
+        run.interrupt()
+        print(f"interrupt sent to {run.label}")
+
+    def _background_runs(self):  # noqa: ANN202 - BackgroundRuns
+        from fsdp2nb.frontend.background import runs_of
+
+        return runs_of(self.session)
 
     def _command_dashboard(self, options) -> None:
         self._dashboard().show()

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.render import (
@@ -41,6 +42,9 @@ from fsdp2nb.wire.protocol import (
     TaskProgress,
 )
 from fsdp2nb.wire.sigint import SigintNotes, sigint_noted
+
+if TYPE_CHECKING:
+    from fsdp2nb.frontend.background import BackgroundRuns
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +84,8 @@ class NotebookSession:
         self.pool: WorkerPool | None = None
         self._pool_factory = pool_factory
         self._cell_ids = itertools.count(1)
+        self.background: BackgroundRuns | None = None
+        """Background runs (`%%fsdp2 --bg`), made by the first one; see frontend/background.py."""
 
     # --- pool lifecycle -----------------------------------------------------------------------
 
@@ -102,7 +108,8 @@ class NotebookSession:
         pool, self.pool = self.pool, None
         if pool is None:
             return False
-        pool.stop(polite=polite)
+        # Busy ranks (a background run at kernel exit) read no exit request until their cell ends.
+        pool.stop(polite=polite and not pool.busy_ranks)
         return True
 
     def restart(self, spec: PoolSpec | None = None) -> WorkerPool:
@@ -149,6 +156,10 @@ class NotebookSession:
         progress = self.run_request(pool, tuple(range(pool.world_size)),
                                     lambda cell_id: PullValue(cell_id=cell_id, name=name, reply_ranks=reply_ranks))
         return {rank: progress.finished[rank].value for rank in reply_ranks}
+
+    def next_cell_id(self) -> int:
+        """A fresh request id (itertools.count: atomic, so any thread may take one)."""
+        return next(self._cell_ids)
 
     def run_request(self, pool: WorkerPool, ranks: tuple[int, ...],
                     make_request: Callable[[int], ControlMessage]) -> CellProgress:

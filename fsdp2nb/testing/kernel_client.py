@@ -63,24 +63,40 @@ class Kernel:
         self.client = self.manager.blocking_client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
+        self.other_messages: list[dict] = []
+        """iopub messages `execute` read that belong to other requests (a background run's)."""
+        self._replies: dict[str, dict] = {}
 
     @property
     def pid(self) -> int:
         return self.manager.provisioner.pid
 
     def execute(self, code: str, timeout: float = 120, on_message=None) -> CellRun:
-        msg_id = self.client.execute(code)
+        return self.collect(self.client.execute(code), code, timeout, on_message)
+
+    def submit(self, code: str) -> str:
+        """Send an execute request without waiting; `collect` its run later."""
+        return self.client.execute(code)
+
+    def collect(self, msg_id: str, code: str = "", timeout: float = 120, on_message=None) -> CellRun:
+        """The run of request `msg_id`: its iopub messages until idle, and its reply."""
         run = CellRun(status="")
         deadline = time.monotonic() + timeout
+        kept = [m for m in self.other_messages if m["parent_header"].get("msg_id") == msg_id]
+        self.other_messages = [m for m in self.other_messages if m["parent_header"].get("msg_id") != msg_id]
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no idle status within {timeout} s for: {code[:80]!r}")
-            try:
-                message = self.client.get_iopub_msg(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                continue
+            if kept:
+                message = kept.pop(0)
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no idle status within {timeout} s for: {code[:80]!r}")
+                try:
+                    message = self.client.get_iopub_msg(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    continue
             if message["parent_header"].get("msg_id") != msg_id:
+                self.other_messages.append(message)
                 continue
             if on_message is not None:
                 on_message(message)
@@ -88,12 +104,26 @@ class Kernel:
                 break
             if message["msg_type"] not in ("status", "execute_input"):
                 run.messages.append(message)
-        reply = self.client.get_shell_msg(timeout=10)
-        while reply["parent_header"].get("msg_id") != msg_id:
+        while msg_id not in self._replies:
             reply = self.client.get_shell_msg(timeout=10)
-        run.reply = reply
+            self._replies[reply["parent_header"].get("msg_id")] = reply
+        run.reply = reply = self._replies.pop(msg_id)
         run.status = reply["content"]["status"]
         return run
+
+    def messages_for(self, msg_id: str, until, timeout: float = 120) -> list[dict]:  # noqa: ANN001
+        """iopub messages with parent `msg_id` (kept or still to come) until `until(messages)`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            mine = [m for m in self.other_messages if m["parent_header"].get("msg_id") == msg_id]
+            if until(mine):
+                return mine
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"messages for {msg_id} did not complete within {timeout} s")
+            try:
+                self.other_messages.append(self.client.get_iopub_msg(timeout=1.0))
+            except queue.Empty:
+                pass
 
     def execute_and_interrupt(self, code: str, when_printed: str, timeout: float = 100) -> CellRun:
         """Run `code` and press the stop button once its output first contains `when_printed`."""

@@ -1,0 +1,377 @@
+"""Background runs: `%%fsdp2 --bg` sends a cell to the ranks and returns a handle at once.
+
+A runner thread waits for the ranks as the kernel's main thread does for a blocking cell, and
+publishes the run's output under the parent header of the cell that started it, so ipykernel
+routes it into that cell's output area while other cells run. One run goes at a time: every
+later request for the ranks waits for it on the main thread (the stop button ends that wait,
+not the run), and fails with the run's error if the run failed and nobody has seen it yet.
+
+Threads: the handle's state is written by the runner thread and read anywhere, under the
+handle's lock; `BackgroundRuns` guards its registry with its own lock. No thread here ever
+waits for the kernel's main thread.
+"""
+
+from __future__ import annotations
+
+import keyword
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from fsdp2nb.frontend.session import CellProgress, NotebookSession
+    from fsdp2nb.pool.pool import WorkerPool
+    from fsdp2nb.wire.protocol import ControlMessage
+
+logger = logging.getLogger(__name__)
+
+RunState = Literal["running", "done", "failed", "interrupted"]
+RankState = Literal["running", "done", "failed"]
+_WAIT_SLICE_S = 0.1  # main-thread waits wake this often, so the stop button is served promptly
+
+
+class StopRequests:
+    """Presses of a run's Stop (handle, line magic, dashboard), counted across threads.
+
+    Stands in for the stop-button notes of a blocking cell: the runner's wait loop polls `take()`;
+    a second press while the ranks have not returned restarts the pool, as a second stop-button
+    press does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def press(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def take(self) -> bool:
+        with self._lock:
+            came, self._count = self._count > 0, 0
+        return came
+
+
+class BackgroundRun:
+    """The handle a `%%fsdp2 --bg` cell returns: `done()`, `wait()`, `interrupt()`, state."""
+
+    def __init__(self, *, ranks: tuple[int, ...], execution_count: int | None, name: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.execution_count = execution_count
+        self.ranks = ranks
+        self.started_at = time.time()
+        """Wall-clock start, for the line a waiting cell shows."""
+        self.stops = StopRequests()
+        self._clock = clock
+        self._started = clock()
+        self._ended: float | None = None
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._rank_states: dict[int, RankState] = dict.fromkeys(ranks, "running")
+        self._error: BaseException | None = None
+        self._error_seen = False
+        self._interrupt_asked = False
+
+    # --- what users call ------------------------------------------------------------------------
+
+    @property
+    def label(self) -> str:
+        """How messages name the run: `In[12]`, with its name if it has one."""
+        cell = f"In[{self.execution_count}]" if self.execution_count is not None else "a background run"
+        return f"{cell} ({self.name})" if self.name else cell
+
+    @property
+    def state(self) -> RunState:
+        with self._lock:
+            if not self._finished.is_set():
+                return "running"
+            if self._error is None:
+                return "done"
+            return "interrupted" if _is_interrupt(self._error) else "failed"
+
+    @property
+    def rank_states(self) -> dict[int, RankState]:
+        with self._lock:
+            return dict(self._rank_states)
+
+    @property
+    def elapsed_s(self) -> float:
+        with self._lock:
+            end = self._ended if self._ended is not None else self._clock()
+        return end - self._started
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def ended_within(self, seconds: float) -> bool:
+        """Wait up to `seconds` for the end, without raising the run's error."""
+        return self._finished.wait(seconds)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the run; True once it ended, False if `timeout` passed first. Raises the
+        run's error as the blocking cell would have (the stop button ends the wait, not the run)."""
+        deadline = None if timeout is None else self._clock() + timeout
+        while not self._finished.wait(_WAIT_SLICE_S if deadline is None
+                                      else max(0.0, min(_WAIT_SLICE_S, deadline - self._clock()))):
+            if deadline is not None and self._clock() >= deadline:
+                return False
+        self.raise_error()
+        return True
+
+    def interrupt(self) -> None:
+        """Interrupt every rank of the run (KeyboardInterrupt there); a second call while the
+        ranks do not return restarts the pool, as a second stop-button press does."""
+        if self._finished.is_set():
+            return
+        with self._lock:
+            self._interrupt_asked = True
+        self.stops.press()
+
+    def summary(self) -> str:
+        """One line for the dashboard: `background run In[12] (train) running 1:23`."""
+        return f"background run {self.label} {self.state} {_clock_text(self.elapsed_s)}"
+
+    def __repr__(self) -> str:
+        states = self.rank_states
+        counts = {s: sum(1 for v in states.values() if v == s) for s in ("running", "done", "failed")}
+        ranks = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        return f"<fsdp2 background run {self.label}: {self.state}, {_clock_text(self.elapsed_s)}; ranks: {ranks}>"
+
+    # --- what the runner and the queue call -----------------------------------------------------
+
+    def raise_error(self) -> None:
+        """Raise the run's error, if it failed; from then on the error counts as seen."""
+        with self._lock:
+            error = self._error
+            self._error_seen = True
+        if error is not None:
+            raise error
+
+    def mark_error_seen(self) -> None:
+        with self._lock:
+            self._error_seen = True
+
+    def unseen_error(self) -> BaseException | None:
+        """The error of a run that failed on its own, if no one has raised it yet. A run
+        interrupted through its handle ended as asked: that error is not passed on."""
+        with self._lock:
+            if self._error is None or self._error_seen:
+                return None
+            if self._interrupt_asked and _is_interrupt(self._error):
+                return None
+            return self._error
+
+    def rank_finished(self, rank: int, failed: bool) -> None:
+        with self._lock:
+            self._rank_states[rank] = "failed" if failed else "done"
+
+    def finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            self._error = error
+            self._ended = self._clock()
+        self._finished.set()
+
+
+def _is_interrupt(error: BaseException) -> bool:
+    errors = getattr(error, "errors", None) or ()
+    return isinstance(error, KeyboardInterrupt) or (
+        bool(errors) and all(info.ename == "KeyboardInterrupt" for _, info in errors))
+
+
+def _clock_text(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class BackgroundRuns:
+    """The runs of one session: the one going, the named ones, the latest one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: BackgroundRun | None = None
+        self._latest: BackgroundRun | None = None
+        self._named: dict[str, BackgroundRun] = {}
+
+    @property
+    def active(self) -> BackgroundRun | None:
+        """The run going now, if any."""
+        with self._lock:
+            run = self._active
+        return run if run is not None and not run.done() else None
+
+    @property
+    def latest(self) -> BackgroundRun | None:
+        """The run started last, going or ended."""
+        with self._lock:
+            return self._latest
+
+    def find(self, name: str | None) -> BackgroundRun:
+        """The run called `name`, or the latest run; ValueError (a usage error) if there is none."""
+        with self._lock:
+            if name is None and self._latest is not None:
+                return self._latest
+            if name is not None and name in self._named:
+                return self._named[name]
+            known = ", ".join(sorted(self._named)) or "none"
+        if name is None:
+            raise ValueError("no background run yet; start one with `%%fsdp2 --bg`")
+        raise ValueError(f"no background run is called {name!r} (named runs: {known})")
+
+    def add(self, run: BackgroundRun) -> None:
+        with self._lock:
+            assert self._active is None or self._active.done(), "one background run at a time"
+            self._active = self._latest = run
+            if run.name:
+                self._named[run.name] = run
+
+    def wait_for_active(self, say: Callable[[str], None]) -> None:
+        """Before a request for the ranks: wait for the run going (saying so in one line), then
+        raise its error if it failed unseen. On the main thread the stop button ends the wait."""
+        run = self.active
+        if run is not None:
+            say(f"waiting for {run.label}, started {time.strftime('%H:%M', time.localtime(run.started_at))}\n")
+            while not run.ended_within(_WAIT_SLICE_S):
+                pass
+        with self._lock:
+            latest = self._latest
+        error = latest.unseen_error() if latest is not None else None
+        if error is not None:
+            latest.mark_error_seen()
+            raise _queued_failure(latest, error)
+
+
+def runs_of(session: NotebookSession) -> BackgroundRuns:
+    """The session's runs, made on first use (on the main thread, by the magic that starts one)."""
+    if session.background is None:
+        session.background = BackgroundRuns()
+    return session.background
+
+
+def _queued_failure(run: BackgroundRun, error: BaseException) -> BaseException:
+    """The run's error for a cell queued behind it, saying that this cell did not run."""
+    from fsdp2nb.frontend.render import RankError
+
+    note = (f"\x1b[1;31mthe background run {run.label} failed, so this cell did not run "
+            "(as in sequence); run it again to run it\x1b[0m")
+    if isinstance(error, RankError):
+        return RankError(error.errors, error.world_size, notes=(*error.notes, note))
+    return RuntimeError(f"the background run {run.label} failed ({type(error).__name__}: {error}); "
+                        "this cell did not run")
+
+
+def check_run_name(name: str | None) -> None:
+    """A name binds the handle in the notebook, so it must be a plain identifier."""
+    if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
+        raise ValueError(f"--name takes a Python identifier to bind the run's handle to, got {name!r}")
+
+
+def start_background_run(session: NotebookSession, pool: WorkerPool, ranks: tuple[int, ...],
+                         make_request: Callable[[int], ControlMessage], run: BackgroundRun) -> None:
+    """Send the request now and hand the wait for its replies to a runner thread."""
+    shell = _shell()
+    parent = shell.get_parent() if hasattr(shell, "get_parent") else None
+    cell_id = session.next_cell_id()
+    pool.busy_ranks.update(ranks)  # before returning: a Stop or Save click sees the run at once
+    try:
+        pool.send(ranks, make_request(cell_id))
+    except BaseException:
+        pool.busy_ranks.difference_update(ranks)
+        raise
+    runs_of(session).add(run)
+    thread = threading.Thread(target=_run, args=(session, pool, cell_id, run, shell, parent),
+                              daemon=True, name=f"fsdp2nb-run-{run.execution_count}")
+    thread.start()
+
+
+def _run(session: NotebookSession, pool: WorkerPool, cell_id: int, run: BackgroundRun, shell, parent) -> None:  # noqa: ANN001
+    tokens = shell.set_thread_parent(parent) if parent is not None and hasattr(shell, "set_thread_parent") else None
+    error: BaseException | None = None
+    try:
+        _wait_for_replies(session, pool, cell_id, _progress_for(run), run.stops)
+    except BaseException as caught:  # every failure belongs to the run, shown in its cell
+        error = caught
+        try:
+            _show_error(shell, caught)
+        except Exception:  # the handle still ends and carries the error
+            logger.exception("fsdp2nb: could not show the error of %s", run.label)
+    finally:
+        pool.busy_ranks.difference_update(run.ranks)
+        _flush_streams()
+        if tokens is not None:
+            shell.reset_thread_parent(tokens)
+        run.finish(error)
+
+
+def _wait_for_replies(session: NotebookSession, pool: WorkerPool, cell_id: int, progress: CellProgress,
+                      stops: StopRequests) -> None:
+    """The blocking cell's wait (`NotebookSession.run_request`), on this thread: its events come
+    through the pool's receiving thread, its output goes to this thread's parent cell."""
+    from fsdp2nb.frontend.render import (
+        RankError,
+        StreamMerger,
+        show_held_output,
+        show_results,
+        write_to_kernel,
+    )
+
+    merger = StreamMerger(progress.ranks, pool.world_size, write_to_kernel,
+                          {r: info.log_path for r, info in pool.ranks.items()})
+    try:
+        show_held_output(pool)
+        session.wait(pool, cell_id, progress, merger, stops)
+        merger.flush()
+        show_held_output(pool)
+    finally:
+        merger.flush()
+    show_results(progress.results, pool.world_size)
+    if progress.errors:
+        raise RankError(progress.errors, pool.world_size)
+
+
+def _progress_for(run: BackgroundRun) -> CellProgress:
+    from fsdp2nb.frontend.session import CellProgress
+
+    return CellProgress(ranks=run.ranks, finished=_FinishedRanks(run), errors=[], results=[])
+
+
+class _FinishedRanks(dict):
+    """CellProgress.finished that also tells the handle, under its lock, as each rank returns."""
+
+    def __init__(self, run: BackgroundRun) -> None:
+        super().__init__()
+        self._run = run
+
+    def __setitem__(self, rank: int, event) -> None:  # noqa: ANN001 - a CellFinished
+        super().__setitem__(rank, event)
+        self._run.rank_finished(rank, failed=event.error is not None)
+
+
+def _show_error(shell, error: BaseException) -> None:  # noqa: ANN001 - an IPython shell
+    """The run's error as an `error` output in its own cell (this thread's parent header)."""
+    render = getattr(error, "_render_traceback_", None)
+    lines = render() if render else traceback.format_exception(error)
+    _flush_streams()
+    hook = getattr(shell, "displayhook", None)
+    if getattr(hook, "session", None) is None:  # not ipykernel: plain text
+        sys.stderr.write("\n".join(lines) + "\n")
+        return
+    from ipykernel.jsonutil import json_clean
+
+    content = {"traceback": lines, "ename": type(error).__name__, "evalue": str(error)}
+    hook.session.send(hook.pub_socket, "error", json_clean(content), hook.parent_header)
+
+
+def _flush_streams() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _shell():  # noqa: ANN202 - the running IPython shell
+    from IPython import get_ipython
+
+    return get_ipython()

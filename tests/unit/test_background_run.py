@@ -1,0 +1,135 @@
+"""The background-run handle's states and the queue of requests behind a run (no processes)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, StopRequests, check_run_name
+from fsdp2nb.frontend.render import RankError
+from fsdp2nb.wire.protocol import CellFinished, ErrorInfo
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run(name: str | None = None, clock: FakeClock | None = None) -> BackgroundRun:
+    return BackgroundRun(ranks=(0, 1), execution_count=12, name=name, clock=clock or FakeClock())
+
+
+def _rank_error(ename: str) -> RankError:
+    return RankError([(0, ErrorInfo(ename, "boom", ())), (1, ErrorInfo(ename, "boom", ()))], 2)
+
+
+def test_a_run_goes_from_running_to_done_and_keeps_its_elapsed_time():
+    clock = FakeClock()
+    run = _run("train", clock)
+    clock.now += 75
+    assert run.state == "running" and not run.done() and run.elapsed_s == 75
+    run.rank_finished(0, failed=False)
+    assert run.rank_states == {0: "done", 1: "running"}
+    run.rank_finished(1, failed=False)
+    run.finish(None)
+    clock.now += 1000
+    assert run.state == "done" and run.done() and run.elapsed_s == 75
+    assert run.wait(timeout=0) is True
+    assert repr(run) == "<fsdp2 background run In[12] (train): done, 1:15; ranks: 2 done>"
+    assert run.summary() == "background run In[12] (train) done 1:15"
+
+
+def test_wait_times_out_on_a_running_run():
+    run = BackgroundRun(ranks=(0,), execution_count=3)
+    assert run.wait(timeout=0.0) is False
+
+
+def test_wait_raises_the_error_and_then_it_is_seen():
+    run = _run()
+    error = _rank_error("ValueError")
+    run.finish(error)
+    assert run.state == "failed" and run.unseen_error() is error
+    with pytest.raises(RankError) as raised:
+        run.wait()
+    assert raised.value is error and run.unseen_error() is None
+
+
+def test_an_interrupt_asked_for_is_not_passed_on_but_an_unasked_one_is():
+    asked, unasked = _run(), _run()
+    asked.interrupt()
+    assert asked.stops.take() is True and asked.stops.take() is False
+    for run in (asked, unasked):
+        run.finish(_rank_error("KeyboardInterrupt"))
+        assert run.state == "interrupted"
+    assert asked.unseen_error() is None
+    assert unasked.unseen_error() is not None
+
+
+def test_interrupt_after_the_end_sends_nothing():
+    run = _run()
+    run.finish(None)
+    run.interrupt()
+    assert run.stops.take() is False
+
+
+def test_a_queued_request_fails_once_with_the_runs_error_saying_it_did_not_run():
+    runs, said = BackgroundRuns(), []
+    run = _run()
+    runs.add(run)
+    run.finish(_rank_error("ValueError"))
+    with pytest.raises(RankError) as raised:
+        runs.wait_for_active(said.append)
+    assert said == []  # the run had ended: nothing to wait for
+    assert "did not run" in raised.value.notes[-1] and raised.value.errors[0][1].ename == "ValueError"
+    runs.wait_for_active(said.append)  # seen now: the next request goes ahead
+
+
+def test_a_queued_request_waits_for_the_run_and_says_for_which():
+    runs, said = BackgroundRuns(), []
+    run = _run("train")
+    runs.add(run)
+    waiter = threading.Thread(target=runs.wait_for_active, args=(said.append,))
+    waiter.start()
+    run.finish(None)
+    waiter.join()
+    assert not said or said[0].startswith("waiting for In[12] (train), started ")
+    assert runs.active is None
+
+
+def test_finished_ranks_are_counted_by_the_handle():
+    from fsdp2nb.frontend.background import _progress_for
+
+    run = _run()
+    progress = _progress_for(run)
+    progress.finished[1] = CellFinished(cell_id=1, rank=1, status="error", error=ErrorInfo("ValueError", "x", ()))
+    assert progress.running == [0] and run.rank_states == {0: "running", 1: "failed"}
+
+
+def test_find_names_the_known_runs():
+    runs = BackgroundRuns()
+    with pytest.raises(ValueError, match="no background run yet"):
+        runs.find(None)
+    runs.add(_run("train"))
+    assert runs.find("train").name == "train" and runs.find(None).name == "train"
+    with pytest.raises(ValueError, match=r"no background run is called 'eval' \(named runs: train\)"):
+        runs.find("eval")
+
+
+@pytest.mark.parametrize("name", ["2fast", "for", "a b", ""])
+def test_run_names_must_be_identifiers(name):
+    with pytest.raises(ValueError, match="--name takes a Python identifier"):
+        check_run_name(name)
+
+
+def test_stop_requests_count_presses_from_any_thread():
+    stops = StopRequests()
+    threads = [threading.Thread(target=stops.press) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert stops.take() is True and stops.take() is False
