@@ -14,7 +14,6 @@ if rank == 0 and not os.path.exists(os.path.join(model_dir, "config.json")):
 dist.barrier()
 precision = "bf16" if device.type == "cuda" else "fp32"
 model, tokenizer = fsdp2nb.load_model(model_dir, mixed_precision=precision)
-engine = fsdp2nb.FSDP2Engine(mixed_precision=precision)
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
 ckpt = fsdp2nb.Checkpointer(ckpt_dir, keep=2).track(model=model, optimizer=optimizer)
 text = "the quick brown fox jumps over the lazy dog. " * 8
@@ -24,7 +23,7 @@ def train(steps, start=0):
     for step in range(start, start + steps):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        norm = engine.clip_grad_norm_(model, 1.0)
+        norm = fsdp2nb.clip_grad_norm_(model, 1.0)
         optimizer.step()
         optimizer.zero_grad()
         ckpt.maybe_save(step)      # a Save asked for from the notebook happens here, on every rank

@@ -1,0 +1,18 @@
+"""`%load_ext fsdp2nb` stays light: the kernel side imports no torch."""
+
+import subprocess
+import sys
+
+CODE = """
+import sys
+from IPython.testing.globalipapp import start_ipython
+start_ipython().run_line_magic("load_ext", "fsdp2nb")
+import fsdp2nb.frontend.status, fsdp2nb.wire.channels
+heavy = sorted(name for name in ("torch", "transformers", "fsdp2nb.engine", "fsdp2nb.checkpoint.manager")
+               if name in sys.modules)
+assert not heavy, f"loading the extension imported {heavy}"
+"""
+
+
+def test_loading_the_extension_imports_no_torch():
+    subprocess.run([sys.executable, "-c", CODE], check=True, timeout=120)
