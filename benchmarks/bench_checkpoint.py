@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp2nb.checkpoint import Checkpointer, export_hf_model
+from fsdp2nb.checkpoint.config import ASYNC_WRITERS
 from fsdp2nb.checkpoint.layout import dir_size
-from fsdp2nb.checkpoint.manager import ASYNC_WRITERS
 from fsdp2nb.testing.gloo_harness import run_ranks
 from fsdp2nb.testing.tiny_models import make_tiny_model
 

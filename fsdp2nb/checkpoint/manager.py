@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp2nb import collectives, progress
 from fsdp2nb.checkpoint import layout, tracking
+from fsdp2nb.checkpoint.config import AsyncWriter, CheckpointerConfig
 from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
@@ -115,8 +116,6 @@ class _Tracked:
     extra: dict[str, Any]
 
 
-AsyncWriter = Literal["process", "thread"]
-ASYNC_WRITERS: tuple[AsyncWriter, ...] = ("process", "thread")
 
 
 class Checkpointer:
@@ -141,16 +140,9 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 3, async_save: bool = True,
                  *, async_writer: AsyncWriter = "thread", requests: SaveRequests | None = None) -> None:
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"keep={keep!r} must be None (keep all) or an int >= 1")
-        if not isinstance(async_save, bool):
-            raise ValueError(f"async_save={async_save!r} must be True or False")
-        if async_writer not in ASYNC_WRITERS:
-            raise ValueError(f"async_writer={async_writer!r} must be one of {ASYNC_WRITERS}")
+        self.config = CheckpointerConfig(keep=keep, async_save=async_save, async_writer=async_writer)
         self.directory = Path(directory).absolute()
-        self.keep = keep
-        self.async_save = async_save
-        self.async_writer = async_writer
+        self.keep, self.async_save, self.async_writer = keep, async_save, async_writer  # read often; validated above
         self._requests = requests if requests is not None else process_requests()
         self._distributed = collectives.is_distributed()
         self._rank = collectives.get_rank()

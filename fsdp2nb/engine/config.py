@@ -3,24 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
+
+from fsdp2nb.config_checks import check_bool, check_choice
 
 MixedPrecision = Literal["bf16", "fp32"]
 
 MIXED_PRECISION_CHOICES: tuple[str, ...] = ("bf16", "fp32")
 INIT_CHOICES: tuple[str, ...] = ("meta", "rank0", "default")
-
-
-def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    """Raise ValueError naming `field`, `value` and `allowed` when `value` is not allowed."""
-    if value not in allowed:
-        raise ValueError(f"{field}={value!r} is not allowed; choose one of {allowed}")
-
-
-def check_bool(field: str, value: Any) -> None:
-    """Raise ValueError unless `value` is a real bool (1 and "yes" are rejected, not coerced)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{field}={value!r} is not allowed; choose one of (True, False)")
 
 
 @dataclass(kw_only=True, slots=True)

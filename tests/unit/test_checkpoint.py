@@ -52,13 +52,13 @@ def trained():
 
 
 def test_keep_zero_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"keep=0 must be"):
+    with pytest.raises(ValueError, match=r"keep=0 is not allowed; choose None \(keep all\) or an int >= 1"):
         Checkpointer(tmp_path, keep=0)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_unknown_async_writer_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"async_writer='fork' must be one of \('process', 'thread'\)"):
+    with pytest.raises(ValueError, match=r"async_writer='fork' is not allowed; choose one of \('process', 'thread'\)"):
         Checkpointer(tmp_path, async_writer="fork")
     assert list(tmp_path.iterdir()) == []
 

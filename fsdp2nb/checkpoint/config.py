@@ -1,0 +1,32 @@
+"""Validated settings for Checkpointer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fsdp2nb.config_checks import check_bool, check_choice
+
+AsyncWriter = Literal["process", "thread"]
+ASYNC_WRITERS: tuple[AsyncWriter, ...] = ("process", "thread")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointerConfig:
+    """How a Checkpointer retains and writes checkpoints."""
+
+    keep: int | None = 3
+    """How many valid checkpoints to retain, counting steps up to the one saved; None keeps all."""
+
+    async_save: bool = True
+    """Let training continue while the files are written; the next optimizer step waits only for the copy."""
+
+    async_writer: AsyncWriter = "thread"
+    """Where an async save writes: "thread" (this process) or "process" (DCP's writer process,
+    off this process's GIL, at the lowest CPU priority)."""
+
+    def __post_init__(self) -> None:
+        if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1):
+            raise ValueError(f"keep={self.keep!r} is not allowed; choose None (keep all) or an int >= 1")
+        check_bool("async_save", self.async_save)
+        check_choice("async_writer", self.async_writer, ASYNC_WRITERS)
