@@ -44,7 +44,9 @@ from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import FdCapture, OutputSync, write_through_streams
 from fsdp2nb.worker.sampler import ResourceSampler
 
-_CONTROL_POLL_MS = 200
+_BLOCK = -1
+"""Wait for a message without a timeout: a rank whose loops woke to poll would steal a core
+from training ranks on a host with no core spare; EOF ends the wait once the kernel is gone."""
 
 
 def torchrun_environment(plan: LaunchPlan, rank_plan: RankPlan) -> dict[str, str]:
@@ -134,7 +136,7 @@ class Rank:
     def serve(self) -> None:
         while True:
             try:
-                request = self._channels.receive_request(_CONTROL_POLL_MS)
+                request = self._channels.receive_request(_BLOCK)
             except (EOFError, OSError):
                 return  # the kernel is gone
             if request is None:
@@ -222,7 +224,7 @@ class Rank:
     def _control_loop(self) -> None:
         while True:
             try:
-                message = self._channels.receive_control(_CONTROL_POLL_MS)
+                message = self._channels.receive_control(_BLOCK)
             except (EOFError, OSError):
                 return
             try:
