@@ -78,6 +78,10 @@ def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
         for fd in agent_fds:
             os.close(fd)
         _die_with_parent()
+        # A session of its own, as torchrun gives each rank: with autogroup scheduling (the Linux
+        # default) a session is a scheduling group, and ranks sharing the agent's would share
+        # one group's CPU share against every other process on a busy host.
+        os.setsid()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         from fsdp2nb.worker.rank import run_rank
 

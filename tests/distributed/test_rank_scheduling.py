@@ -1,7 +1,9 @@
-"""An idle pool sleeps: the host agent and the ranks' request and control loops wait for
-something to happen instead of polling. On a host with no core spare, every wake-up of these
-processes takes a core from a training rank, and the other ranks wait for that one."""
+"""Ranks get the CPU as torchrun's do: each in a scheduling group (session) of its own, and
+an idle pool sleeps: the host agent and the ranks' request and control loops wait for something
+to happen instead of polling. On a host with no core spare, every wake-up of these processes
+takes a core from a training rank, and the other ranks wait for that one."""
 
+import os
 import time
 
 import psutil
@@ -44,3 +46,10 @@ def test_the_agent_and_the_rank_loops_do_not_poll(pool):
     samples = WINDOW_S / SAMPLE_INTERVAL_S
     for pid in ranks:  # Python's threads share the OS name: only the sampler's wake-ups are allowed
         assert after[pid] - before[pid] <= samples + 2, "a rank thread other than the sampler woke up"
+
+
+def test_each_rank_leads_a_session_of_its_own(pool):
+    # With autogroup scheduling a session is a scheduling group: torchrun starts each rank in
+    # its own, and ranks sharing one group would share its CPU share on a busy host.
+    ranks = [info.pid for info in pool.ranks.values()]
+    assert [os.getsid(pid) for pid in ranks] == ranks
