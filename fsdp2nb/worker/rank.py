@@ -115,7 +115,8 @@ class Rank:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         elif "OMP_NUM_THREADS" not in os.environ:
-            # As torchrun does: CPU ranks sharing a host split its cores instead of oversubscribing.
+            # CPU ranks sharing a host split its cores instead of oversubscribing. torchrun gives
+            # each of several ranks 1 thread: the same on 2 cores and 2 ranks, fewer where cores are spare.
             num_threads = max(1, (os.cpu_count() or 1) // len(self.plan.ranks))
             os.environ["OMP_NUM_THREADS"] = str(num_threads)
             torch.set_num_threads(num_threads)
