@@ -1,10 +1,15 @@
-"""Training step time of the engine in a `%%fsdp2` cell against the same code under torchrun.
+"""Training step time of the engine in a `%%fsdp2` cell against the same code under torchrun,
+and what the dashboard costs.
 
-Both run the same training code (engine-loaded Llama-style model, fp32, 2 CPU ranks) in one run
-of this script, alternating. Per run: the median step and the 10th-percentile step (the steps
-least disturbed by other work on a shared machine); across runs: ratios of medians and the
-median of paired ratios.
-Run: .venv/bin/python benchmarks/bench_train_step.py
+`torchrun`: both run the same training code (engine-loaded Llama-style model, fp32, 2 CPU ranks)
+in one run of this script, alternating. Per run: the median step and the 10th-percentile step
+(the steps least disturbed by other work on a shared machine); across runs: ratios of medians
+and the median of paired ratios.
+`dashboard`: two kernels with a pool each, one showing the dashboard and one not; the training
+cell (which also calls `fsdp2nb.log`) alternates between them, and each kernel's CPU time is read
+from /proc while it trains and while both sit idle side by side. CPU time, unlike step time,
+hardly moves with other work on the machine.
+Run: .venv/bin/python benchmarks/bench_train_step.py [--only torchrun|dashboard]
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp2nb.testing.kernel_client import Kernel  # noqa: E402
@@ -39,21 +45,23 @@ for step in range(45):
     optimizer.step()
     optimizer.zero_grad()
     times.append(time.perf_counter() - started)
+    if LOG_METRICS:  # feeds the dashboard's plot
+        fsdp2nb.log(step, loss=loss.detach())
 steady = sorted(times[5:])
 median_ms = statistics.median(steady) * 1000
 fast_ms = steady[len(steady) // 10] * 1000  # 10th percentile: least disturbed by other tenants
 """
 
 
-def in_cell(kernel: Kernel, model_dir: str) -> tuple[float, float]:
-    code = "%%fsdp2\nMODEL_DIR = " + repr(model_dir) + TRAIN + "if rank == 0: print('STEP_MS', median_ms, fast_ms)"
+def in_cell(kernel: Kernel, model_dir: str, log_metrics: bool = False) -> tuple[float, float]:
+    code = f"%%fsdp2\nMODEL_DIR = {model_dir!r}\nLOG_METRICS = {log_metrics}" + TRAIN + "if rank == 0: print('STEP_MS', median_ms, fast_ms)"
     run = kernel.execute(code, timeout=600)
     assert run.status == "ok", run.traceback_text
     return _step_times(run.stdout)
 
 
 def under_torchrun(model_dir: str) -> tuple[float, float]:
-    script = ("import torch.distributed as dist, os, json\ndist.init_process_group('gloo')\nMODEL_DIR = "
+    script = ("import torch.distributed as dist, os, json\ndist.init_process_group('gloo')\nLOG_METRICS = False\nMODEL_DIR = "
               + repr(model_dir) + TRAIN + "if dist.get_rank() == 0: print('STEP_MS', median_ms, fast_ms)\n")
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as handle:
         handle.write(script)
@@ -70,36 +78,101 @@ def _step_times(output: str) -> tuple[float, float]:
     return float(median_ms), float(fast_ms)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (ended ones too), from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def kernel_cpu_while(kernels: list[Kernel], action) -> tuple[list[float], object]:  # noqa: ANN001
+    """Each kernel's CPU use while `action()` runs, in % of a core, and what `action` returned."""
+    before, started = [cpu_seconds(k.pid) for k in kernels], time.monotonic()
+    result = action()
+    elapsed = time.monotonic() - started
+    return [100 * (cpu_seconds(k.pid) - b) / elapsed for k, b in zip(kernels, before, strict=True)], result
+
+
+def start_pool(dashboard: bool) -> Kernel:
+    kernel = Kernel()
+    kernel.execute("%load_ext fsdp2nb")
+    assert kernel.execute(f"%fsdp2 start --cpu {NUM_RANKS} --no-dashboard").status == "ok"
+    if dashboard:
+        assert kernel.execute("%fsdp2 dashboard").status == "ok"
+    return kernel
+
+
+def compare_torchrun(model_dir: str, rounds: int) -> None:
+    kernel = start_pool(dashboard=False)
+    cell, torchrun = [], []
+    try:
+        for _ in range(rounds):
+            cell.append(in_cell(kernel, model_dir))
+            torchrun.append(under_torchrun(model_dir))
+    finally:
+        kernel.stop()
+    print(json.dumps({"cell_ms": cell, "torchrun_ms": torchrun}))
+    print(f"\nstep time on {NUM_RANKS} CPU ranks, {rounds} alternating runs of 40 steps each; the cell run of "
+          "each round is paired with the torchrun run right after it, so drift of a shared machine hits both")
+    _print_ratios(cell, torchrun, "%%fsdp2 cell", "torchrun")
+    print("goal: <= 1.02")
+
+
+def compare_dashboard(model_dir: str, rounds: int, idle_s: float) -> None:
+    hidden, shown = start_pool(dashboard=False), start_pool(dashboard=True)
+    steps: dict[str, list] = {"hidden": [], "shown": []}
+    training_cpu: dict[str, list] = {"hidden": [], "shown": []}
+    idle_cpu = []
+    try:
+        for _ in range(rounds):
+            for label, kernel in (("hidden", hidden), ("shown", shown)):
+                cpu, step = kernel_cpu_while([kernel], lambda k=kernel: in_cell(k, model_dir, log_metrics=True))
+                steps[label].append(step)
+                training_cpu[label].append(cpu[0])
+            idle_cpu.append(kernel_cpu_while([hidden, shown], lambda: time.sleep(idle_s))[0])
+    finally:
+        hidden.stop()
+        shown.stop()
+    print(json.dumps({"step_ms": steps, "kernel_cpu_training": training_cpu, "kernel_cpu_idle": idle_cpu}))
+    print(f"\nstep time on {NUM_RANKS} CPU ranks, dashboard shown vs hidden, {rounds} alternating runs")
+    _print_ratios(steps["shown"], steps["hidden"], "shown", "hidden")
+    print("goal: <= 1.01")
+    for label, index in (("hidden", 0), ("shown", 1)):
+        idle = statistics.median(cpu[index] for cpu in idle_cpu)
+        print(f"  kernel CPU, dashboard {label}: idle {idle:.2f}% of a core (median of {rounds} x {idle_s:g} s), "
+              f"training {statistics.median(training_cpu[label]):.2f}% (median of {rounds} cells)")
+    extra = statistics.median(training_cpu["shown"]) - statistics.median(training_cpu["hidden"])
+    print(f"  the dashboard's extra kernel CPU while training, {extra:.2f}% of a core, bounds what it takes from "
+          "ranks that use every core: a steadier measure of its cost to the step than step times here")
+    print("goal: shown <= 2% idle, <= 5% training")
+
+
+def _print_ratios(first: list, second: list, first_name: str, second_name: str) -> None:
+    for label, index in (("median step", 0), ("10th-percentile step", 1)):
+        first_ms = statistics.median(c[index] for c in first)
+        second_ms = statistics.median(t[index] for t in second)
+        paired = sorted(c[index] / t[index] for c, t in zip(first, second, strict=True))
+        print(f"  {label:>21}: {first_name} {first_ms:.1f} ms, {second_name} {second_ms:.1f} ms, ratio of medians "
+              f"{first_ms / second_ms:.3f}, paired ratios {' '.join(f'{r:.3f}' for r in paired)} "
+              f"(median {statistics.median(paired):.3f})")
+
+
 def main() -> None:
     import argparse
 
     from fsdp2nb.testing import save_tiny_checkpoint
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5, help="alternating cell/torchrun runs")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating runs per comparison")
+    parser.add_argument("--idle-s", type=float, default=10.0, help="seconds of each idle CPU reading")
+    parser.add_argument("--only", choices=("torchrun", "dashboard"), help="run one comparison")
     args = parser.parse_args()
     model_dir = os.path.join(tempfile.mkdtemp(prefix="fsdp2nb-bench-"), "model")
     save_tiny_checkpoint(model_dir, "llama", **DIMS)
-    kernel = Kernel()
-    cell, torchrun = [], []
-    try:
-        kernel.execute("%load_ext fsdp2nb")
-        assert kernel.execute(f"%fsdp2 start --cpu {NUM_RANKS}").status == "ok"
-        for _ in range(args.rounds):
-            cell.append(in_cell(kernel, model_dir))
-            torchrun.append(under_torchrun(model_dir))
-    finally:
-        kernel.stop()
-    print(json.dumps({"cell_ms": cell, "torchrun_ms": torchrun}))
-    print(f"\nstep time on {NUM_RANKS} CPU ranks, {args.rounds} alternating runs of 40 steps each; the cell run of "
-          "each round is paired with the torchrun run right after it, so drift of a shared machine hits both")
-    for label, index in (("median step", 0), ("10th-percentile step", 1)):
-        cell_ms = statistics.median(c[index] for c in cell)
-        torchrun_ms = statistics.median(t[index] for t in torchrun)
-        paired = statistics.median(c[index] / t[index] for c, t in zip(cell, torchrun, strict=True))
-        print(f"  {label:>21}: %%fsdp2 cell {cell_ms:.1f} ms, torchrun {torchrun_ms:.1f} ms, "
-              f"ratio of medians {cell_ms / torchrun_ms:.3f}, median of paired ratios {paired:.3f}")
-    print("goal: <= 1.02")
+    if args.only != "dashboard":
+        compare_torchrun(model_dir, args.rounds)
+    if args.only != "torchrun":
+        compare_dashboard(model_dir, args.rounds, args.idle_s)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ class LocalAgent:
                 self.process.wait(grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        # The agent has its own session: one killpg ends it and any rank that outlived it.
+        # The agent has its own session: one killpg ends it; its ranks (each in a session of
+        # its own) die with it through PR_SET_PDEATHSIG.
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -10,9 +10,11 @@ Run as `python -m fsdp2nb.worker.agent`; the launch plan and pool key arrive as 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
+import select
 import signal
 import sys
 import time
@@ -23,6 +25,8 @@ from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import drain_pipe
 
 _WATCH_INTERVAL_S = 0.05
+_KERNEL_CHECK_S = 1.0
+"""How often to look for a vanished kernel where it cannot be waited for (no pidfd_open)."""
 _TERMINATE_GRACE_S = 3.0
 _STDERR_TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
@@ -74,6 +78,10 @@ def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
         for fd in agent_fds:
             os.close(fd)
         _die_with_parent()
+        # A session of its own, as torchrun gives each rank: with autogroup scheduling (the Linux
+        # default) a session is a scheduling group, and ranks sharing the agent's would share
+        # one group's CPU share against every other process on a busy host.
+        os.setsid()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         from fsdp2nb.worker.rank import run_rank
 
@@ -115,12 +123,16 @@ class Agent:
             self.channels.close()
 
     def _watch(self) -> None:
+        wakeups = _Wakeups(self.plan.kernel_pid)
         while self.ranks_by_pid:
             kernel_gone = os.getppid() != self.plan.kernel_pid  # nobody can use these ranks any more
             if (kernel_gone or self.stop_requested) and not self.stopping:
                 self._stop()
             self._reap_exited()
-            time.sleep(_WATCH_INTERVAL_S)
+            if self.stopping:  # the kernel's pidfd may stay readable: no waiting on it
+                time.sleep(_WATCH_INTERVAL_S)
+            else:
+                wakeups.wait()
 
     def _reap_exited(self) -> None:
         while self.ranks_by_pid:
@@ -160,6 +172,36 @@ class Agent:
             self._reap_exited()
             time.sleep(_WATCH_INTERVAL_S)
         _signal_all(self.ranks_by_pid, signal.SIGKILL)
+
+
+class _Wakeups:
+    """Sleeps until there is something to watch: a rank ended (SIGCHLD), the kernel asked to stop
+    (SIGTERM) or the kernel ended (its pidfd). Polling instead woke the agent 20 times a second,
+    taking a core from training ranks on a host with none spare. Call from the main thread."""
+
+    def __init__(self, kernel_pid: int) -> None:
+        self._signals, write_end = os.pipe()
+        for fd in (self._signals, write_end):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, _ignore)  # a Python handler, so SIGCHLD reaches the pipe
+        self._poller = select.poll()
+        self._poller.register(self._signals, select.POLLIN)
+        self.timeout_ms: int | None = None
+        try:
+            self._poller.register(os.pidfd_open(kernel_pid), select.POLLIN)
+        except (AttributeError, OSError):  # before Linux 5.3, or the kernel is gone already
+            self.timeout_ms = int(_KERNEL_CHECK_S * 1000)
+
+    def wait(self) -> None:
+        self._poller.poll(self.timeout_ms)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._signals, 512):
+                pass
+
+
+def _ignore(signum, frame) -> None:
+    pass
 
 
 def _signal_all(pids, signum: int) -> None:

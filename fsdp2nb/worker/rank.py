@@ -44,7 +44,9 @@ from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import FdCapture, OutputSync, write_through_streams
 from fsdp2nb.worker.sampler import ResourceSampler
 
-_CONTROL_POLL_MS = 200
+_BLOCK = -1
+"""Wait for a message without a timeout: a rank whose loops woke to poll would steal a core
+from training ranks on a host with no core spare; EOF ends the wait once the kernel is gone."""
 
 
 def torchrun_environment(plan: LaunchPlan, rank_plan: RankPlan) -> dict[str, str]:
@@ -117,7 +119,8 @@ class Rank:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         elif "OMP_NUM_THREADS" not in os.environ:
-            # As torchrun does: CPU ranks sharing a host split its cores instead of oversubscribing.
+            # CPU ranks sharing a host split its cores instead of oversubscribing. torchrun gives
+            # each of several ranks 1 thread: the same on 2 cores and 2 ranks, fewer where cores are spare.
             num_threads = max(1, (os.cpu_count() or 1) // len(self.plan.ranks))
             os.environ["OMP_NUM_THREADS"] = str(num_threads)
             torch.set_num_threads(num_threads)
@@ -138,7 +141,7 @@ class Rank:
     def serve(self) -> None:
         while True:
             try:
-                request = self._channels.receive_request(_CONTROL_POLL_MS)
+                request = self._channels.receive_request(_BLOCK)
             except (EOFError, OSError):
                 return  # the kernel is gone
             if request is None:
@@ -226,7 +229,7 @@ class Rank:
     def _control_loop(self) -> None:
         while True:
             try:
-                message = self._channels.receive_control(_CONTROL_POLL_MS)
+                message = self._channels.receive_control(_BLOCK)
             except (EOFError, OSError):
                 return
             try:

@@ -51,12 +51,13 @@ class ResourceSampler:
 
     def sample(self) -> RankSnapshot:
         rss = self._process.memory_info().rss
+        busy = self._is_busy()
         self._rss_peak = max(self._rss_peak, rss)
         return RankSnapshot(
-            rank=self._rank, time=time.time(), busy=self._is_busy(),
+            rank=self._rank, time=time.time(), busy=busy,
             rss_bytes=rss, cpu_percent=self._process.cpu_percent(), rss_peak_bytes=self._rss_peak,
             checkpoint=_checkpoint_view() if self._rank == 0 else None, **_device_memory(self._device),
-            **self._tracked_sizes.read(), metrics=process_metrics().drain(),
+            **self._tracked_sizes.read(busy), metrics=process_metrics().drain(),
         )
 
     def _run(self) -> None:
@@ -108,34 +109,45 @@ class TrackedSizes:
     """Bytes of the tracked model's parameters, gradients and optimizer state on this rank.
 
     Reading a DTensor's local shard goes through an autograd function, holding the GIL the
-    training thread needs, so each parameter's local size is read once per model, and the
-    optimizer state when it gains entries (the first step) and every `refresh_every` samples.
-    A gradient's shard is its parameter's (FSDP2 shards them alike): one attribute read each."""
+    training thread needs, so while a cell runs a sample does no per-parameter work: sizes are
+    read when the tracked model changes and once after each cell (which may have changed its
+    parameters), the optimizer state also when it gains entries (the first step). A gradient's
+    shard is its parameter's (FSDP2 shards them alike), and gradients come and go together
+    (backward, `zero_grad`), so one trainable parameter tells whether they are there."""
 
-    def __init__(self, refresh_every: int = 20) -> None:
-        self._refresh_every = refresh_every
+    def __init__(self) -> None:
         self._model = None
-        self._params: list[tuple[object, int]] = []
+        self._param_bytes = 0
+        self._trainable_bytes = 0
+        self._probe = None  # the first trainable parameter
         self._optimizer_bytes = 0
         self._num_states = 0
-        self._samples = 0
+        self._was_busy = True  # the first idle sample reads everything
 
-    def read(self) -> dict[str, int]:
+    def read(self, busy: bool = False) -> dict[str, int]:
         tracked = getattr(current_checkpointer(), "_tracked", None)
         if tracked is None:
+            self._model = None
             return {}
-        num_states = len(tracked.optimizer.state) if tracked.optimizer is not None else 0
-        if tracked.model is not self._model or self._samples % self._refresh_every == 0:
-            self._model = tracked.model
-            self._params = [(p, _local_bytes([p])) for p in tracked.model.parameters()]
+        cell_ended, self._was_busy = self._was_busy and not busy, busy
+        if tracked.model is not self._model or cell_ended:
+            self._read_parameters(tracked.model)
             self._num_states = -1
+        num_states = len(tracked.optimizer.state) if tracked.optimizer is not None else 0
         if num_states != self._num_states:  # the first step creates the state: read it at once
             self._num_states = num_states
             self._optimizer_bytes = _optimizer_bytes(tracked.optimizer)
-        self._samples += 1
-        return dict(param_bytes=sum(size for _, size in self._params),
-                    grad_bytes=sum(size for p, size in self._params if p.grad is not None),
+        has_grads = self._probe is not None and self._probe.grad is not None
+        return dict(param_bytes=self._param_bytes, grad_bytes=self._trainable_bytes if has_grads else 0,
                     optimizer_bytes=self._optimizer_bytes)
+
+    def _read_parameters(self, model) -> None:  # noqa: ANN001 - a torch module
+        self._model = model
+        params = list(model.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        self._param_bytes = _local_bytes(params)
+        self._trainable_bytes = _local_bytes(trainable)
+        self._probe = trainable[0] if trainable else None
 
 
 def _optimizer_bytes(optimizer) -> int:  # noqa: ANN001 - a torch optimizer or None

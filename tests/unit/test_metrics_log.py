@@ -62,9 +62,40 @@ def test_tracked_sizes_count_params_grads_and_optimizer_state(tmp_path):
     model = torch.nn.Linear(4, 4)  # 20 float32 values: 80 bytes
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with Checkpointer(tmp_path, async_save=False).track(model=model, optimizer=optimizer):
-        sizes = TrackedSizes(refresh_every=1_000)  # the first step's state is read at once all the same
+        sizes = TrackedSizes()
         assert sizes.read() == dict(param_bytes=80, grad_bytes=0, optimizer_bytes=0)
         model(torch.ones(2, 4)).sum().backward()
         optimizer.step()
-        assert sizes.read() == dict(param_bytes=80, grad_bytes=80, optimizer_bytes=80)  # momentum buffers
+        assert sizes.read(busy=True) == dict(param_bytes=80, grad_bytes=80, optimizer_bytes=80)  # momentum buffers
+        optimizer.zero_grad()
+        assert sizes.read(busy=True)["grad_bytes"] == 0
     assert TrackedSizes().read() == {}  # closed: nothing tracked
+
+
+def test_tracked_sizes_do_no_per_parameter_work_while_a_cell_runs(tmp_path, monkeypatch):
+    import torch
+
+    from fsdp2nb.checkpoint import Checkpointer
+    from fsdp2nb.worker import sampler
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(8)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    measured: list[int] = []
+    real_local_bytes = sampler._local_bytes
+    monkeypatch.setattr(sampler, "_local_bytes", lambda tensors: measured.append(len(tensors)) or real_local_bytes(tensors))
+    with Checkpointer(tmp_path, async_save=False).track(model=model, optimizer=optimizer):
+        sizes = sampler.TrackedSizes()
+        sizes.read(busy=True)  # a new model: read once
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        sizes.read(busy=True)  # the first step made the optimizer state: read once
+        measured.clear()
+        for _ in range(20):
+            optimizer.zero_grad()
+            assert sizes.read(busy=True)["grad_bytes"] == 0
+            model(torch.ones(2, 4)).sum().backward()
+            assert sizes.read(busy=True)["grad_bytes"] == 8 * 80
+        assert measured == []
+        sizes.read(busy=False)  # the cell ended: everything once more
+        sizes.read(busy=False)
+        assert len(measured) == 3  # parameters, trainable parameters, optimizer state
