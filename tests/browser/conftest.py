@@ -30,16 +30,18 @@ def _free_port() -> int:
 
 
 class Lab:
-    """A running JupyterLab server; `url(path)` opens a notebook with the token."""
+    """A running JupyterLab (or, with app="notebook", Notebook 7) server; `url(path)` opens a
+    notebook with the token. Started as `sys.executable -m ...`: the venv's `jupyter` script may
+    carry another venv's interpreter in its shebang, and then the kernel runs that venv's fsdp2nb."""
 
-    def __init__(self, root: Path, fresh: Path) -> None:
-        self.root, self.port, self.token = root, _free_port(), secrets.token_hex(16)
-        jupyter = Path(sys.executable).with_name("jupyter")
+    def __init__(self, root: Path, fresh: Path, app: str = "lab") -> None:
+        self.root, self.port, self.token, self.app = root, _free_port(), secrets.token_hex(16), app
+        module, config = ("jupyterlab", "LabApp") if app == "lab" else ("notebook", "JupyterNotebookApp")
         self.process = subprocess.Popen(
-            [str(jupyter), "lab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
+            [sys.executable, "-m", module, "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
              f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
-             f"--LabApp.workspaces_dir={fresh / 'workspaces'}", f"--LabApp.user_settings_dir={fresh / 'settings'}"],
+             f"--{config}.workspaces_dir={fresh / 'workspaces'}", f"--{config}.user_settings_dir={fresh / 'settings'}"],
             stdout=open(fresh / "lab.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "JUPYTER_CONFIG_DIR": str(fresh / "config")},
         )
@@ -58,7 +60,8 @@ class Lab:
         raise RuntimeError(f"jupyter lab did not answer within 60 s: {log.read_text()[-2000:]}")
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}/lab/tree/{path}?token={self.token}"
+        where = "lab/tree" if self.app == "lab" else "notebooks"
+        return f"http://127.0.0.1:{self.port}/{where}/{path}?token={self.token}"
 
     def stop(self) -> None:
         try:
@@ -87,6 +90,21 @@ def lab(tmp_path_factory):
     fresh = tmp_path_factory.mktemp("lab-fresh")
     _quiet_settings(fresh / "settings")
     server = Lab(root, fresh)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def notebook7(tmp_path_factory):
+    """A Notebook 7 server (`python -m notebook`), same options as Lab."""
+    if not shutil.which(CHROMIUM) and not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium` (make test does it as root)")
+    pytest.importorskip("playwright", reason="pip install playwright (the test extras)")
+    pytest.importorskip("notebook", reason="pip install notebook (the test extras)")
+    root = tmp_path_factory.mktemp("nb7-root")
+    fresh = tmp_path_factory.mktemp("nb7-fresh")
+    _quiet_settings(fresh / "settings")
+    server = Lab(root, fresh, app="notebook")
     yield server
     server.stop()
 

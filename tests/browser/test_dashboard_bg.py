@@ -92,3 +92,19 @@ def _save_during_background_run(page: Page, shots, ckpt, flag, name: str) -> Non
     output = page.output(2)
     assert f"run ended by the flag saved at {step}" in output, output
     assert (ckpt / f"step-{step:06d}").is_dir()
+
+
+def test_save_during_background_run_notebook7(notebook7, browser, shots):
+    """The same in Notebook 7 (`/notebooks/PATH`): its cells and outputs use the same classes."""
+    ckpt, flag = notebook7.root / "ckpt-bg", notebook7.root / "flag-bg"
+    _bg_notebook(notebook7.root / "bg.ipynb", str(ckpt), str(flag))
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    page = Page(context.new_page())
+    try:
+        page.open(notebook7.url("bg.ipynb"))
+        _save_during_background_run(page, shots, ckpt, flag, "nb7-bg")
+    except Exception:
+        page.page.screenshot(path=str(shots / "nb7-bg-failure.png"))
+        raise
+    finally:
+        context.close()

@@ -76,8 +76,9 @@ class Page:
         news = self.page.locator(".jp-toast-container button:has-text('No')")
         if news.count():
             news.first.click()
-        self.page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) "
-                                    ".jp-Notebook-ExecutionIndicator[data-status=idle]", timeout=60_000)
+        if "/lab/" in url:  # Notebook 7 has no such indicator: the kernel_info_reply below suffices
+            self.page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) "
+                                        ".jp-Notebook-ExecutionIndicator[data-status=idle]", timeout=60_000)
         for _ in range(600):
             if replies:
                 break
