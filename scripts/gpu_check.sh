@@ -4,7 +4,14 @@
 # benchmarks/bench_gpu.py. Everything is written to $OUT (default
 # gpu-check-out/) and printed.
 # Where .whl/ holds wheels (a lent GPU machine reaches no registry), the machine's own python3 and
-# torch are used with those wheels on PYTHONPATH; otherwise the project's .venv.
+# torch are used with those wheels on PYTHONPATH; otherwise the project's .venv. To fill .whl/
+# for a Python 3.12 image that lacks the notebook stack (names and versions as in .venv):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 \
+#     -d .whl ipykernel jupyter_client jupyter_core ipython ipython_pygments_lexers ipywidgets comm \
+#     debugpy pyzmq tornado traitlets jedi parso pexpect ptyprocess prompt_toolkit wcwidth \
+#     stack_data executing asttokens pure_eval platformdirs matplotlib-inline nest-asyncio2 \
+#     jupyterlab_widgets widgetsnbextension
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check-out}
