@@ -61,17 +61,17 @@ def _save_during_background_run(page: Page, shots, ckpt, flag, name: str) -> Non
         page.wait_done(index)
     assert "error" not in page.output(1).lower(), page.output(1)
     page.page.wait_for_function("document.querySelectorAll('.fsdp2nb-dashboard .fsdp2nb-rank').length == 2",
-                                timeout=30_000)
+                                timeout=120_000)
 
     page.run(2)
     page.wait_done(2, timeout_ms=60_000)  # --bg: the cell replies at once, the run goes on
     page.page.wait_for_function("document.querySelectorAll('.jp-CodeCell')[2].innerText.includes('step 50 ')",
-                                timeout=60_000)
+                                timeout=180_000)
     dash.locator("button:has-text('Save now')").click()
     page.page.wait_for_function(
         "[...document.querySelectorAll('.fsdp2nb-dashboard .fsdp2nb-steps option')].length > 0 && "
         "document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message').innerText.includes('saved step')",
-        timeout=60_000)
+        timeout=180_000)
     step = int(re.search(r"saved step (\d+)", dash.locator(".fsdp2nb-message").inner_text()).group(1))
     header = dash.locator(".widget-html").first.inner_text()
     assert re.search(r"background run In\[\d+\] \(train\) running", header), header
@@ -88,7 +88,7 @@ def _save_during_background_run(page: Page, shots, ckpt, flag, name: str) -> Non
     page.wait_done(4)
     assert "waited: done" in page.output(4), page.output(4)
     page.page.wait_for_function("document.querySelectorAll('.jp-CodeCell')[2].innerText.includes('saved at')",
-                                timeout=30_000)
+                                timeout=120_000)
     output = page.output(2)
     assert f"run ended by the flag saved at {step}" in output, output
     assert (ckpt / f"step-{step:06d}").is_dir()

@@ -32,11 +32,15 @@ def _execute(notebook: nbformat.NotebookNode) -> CellExecutionError | None:
 
 
 def _outputs(notebook: nbformat.NotebookNode, skip: int) -> list[list[tuple]]:
-    """Each cell's outputs but for cell `skip` (the background cell's value is its handle), and
-    the line a cell queued behind the run says while it waits (there only if it had to wait)."""
+    """Each cell's outputs but for cell `skip` (the background cell's value is its handle), the
+    line a cell queued behind the run says while it waits (there only if it had to wait), and the
+    pool start's report of processes an earlier kernel left (there only if one did)."""
     return [[(o.output_type, o.get("name"), o.get("text"), o.get("ename")) for o in cell.outputs
-             if not (o.get("text") or "").startswith("waiting for In[")]
+             if not (o.get("text") or "").startswith(_CIRCUMSTANTIAL)]
             for index, cell in enumerate(notebook.cells) if index != skip]
+
+
+_CIRCUMSTANTIAL = ("waiting for In[", "ended orphaned fsdp2nb process")
 
 
 @pytest.mark.parametrize("train", [_TRAIN, _TRAIN + "raise ValueError('diverged')"], ids=["ok", "fails"])
