@@ -60,7 +60,9 @@ class Lab:
         raise RuntimeError(f"jupyter lab did not answer within 60 s: {log.read_text()[-2000:]}")
 
     def url(self, path: str) -> str:
-        where = "lab/tree" if self.app == "lab" else "notebooks"
+        # A workspace per notebook: Lab would otherwise reopen the notebooks of earlier tests
+        # in hidden tabs, each with a dashboard of its own.
+        where = f"lab/workspaces/{Path(path).stem}/tree" if self.app == "lab" else "notebooks"
         return f"http://127.0.0.1:{self.port}/{where}/{path}?token={self.token}"
 
     def stop(self) -> None:
