@@ -32,7 +32,7 @@ HALF_BILLION = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
 
-# Shared by the cell and the torchrun script: `device`, MODEL_DIR, VOCAB, BATCH, SEQ, STEPS,
+# Shared by the cell and the torchrun script (followed by TIMED): `device`, MODEL_DIR, VOCAB, BATCH, SEQ, STEPS,
 # OFFLOAD are defined before it runs. Prints one RESULT line of JSON on rank 0.
 TRAIN = """
 import json, time, torch, fsdp2nb
@@ -48,6 +48,10 @@ def train_step():
     engine.clip_grad_norm_(model, 1.0)
     optimizer.step()
     optimizer.zero_grad()
+"""
+
+# Times `train_step` after a warm-up; appended to TRAIN and PLAIN. Prints the RESULT on rank 0.
+TIMED = """
 for _ in range(WARMUP):
     train_step()
 if on_gpu:
@@ -59,7 +63,7 @@ sync(); elapsed = time.perf_counter() - started
 result = dict(tokens_per_s=STEPS * BATCH * SEQ / elapsed, step_s=elapsed / STEPS,
               peak_bytes=torch.cuda.max_memory_allocated() if on_gpu else 0,
               held_bytes=torch.cuda.memory_allocated() if on_gpu else 0)  # between steps
-if dist.get_rank() == 0:
+if not dist.is_initialized() or dist.get_rank() == 0:
     print("RESULT " + json.dumps(result))
 """
 
@@ -79,16 +83,6 @@ def train_step():
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad()
-for _ in range(WARMUP):
-    train_step()
-if on_gpu:
-    torch.cuda.reset_peak_memory_stats()
-sync(); started = time.perf_counter()
-for _ in range(STEPS):
-    train_step()
-sync(); elapsed = time.perf_counter() - started
-print("RESULT " + json.dumps(dict(tokens_per_s=STEPS * BATCH * SEQ / elapsed, step_s=elapsed / STEPS,
-                                  peak_bytes=torch.cuda.max_memory_allocated() if on_gpu else 0)))
 """
 
 TORCHRUN_PRELUDE = """
@@ -254,15 +248,15 @@ def _compare_training(kernel: Kernel, model_dir: str, _root: str, args: argparse
     cell, script, plain = [], [], []
     prelude = f"CPU = {args.cpu}\n" + TORCHRUN_PRELUDE + _constants(model_dir, args)
     for _ in range(args.rounds):
-        cell.append(in_cell(kernel, _constants(model_dir, args) + TRAIN + "del model, optimizer; gc.collect()\n"
+        cell.append(in_cell(kernel, _constants(model_dir, args) + TRAIN + TIMED + "del model, optimizer; gc.collect()\n"
                             "if on_gpu: torch.cuda.empty_cache()\n"))
-        script.append(under_torchrun(prelude + TRAIN))
-        plain.append(under_torchrun(prelude + PLAIN))
+        script.append(under_torchrun(prelude + TRAIN + TIMED))
+        plain.append(under_torchrun(prelude + PLAIN + TIMED))
     return dict(train_cell=cell, train_torchrun=script, train_plain=plain)
 
 
 def _save_stall(kernel: Kernel, model_dir: str, root: str, args: argparse.Namespace) -> dict:
-    code = _constants(model_dir, args) + f"CKPT_ROOT = {os.path.join(root, 'ckpt')!r}\n" + TRAIN + SAVE_STALL
+    code = _constants(model_dir, args) + f"CKPT_ROOT = {os.path.join(root, 'ckpt')!r}\n" + TRAIN + TIMED + SAVE_STALL
     return dict(save=in_cell(kernel, code))
 
 
@@ -270,7 +264,7 @@ def _offload(kernel: Kernel, model_dir: str, _root: str, args: argparse.Namespac
     runs = {}
     for offload in (True, False):
         code = (_constants(model_dir, args, offload=offload).replace(f"STEPS = {args.steps}", "STEPS = 4")
-                + TRAIN + "del model, optimizer; gc.collect(); torch.cuda.empty_cache()\n")
+                + TRAIN + TIMED + "del model, optimizer; gc.collect(); torch.cuda.empty_cache()\n")
         runs["train_offload" if offload else "train_offload_baseline"] = in_cell(kernel, code)
     return runs
 
