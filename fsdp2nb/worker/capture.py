@@ -16,6 +16,7 @@ import secrets
 import select
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
@@ -104,7 +105,8 @@ class OutputSync:
     cell needs no marker round trip, and one poll tells which pipes still hold bytes.
     """
 
-    def __init__(self, captures: Iterable[FdCapture]) -> None:
+    def __init__(self, captures: Iterable[FdCapture], streams: PartialLineFlusher | None = None) -> None:
+        self._streams = streams
         self._captures = {capture._read_end: capture for capture in captures}
         self._poller = select.poll()
         self._poller_lock = threading.Lock()  # a display() from any thread syncs too, and one
@@ -112,6 +114,8 @@ class OutputSync:
             self._poller.register(read_end, select.POLLIN)
 
     def sync(self) -> None:
+        if self._streams is not None:
+            self._streams.flush_now()  # a partial line still in Python's buffer
         with self._poller_lock:
             holding = {fd for fd, _ in self._poller.poll(0)}
         # Markers into every pipe first, then the waits: the pipes drain in parallel.
@@ -133,11 +137,61 @@ def _partial_marker_length(buffer: bytes, marker: bytes) -> int:
     return 0
 
 
-def write_through_streams() -> None:
-    """Make Python's sys.stdout/sys.stderr write straight to fd 1/2, so output is never held back."""
-    for fd, name in ((1, "stdout"), (2, "stderr")):
+PARTIAL_LINE_DELAY_S = 0.05
+
+
+class LineStream(io.TextIOWrapper):
+    """sys.stdout/sys.stderr of a rank: one write per line, partial lines soon after.
+
+    `print("loss", x)` makes four writes; written through one by one they can reach the notebook
+    in pieces and be shown as broken lines. Line buffering joins them into one write per line,
+    and text without a newline (`print(x, end="")`) is flushed by a timer a moment later.
+    """
+
+    def __init__(self, fd: int, flusher: PartialLineFlusher) -> None:
         raw = io.FileIO(fd, "w", closefd=False)
-        setattr(sys, name, io.TextIOWrapper(raw, encoding="utf-8", errors="replace", write_through=True))
+        super().__init__(io.BufferedWriter(raw), encoding="utf-8", errors="replace", line_buffering=True)
+        self._flusher = flusher
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if "\n" not in text and "\r" not in text:  # line buffering flushed the others already
+            self._flusher.schedule()
+        return written
+
+
+class PartialLineFlusher:
+    """Flushes the rank's streams shortly after a partial line; sleeps while nothing is pending."""
+
+    def __init__(self) -> None:
+        self.streams: list[io.TextIOBase] = []
+        self._pending = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="fsdp2nb-partial-lines").start()
+
+    def schedule(self) -> None:
+        self._pending.set()
+
+    def flush_now(self) -> None:
+        for stream in self.streams:
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+
+    def _run(self) -> None:
+        while True:
+            self._pending.wait()
+            time.sleep(PARTIAL_LINE_DELAY_S)
+            self._pending.clear()
+            self.flush_now()
+
+
+def line_buffered_streams() -> PartialLineFlusher:
+    """Point sys.stdout/sys.stderr at fd 1/2, line-buffered; returns what flushes them."""
+    flusher = PartialLineFlusher()
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = LineStream(fd, flusher)
+        flusher.streams.append(stream)
+        setattr(sys, name, stream)
+    return flusher
 
 
 def drain_pipe(read_end: int) -> bytes:

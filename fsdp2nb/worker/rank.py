@@ -41,7 +41,7 @@ from fsdp2nb.wire.protocol import (
 )
 from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
 from fsdp2nb.wire.signing import Signer
-from fsdp2nb.worker.capture import FdCapture, OutputSync, write_through_streams
+from fsdp2nb.worker.capture import FdCapture, OutputSync, line_buffered_streams
 from fsdp2nb.worker.sampler import ResourceSampler
 
 _BLOCK = -1
@@ -79,8 +79,7 @@ class Rank:
             "stdout": FdCapture(1, lambda text: self._send_stream("stdout", text), self._log, pipes.get(1)),
             "stderr": FdCapture(2, lambda text: self._send_stream("stderr", text), self._log, pipes.get(2)),
         }
-        self._output_sync = OutputSync(self._captures.values())
-        write_through_streams()
+        self._output_sync = OutputSync(self._captures.values(), line_buffered_streams())
         signal.signal(signal.SIGINT, SigintGate(self._on_sigint))
 
     # --- start-up -----------------------------------------------------------------------------

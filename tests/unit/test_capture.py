@@ -1,7 +1,8 @@
 import os
 import threading
+import time
 
-from fsdp2nb.worker.capture import FdCapture, OutputSync, _partial_marker_length
+from fsdp2nb.worker.capture import FdCapture, LineStream, OutputSync, PartialLineFlusher, _partial_marker_length
 
 
 def test_output_is_synced_from_several_threads_at_once(tmp_path):
@@ -39,3 +40,33 @@ def test_partial_marker_detection():
     assert _partial_marker_length(b"text\x00", marker) == 1
     assert _partial_marker_length(b"text\x00x", marker) == 0
     assert _partial_marker_length(b"plain", marker) == 0
+
+
+def _captured_stream(tmp_path):
+    fd = os.open(os.devnull, os.O_WRONLY)
+    forwarded: list[str] = []
+    log = open(tmp_path / "rank.log", "ab", buffering=0)  # noqa: SIM115 - closed by the GC with the test
+    flusher = PartialLineFlusher()
+    stream = LineStream(fd, flusher)
+    flusher.streams.append(stream)
+    return stream, OutputSync([FdCapture(fd, forwarded.append, log)], flusher), forwarded
+
+
+def test_a_print_reaches_the_reader_as_one_piece(tmp_path):
+    # print() writes its arguments, separators and newline one by one; sent one by one, a slow
+    # machine showed them in the notebook as broken, interleaved lines.
+    stream, sync, forwarded = _captured_stream(tmp_path)
+    for step in range(50):
+        print("step", step, "loss", 0.5, file=stream)
+    sync.sync()
+    assert "".join(forwarded) == "".join(f"step {step} loss 0.5\n" for step in range(50))
+    assert all(piece.endswith("\n") for piece in forwarded)  # never a line in pieces
+
+
+def test_a_partial_line_is_forwarded_without_a_flush(tmp_path):
+    stream, _, forwarded = _captured_stream(tmp_path)
+    print("loading 50%", end="", file=stream)
+    deadline = time.monotonic() + 30
+    while not forwarded and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert forwarded == ["loading 50%"]
