@@ -92,7 +92,8 @@ class DashboardLink:
         facts = self.model.facts
         if facts.state == "stopped":
             return "no pool is running"
-        line = f"{facts.description} · {'restarting' if self._restarting else facts.state}"
+        state = "restarting" if self._restarting else "busy" if facts.busy and facts.state == "ready" else facts.state
+        line = f"{facts.description} · {state}"
         run = self.session.background.latest if self.session.background is not None else None
         return f"{line} · {run.summary()}" if run is not None else line
 
