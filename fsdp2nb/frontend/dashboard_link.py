@@ -150,16 +150,20 @@ class DashboardLink:
         return "stop sent: every rank is interrupted"
 
     def restart(self) -> str:
-        pool = self.session.pool
-        if pool is not None and pool.busy_ranks:
-            raise _refused("a cell is running: Stop it first, then Restart")
-        if pool is None:
-            raise _refused("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
-        self._restarting = True
+        lock = self.session.lifecycle_lock
+        if not lock.acquire(blocking=False):  # never wait for the main thread: a pool is being (re)started
+            raise _refused("the pool is starting or restarting already; wait until it is ready")
         try:
+            pool = self.session.pool
+            if pool is not None and pool.busy_ranks:
+                raise _refused("a cell is running: Stop it first, then Restart")
+            if pool is None:
+                raise _refused("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
+            self._restarting = True
             pool = self.session.restart()
         finally:
             self._restarting = False
+            lock.release()
         return f"restarted: {pool.world_size} fresh ranks ({pool.spec.describe()}); rank state was cleared"
 
     def reset_peak(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,10 +87,17 @@ class NotebookSession:
         self._cell_ids = itertools.count(1)
         self.background: BackgroundRuns | None = None
         """Background runs (`%%fsdp2 --bg`), made by the first one; see frontend/background.py."""
+        self.lifecycle_lock = threading.RLock()
+        """Held while the pool is started, stopped or replaced: the dashboard's Restart runs on a
+        subshell thread, and a cell started meanwhile must get the new pool, not a half-stopped one."""
 
     # --- pool lifecycle -----------------------------------------------------------------------
 
     def start(self, spec: PoolSpec) -> WorkerPool:
+        with self.lifecycle_lock:
+            return self._start(spec)
+
+    def _start(self, spec: PoolSpec) -> WorkerPool:
         if self.pool is not None and self.pool.state in ("ready", "starting"):
             raise PoolMismatchError(
                 f"a pool ({self.pool.spec.describe()}) is already running; `%fsdp2 restart` replaces it")
@@ -105,7 +113,8 @@ class NotebookSession:
         """Stop the pool if there is one; returns whether there was. Safe to call twice.
 
         `polite=False` skips asking the ranks to exit, for ranks known to be stuck or dead."""
-        pool, self.pool = self.pool, None
+        with self.lifecycle_lock:
+            pool, self.pool = self.pool, None
         if pool is None:
             return False
         # Busy ranks (a background run at kernel exit) read no exit request until their cell ends.
@@ -113,20 +122,25 @@ class NotebookSession:
         return True
 
     def restart(self, spec: PoolSpec | None = None) -> WorkerPool:
-        spec = spec or (self.pool.spec if self.pool else None)
-        if spec is None:
-            raise PoolMismatchError("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
-        self.stop()
-        return self.start(spec)
+        with self.lifecycle_lock:
+            spec = spec or (self.pool.spec if self.pool else None)
+            if spec is None:
+                raise PoolMismatchError("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
+            self.stop()
+            return self._start(spec)
 
     def pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec]) -> WorkerPool:
         """The running pool if it matches `spec` (None: any), else a new one. Never drops state silently."""
+        with self.lifecycle_lock:
+            return self._pool_for(spec, default)
+
+    def _pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec]) -> WorkerPool:
         pool = self.pool
         if pool is not None and pool.state == "broken":
             raise PoolMismatchError(f"the pool is broken ({self._broken_reason()}); "
                                     "`%fsdp2 restart` starts a fresh one (rank state is lost)")
         if pool is None:
-            return self.start(spec or default())
+            return self._start(spec or default())
         if spec is not None and spec != pool.spec:
             raise PoolMismatchError(
                 f"this cell asks for {spec.describe()} but the running pool is {pool.spec.describe()}; "
