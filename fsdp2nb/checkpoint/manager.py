@@ -139,8 +139,10 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 3, async_save: bool = True,
-                 *, async_writer: AsyncWriter = "thread", requests: SaveRequests | None = None) -> None:
-        self.config = CheckpointerConfig(keep=keep, async_save=async_save, async_writer=async_writer)
+                 *, async_writer: AsyncWriter = "thread", checksums: bool = True,
+                 requests: SaveRequests | None = None) -> None:
+        self.config = CheckpointerConfig(keep=keep, async_save=async_save, async_writer=async_writer,
+                                         checksums=checksums)
         self.directory = Path(directory).absolute()
         self.keep, self.async_save, self.async_writer = keep, async_save, async_writer  # read often; validated above
         self._requests = requests if requests is not None else process_requests()
@@ -235,7 +237,7 @@ class Checkpointer:
         self._last_step = step
         rank_state = self._capture_rank_state(tracked, step)
         task = start_state_task("save", f"saving step {step}", state)
-        writer = ShardWriter(job.tmp_dir, task=task)
+        writer = ShardWriter(job.tmp_dir, task=task, checksums=self.config.checksums)
         if not self.async_save:
             with self._abandoned_on_failure(job, task):
                 dcp.save(state, storage_writer=writer, process_group=self._bg_group,
@@ -381,12 +383,11 @@ class Checkpointer:
     def _commit(self, job: _SaveJob, model: nn.Module) -> None:
         """Rank 0 only: metadata, rename into place, LATEST, retention."""
         fault_point("before_metadata", self._rank)
-        metadata = self._metadata(job, model)
-        layout.write_metadata(job.tmp_dir, metadata)
-        missing = layout.missing_files(job.tmp_dir, metadata.world_size)
+        missing = layout.missing_files(job.tmp_dir, self._world_size)
         if missing:  # LATEST must never name a step that cannot be loaded
             raise FileNotFoundError(f"{job.tmp_dir} lacks {', '.join(missing)} (is {self.directory} the same "
                                     "directory on every host?)")
+        layout.write_metadata(job.tmp_dir, self._metadata(job, model, layout.record_files(job.tmp_dir)))
         fault_point("before_rename", self._rank)
         layout.commit_step_dir(self.directory, job.tmp_dir, job.step, job.token)
         fault_point("before_latest", self._rank)
@@ -399,23 +400,27 @@ class Checkpointer:
         if deleted:
             logger.info("retention removed steps %s", deleted)
 
-    def _metadata(self, job: _SaveJob, model: nn.Module) -> CheckpointMetadata:
+    def _metadata(self, job: _SaveJob, model: nn.Module, files: dict[str, list[int | None]]) -> CheckpointMetadata:
         trainable_only = has_frozen_params(model)
         return CheckpointMetadata(
             step=job.step, world_size=self._world_size, wall_time=job.wall_time,
             trainable_only=trainable_only, versions=layout.library_versions(),
-            rebuild=layout.rebuild_info(model) if trainable_only else {},
+            rebuild=layout.rebuild_info(model) if trainable_only else {}, files=files,
         )
 
     # ---- load ----------------------------------------------------------------------------------
 
     def load(self, target: int | str | os.PathLike = "latest") -> int:
-        """Restore "latest", a step, or a step directory's path; returns the step. Collective."""
+        """Restore "latest", a step, or a step directory's path; returns the step. Collective.
+
+        All or nothing, on every rank: before any live tensor is touched, the ranks check each
+        file's size and CRC32 against what the save recorded (each rank reads its share of the
+        files). A damaged step is refused, naming the file; "latest" then takes the newest intact
+        step before it and says so.
+        """
         self.wait()
         tracked = self._require_tracked()
-        step_dir = self._resolve_collectively(target)
-        metadata = layout.read_metadata(step_dir)
-        assert metadata is not None  # _resolve_collectively only returns complete directories
+        step_dir, metadata = self._intact_step_collectively(target)
         rank_state = self._read_rank_state_collectively(step_dir, metadata)
         state = checked_training_state(tracked.model, tracked.optimizer, read_dcp_metadata(step_dir), step_dir)
         task = start_state_task("load", f"loading step {metadata.step}", state)
@@ -432,8 +437,39 @@ class Checkpointer:
         logger.info("loaded checkpoint step %d from %s", metadata.step, step_dir)
         return metadata.step
 
-    def _resolve_collectively(self, target: int | str | os.PathLike) -> Path:
-        """Rank 0 picks the directory and every rank gets the same answer (or the same error)."""
+    def _intact_step_collectively(self, target: int | str | os.PathLike) -> tuple[Path, CheckpointMetadata]:
+        """The step directory to load and its metadata, once every rank found its files intact."""
+        candidates = self._resolve_collectively(target)
+        for number, step_dir in enumerate(candidates):
+            metadata = layout.read_metadata(step_dir)
+            try:
+                self._verify_collectively(step_dir, metadata)
+                return step_dir, metadata
+            except (ValueError, FailedElsewhere) as exc:
+                damage = str(exc)
+            step = layout.parse_step_dir(step_dir.name)
+            if number + 1 == len(candidates):
+                older = " and no older step is intact" if number else ""
+                raise ValueError(f"checkpoint step {step} is damaged: {damage}{older}; nothing was loaded. "
+                                 "Load another step (see list())")
+            if self._rank == 0:
+                logger.warning("checkpoint step %s is damaged (%s); loading step %s, the newest intact one",
+                               step, damage, layout.parse_step_dir(candidates[number + 1].name))
+        raise AssertionError("_resolve_collectively returns at least one directory")
+
+    def _verify_collectively(self, step_dir: Path, metadata: CheckpointMetadata | None) -> None:
+        """Raise on every rank unless every file is whole: sizes checked by all, checksums shared out."""
+        damage = layout.why_incomplete(step_dir, metadata)
+        if damage is None and self.config.checksums:
+            assert metadata is not None
+            share = sorted(metadata.files)[self._rank::self._world_size]
+            damage = layout.checksum_damage(step_dir, metadata, share)
+        error = ValueError(damage) if damage is not None else None
+        all_ranks_succeeded(error, f"checking step {metadata.step if metadata else step_dir.name}", self._fg_group)
+
+    def _resolve_collectively(self, target: int | str | os.PathLike) -> list[Path]:
+        """Rank 0 picks the directories to try, best first, and every rank gets the same answer
+        (or the same error): "latest" may fall back to older steps, anything else names one."""
         if isinstance(target, bool) or not isinstance(target, (int, str, os.PathLike)):
             raise ValueError(f"target={target!r} must be 'latest', a step (int >= 0) or a step directory path")
         if isinstance(target, int):
@@ -441,33 +477,38 @@ class Checkpointer:
         answer: list[Any] = [None]
         if self._rank == 0:
             try:
-                answer = [str(self._resolve(target))]
+                answer = [[str(path) for path in self._resolve(target)]]
             except ValueError as exc:
-                answer = [exc]
+                answer = [str(exc)]
         if self._distributed:
             dist.broadcast_object_list(answer, src=0, group=self._fg_group)
-        if isinstance(answer[0], ValueError):
-            raise ValueError(str(answer[0]))
-        return Path(answer[0])
+        if isinstance(answer[0], str):
+            raise ValueError(answer[0])
+        return [Path(path) for path in answer[0]]
 
-    def _resolve(self, target: int | str | os.PathLike) -> Path:
+    def _resolve(self, target: int | str | os.PathLike) -> list[Path]:
         if target == "latest":
             step = self._latest_valid_step()
             if step is None:
                 raise ValueError(f"no complete checkpoint in {self.directory}")
-            return self.directory / layout.step_dir_name(step)
+            complete = [e for e in layout.list_entries(self.directory) if e.valid and e.step <= step]
+            return [Path(e.path) for e in reversed(complete)]
         if isinstance(target, str) and target.isdigit():
             target = int(target)
         if isinstance(target, int):
             step_dir = self.directory / layout.step_dir_name(target)
-            if not layout.is_complete(step_dir, layout.read_metadata(step_dir)):
+            reason = layout.why_incomplete(step_dir, layout.read_metadata(step_dir))
+            if reason is not None:
                 steps = [e.step for e in layout.list_entries(self.directory) if e.valid]
-                raise ValueError(f"step={target} has no complete checkpoint in {self.directory}; available: {steps}")
-            return step_dir
+                why = f" ({reason})" if step_dir.is_dir() else ""
+                raise ValueError(f"step={target} has no complete checkpoint in {self.directory}{why}; "
+                                 f"available: {steps}")
+            return [step_dir]
         step_dir = Path(target).absolute()
-        if not layout.is_complete(step_dir, layout.read_metadata(step_dir)):
-            raise ValueError(f"path={str(target)!r} is not a complete checkpoint directory")
-        return step_dir
+        reason = layout.why_incomplete(step_dir, layout.read_metadata(step_dir))
+        if reason is not None:
+            raise ValueError(f"path={str(target)!r} is not a complete checkpoint directory ({reason})")
+        return [step_dir]
 
     def _read_rank_state_collectively(self, step_dir: Path, metadata: CheckpointMetadata) -> dict[str, Any]:
         """This rank's file of the step; a rank that cannot read its file fails the load on every
@@ -540,13 +581,16 @@ class Checkpointer:
 
     def _latest_valid_step(self) -> int | None:
         step = layout.read_latest(self.directory)
+        reason = "LATEST is missing or garbled"
         if step is not None:
             step_dir = self.directory / layout.step_dir_name(step)
-            if layout.is_complete(step_dir, layout.read_metadata(step_dir)):
+            damage = layout.why_incomplete(step_dir, layout.read_metadata(step_dir))
+            if damage is None:
                 return step
+            reason = f"LATEST names step {step}, which cannot be loaded ({damage})"
         valid = [e.step for e in layout.list_entries(self.directory) if e.valid]
         if valid:
-            logger.warning("LATEST is missing or names no complete checkpoint; using step %d", valid[-1])
+            logger.warning("%s; using step %d, the newest complete one", reason, valid[-1])
         return valid[-1] if valid else None
 
     # ---- lifecycle -----------------------------------------------------------------------------
