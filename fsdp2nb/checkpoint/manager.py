@@ -50,7 +50,7 @@ from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
 from fsdp2nb.checkpoint.progress_hooks import ProgressLoadPlanner, start_state_task
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
-from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state
+from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state, rng_streams_not_restored
 from fsdp2nb.checkpoint.staging import make_stager
 from fsdp2nb.checkpoint.state import (
     checked_training_state,
@@ -513,9 +513,9 @@ class Checkpointer:
     def _read_rank_state_collectively(self, step_dir: Path, metadata: CheckpointMetadata) -> dict[str, Any]:
         """This rank's file of the step; a rank that cannot read its file fails the load on every
         rank, before the collective load that the others would otherwise wait in."""
-        # A different world size cannot reuse per-rank files: take rank 0's (scheduler and extras
-        # are the same on every rank) and leave the generators as they are.
-        source_rank = self._rank if metadata.world_size == self._world_size else 0
+        # A rank that did not exist at save time takes rank 0's file (scheduler and extras are the
+        # same on every rank) and keeps its own generators (see _restore_rank_state).
+        source_rank = self._rank if self._rank < metadata.world_size else 0
         path = step_dir / layout.rank_file_name(source_rank)
         state, error = None, None
         try:
@@ -538,11 +538,11 @@ class Checkpointer:
                 obj.load_state_dict(rank_state["extra"][name])
             else:
                 logger.warning("checkpoint step %d has no state for %r", metadata.step, name)
-        if metadata.world_size == self._world_size:
+        if self._rank < metadata.world_size:
             restore_rng_state(rank_state["rng"])
-        else:
-            logger.warning("RNG state not restored: saved on %d ranks, loading on %d",
-                           metadata.world_size, self._world_size)
+        unmapped = rng_streams_not_restored(metadata.world_size, self._world_size)
+        if unmapped and self._rank == 0:
+            logger.warning("checkpoint step %d: %s", metadata.step, unmapped)
 
     # ---- inspection --------------------------------------------------------------------------
 
