@@ -51,7 +51,7 @@ from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
 from fsdp2nb.checkpoint.progress_hooks import ProgressLoadPlanner, start_state_task
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
 from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state, rng_streams_not_restored
-from fsdp2nb.checkpoint.staging import make_stager
+from fsdp2nb.checkpoint.staging import StagedSavePlanner, make_stager
 from fsdp2nb.checkpoint.state import (
     checked_training_state,
     get_training_state,
@@ -248,7 +248,7 @@ class Checkpointer:
         with self._abandoned_on_failure(job, task):
             response = dcp.async_save(
                 state, storage_writer=writer, process_group=self._bg_group, async_stager=self._stager,
-                no_dist=not self._distributed,
+                planner=StagedSavePlanner(), no_dist=not self._distributed,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS if use_process else AsyncCheckpointerType.THREAD,
             )
         if isinstance(response, Future):  # staged before async_save returned
