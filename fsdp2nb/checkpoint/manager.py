@@ -82,6 +82,11 @@ class CheckpointSaveError(RuntimeError):
     """A save failed (possibly in the background); raised at the next call of the checkpointer."""
 
 
+class CheckpointLoadError(ValueError):
+    """A load was refused before it changed anything: no such step, or a damaged one. Every rank
+    raises it with the same message."""
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointStatus:
     """A snapshot of a checkpointer for the dashboard; picklable, safe to send between processes."""
@@ -442,30 +447,33 @@ class Checkpointer:
         candidates = self._resolve_collectively(target)
         for number, step_dir in enumerate(candidates):
             metadata = layout.read_metadata(step_dir)
-            try:
-                self._verify_collectively(step_dir, metadata)
+            damage = self._damage_collectively(step_dir, metadata)
+            if damage is None:
+                assert metadata is not None  # a missing one is damage
                 return step_dir, metadata
-            except (ValueError, FailedElsewhere) as exc:
-                damage = str(exc)
             step = layout.parse_step_dir(step_dir.name)
             if number + 1 == len(candidates):
                 older = " and no older step is intact" if number else ""
-                raise ValueError(f"checkpoint step {step} is damaged: {damage}{older}; nothing was loaded. "
+                raise CheckpointLoadError(f"checkpoint step {step} is damaged: {damage}{older}; nothing was loaded. "
                                  "Load another step (see list())")
             if self._rank == 0:
                 logger.warning("checkpoint step %s is damaged (%s); loading step %s, the newest intact one",
                                step, damage, layout.parse_step_dir(candidates[number + 1].name))
         raise AssertionError("_resolve_collectively returns at least one directory")
 
-    def _verify_collectively(self, step_dir: Path, metadata: CheckpointMetadata | None) -> None:
-        """Raise on every rank unless every file is whole: sizes checked by all, checksums shared out."""
+    def _damage_collectively(self, step_dir: Path, metadata: CheckpointMetadata | None) -> str | None:
+        """What is damaged in `step_dir`, the same words on every rank; None when every file is
+        whole. Sizes are checked by every rank, the checksums' reading is shared out."""
         damage = layout.why_incomplete(step_dir, metadata)
         if damage is None and self.config.checksums:
             assert metadata is not None
             share = sorted(metadata.files)[self._rank::self._world_size]
             damage = layout.checksum_damage(step_dir, metadata, share)
-        error = ValueError(damage) if damage is not None else None
-        all_ranks_succeeded(error, f"checking step {metadata.step if metadata else step_dir.name}", self._fg_group)
+        reports = [damage]
+        if self._distributed:
+            reports = [None] * self._world_size
+            dist.all_gather_object(reports, damage, group=self._fg_group)
+        return next((report for report in reports if report is not None), None)
 
     def _resolve_collectively(self, target: int | str | os.PathLike) -> list[Path]:
         """Rank 0 picks the directories to try, best first, and every rank gets the same answer
@@ -483,7 +491,7 @@ class Checkpointer:
         if self._distributed:
             dist.broadcast_object_list(answer, src=0, group=self._fg_group)
         if isinstance(answer[0], str):
-            raise ValueError(answer[0])
+            raise CheckpointLoadError(answer[0])
         return [Path(path) for path in answer[0]]
 
     def _resolve(self, target: int | str | os.PathLike) -> list[Path]:
@@ -525,7 +533,7 @@ class Checkpointer:
         try:
             all_ranks_succeeded(error, "reading the checkpoint", self._fg_group)
         except (ValueError, FailedElsewhere) as exc:
-            raise ValueError(f"checkpoint step {metadata.step} is damaged: {exc}; nothing was loaded. "
+            raise CheckpointLoadError(f"checkpoint step {metadata.step} is damaged: {exc}; nothing was loaded. "
                              "Load another step (see list())") from None
         return state
 
@@ -575,11 +583,13 @@ class Checkpointer:
         cached = self._listing_cache
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]
-        listing = (self._latest_valid_step(), tuple(layout.list_entries(self.directory)))
+        listing = (self._latest_valid_step(warn=False), tuple(layout.list_entries(self.directory)))
         self._listing_cache = (key, listing) if key is not None else None
         return listing
 
-    def _latest_valid_step(self) -> int | None:
+    def _latest_valid_step(self, warn: bool = True) -> int | None:
+        """LATEST's step, or the newest complete one when LATEST names none; `warn` says so in a
+        line (not for the dashboard's polling, which would repeat it outside the cell)."""
         step = layout.read_latest(self.directory)
         reason = "LATEST is missing or garbled"
         if step is not None:
@@ -589,7 +599,7 @@ class Checkpointer:
                 return step
             reason = f"LATEST names step {step}, which cannot be loaded ({damage})"
         valid = [e.step for e in layout.list_entries(self.directory) if e.valid]
-        if valid:
+        if valid and warn:
             logger.warning("%s; using step %d, the newest complete one", reason, valid[-1])
         return valid[-1] if valid else None
 
