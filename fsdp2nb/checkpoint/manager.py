@@ -432,6 +432,11 @@ class Checkpointer:
         try:
             dcp.load(state, checkpoint_id=step_dir, process_group=self._fg_group, no_dist=not self._distributed,
                      planner=ProgressLoadPlanner(task))
+        except (Exception, CheckpointException) as error:  # the files were whole: a read failed (I/O)
+            task.finish(error)
+            raise RuntimeError(f"rank {self._rank}: loading step {metadata.step} failed after its files were "
+                               f"checked: {describe(error)}; the model and optimizer may be partly restored: "
+                               "load a step again before training") from error
         except BaseException as error:
             task.finish(error)
             raise

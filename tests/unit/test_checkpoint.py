@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import time
@@ -522,3 +523,17 @@ def test_checksums_are_recorded_per_file_and_can_be_left_off(tmp_path, trained):
                 assert crc is None
             else:
                 assert crc == file_crc32(step_dir / name)
+
+
+def test_a_checkpoint_without_recorded_sizes_and_checksums_still_loads(tmp_path, trained):
+    model, optimizer = trained
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(1)
+        saved = _snapshot(model)
+        metadata_path = tmp_path / "step-000001" / METADATA_FILE
+        written = json.loads(metadata_path.read_text())
+        del written["files"]  # as written before files were recorded
+        metadata_path.write_text(json.dumps(written))
+        _step(model, optimizer)
+        assert [e.valid for e in ckpt.list()] == [True] and ckpt.load("latest") == 1
+        _assert_unchanged(saved, _snapshot(model))
