@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import logging
 import os
@@ -163,6 +164,9 @@ class Checkpointer:
         self._last_step: int | None = None
         self._lock = threading.Lock()
         self._listing_cache: tuple[tuple, tuple] | None = None  # see _listing
+        # Steps a load found damaged where sizes cannot tell (a same-size overwrite): step ->
+        # (identity of its directory, what is damaged). A new save of the step is a new directory.
+        self._damaged: dict[int, tuple[tuple[int, int], str]] = {}
         self._pending: tuple[int, Future] | None = None
         self._error: BaseException | None = None
         self._last_error_text: str | None = None
@@ -457,6 +461,7 @@ class Checkpointer:
                 assert metadata is not None  # a missing one is damage
                 return step_dir, metadata
             step = layout.parse_step_dir(step_dir.name)
+            self._remember_damage(step_dir, damage)
             if number + 1 == len(candidates):
                 older = " and no older step is intact" if number else ""
                 raise CheckpointLoadError(f"checkpoint step {step} is damaged: {damage}{older}; nothing was loaded. "
@@ -465,6 +470,26 @@ class Checkpointer:
                 logger.warning("checkpoint step %s is damaged (%s); loading step %s, the newest intact one",
                                step, damage, layout.parse_step_dir(candidates[number + 1].name))
         raise AssertionError("_resolve_collectively returns at least one directory")
+
+    def _remember_damage(self, step_dir: Path, damage: str) -> None:
+        """list(), latest() and the dashboard call the step invalid from now on."""
+        identity = _dir_identity(step_dir)
+        step = layout.parse_step_dir(step_dir.name)
+        if identity is not None and step is not None:
+            self._damaged[step] = (identity, damage)
+            self._listing_cache = None
+
+    def _known_damage(self, step: int) -> str | None:
+        """What a load found damaged in `step`'s directory as it is now, or None."""
+        known = self._damaged.get(step)
+        if known is None or known[0] != _dir_identity(self.directory / layout.step_dir_name(step)):
+            return None
+        return known[1]
+
+    def _entries(self) -> list[CheckpointEntry]:
+        """The step directories, with those a load found damaged marked invalid."""
+        return [dataclasses.replace(entry, valid=False) if entry.valid and self._known_damage(entry.step) else entry
+                for entry in layout.list_entries(self.directory)]
 
     def _damage_collectively(self, step_dir: Path, metadata: CheckpointMetadata | None) -> str | None:
         """What is damaged in `step_dir`, the same words on every rank; None when every file is
@@ -504,7 +529,7 @@ class Checkpointer:
             step = self._latest_valid_step()
             if step is None:
                 raise ValueError(f"no complete checkpoint in {self.directory}")
-            complete = [e for e in layout.list_entries(self.directory) if e.valid and e.step <= step]
+            complete = [e for e in self._entries() if e.valid and e.step <= step]
             return [Path(e.path) for e in reversed(complete)]
         if isinstance(target, str) and target.isdigit():
             target = int(target)
@@ -512,7 +537,7 @@ class Checkpointer:
             step_dir = self.directory / layout.step_dir_name(target)
             reason = layout.why_incomplete(step_dir, layout.read_metadata(step_dir))
             if reason is not None:
-                steps = [e.step for e in layout.list_entries(self.directory) if e.valid]
+                steps = [e.step for e in self._entries() if e.valid]
                 why = f" ({reason})" if step_dir.is_dir() else ""
                 raise ValueError(f"step={target} has no complete checkpoint in {self.directory}{why}; "
                                  f"available: {steps}")
@@ -562,7 +587,7 @@ class Checkpointer:
     def list(self) -> tuple[CheckpointEntry, ...]:
         """Every step directory, oldest first, with `valid` telling which can be loaded."""
         self._raise_background_error()
-        return tuple(layout.list_entries(self.directory))
+        return tuple(self._entries())
 
     def latest(self) -> int | None:
         """The step `load("latest")` would restore, or None."""
@@ -588,7 +613,7 @@ class Checkpointer:
         cached = self._listing_cache
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]
-        listing = (self._latest_valid_step(warn=False), tuple(layout.list_entries(self.directory)))
+        listing = (self._latest_valid_step(warn=False), tuple(self._entries()))
         self._listing_cache = (key, listing) if key is not None else None
         return listing
 
@@ -599,11 +624,11 @@ class Checkpointer:
         reason = "LATEST is missing or garbled"
         if step is not None:
             step_dir = self.directory / layout.step_dir_name(step)
-            damage = layout.why_incomplete(step_dir, layout.read_metadata(step_dir))
+            damage = layout.why_incomplete(step_dir, layout.read_metadata(step_dir)) or self._known_damage(step)
             if damage is None:
                 return step
             reason = f"LATEST names step {step}, which cannot be loaded ({damage})"
-        valid = [e.step for e in layout.list_entries(self.directory) if e.valid]
+        valid = [e.step for e in self._entries() if e.valid]
         if valid and warn:
             logger.warning("%s; using step %d, the newest complete one", reason, valid[-1])
         return valid[-1] if valid else None
@@ -701,6 +726,15 @@ def _sweep(directory: Path) -> None:
         layout.recover_and_clean(directory, keep_names=live)
     except OSError as exc:
         logger.warning("could not clean abandoned temporary directories in %s: %s", directory, exc)
+
+
+def _dir_identity(path: Path) -> tuple[int, int] | None:
+    """What changes when a directory is replaced (a new save of its step), or None if it is gone."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_ino, info.st_ctime_ns  # a renamed-in directory has a new ctime, even on a reused inode
 
 
 def _unwritable_error(directory: Path, rank: int) -> OSError | None:

@@ -70,7 +70,7 @@ def test_a_damaged_shard_of_one_rank_is_refused_on_every_rank(tmp_path, how):
         assert result["refusal"] is not None and "step" in result["refusal"] and "2" in result["refusal"]
         assert result["shard"] in result["refusal"]
         assert result["unchanged"]  # on every rank: nothing of step 2 reached the live state
-        assert result["listed"] == [(1, True), (2, how == "overwritten")]
+        assert result["listed"] == [(1, True), (2, False)]  # once refused, listed as damaged
         assert result["loaded"] == 1 and result["at_step1_now"]
 
 

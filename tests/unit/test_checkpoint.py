@@ -493,19 +493,31 @@ def test_a_damaged_step_is_refused_whole_and_latest_takes_the_step_before(tmp_pa
     (shard,) = (tmp_path / "step-000002").glob("*.distcp")
     _damage(shard, how)
     before = _snapshot(model), _optimizer_snapshot(optimizer)
+    # A truncation shows in the listing; a same-size overwrite once a load has read the bytes.
+    assert [(e.step, e.valid) for e in ckpt.list()] == [(1, True), (2, how == "overwritten")]
     with pytest.raises(ValueError, match=rf"step.2 .*{shard.name}") as refused:
         ckpt.load(2)
     assert "\n" not in str(refused.value)
     _assert_unchanged(before[0], _snapshot(model))
     _assert_unchanged(before[1], _optimizer_snapshot(optimizer))
-    # A truncation shows in the listing; a same-size overwrite only when the bytes are read.
-    assert [(e.step, e.valid) for e in ckpt.list()] == [(1, True), (2, how == "overwritten")]
+    assert [(e.step, e.valid) for e in ckpt.list()] == [(1, True), (2, False)] and ckpt.latest() == 1
     caplog.clear()
     assert ckpt.load("latest") == 1
     _assert_unchanged(at_step1[0], _snapshot(model))
     _assert_unchanged(at_step1[1], _optimizer_snapshot(optimizer))
     notes = [r.getMessage() for r in caplog.records if r.levelno >= 30]
     assert len(notes) == 1 and "step 2" in notes[0] and shard.name in notes[0] and "step 1" in notes[0]
+
+
+def test_a_step_found_damaged_is_valid_again_once_saved_again(tmp_path, two_steps):
+    ckpt, model, optimizer, _ = two_steps
+    (shard,) = (tmp_path / "step-000002").glob("*.distcp")
+    _damage(shard, "overwritten")
+    assert ckpt.load("latest") == 1
+    assert [(e.step, e.valid) for e in ckpt.list()] == [(1, True), (2, False)]
+    ckpt.save(2)
+    assert [(e.step, e.valid) for e in ckpt.list()] == [(1, True), (2, True)]
+    assert ckpt.load("latest") == 2
 
 
 def test_checksums_are_recorded_per_file_and_can_be_left_off(tmp_path, trained):
