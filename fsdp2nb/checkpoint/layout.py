@@ -82,7 +82,8 @@ class CheckpointEntry:
     world_size: int | None
     """Ranks that wrote it; None when the metadata is missing."""
     valid: bool
-    """True when metadata, DCP metadata and every rank file are present."""
+    """True when metadata, DCP metadata and every rank file are present, each file at the size
+    written (and, through `Checkpointer.list()`, none found damaged by a load)."""
 
 
 def step_dir_name(step: int) -> str:

@@ -464,8 +464,8 @@ class Checkpointer:
             self._remember_damage(step_dir, damage)
             if number + 1 == len(candidates):
                 older = " and no older step is intact" if number else ""
-                raise CheckpointLoadError(f"checkpoint step {step} is damaged: {damage}{older}; nothing was loaded. "
-                                 "Load another step (see list())")
+                raise CheckpointLoadError(f"checkpoint step {step} is damaged: {damage}{older}; "
+                                          "nothing was loaded. Load another step (see list())")
             if self._rank == 0:
                 logger.warning("checkpoint step %s is damaged (%s); loading step %s, the newest intact one",
                                step, damage, layout.parse_step_dir(candidates[number + 1].name))
@@ -564,7 +564,7 @@ class Checkpointer:
             all_ranks_succeeded(error, "reading the checkpoint", self._fg_group)
         except (ValueError, FailedElsewhere) as exc:
             raise CheckpointLoadError(f"checkpoint step {metadata.step} is damaged: {exc}; nothing was loaded. "
-                             "Load another step (see list())") from None
+                                      "Load another step (see list())") from None
         return state
 
     def _restore_rank_state(self, tracked: _Tracked, rank_state: dict[str, Any],
