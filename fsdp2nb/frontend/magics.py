@@ -22,6 +22,8 @@ _COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load
              "wait", "interrupt")
 _WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load"))
 """Commands that need the ranks, so wait for a background run as a later cell does."""
+_REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError"))
+"""Errors of `%fsdp2 save`/`load` that changed nothing and say what to do: shown without tracebacks."""
 
 
 def _add_pool_options(parser: argparse.ArgumentParser) -> None:
@@ -255,13 +257,26 @@ class FSDP2Magics(Magics):
         return values if options.all else values[reply_ranks[0]]
 
     def _command_save(self, options) -> None:
-        self._run_on_ranks(f"save_checkpoint({options.step!r})")
+        self._run_checkpoint_command(f"save_checkpoint({options.step!r})")
 
     def _command_load(self, options) -> None:
         target = options.target
         if target != "latest" and not (target.isascii() and target.isdigit()):
             raise UsageError(f"%fsdp2 load takes 'latest' or a step number, got {target!r}")
-        self._run_on_ranks(f"load_checkpoint({int(target) if target.isdigit() else repr(target)})")
+        self._run_checkpoint_command(f"load_checkpoint({int(target) if target.isdigit() else repr(target)})")
+
+    def _run_checkpoint_command(self, call: str) -> None:
+        """Save or load on the ranks. No tracked checkpointer, or a step that cannot be loaded
+        (loading changed nothing), is shown as one line, without the ranks' tracebacks."""
+        from fsdp2nb.frontend.render import RankError
+
+        try:
+            self._run_on_ranks(call)
+        except RankError as error:
+            refused = [info for _, info in error.errors if info.ename in _REFUSALS_IN_ONE_LINE]
+            if refused:
+                raise UsageError(refused[0].evalue) from None
+            raise
 
     def _command_wait(self, options) -> None:
         self._background_runs().find(options.name).wait()
