@@ -13,6 +13,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_exp
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
+from fsdp2nb.frontend.render import notebook_color_scheme
 from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list, spec_from_options
@@ -181,8 +182,9 @@ class FSDP2Magics(Magics):
         transformed = transform_and_check(code)
         count = notebook_execution_count()
         run = BackgroundRun(ranks=ranks, execution_count=count, name=options.name)
+        scheme = notebook_color_scheme()
         start_background_run(self.session, pool, ranks, lambda cell_id: RunCell(
-            cell_id=cell_id, code=code, transformed=transformed, execution_count=count), run)
+            cell_id=cell_id, code=code, transformed=transformed, execution_count=count, color_scheme=scheme), run)
         if options.name:
             self.shell.user_ns[options.name] = run
         return run
