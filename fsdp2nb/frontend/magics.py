@@ -62,7 +62,8 @@ def _line_parsers() -> dict[str, MagicArgumentParser]:
     _add_pool_options(parsers["start"])
     _add_pool_options(parsers["restart"])
     parsers["push"].add_argument("names", nargs="+", metavar="NAME")
-    parsers["pull"].add_argument("names", nargs="+", metavar="NAME")
+    parsers["pull"].add_argument("names", nargs="+", metavar="NAME",
+                                 help="defined in the notebook; used as a value (y = %%fsdp2 pull x), returned")
     target = parsers["pull"].add_mutually_exclusive_group()
     target.add_argument("--rank", type=int, default=None, help="the rank to pull from (default 0)")
     target.add_argument("--all", action="store_true", help="pull from every rank: a dict rank -> value")
@@ -123,15 +124,16 @@ class FSDP2Magics(Magics):
             %fsdp2 pull w --rank 1                  # from rank 1 (a DTensor arrives whole)
             %fsdp2 pull loss --all                  # loss = {rank: value}
             w1 = %fsdp2 pull w --rank 1             # a value: returned, no notebook name is set
-
-        `pull` on a line of its own defines the names, as `push` does on the ranks; used as a
-        value (`y = %fsdp2 pull NAME`, several names give a tuple) it only returns them.
             %fsdp2 save [STEP]                      # save through the ranks' tracked Checkpointer
             %fsdp2 load [STEP|latest]               # restore model, optimizer, RNG and step
             %fsdp2 dashboard                        # show the live dashboard (again)
             df = %fsdp2 metrics                     # what fsdp2nb.log recorded, as a table
             %fsdp2 restart [--cpu 2]                # fresh pool, rank state is lost
             %fsdp2 stop
+
+        `pull` on a line of its own defines the names in the notebook, as `push` does on the
+        ranks; used as a value (`y = %fsdp2 pull NAME`; several names give a tuple) it returns
+        the value and sets no name.
         """
         try:
             line = self._expand_variables(line)
@@ -271,7 +273,7 @@ class FSDP2Magics(Magics):
             return None
         return values[options.names[0]] if len(values) == 1 else tuple(values.values())
 
-    def _pull_one(self, pool: WorkerPool, name: str, reply_ranks: tuple[int, ...], every_rank: bool):
+    def _pull_one(self, pool: WorkerPool, name: str, reply_ranks: tuple[int, ...], every_rank: bool) -> object:
         payloads = self.session.pull(pool, name, reply_ranks)
         values = {rank: pickle.loads(payload) for rank, payload in payloads.items()}
         return values if every_rank else values[reply_ranks[0]]
