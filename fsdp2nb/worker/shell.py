@@ -99,10 +99,14 @@ class RankShell(InteractiveShell):
 
     def showtraceback(self, exc_tuple=None, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
         """IPython's, without the frames of the rank's own SIGINT handling: an interrupted cell
-        shows the user's line where it stopped, as a plain cell does."""
-        etype, value, traceback = exc_tuple or sys.exc_info()
-        if etype is not None and issubclass(etype, KeyboardInterrupt):
-            exc_tuple = (etype, value, _without_sigint_handler(traceback))
+        shows the user's line where it stopped, as a plain cell does (also where the interrupt
+        is the cause or context of another error)."""
+        error, seen = (exc_tuple or sys.exc_info())[1], set()
+        while isinstance(error, BaseException) and id(error) not in seen:
+            seen.add(id(error))
+            if isinstance(error, KeyboardInterrupt):
+                _cut_at_sigint_handler(error.__traceback__)
+            error = error.__cause__ or error.__context__
         super().showtraceback(exc_tuple, *args, **kwargs)
 
     def _showtraceback(self, etype, evalue, stb: list[str]) -> None:
@@ -111,15 +115,15 @@ class RankShell(InteractiveShell):
         )
 
 
-def _without_sigint_handler(traceback: types.TracebackType | None) -> types.TracebackType | None:
-    """`traceback` cut where the rank's SIGINT handler begins (entries are outermost first)."""
+def _cut_at_sigint_handler(traceback: types.TracebackType | None) -> None:
+    """Drop the entries of `traceback` from where the rank's SIGINT handler begins (entries run
+    outermost first; the handler's frames sit on top of the frame it interrupted)."""
     entry = traceback
     while entry is not None and entry.tb_next is not None:
         if entry.tb_next.tb_frame.f_code in _SIGINT_HANDLER_CODES:
             entry.tb_next = None
-            break
+            return
         entry = entry.tb_next
-    return traceback
 
 
 def make_shell(namespace: dict, sink: RichSink) -> RankShell:
