@@ -18,7 +18,8 @@ def shell():
 
     shell.register_magic_function(probe, "line", "probe")
     shell.seen = seen
-    return shell
+    yield shell
+    InteractiveShell.clear_instance()  # later tests expect no shell
 
 
 @pytest.mark.parametrize(("cell", "discarded"), [
