@@ -198,6 +198,14 @@ class CellSyntaxError(Exception):
         return [line.rstrip("\n") for line in lines] + ["(the cell ran on no rank)"]
 
 
+def notebook_color_scheme() -> str | None:
+    """The kernel's IPython colour scheme (`%colors`), for the ranks to colour tracebacks alike:
+    a scheme meant for a dark terminal ("linux") prints names near-white on a light theme."""
+    from IPython.core.getipython import get_ipython
+
+    return getattr(get_ipython(), "colors", None)
+
+
 def _without_cell_numbers(traceback_lines: tuple[str, ...]) -> tuple[str, ...]:
     # Ranks number their cells alike, but a rank that joined later would differ: ignore `In[n]`.
     import re

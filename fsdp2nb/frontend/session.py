@@ -20,6 +20,7 @@ from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_
 from fsdp2nb.frontend.render import (
     RankError,
     StreamMerger,
+    notebook_color_scheme,
     rank_exit_error,
     show_display,
     show_held_output,
@@ -158,9 +159,9 @@ class NotebookSession:
     def run_cell(self, pool: WorkerPool, code: str, ranks: tuple[int, ...]) -> None:
         """Run `code` on `ranks`, streaming output; raises RankError if any rank raised."""
         transformed = transform_and_check(code)
-        count = notebook_execution_count()
+        count, scheme = notebook_execution_count(), notebook_color_scheme()
         self.run_request(pool, ranks, lambda cell_id: RunCell(cell_id=cell_id, code=code, transformed=transformed,
-                                                              execution_count=count))
+                                                              execution_count=count, color_scheme=scheme))
 
     def push(self, pool: WorkerPool, payload: bytes) -> None:
         self.run_request(pool, tuple(range(pool.world_size)),

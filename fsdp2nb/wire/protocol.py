@@ -39,6 +39,9 @@ class RunCell:
     """`code` after IPython's input transformations (magics, `!`), when the kernel did them."""
     execution_count: int | None = None
     """The notebook cell's number, so rank tracebacks say `In[N]` as the notebook does."""
+    color_scheme: str | None = None
+    """The notebook's IPython colour scheme (`InteractiveShell.colors`), so rank tracebacks are
+    coloured as a plain cell's and stay readable on the notebook's light or dark theme."""
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,8 @@ class Rank:
 
     def _handle(self, request: RunCell | PushValues | PullValue) -> CellFinished:
         if isinstance(request, RunCell):
-            error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count)
+            error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count,
+                                   request.color_scheme)
             return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
         if isinstance(request, PushValues):
             return self._push(request)
