@@ -46,7 +46,12 @@ def _parser(prog: str, description: str) -> MagicArgumentParser:
 def _cell_options(line: str) -> argparse.Namespace:
     """The options of a `%%fsdp2` line; a notebook repeats a few lines, so each is parsed once
     (argparse is a good part of an empty cell's cost). Callers only read the result."""
-    return _cell_parser().parse_args(shlex.split(line))
+    return _cell_parser().parse_args(split_magic_line(line))
+
+
+def split_magic_line(line: str) -> list[str]:
+    """The words of a magic's line; a trailing `# comment` is not an argument, as in Python."""
+    return shlex.split(line, comments=True)
 
 
 @functools.cache
@@ -218,7 +223,7 @@ class FSDP2Magics(Magics):
     # --- %fsdp2 COMMAND -----------------------------------------------------------------------
 
     def _run_command(self, line: str):
-        words = shlex.split(line)
+        words = split_magic_line(line)
         if not words or words[0] not in _COMMANDS:
             given = f"'{words[0]}'" if words else "nothing"
             raise UsageError(f"%fsdp2 takes one of {', '.join(_COMMANDS)}, got {given}; see %fsdp2?")
