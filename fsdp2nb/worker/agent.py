@@ -109,7 +109,9 @@ class Agent:
         self.stopping = False
         self.stop_requested = False
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Returns the agent's exit code: 143 (as for SIGTERM) when asked to stop, so the kernel
+        can tell a SIGTERM it did not send (a rank's code, another process) from ranks that ended."""
         for rank_plan in self.plan.ranks:
             held = [fd for fds in self.pipes_by_pid.values() for fd in fds]
             pid, self.pipes_by_pid[pid] = _fork_rank(self.plan, rank_plan, self.key, held)
@@ -121,6 +123,7 @@ class Agent:
             self._watch()
         finally:
             self.channels.close()
+        return 128 + signal.SIGTERM if self.stop_requested else 0
 
     def _watch(self) -> None:
         wakeups = _Wakeups(self.plan.kernel_pid)
@@ -226,7 +229,7 @@ def _log_tail(path: str) -> tuple[str, ...]:
 def main() -> None:
     plan, key = read_launch_request(sys.stdin)
     _preload()
-    Agent(plan, key).run()
+    sys.exit(Agent(plan, key).run())
 
 
 if __name__ == "__main__":
