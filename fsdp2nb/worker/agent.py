@@ -132,6 +132,9 @@ class Agent:
             if (kernel_gone or self.stop_requested) and not self.stopping:
                 self._stop()
             self._reap_exited()
+            if not self.ranks_by_pid:
+                break  # the last rank ended: nothing left to wait for (an endless wait here kept a
+                # politely stopped pool's agent alive until the kernel's grace period ran out)
             if self.stopping:  # the kernel's pidfd may stay readable: no waiting on it
                 time.sleep(_WATCH_INTERVAL_S)
             else:

@@ -12,7 +12,7 @@ import pytest
 def _agent_pid(kernel) -> int:
     run = kernel.execute("%%fsdp2 --ranks 0\nimport os\nprint(os.getppid())")
     assert run.status == "ok", run.traceback_text
-    return int(run.stdout.strip())
+    return int(run.stdout.split()[-1])
 
 
 def _rank_pids(kernel) -> list[int]:
