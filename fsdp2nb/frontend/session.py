@@ -197,7 +197,10 @@ class NotebookSession:
         # the pool's receiving thread would cost each reply a thread wake-up.
         with sigint_noted() as stop_button, pool.events_read_here():
             # Sent first: what follows runs while the ranks wake up.
-            pool.send(ranks, request)
+            try:
+                pool.send(ranks, request)
+            except ConnectionError as error:  # a rank gone between cells, its end not yet reported
+                self._after_unreachable_rank(pool, ranks, error)
             progress = CellProgress(ranks=ranks, finished={}, errors=[], results=[])
             pool.busy_ranks.update(ranks)
             merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
@@ -357,6 +360,15 @@ class NotebookSession:
                   for rank in progress.running]
         note = self._restart_after_failure(pool.spec, reason)
         raise RankError(progress.errors + errors, pool.world_size, notes=(note,))
+
+    def _after_unreachable_rank(self, pool: WorkerPool, ranks: tuple[int, ...], error: ConnectionError) -> None:
+        """A request could not reach a rank: its process is gone (the agent may still be ending
+        the others). Nothing ran for certain, so start afresh and say what was found."""
+        pool.check_agent()
+        reason = pool.broken_reason or str(error)
+        note = self._restart_after_failure(pool.spec, f"the cell could not reach its ranks ({reason})")
+        raise RankError([(ranks[0], ErrorInfo("RankDied", f"could not be reached: {reason}", ()))],
+                        pool.world_size, notes=(note,))
 
     @staticmethod
     def _after_collective_timeout(pool: WorkerPool, progress: CellProgress) -> tuple[str, ...]:

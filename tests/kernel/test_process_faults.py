@@ -84,7 +84,7 @@ def test_agent_dying_mid_cell_ends_the_cell_and_restarts_the_pool(kernel, signum
     agent = _agent_pid(kernel)
     code = (f"%%fsdp2\nimport os, time\nkept = 1\nif rank == 0:\n    os.kill(os.getppid(), {int(signum)})\n"
             "time.sleep(60)")
-    run = kernel.execute(code, timeout=60)
+    run = kernel.execute(code, timeout=120)
     assert run.status == "error"
     text = run.traceback_text
     assert f"the host agent (pid {agent}) {how}" in text, text
@@ -106,6 +106,22 @@ def test_agent_killed_while_idle_is_reported_and_the_next_cell_restarts(kernel):
     assert run.stdout == "[all] fresh\n"
     assert "while the pool was idle" in run.stderr and "the pool was restarted" in run.stderr
     assert "BrokenPipeError" not in run.stderr
+
+
+def test_rank_gone_unreported_fails_the_next_cell_plainly(kernel):
+    ranks, agent = _rank_pids(kernel), _agent_pid(kernel)
+    os.kill(agent, signal.SIGSTOP)  # it can neither collect the rank nor report its end
+    try:
+        os.kill(ranks[1], signal.SIGKILL)
+        run = kernel.execute("%%fsdp2\nprint('ran')", timeout=120)
+    finally:
+        if psutil.pid_exists(agent):
+            os.kill(agent, signal.SIGCONT)
+    assert run.status == "error"
+    text = run.traceback_text
+    assert "could not be reached" in text and "the pool was restarted" in text, text
+    assert "Traceback" not in text and "BrokenPipeError" not in text
+    assert kernel.execute("%%fsdp2\nprint('fresh')").stdout == "[all] fresh\n"
 
 
 # --- a rank closing its own output ----------------------------------------------------------------
