@@ -276,8 +276,11 @@ class WaitingLine:
         self._text = ""
 
     def show(self, elapsed_s: float, ranks: tuple[int, ...], activity: dict[int, RankActivity],
-             finished: set[int]) -> None:
+             finished: set[int], timeout_s: float | None = None) -> None:
         text = f"waiting {elapsed_s:.0f} s: " + "; ".join(self._describe(ranks, activity, finished))
+        if timeout_s is not None and any(a.collective for r, a in activity.items() if r not in finished):
+            text += (f" (a collective times out after {timeout_s:g} s, `--timeout` sets it; "
+                     "the stop button ends the wait)")
         if text == self._text:
             return
         self._text = text

@@ -219,7 +219,7 @@ class NotebookSession:
                     progress.waiting_line.close()
         show_results(progress.results, pool.world_size)
         if progress.errors:
-            raise RankError(progress.errors, pool.world_size, notes=self._after_collective_timeout(pool, progress))
+            raise RankError(progress.errors, pool.world_size, notes=self.after_collective_timeout(pool, progress))
         return progress
 
     def wait(self, pool: WorkerPool, cell_id: int, progress: CellProgress, merger: StreamMerger,
@@ -326,7 +326,10 @@ class NotebookSession:
             merger.flush()  # what the ranks printed comes before the line
             progress.waiting_line = WaitingLine(world_size)
         progress.waiting_line.show(time.monotonic() - progress.started_at, progress.ranks, progress.activity,
-                                   finished=set(progress.finished))
+                                   finished=set(progress.finished), timeout_s=self._collective_timeout_s())
+
+    def _collective_timeout_s(self) -> float | None:
+        return self.pool.spec.collective_timeout_s if self.pool is not None else None
 
     def _recover(self, pool: WorkerPool, progress: CellProgress, merger: StreamMerger, why: str) -> None:
         """Replace a pool whose ranks are stuck, then end the cell saying that state was lost."""
@@ -371,8 +374,9 @@ class NotebookSession:
                         pool.world_size, notes=(note,))
 
     @staticmethod
-    def _after_collective_timeout(pool: WorkerPool, progress: CellProgress) -> tuple[str, ...]:
-        """A collective that timed out leaves the process group unusable: mark the pool broken and say so."""
+    def after_collective_timeout(pool: WorkerPool, progress: CellProgress) -> tuple[str, ...]:
+        """A collective that timed out leaves the process group unusable: mark the pool broken;
+        the notes for the cell's error (none if no collective timed out)."""
         timed_out = sorted(rank for rank, error in progress.errors if _is_collective_timeout(error))
         if not timed_out:
             return ()
