@@ -296,6 +296,9 @@ class WaitingLine:
         groups: dict[str, list[int]] = {}
         for rank in ranks:
             groups.setdefault(self._one_rank(rank, activity.get(rank), finished), []).append(rank)
+        left_out = [rank for rank in range(self._world_size) if rank not in ranks]
+        if left_out:  # `--ranks`: a collective there waits for ranks that never enter it
+            groups["not running this cell"] = left_out
         return [f"{rank_label(members, self._world_size) or '[rank 0]'} {what}" for what, members in groups.items()]
 
     @staticmethod

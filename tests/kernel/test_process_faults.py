@@ -58,15 +58,18 @@ def test_waiting_cell_shows_where_each_rank_is(kernel):
 
 
 def test_collective_timeout_marks_the_pool_broken_until_restarted(kernel):
-    assert kernel.execute("%fsdp2 restart --cpu 2 --timeout 4").status == "ok"
+    # Longer than the quiet time after which the waiting line appears, so that it shows first.
+    assert kernel.execute("%fsdp2 restart --cpu 2 --timeout 10").status == "ok"
     try:
         run = kernel.execute("%%fsdp2 --ranks 1\nt = torch.ones(1)\ndist.all_reduce(t)", timeout=120)
         assert run.status == "error"
         text = run.traceback_text
-        assert "a collective timed out on rank(s) 1 after 4 s" in text, text
+        assert "a collective timed out on rank(s) 1 after 10 s" in text, text
+        line = [m["content"]["data"]["text/plain"] for m in run.messages if m["msg_type"] == "display_data"]
+        assert line and "[1] in all_reduce at In[" in line[0] and "[0] not running this cell" in line[0], line
         assert "`%fsdp2 restart`" in text and "--timeout SECONDS" in text
         status = kernel.execute("%fsdp2 status").stdout
-        assert "(broken: a collective timed out on rank(s) 1 after 4 s)" in status, status
+        assert "(broken: a collective timed out on rank(s) 1 after 10 s)" in status, status
         refused = kernel.execute("%%fsdp2\nprint('ran')")
         assert refused.status == "error" and "ran" not in refused.stdout
         assert "`%fsdp2 restart` starts a fresh one" in refused.traceback_text + refused.stderr
