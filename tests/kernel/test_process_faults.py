@@ -116,6 +116,7 @@ def test_rank_gone_unreported_fails_the_next_cell_plainly(kernel):
     os.kill(agent, signal.SIGSTOP)  # it can neither collect the rank nor report its end
     try:
         os.kill(ranks[1], signal.SIGKILL)
+        _until_dead(ranks[1])  # gone before the cell is sent, as a rank that died between cells
         run = kernel.execute("%%fsdp2\nprint('ran')", timeout=120)
     finally:
         if psutil.pid_exists(agent):
