@@ -86,6 +86,8 @@ class CellProgress:
     activity: dict[int, RankActivity] = field(default_factory=dict)
     """Where each rank was when last asked (RankActivity), while the cell waited."""
     waiting_line: WaitingLine | None = None
+    diverged_at: float | None = None
+    """When the ranks were first seen at diverging points (see _ranks_diverge)."""
 
     @property
     def running(self) -> list[int]:
@@ -331,12 +333,19 @@ class NotebookSession:
                 pass
 
     def _show_waiting_line(self, progress: CellProgress, merger: StreamMerger, world_size: int) -> None:
-        """Shown once a rank waits in a collective or others have finished: the case of a
-        collective that not every rank entered. A rank merely computing quietly shows nothing."""
+        """Shown once the ranks' positions diverge in two samples running: some finished while others
+        go on, or a rank waits in a collective that others are not in (ranks left out by `--ranks`
+        included). Ranks computing quietly, or all in the same collective, show nothing."""
         running = progress.running
-        in_collective = any(progress.activity[r].collective for r in running if r in progress.activity)
-        if not (in_collective or progress.finished) or not running:
+        if not running:
             return
+        if not _ranks_diverge(progress, world_size):
+            progress.diverged_at = None
+            return
+        now = time.monotonic()
+        progress.diverged_at = progress.diverged_at or now
+        if progress.waiting_line is None and now - progress.diverged_at < _ACTIVITY_INTERVAL_S:
+            return  # one sample can catch ranks of a healthy loop at different points; wait for the next
         if progress.waiting_line is None:
             merger.flush()  # what the ranks printed comes before the line
             progress.waiting_line = WaitingLine(world_size)
@@ -425,3 +434,13 @@ def _is_collective_timeout(error: ErrorInfo) -> bool:
     text = error.evalue.lower()
     return (error.ename.startswith("Dist") or error.ename == "RuntimeError") and ("timed out" in text
                                                                                  or "timeout" in text)
+
+
+def _ranks_diverge(progress: CellProgress, world_size: int) -> bool:
+    """Whether the ranks are where a collective not every rank entered leaves them."""
+    if progress.finished:
+        return True
+    collectives = {progress.activity[r].collective if r in progress.activity else None for r in progress.running}
+    if collectives == {None}:
+        return False
+    return len(collectives) > 1 or len(progress.ranks) < world_size

@@ -57,6 +57,18 @@ def test_waiting_cell_shows_where_each_rank_is(kernel):
     assert kernel.execute("%%fsdp2\nprint('kept' in globals())").stdout == "[all] False\n"
 
 
+def test_a_quiet_loop_of_collectives_shows_no_waiting_line(kernel):
+    """Every rank in the same collective, over and over, is a loop at work, not a hang."""
+    code = ("%%fsdp2\nimport time\nt = torch.ones(2_000_000)\n"
+            "for _ in range(2000):  # a count, not a deadline: every rank makes the same calls\n"
+            "    dist.all_reduce(t)\n")
+    run = kernel.execute(code, timeout=120)
+    assert run.status == "ok", run.traceback_text
+    shown = [m["content"]["data"].get("text/plain", "") for m in run.messages
+             if m["msg_type"] in ("display_data", "update_display_data")]
+    assert not any("waiting" in text for text in shown), shown
+
+
 def test_collective_timeout_marks_the_pool_broken_until_restarted(kernel):
     # Longer than the quiet time after which the waiting line appears, so that it shows first.
     assert kernel.execute("%fsdp2 restart --cpu 2 --timeout 10").status == "ok"
