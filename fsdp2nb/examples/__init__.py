@@ -32,23 +32,27 @@ def sample_text() -> str:
     return " ".join(text.split())
 
 
-def save_tiny_llama(directory: str | os.PathLike, *, hidden_size: int = 128, num_hidden_layers: int = 2,
-                    seed: int = 0) -> Path:
-    """Save a randomly initialised Llama-style model and a character tokenizer under `directory`.
-
-    The tokenizer maps each printable ASCII character to one id, so any English text can be
-    trained on and generated without a download.
-    """
-    import torch
+def char_tokenizer() -> Any:
+    """A tokenizer built in memory that gives each printable ASCII character one id (3-98; 0-2 are
+    <pad>, <s> and </s>), so any English text can be trained on and generated without a download."""
     from tokenizers import decoders
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as transformers_logging
 
     from fsdp2nb.testing.tiny_models import make_tiny_tokenizer
 
-    transformers_logging.disable_progress_bar()  # a progress bar for one small file is noise
-    tokenizer = make_tiny_tokenizer(vocab_size=3 + 96)  # <pad> <s> </s>, then ' ' to '~' and DEL
+    tokenizer = make_tiny_tokenizer(vocab_size=3 + 96)  # ' ' to '~', and DEL
     tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # decode "Th" as "Th", not "T h"
+    return tokenizer
+
+
+def save_tiny_llama(directory: str | os.PathLike, *, hidden_size: int = 128, num_hidden_layers: int = 2,
+                    seed: int = 0) -> Path:
+    """Save a randomly initialised Llama-style model and `char_tokenizer()` under `directory`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a progress bar for one small file is noise
+    tokenizer = char_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 8 // 3,
         num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
