@@ -107,6 +107,7 @@ from fsdp2nb.examples import setup_training
 run = setup_training(model_dir, ckpt_dir)
 resumed_step = run.ckpt.load("latest")
 if rank == 0:
+    print("checkpoints:", [entry.step for entry in run.ckpt.list()], "LATEST:", run.ckpt.latest())
     print(f"resumed from {ckpt_dir} at step {resumed_step}")""", "resume"),
     ("markdown", """## Export for Hugging Face
 
@@ -121,8 +122,8 @@ if rank == 0:
 
 The export is an ordinary Hugging Face directory: `from_pretrained` loads it in this kernel, with no
 ranks involved (peft's `AutoPeftModelForCausalLM` puts the adapter on its base model). A model of
-this size, trained for 40 steps, has learned which letters and short words the story uses, not
-sentences."""),
+this size, trained for 40 steps, has learned which letters the story uses and how often, and its
+most frequent word: greedy decoding (the likeliest character each time) repeats that word."""),
     ("code", """from peft import AutoPeftModelForCausalLM
 from transformers import AutoTokenizer
 
@@ -155,8 +156,8 @@ from fsdp2nb.examples import save_tiny_llama
 workdir = Path(tempfile.mkdtemp(prefix="fsdp2nb-checkpoints-"))
 model_dir = save_tiny_llama(workdir / "tiny-llama")
 ckpt_dir = workdir / "checkpoints"
-export_dir = workdir / "export\""""),
-    ("code", "%fsdp2 start --cpu 2\n%fsdp2 push model_dir ckpt_dir export_dir", "start"),
+export_dir, merged_export_dir = workdir / "export", workdir / "export-merged\""""),
+    ("code", "%fsdp2 start --cpu 2\n%fsdp2 push model_dir ckpt_dir export_dir merged_export_dir", "start"),
     ("markdown", """`keep=2` keeps the two newest steps; `async_save=True` (the default) lets training go on
 while the files are written. `run.train_step(batch, step)` is one step: forward, backward, clipping,
 optimizer step, `fsdp2nb.log` of the loss."""),
@@ -215,9 +216,8 @@ if rank == 0:
 
 A distributed checkpoint records every tensor whole, with where each rank's shard belongs, so it
 loads on any number of ranks: here the 2 ranks' checkpoint is resumed on 1. The random state is
-per rank, so it is restored only on the same number of ranks (a warning in the rank's log
-says so)."""),
-    ("code", "%fsdp2 restart --cpu 1\n%fsdp2 push model_dir ckpt_dir export_dir"),
+per rank, so it is restored only on the same number of ranks (the cell says so)."""),
+    ("code", "%fsdp2 restart --cpu 1\n%fsdp2 push model_dir ckpt_dir export_dir merged_export_dir"),
     ("code", """%%fsdp2
 from fsdp2nb.examples import sample_text, setup_training, text_batches
 
@@ -228,19 +228,19 @@ print(f"resumed step {resumed_step} on {world_size} rank; one more step: loss {l
     ("markdown", """## Export for Hugging Face
 
 `run.engine.save_model` writes the LoRA adapter in Hugging Face format (the dashboard's
-**Export HF** does the same for the tracked model). `export_hf_model(..., merge_lora=True)` also
-writes the model with the adapter merged into its weights, under `merged/`, loadable without
-peft."""),
+**Export HF** does the same for the tracked model). `export_hf_model(..., merge_lora=True)` writes
+the adapter too, and under `merged/` the model with the adapter merged into its weights, which
+`from_pretrained` loads without peft."""),
     ("code", """%%fsdp2
 from fsdp2nb.checkpoint import export_hf_model
 
 run.engine.save_model(run.model, export_dir, run.tokenizer)
-export_hf_model(run.model, export_dir / "merged-only", merge_lora=True)
-print("adapter:", sorted(p.name for p in export_dir.iterdir() if p.is_file()))
-print("merged:", sorted(p.name for p in (export_dir / "merged-only" / "merged").iterdir()))""", "export"),
+export_hf_model(run.model, merged_export_dir, merge_lora=True)
+print("adapter:", sorted(p.name for p in export_dir.iterdir()))
+print("merged:", sorted(p.name for p in (merged_export_dir / "merged").iterdir()))""", "export"),
     ("code", """from transformers import AutoModelForCausalLM
 
-merged = AutoModelForCausalLM.from_pretrained(export_dir / "merged-only" / "merged")
+merged = AutoModelForCausalLM.from_pretrained(merged_export_dir / "merged")
 print(f"loaded with from_pretrained: {type(merged).__name__}, {merged.num_parameters():,} parameters")"""),
     ("code", "%fsdp2 stop"),
 ]

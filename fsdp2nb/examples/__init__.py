@@ -18,6 +18,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+# peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps or loads a model: a
+# warning for peft's authors, not for whoever runs the examples (ranks and kernel alike).
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
 SAMPLE_TEXT_FILE = "keeper.txt"
 """A short story written for these examples (about 3.5 KB of plain ASCII)."""
 
@@ -33,13 +37,13 @@ def sample_text() -> str:
 
 
 def char_tokenizer() -> Any:
-    """A tokenizer built in memory that gives each printable ASCII character one id (3-98; 0-2 are
+    """A tokenizer built in memory that gives each printable ASCII character one id (3-97; 0-2 are
     <pad>, <s> and </s>), so any English text can be trained on and generated without a download."""
     from tokenizers import decoders
 
     from fsdp2nb.testing.tiny_models import make_tiny_tokenizer
 
-    tokenizer = make_tiny_tokenizer(vocab_size=3 + 96)  # ' ' to '~', and DEL
+    tokenizer = make_tiny_tokenizer(vocab_size=3 + 95)  # ' ' to '~'
     tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # decode "Th" as "Th", not "T h"
     return tokenizer
 
@@ -110,8 +114,6 @@ def setup_training(model_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     import fsdp2nb
     from fsdp2nb.engine.engine import current_device
 
-    # peft reads transformers' deprecated `is_gradient_checkpointing`; the warning is not for the user.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
     precision = "bf16" if current_device().type == "cuda" else "fp32"
     engine = fsdp2nb.FSDP2Engine(mixed_precision=precision, offload_params=offload_params)
