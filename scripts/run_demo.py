@@ -8,12 +8,15 @@ The ranks are the machine's GPUs, or 2 CPU ranks without one. Nothing is downloa
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import nbformat
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -27,15 +30,20 @@ def execute(path: Path, out_path: Path | None = None) -> tuple[nbformat.Notebook
     NAME.out.ipynb beside it) even when a cell fails."""
     notebook = nbformat.read(path, as_version=4)
     out_path = out_path or path.with_suffix(".out.ipynb")
-    client = NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
     error = None
-    try:
-        client.execute()
-    except CellExecutionError as failure:
-        error = failure
-    finally:
-        nbformat.write(notebook, out_path)
+    # The kernel listens on Unix sockets in a private directory, not on TCP ports of localhost.
+    with tempfile.TemporaryDirectory(prefix="fsdp2nb-kernel-") as sockets:
+        kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
+        client = NotebookClient(notebook, km=kernel, timeout=CELL_TIMEOUT_S,
+                                resources={"metadata": {"path": str(path.parent)}})
+        try:
+            client.execute()
+        except CellExecutionError as failure:
+            error = failure
+        finally:
+            nbformat.write(notebook, out_path)
+            if kernel.has_kernel:  # a kernel manager handed to nbclient is ours to shut down
+                kernel.shutdown_kernel(now=True)
     return notebook, out_path, error
 
 

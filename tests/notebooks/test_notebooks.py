@@ -11,7 +11,7 @@ import pytest
 from fsdp2nb.examples import save_tiny_llama
 from fsdp2nb.testing.kernel_client import WITHOUT_GPUS
 from scripts.make_notebooks import NOTEBOOKS, build
-from scripts.run_demo import execute, quickstart_facts, tagged_text
+from scripts.run_demo import execute, main, quickstart_facts, tagged_text
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 
@@ -40,6 +40,11 @@ def test_committed_notebooks_are_the_generated_ones():
         committed = nbformat.read(NOTEBOOKS_DIR / name, as_version=4)
         assert committed == build(cells), f"notebooks/{name} differs: run python scripts/make_notebooks.py"
         assert not any(cell.get("outputs") for cell in committed.cells), f"{name} was committed with outputs"
+
+
+def test_run_demo_refuses_a_path_without_a_notebook(tmp_path, capsys):
+    assert main([str(tmp_path / "missing.ipynb")]) == 2
+    assert capsys.readouterr().err.startswith(f"no notebook at {tmp_path / 'missing.ipynb'}; ")
 
 
 @pytest.mark.timeout(900)
