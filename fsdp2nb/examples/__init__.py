@@ -114,7 +114,6 @@ def setup_training(model_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     import fsdp2nb
     from fsdp2nb.engine.engine import current_device
 
-
     precision = "bf16" if current_device().type == "cuda" else "fp32"
     engine = fsdp2nb.FSDP2Engine(mixed_precision=precision, offload_params=offload_params)
     model, tokenizer = fsdp2nb.load_model(model_dir, lora=lora_config() if lora else None, engine=engine)
