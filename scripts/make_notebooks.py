@@ -215,8 +215,9 @@ if rank == 0:
     ("markdown", """## Resume on fewer ranks
 
 A distributed checkpoint records every tensor whole, with where each rank's shard belongs, so it
-loads on any number of ranks: here the 2 ranks' checkpoint is resumed on 1. The random state is
-per rank, so it is restored only on the same number of ranks (the cell says so)."""),
+loads on any number of ranks: here the 2 ranks' checkpoint is resumed on 1. Random number
+generators are saved per rank: rank 0 gets its own back, and the cell says whose streams have no
+rank to go to now."""),
     ("code", "%fsdp2 restart --cpu 1\n%fsdp2 push model_dir ckpt_dir export_dir merged_export_dir"),
     ("code", """%%fsdp2
 from fsdp2nb.examples import sample_text, setup_training, text_batches
