@@ -18,14 +18,17 @@ from pathlib import Path
 import nbformat
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+NotebookFailure = CellExecutionError | CellTimeoutError | DeadKernelError
+"""What stops a run: a cell's error, a cell past CELL_TIMEOUT_S, a kernel that died."""
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 CELL_TIMEOUT_S = 600
 QUICKSTART = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
 
 
-def execute(path: Path, out_path: Path | None = None) -> tuple[nbformat.NotebookNode, Path, CellExecutionError | None]:
+def execute(path: Path, out_path: Path | None = None) -> tuple[nbformat.NotebookNode, Path, NotebookFailure | None]:
     """Run every cell in a fresh kernel; the executed notebook is written to `out_path` (default:
     NAME.out.ipynb beside it) even when a cell fails."""
     notebook = nbformat.read(path, as_version=4)
@@ -38,7 +41,7 @@ def execute(path: Path, out_path: Path | None = None) -> tuple[nbformat.Notebook
                                 resources={"metadata": {"path": str(path.parent)}})
         try:
             client.execute()
-        except CellExecutionError as failure:
+        except (CellExecutionError, CellTimeoutError, DeadKernelError) as failure:
             error = failure
         finally:
             nbformat.write(notebook, out_path)

@@ -47,6 +47,16 @@ def test_run_demo_refuses_a_path_without_a_notebook(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"no notebook at {tmp_path / 'missing.ipynb'}; ")
 
 
+def test_run_demo_stops_at_a_failing_cell_and_keeps_the_executed_copy(tmp_path, capsys):
+    path = tmp_path / "fails.ipynb"
+    cells = ["print('before')", "raise ValueError('the third cell never runs')", "print('after')"]
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), path)
+    assert main([str(path)]) == 1
+    assert "ValueError: the third cell never runs" in capsys.readouterr().err
+    executed = nbformat.read(tmp_path / "fails.out.ipynb", as_version=4)
+    assert executed.cells[0].outputs[0].text == "before\n" and executed.cells[2].outputs == []
+
+
 @pytest.mark.timeout(900)
 def test_quickstart_trains_saves_resumes_exports_and_generates(quickstart):
     facts = quickstart_facts(quickstart)
