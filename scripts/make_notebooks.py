@@ -180,7 +180,7 @@ the notebook stays free for the next cell. Run headless, nobody clicks: the cell
 the panel's **Save now** from code, the same request a click sends."""),
     ("code", """%%fsdp2 --bg --name training
 saved_at = None
-for step in range(500):
+for step in range(2000):  # until 5 steps after the save; a cap, should nobody ask for one
     run.train_step(next(batches), step)
     if ckpt.maybe_save(step):
         saved_at = step
