@@ -1,4 +1,5 @@
-# make demo: run the demo notebook headless on CPU ranks (or GPUs when present).
+# make demo: run notebooks/quickstart.ipynb headless on CPU ranks (or GPUs when present), then
+#            print what it showed. make lab: open it in JupyterLab (as root too).
 # make test: the whole test suite (CPU, gloo; tests/browser in Debian's chromium, installed when
 #            missing). Both set up .venv themselves and may be run twice.
 VENV   ?= .venv
@@ -12,15 +13,16 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) scripts/run_demo.py notebooks/demo.ipynb
+	$(PY) scripts/run_demo.py notebooks/quickstart.ipynb
 
 test: $(STAMP)
 	bash scripts/install_chromium.sh
 	$(PY) -m ruff check fsdp2nb tests benchmarks scripts
 	$(PY) -m pytest -q tests
 
+# JupyterLab comes with the [test] extra; it refuses root (containers, CI) without --allow-root.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/demo.ipynb
+	$(VENV)/bin/jupyter lab $$([ "$$(id -u)" = 0 ] && echo --allow-root) notebooks/quickstart.ipynb
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) -m benchmarks.$$(basename $$b .py) || exit 1; done  # as modules: ranks import them by name
