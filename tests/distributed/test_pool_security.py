@@ -47,7 +47,8 @@ def test_a_peer_without_the_key_is_not_heard(pool):
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.connect(os.path.join(pool._runtime_dir, "pool.sock"))
     link = Link(client)  # the pool's own framing: only the signature can give the forger away
-    link.send(forger.pack(ChannelHello(role="events", rank=None)))
+    challenge = bytes(link.receive(max_bytes=64))
+    link.send(forger.pack(ChannelHello(role="events", rank=None, challenge=challenge)))
     # The pool drops the connection once the hello fails verification, which may be before this
     # send (then it fails with EPIPE); either way the forged line must not reach the notebook.
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
