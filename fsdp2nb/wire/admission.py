@@ -84,12 +84,15 @@ class Admission:
     def _serve(self) -> None:
         server_fd = self._server.fileno()
         while not self._closed:
-            for fd, _ in self._epoll.poll(self._seconds_to_next_deadline()):
-                if fd == server_fd:
-                    self._accept_waiting()
-                elif fd in self._pending:
-                    self._read_hello(self._pending[fd])
-            self._expire_overdue()
+            try:
+                for fd, _ in self._epoll.poll(self._seconds_to_next_deadline()):
+                    if fd == server_fd:
+                        self._accept_waiting()
+                    elif fd in self._pending:
+                        self._read_hello(self._pending[fd])
+                self._expire_overdue()
+            except Exception:  # nothing known raises here; a bug must not end admission for good
+                self._log.exception("failed while admitting connections to the pool")
 
     def _seconds_to_next_deadline(self) -> float:
         """-1 (no limit) when nothing waits for its hello."""

@@ -362,7 +362,8 @@ def test_a_replayed_hello_gets_nothing(tmp_path):
         first.send(recorded_event)
         assert [m.text for m in _read_until(kernel, lambda r: r)] == ["once"]
         first.close()
-        _wait_until(lambda: ("events", 1) not in kernel._links)
+        _read_until(kernel, lambda r: ("events", 1) not in kernel._links)  # reading sees it closed
+        assert ("events", 1) not in kernel._links  # so only the challenge can refuse the replay
         replayer = _connect_raw(address)  # the same user, without the key, resending what it saw
         _send_raw(replayer, struct.pack("!Q", len(recorded_hello)) + recorded_hello)
         _send_raw(replayer, struct.pack("!Q", len(recorded_event)) + recorded_event)
@@ -402,7 +403,9 @@ def test_a_connection_whose_peer_is_gone_can_be_replaced(tmp_path):
     try:
         RankChannels(signer, address, rank=0).close()
         assert _wait_until(lambda: ("requests", 0) in kernel._links)
+        gone = kernel._links[("requests", 0)]
         again = RankChannels(signer, address, rank=0)
+        assert _wait_until(lambda: kernel._links[("requests", 0)] is not gone)
         kernel.send(0, RunCell(cell_id=1, code="again"), connect_timeout_s=10)
         assert again.receive_request(10_000) == RunCell(cell_id=1, code="again")
         assert not log.matching("already has a requests connection")
