@@ -64,3 +64,27 @@ def test_a_flood_of_junk_connections_never_reaches_the_notebook(kernel):
         for client in connections:
             client.close()
     assert kernel.execute("%%fsdp2\nprint('after')").stdout == "[all] after\n"
+
+
+def test_a_rank_stopped_in_the_middle_of_a_message_is_named_in_the_cell(kernel):
+    code = (
+        "%%fsdp2\nimport gc, os, psutil, signal, struct, time\n"
+        "pids = [None] * world_size\n"
+        "dist.all_gather_object(pids, os.getpid())\n"
+        "if rank == 1:  # half a message on its events connection, then stopped as by kill -STOP\n"
+        "    events = next(o for o in gc.get_objects() if type(o).__name__ == 'RankChannels')._events\n"
+        "    with events.lock:\n"
+        "        events.sock.sendall(struct.pack('!Q', 1000) + b'half')\n"
+        "        os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "while psutil.Process(pids[1]).status() != psutil.STATUS_STOPPED:\n"
+        "    time.sleep(0.01)\n"
+        "for tick in range(100):\n"
+        "    print('tick', tick, flush=True)\n"
+        "    time.sleep(0.5)\n"
+    )
+    run = kernel.execute_and_interrupt(code, when_printed="rank 1 stopped in the middle")
+    shown = "".join(m["content"]["text"] for m in run.messages if m["msg_type"] == "stream")
+    assert "[0] tick 0\n" in shown  # rank 0 was heard while rank 1 stood still mid-message
+    assert "[1] fsdp2nb: rank 1 stopped in the middle of sending a message" in shown
+    assert run.status == "error" and "state was lost" in run.traceback_text  # it never came back
+    assert kernel.execute("%%fsdp2\nprint('fresh')").stdout == "[all] fresh\n"
