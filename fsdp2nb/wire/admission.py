@@ -110,21 +110,18 @@ class Admission:
                 return
             if len(self._pending) >= self._max_pending:
                 oldest = next(iter(self._pending.values()))
-                self._refuse(oldest, f"it sent no hello while {len(self._pending)} newer connections waited")
+                self._refuse(oldest, f"it sent no hello before {self._max_pending} newer connections came")
             self._greet(sock)
 
     def _greet(self, sock: socket.socket) -> None:
         sock.setblocking(False)
-        challenge = secrets.token_bytes(CHALLENGE_BYTES)
-        try:
-            sock.send(_LENGTH.pack(len(challenge)) + challenge)  # a fresh socket's buffer takes it whole
-        except OSError as error:
-            sock.close()
-            self._log.warning("refused a connection to the pool: it closed before its challenge (%s)", error)
-            return
-        pending = _Pending(sock, challenge, time.monotonic() + self._hello_timeout_s)
+        pending = _Pending(sock, secrets.token_bytes(CHALLENGE_BYTES), time.monotonic() + self._hello_timeout_s)
         self._pending[sock.fileno()] = pending
         self._epoll.register(sock.fileno(), select.EPOLLIN)
+        try:  # a fresh socket's buffer takes the challenge whole
+            sock.send(_LENGTH.pack(CHALLENGE_BYTES) + pending.challenge)
+        except OSError as error:
+            self._refuse(pending, f"it closed before its challenge was sent ({error})")
 
     def _read_hello(self, pending: _Pending) -> None:
         try:

@@ -487,3 +487,58 @@ def test_a_huge_length_prefix_allocates_nothing_by_its_claim():
         FrameReader(right, max_frame_bytes=4096).read_available()
     left.close()
     right.close()
+
+
+def _admission(directory, **options):
+    """An Admission on a socket in `directory` that admits every verified hello into a list."""
+    import socket
+
+    from fsdp2nb.wire.admission import Admission
+
+    log = _ListLog()
+    signer = Signer(b"k" * KEY_BYTES)
+    address = str(directory / "pool.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(address)
+    server.listen(128)
+    admitted: list = []
+    admission = Admission(server, signer, lambda hello, sock: admitted.append((hello, sock)), log.logger, **options)
+    return admission, server, signer, address, log, admitted
+
+
+def test_a_connection_without_a_hello_is_closed_at_its_deadline(tmp_path):
+    admission, server, signer, address, log, admitted = _admission(tmp_path, hello_timeout_s=0.3)
+    try:
+        idle = _connect_raw(address)
+        assert len(bytes(idle.receive(max_bytes=64))) == 32  # its challenge, then nothing from it
+        with pytest.raises(EOFError):
+            idle.receive()  # closed by the kernel
+        assert _wait_until(lambda: log.matching("sent no hello within 0.3 s")) and admission.num_pending == 0
+        idle.close()
+    finally:
+        admission.close()
+        server.close()
+
+
+def test_waiting_connections_are_bounded_and_the_oldest_goes_first(tmp_path):
+    admission, server, signer, address, log, admitted = _admission(tmp_path, max_pending=4)
+    idle = []
+    try:
+        for _ in range(10):
+            idle.append(_connect_raw(address))
+            idle[-1].receive(max_bytes=64)  # greeted: it is pending now
+        assert admission.num_pending == 4
+        for link in idle[:6]:
+            with pytest.raises(EOFError):
+                link.receive()
+        assert _wait_until(lambda: len(log.matching("sent no hello before 4 newer connections came")) == 6)
+        genuine, _ = _introduce(address, signer, rank=0)  # a rank still gets in
+        assert _wait_until(lambda: admitted) and admitted[0][0].rank == 0
+        genuine.close()
+    finally:
+        for link in idle:
+            link.close()
+        admission.close()
+        server.close()
+    for _, sock in admitted:
+        sock.close()
