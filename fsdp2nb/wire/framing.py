@@ -125,9 +125,16 @@ class FrameReader:
         else:
             data = chunks[0]  # the usual case: whole frames in one read, nothing to join
         frames, used = _split_frames(data, self._max_frame_bytes)
-        self._buffer = bytearray(memoryview(data)[used:]) if used < len(data) else bytearray()
+        self._keep_unused(data, used)
         self.stalled_since = time.monotonic() if self._buffer else None
         return frames
+
+    def _keep_unused(self, data: bytes | bytearray, used: int) -> None:
+        """Buffer the start of a frame not yet whole, without copying a growing buffer again."""
+        if data is not self._buffer:
+            self._buffer = bytearray(memoryview(data)[used:])
+        elif used:
+            del self._buffer[:used]  # bytearray drops its front in place
 
     def _receive_chunks(self) -> list[bytes]:
         """What the socket has, up to `_MAX_READS` reads (a busy peer must not starve the others)."""
@@ -153,13 +160,14 @@ class FrameReader:
 def _split_frames(data: bytes | bytearray, max_frame_bytes: int | None) -> tuple[list[bytes], int]:
     """The whole frames at the start of `data`, and how many bytes they take."""
     frames, offset = [], 0
-    while len(data) - offset >= _LENGTH.size:
-        (size,) = _LENGTH.unpack_from(data, offset)
-        if max_frame_bytes is not None and size > max_frame_bytes:
-            raise FrameTooLong(f"a frame of {size} bytes is over the {max_frame_bytes} allowed here")
-        end = offset + _LENGTH.size + size
-        if end > len(data):
-            break
-        frames.append(bytes(data[offset + _LENGTH.size:end]))
-        offset = end
+    with memoryview(data) as view:  # released before the caller resizes `data`
+        while len(data) - offset >= _LENGTH.size:
+            (size,) = _LENGTH.unpack_from(data, offset)
+            if max_frame_bytes is not None and size > max_frame_bytes:
+                raise FrameTooLong(f"a frame of {size} bytes is over the {max_frame_bytes} allowed here")
+            end = offset + _LENGTH.size + size
+            if end > len(data):
+                break
+            frames.append(bytes(view[offset + _LENGTH.size:end]))
+            offset = end
     return frames, offset

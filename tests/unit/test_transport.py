@@ -447,11 +447,11 @@ def test_frames_reassemble_from_pieces_of_any_size():
 
     left, right = socket.socketpair()
     right.setblocking(False)
-    frames = [b"", b"x", bytes(range(256)) * 300]
+    frames = [b"", b"x", bytes(range(256)) * 300, os.urandom(3 * 1024 * 1024), b"after"]
     data = b"".join(struct.pack("!Q", len(f)) + f for f in frames)
     reader, received = FrameReader(right), []
-    for start in range(0, len(data), 7777):
-        left.sendall(data[start:start + 7777])
+    for start in range(0, len(data), 77777):
+        left.sendall(data[start:start + 77777])
         received += reader.read_available()
         assert reader.read_available() == []  # nothing more there: it does not wait
     assert received == frames and reader.stalled_since is None
