@@ -174,7 +174,7 @@ class KernelChannels:
                 return
             if self._handoffs != handoffs:
                 # Reading changed hands while this reader waited: what it saw ready may have been
-                # read since, and a link without a frame would block the read (lock held).
+                # read since (a read would find nothing; the next wait sees what is new).
                 ready = [(fd, event) for fd, event in ready if self._readers.get(fd) is None]
             for fd, _ in ready:
                 source = self._readers.get(fd)
