@@ -115,15 +115,19 @@ class FrameReader:
         """The frames completed by what the socket has now (maybe none).
 
         EOFError once the peer closed; FrameTooLong for a frame over `max_frame_bytes`."""
-        chunks = self._receive_chunks()
-        if not chunks:
+        try:
+            first = self.sock.recv(_READ_BYTES)
+        except (BlockingIOError, InterruptedError):
             return []
+        if not self._buffer and _is_one_whole_frame(first, self._max_frame_bytes):
+            return [first[_LENGTH.size:]]  # the usual case: nothing to join, nothing left over
+        chunks = self._receive_more(first)
         if self._buffer or len(chunks) > 1:
             for chunk in chunks:
                 self._buffer += chunk
             data: bytes | bytearray = self._buffer
         else:
-            data = chunks[0]  # the usual case: whole frames in one read, nothing to join
+            data = chunks[0]
         frames, used = _split_frames(data, self._max_frame_bytes)
         self._keep_unused(data, used)
         self.stalled_since = time.monotonic() if self._buffer else None
@@ -136,25 +140,30 @@ class FrameReader:
         elif used:
             del self._buffer[:used]  # bytearray drops its front in place
 
-    def _receive_chunks(self) -> list[bytes]:
-        """What the socket has, up to `_MAX_READS` reads (a busy peer must not starve the others)."""
-        chunks: list[bytes] = []
-        for _ in range(_MAX_READS):
+    def _receive_more(self, first: bytes) -> list[bytes]:
+        """`first` and what else the socket has, up to `_MAX_READS` reads (a busy peer must not
+        starve the others)."""
+        if not first:
+            raise EOFError("the connection was closed" + (" in the middle of a frame" if self._buffer else ""))
+        chunks = [first]
+        while len(chunks[-1]) == _READ_BYTES and len(chunks) < _MAX_READS:
             try:
                 chunk = self.sock.recv(_READ_BYTES)
             except (BlockingIOError, InterruptedError):
                 break
             if not chunk:
-                if chunks:
-                    break  # the end is seen again on the next call, after these frames
-                raise EOFError("the connection was closed" + (" in the middle of a frame" if self._buffer else ""))
+                break  # the end is seen again on the next call, after these frames
             chunks.append(chunk)
-            if len(chunk) < _READ_BYTES:
-                break
         return chunks
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+
+def _is_one_whole_frame(data: bytes, max_frame_bytes: int | None) -> bool:
+    size = len(data) - _LENGTH.size
+    return (0 < size < _READ_BYTES - _LENGTH.size and _LENGTH.unpack_from(data)[0] == size
+            and (max_frame_bytes is None or size <= max_frame_bytes))
 
 
 def _split_frames(data: bytes | bytearray, max_frame_bytes: int | None) -> tuple[list[bytes], int]:
