@@ -35,6 +35,7 @@ MAX_HELLO_BYTES = 4096
 """More than any real hello takes: a longer first frame is refused unread."""
 _ACCEPTS_PER_PASS = 256
 """Connections accepted between two reads of hellos, so a flood cannot starve the hellos."""
+_ACCEPT_RETRY_S = 0.1
 _LENGTH = struct.Struct("!Q")
 
 Admit = Callable[[ChannelHello, socket.socket], "str | None"]
@@ -107,6 +108,7 @@ class Admission:
                 return
             except OSError as error:  # out of file descriptors, say: the next pass tries again
                 self._log.warning("could not accept a connection to the pool: %s", error)
+                time.sleep(_ACCEPT_RETRY_S)  # the listening socket stays ready: do not spin on it
                 return
             if len(self._pending) >= self._max_pending:
                 oldest = next(iter(self._pending.values()))
