@@ -106,7 +106,10 @@ class Admission:
                 sock, _ = self._server.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as error:  # out of file descriptors, say: the next pass tries again
+            except OSError as error:  # out of file descriptors, say
+                if self._pending:  # make room for a newcomer: it may be a rank
+                    self._refuse(next(iter(self._pending.values())), f"its file descriptor was needed ({error})")
+                    continue
                 self._log.warning("could not accept a connection to the pool: %s", error)
                 time.sleep(_ACCEPT_RETRY_S)  # the listening socket stays ready: do not spin on it
                 return

@@ -542,3 +542,58 @@ def test_waiting_connections_are_bounded_and_the_oldest_goes_first(tmp_path):
         server.close()
     for _, sock in admitted:
         sock.close()
+
+
+_ADMISSION_WITH_FEW_FDS = """
+import logging, resource, socket, sys
+from fsdp2nb.wire.admission import Admission
+from fsdp2nb.wire.signing import Signer
+
+log = logging.Logger("few-fds")
+log.addHandler(logging.StreamHandler(sys.stdout))
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(sys.argv[1])
+server.listen(128)
+admission = Admission(server, Signer(b"k" * 32), lambda hello, sock: log.warning("admitted rank %s", hello.rank), log)
+resource.setrlimit(resource.RLIMIT_NOFILE, (24, 24))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_out_of_file_descriptors_a_rank_still_gets_in(tmp_path):
+    import subprocess
+    import sys
+
+    address = str(tmp_path / "pool.sock")
+    server = subprocess.Popen([sys.executable, "-c", _ADMISSION_WITH_FEW_FDS, address], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    idle = []
+    try:
+        assert _lines_until(server.stdout, "ready") == ["ready"]
+        for _ in range(40):  # more than the server can hold open
+            idle.append(_connect_raw(address))
+        rank, _ = _introduce(address, Signer(b"k" * KEY_BYTES), rank=0)
+        lines = _lines_until(server.stdout, "admitted rank 0")
+        assert "admitted rank 0" in lines
+        assert any("file descriptor was needed" in line for line in lines)
+        assert not any("could not accept" in line for line in lines)
+        rank.close()
+    finally:
+        for link in idle:
+            link.close()
+        server.kill()
+        server.wait()
+
+
+def _lines_until(stream, wanted: str, timeout_s: float = 30.0) -> list[str]:
+    """Lines from `stream` (read unbuffered) until one is `wanted`, or none more come in time."""
+    import select
+
+    text = ""
+    while wanted not in text.splitlines() and select.select([stream], [], [], timeout_s)[0]:
+        piece = os.read(stream.fileno(), 65536)
+        if not piece:
+            break
+        text += piece.decode()
+    return text.splitlines()
