@@ -297,9 +297,10 @@ class WorkerPool:
         """Say in the cell that waits on `rank` (or the next one) that it stopped mid-message."""
         if rank is None:
             return  # the host agent sends no cell's output: pool.log has the line
+        pid = self.ranks[rank].pid if rank in self.ranks else "PID"
         text = (f"fsdp2nb: {peer_name(rank)} stopped in the middle of sending a message {stalled_s:.0f} s ago "
-                "(stopped by a signal or a debugger?); the other ranks go on. Resume it (kill -CONT) "
-                "or interrupt the cell to restart the pool.\n")
+                "(stopped by a signal or a debugger?); the other ranks go on. Resume it "
+                f"(kill -CONT {pid}) or interrupt the cell to restart the pool.\n")
         cell_id = self._last_cell_ids.get(rank) if rank in self.busy_ranks else None
         self._dispatch_safely(StreamOutput(rank=rank, cell_id=cell_id, stream="stderr", text=text))
 
