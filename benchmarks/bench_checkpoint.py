@@ -14,7 +14,10 @@
    against save() + the same k steps + wait() (k steps outlast a synchronous save), and the
    CPU time the save's background work took. Where training keeps every core busy (2 CPU ranks
    on 2 cores) the steps slow down by about that CPU time; with a core to spare they need not.
-3. HF export peak memory on rank 0: export_hf_model (tensors gathered one at a time, each rank
+3. What checksums cost: a synchronous save with each shard's CRC32 computed while it is written,
+   against the same save without, and a load that first reads every file to check its CRC32
+   against one that checks sizes only; side by side, in alternating order, in one run.
+4. HF export peak memory on rank 0: export_hf_model (tensors gathered one at a time, each rank
    writes its own files) against a naive export that gathers the full state dict on rank 0 and
    calls save_pretrained. Peak resident memory above the level before the export.
 """
@@ -175,6 +178,30 @@ def _async_stall(root: Path, model, optimizer, sync_time: float, rounds: int) ->
     return result
 
 
+def _checksum_cost(root: str, hidden: int, layers: int, rounds: int) -> dict:
+    """Median save and load times with checksums on and off, measured in alternating order."""
+    model, optimizer = _build(hidden, layers)
+    _step(model, optimizer)
+    ckpts = {on: Checkpointer(Path(root) / f"checksums-{on}", keep=1, async_save=False, checksums=on)
+             for on in (True, False)}
+    saves: dict[bool, list[float]] = {True: [], False: []}
+    loads: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for ckpt in ckpts.values():
+            ckpt.track(model=model, optimizer=optimizer).save(0)  # warm-up
+        for i in range(rounds):
+            order = (True, False) if i % 2 == 0 else (False, True)
+            for on in order:
+                saves[on].append(_timed_collectively(lambda on=on, step=i + 1: ckpts[on].save(step)))
+            for on in order:
+                loads[on].append(_timed_collectively(lambda on=on, step=i + 1: ckpts[on].load(step)))
+    finally:
+        for ckpt in ckpts.values():
+            ckpt.close()
+    return {f"{kind}_{'on' if on else 'off'}": statistics.median(times[on])
+            for kind, times in (("save", saves), ("load", loads)) for on in (True, False)}
+
+
 def _cpu_seconds() -> float:
     """CPU time of this rank's process, all threads (not DCP's writer process)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
@@ -242,13 +269,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5, help="paired rounds for the async stall")
-    parser.add_argument("--skip-export", action="store_true", help="only the save measurements")
+    parser.add_argument("--skip-export", action="store_true", help="no HF export measurement")
+    parser.add_argument("--only-checksums", action="store_true", help="only what checksums cost")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("fsdp2nb").setLevel(logging.WARNING)
 
+    shape = (args.world_size, args.hidden, args.layers)
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-", dir=args.dir) as root:
+        sums = run_ranks(_checksum_cost, args.world_size, root, args.hidden, args.layers, args.rounds)[0]
+        if args.only_checksums:
+            _report(_checksum_rows(sums, args.rounds), shape)
+            return
         save = run_ranks(_save_and_stall, args.world_size, root, args.hidden, args.layers, args.rounds)[0]
         if not args.skip_export:
             ours = run_ranks(_export_memory, args.world_size, root, args.hidden, args.layers, "ours")[0]
@@ -279,6 +312,7 @@ def main() -> None:
             (f"[{name}] CPU time of one save in the rank, no training", f"{r['background_cpu']:.3f} s",
              "(not counting the writer process)" if name == "process" else ""),
         ]
+    rows += _checksum_rows(sums, args.rounds)
     if not args.skip_export:
         rows += [
             ("model size (fp32)", _mib(ours["model_bytes"]), ""),
@@ -286,8 +320,23 @@ def main() -> None:
             ("HF export peak RSS rise, rank 0: gather to rank 0", f"{_mib(naive['peak'])}  {naive['seconds']:.2f} s", ""),
             ("export_hf_model / gather-to-rank-0 peak", f"{ours['peak'] / max(naive['peak'], 1):.0%}", "lower is better"),
         ]
+    _report(rows, shape)
+
+
+def _checksum_rows(sums: dict, rounds: int) -> list[tuple[str, str, str]]:
+    return [
+        (f"sync save, CRC32s computed (median of {rounds})", f"{sums['save_on']:.3f} s", ""),
+        (f"sync save, no CRC32s (median of {rounds})", f"{sums['save_off']:.3f} s", ""),
+        ("save with / without CRC32s", f"{sums['save_on'] / sums['save_off']:.0%}", ""),
+        (f"load, CRC32s checked first (median of {rounds})", f"{sums['load_on']:.3f} s", ""),
+        (f"load, sizes checked only (median of {rounds})", f"{sums['load_off']:.3f} s", ""),
+        ("load with / without checking CRC32s", f"{sums['load_on'] / sums['load_off']:.0%}", ""),
+    ]
+
+
+def _report(rows: list[tuple[str, str, str]], shape: tuple[int, int, int]) -> None:
     width = max(len(r[0]) for r in rows)
-    logger.info("world size %d, hidden %d, layers %d", args.world_size, args.hidden, args.layers)
+    logger.info("world size %d, hidden %d, layers %d", *shape)
     for name, value, goal in rows:
         logger.info("%s  %-28s %s", name.ljust(width), value, goal)
 

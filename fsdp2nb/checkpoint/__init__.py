@@ -15,6 +15,7 @@ from typing import Any
 
 _LAZY_NAMES = {
     "CheckpointEntry": "fsdp2nb.checkpoint.layout",
+    "CheckpointLoadError": "fsdp2nb.checkpoint.manager",
     "CheckpointMetadata": "fsdp2nb.checkpoint.layout",
     "CheckpointMismatchError": "fsdp2nb.checkpoint.state",
     "CheckpointSaveError": "fsdp2nb.checkpoint.manager",

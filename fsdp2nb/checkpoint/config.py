@@ -25,8 +25,13 @@ class CheckpointerConfig:
     """Where an async save writes: "thread" (this process) or "process" (DCP's writer process,
     off this process's GIL, at the lowest CPU priority)."""
 
+    checksums: bool = True
+    """Record each shard's CRC32 while writing it, and check every file against it before a load
+    (one extra read of the checkpoint); sizes are checked either way."""
+
     def __post_init__(self) -> None:
         if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1):
             raise ValueError(f"keep={self.keep!r} is not allowed; choose None (keep all) or an int >= 1")
         check_bool("async_save", self.async_save)
+        check_bool("checksums", self.checksums)
         check_choice("async_writer", self.async_writer, ASYNC_WRITERS)

@@ -6,6 +6,8 @@ CPU time is taken from training. Here DCP's bytes are gathered in a reused page-
 and written from it by DMA; the file keeps exactly DCP's format, so any DCP reader loads it.
 
 A file system that refuses O_DIRECT (tmpfs) gets the same stream over a buffered descriptor.
+Each shard's CRC32 is computed from the buffers on their way to the disk, on the thread that
+writes them, and left beside the shard (`<shard>.crc32`) for the commit to record.
 `ShardWriter` is the FileSystemWriter the Checkpointer hands DCP: it writes through this file system.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -24,6 +27,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from fsdp2nb import progress
+from fsdp2nb.checkpoint.layout import CHECKSUM_SUFFIX, SHARD_SUFFIX
 from fsdp2nb.direct_io import BufferPool, open_direct, round_up
 
 _WRITER_NICENESS = 19
@@ -35,9 +39,10 @@ _buffers = BufferPool(keep=2)  # one stream's pair: DCP writes a rank's files on
 class DirectFileSystem(FileSystem):
     """DCP's local file system, with files opened for writing as `DirectWriteStream`s."""
 
-    def __init__(self, task: progress.AnyTask = progress.SILENT) -> None:
+    def __init__(self, task: progress.AnyTask = progress.SILENT, checksums: bool = True) -> None:
         super().__init__()
         self._task = task
+        self._checksums = checksums
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
@@ -45,7 +50,8 @@ class DirectFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        stream = DirectWriteStream(Path(path), self._task)
+        summed = self._checksums and str(path).endswith(SHARD_SUFFIX)
+        stream = DirectWriteStream(Path(path), self._task, checksum=summed)
         try:
             yield stream
         finally:
@@ -59,9 +65,11 @@ class DirectWriteStream(io.RawIOBase):
     so serializing the next bytes overlaps the disk's work on the last ones.
     """
 
-    def __init__(self, path: Path, task: progress.AnyTask = progress.SILENT) -> None:
+    def __init__(self, path: Path, task: progress.AnyTask = progress.SILENT, checksum: bool = False) -> None:
         super().__init__()
+        self._path = path
         self._task = task  # advanced by each buffer handed to the disk: 8 MiB, not each small write
+        self._crc: int | None = 0 if checksum else None  # running CRC32 of the bytes handed to the disk
         self._fd, self.direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         self._buffer = _buffers.take(_BUFFER_BYTES)
         self._filled = 0  # bytes waiting in the buffer
@@ -93,7 +101,7 @@ class DirectWriteStream(io.RawIOBase):
     def _write_full_buffer(self) -> None:
         """Hand the full buffer to the helper thread and go on filling the other one."""
         spare = self._wait_in_flight() or _buffers.take(_BUFFER_BYTES)
-        future = self._io.submit(_pwrite_all, self._fd, self._buffer, _BUFFER_BYTES, self._written)
+        future = self._io.submit(self._sum_and_write, self._buffer, _BUFFER_BYTES, self._written)
         self._in_flight = (future, self._buffer)
         self._buffer = spare
         self._written += _BUFFER_BYTES
@@ -125,11 +133,15 @@ class DirectWriteStream(io.RawIOBase):
             if tail:
                 padded = round_up(tail) if self.direct else tail
                 self._buffer[tail:padded] = bytes(padded - tail)
+                self._sum(self._buffer, tail)
                 _pwrite_all(self._fd, self._buffer, padded, self._written)
                 if padded != tail:
                     os.ftruncate(self._fd, self._written + tail)
                 self._task.advance(tail)
             os.fsync(self._fd)
+            if self._crc is not None:  # the commit reads it into the metadata (made durable) and removes it
+                checksum_path = self._path.with_name(self._path.name + CHECKSUM_SUFFIX)
+                checksum_path.write_text(f"{self._crc:08x}")
         finally:
             self._io.shutdown(wait=True)
             if self._in_flight is not None:  # close() after a failed write
@@ -137,6 +149,18 @@ class DirectWriteStream(io.RawIOBase):
             os.close(self._fd)
             _buffers.give(self._buffer)
             super().close()
+
+
+    def _sum_and_write(self, buffer: mmap.mmap, length: int, offset: int) -> None:
+        """On the helper thread, in file order: one buffer at a time, so the running CRC32 stays in order."""
+        self._sum(buffer, length)
+        _pwrite_all(self._fd, buffer, length, offset)
+
+    def _sum(self, buffer: mmap.mmap, length: int) -> None:
+        if self._crc is None:
+            return
+        with memoryview(buffer)[:length] as view:
+            self._crc = zlib.crc32(view, self._crc)  # releases the GIL on large buffers
 
 
 def _pwrite_all(fd: int, buffer: mmap.mmap, length: int, offset: int) -> None:
@@ -160,11 +184,11 @@ class ShardWriter(FileSystemWriter):
     stalling training on the GIL it holds.
     """
 
-    def __init__(self, path: Path, task: progress.AnyTask = progress.SILENT) -> None:
+    def __init__(self, path: Path, task: progress.AnyTask = progress.SILENT, checksums: bool = True) -> None:
         # DirectWriteStream fsyncs every file as it closes it; DCP's own fsync would come before
         # the stream's last buffer is written, so it is left off rather than done twice.
         super().__init__(path, sync_files=False)
-        self.fs = DirectFileSystem(task)
+        self.fs = DirectFileSystem(task, checksums)
         self._owner_pid = os.getpid()
 
     def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - signature of the base class

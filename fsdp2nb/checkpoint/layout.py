@@ -5,7 +5,8 @@
       step-000100/
         .metadata, __*_*.distcp   one DCP save of {"model", "optim"}
         rank-00000.pt ...         each rank's RNG, scheduler and extra state
-        fsdp2nb-checkpoint.json   written last, before the rename: a directory without it is no checkpoint
+        fsdp2nb-checkpoint.json   written last, before the rename: a directory without it is no checkpoint;
+                                  it records every other file's size and CRC32, checked before a load
       .tmp-step-000200-<token>/   a save in progress (or abandoned by a crash)
       .old-step-000100-<token>/   a checkpoint being replaced by a second save of the same step
       .del-step-000050-<token>/   a checkpoint being removed by retention
@@ -20,6 +21,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +35,11 @@ LATEST_FILE = "LATEST"
 METADATA_FILE = "fsdp2nb-checkpoint.json"
 DCP_METADATA_FILE = ".metadata"
 FORMAT_VERSION = 1
+CHECKSUM_SUFFIX = ".crc32"
+"""A shard's CRC32, computed while it was written, waits beside it in `<shard>.crc32` until the
+commit folds it into the metadata."""
+SHARD_SUFFIX = ".distcp"
+_READ_CHUNK = 8 * 1024 * 1024
 _STEP_RE = re.compile(r"step-(\d+)")
 _TMP_RE = re.compile(r"\.(tmp|old|del)-(step-\d+)-[0-9a-f]+")
 
@@ -55,6 +62,9 @@ class CheckpointMetadata:
     """What a trainable-only checkpoint needs to be rebuilt: base model name, adapter configs."""
     format_version: int = FORMAT_VERSION
     """Layout version of this file."""
+    files: dict[str, list[int | None]] = field(default_factory=dict)
+    """Every other file of the step: name -> [size in bytes, CRC32 or None when not computed].
+    Empty in checkpoints written before sizes and checksums were recorded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +82,8 @@ class CheckpointEntry:
     world_size: int | None
     """Ranks that wrote it; None when the metadata is missing."""
     valid: bool
-    """True when metadata, DCP metadata and every rank file are present."""
+    """True when metadata, DCP metadata and every rank file are present, each file at the size
+    written (and, through `Checkpointer.list()`, none found damaged by a load)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -143,16 +154,92 @@ def read_metadata(step_dir: Path) -> CheckpointMetadata | None:
     try:
         raw = json.loads((step_dir / METADATA_FILE).read_text())
         names = {f.name for f in dataclasses.fields(CheckpointMetadata)}
-        return CheckpointMetadata(**{k: v for k, v in raw.items() if k in names})
+        metadata = CheckpointMetadata(**{k: v for k, v in raw.items() if k in names})
     except (OSError, ValueError, TypeError):
         return None
+    return metadata if _well_formed(metadata.files) else None
+
+
+def _well_formed(files: object) -> bool:
+    """Whether the `files` record is {name: [size, crc or None]} (a damaged one makes no checkpoint)."""
+    return isinstance(files, dict) and all(
+        isinstance(record, list) and len(record) == 2 and isinstance(record[0], int)
+        and (record[1] is None or isinstance(record[1], int)) for record in files.values())
 
 
 def is_complete(step_dir: Path, metadata: CheckpointMetadata | None) -> bool:
-    """True when `step_dir` holds everything a load needs."""
-    if metadata is None or metadata.step != parse_step_dir(step_dir.name):
-        return False
-    return not missing_files(step_dir, metadata.world_size)
+    """True when `step_dir` holds everything a load needs, each file at the size it was written."""
+    return why_incomplete(step_dir, metadata) is None
+
+
+def why_incomplete(step_dir: Path, metadata: CheckpointMetadata | None) -> str | None:
+    """What makes `step_dir` unloadable, short of reading its files: None when nothing does.
+
+    Sizes only (one stat per file), so listing stays cheap; `checksum_damage` reads the bytes."""
+    if metadata is None:
+        return f"{METADATA_FILE} is missing or unreadable"
+    if metadata.step != parse_step_dir(step_dir.name):
+        return f"{METADATA_FILE} names step {metadata.step}"
+    missing = missing_files(step_dir, metadata.world_size)
+    if missing:
+        return f"{missing[0]} is missing"
+    return size_damage(step_dir, metadata)
+
+
+def size_damage(step_dir: Path, metadata: CheckpointMetadata) -> str | None:
+    """The first file whose size differs from the one recorded at save time, said in words."""
+    for name, (size, _crc) in sorted(metadata.files.items()):
+        try:
+            actual = (step_dir / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror})"
+        if actual != size:
+            return f"{name} is {actual} bytes, {size} were written"
+    return None
+
+
+def checksum_damage(step_dir: Path, metadata: CheckpointMetadata, names: list[str]) -> str | None:
+    """The first of `names` whose bytes no longer match the CRC32 recorded at save time, in words."""
+    for name in names:
+        size, crc = metadata.files[name]
+        if crc is None:
+            continue
+        try:
+            actual = file_crc32(step_dir / name)
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror})"
+        if actual != crc:
+            return f"{name} holds other bytes than were written (its CRC32 differs)"
+    return None
+
+
+def file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            crc = zlib.crc32(chunk, crc)  # releases the GIL on large chunks
+    return crc
+
+
+def record_files(step_dir: Path) -> dict[str, list[int | None]]:
+    """[size, CRC32] of each file of a finished save, for the metadata; removes the shards'
+    checksum files. A shard's CRC32 was computed as it was written (None where checksums are
+    off); the small files (rank files, DCP's metadata) are read here."""
+    records: dict[str, list[int | None]] = {}
+    for path in sorted(step_dir.iterdir()):
+        if path.name == METADATA_FILE or path.name.endswith(CHECKSUM_SUFFIX) or not path.is_file():
+            continue
+        sidecar = path.with_name(path.name + CHECKSUM_SUFFIX)
+        if sidecar.is_file():
+            crc: int | None = int(sidecar.read_text(), 16)
+        else:
+            crc = None if path.name.endswith(SHARD_SUFFIX) else file_crc32(path)
+        records[path.name] = [path.stat().st_size, crc]
+    for sidecar in step_dir.glob(f"*{CHECKSUM_SUFFIX}"):
+        sidecar.unlink()
+    return records
 
 
 def missing_files(step_dir: Path, world_size: int) -> list[str]:
@@ -162,10 +249,10 @@ def missing_files(step_dir: Path, world_size: int) -> list[str]:
 
 
 def read_latest(directory: Path) -> int | None:
-    """The step LATEST names, or None when it is missing or garbled."""
+    """The step LATEST names, or None when it is missing or garbled (bytes that are not text too)."""
     try:
-        return parse_step_dir((directory / LATEST_FILE).read_text().strip())
-    except OSError:
+        return parse_step_dir((directory / LATEST_FILE).read_bytes().decode("ascii").strip())
+    except (OSError, UnicodeDecodeError):
         return None
 
 

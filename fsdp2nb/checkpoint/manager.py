@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import logging
 import os
@@ -50,8 +51,8 @@ from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
 from fsdp2nb.checkpoint.progress_hooks import ProgressLoadPlanner, start_state_task
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
-from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state
-from fsdp2nb.checkpoint.staging import make_stager
+from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state, rng_streams_not_restored
+from fsdp2nb.checkpoint.staging import StagedSavePlanner, make_stager
 from fsdp2nb.checkpoint.state import (
     checked_training_state,
     get_training_state,
@@ -80,6 +81,11 @@ _NOTHING_LOST = "the checkpoints committed before are untouched; fix the cause a
 
 class CheckpointSaveError(RuntimeError):
     """A save failed (possibly in the background); raised at the next call of the checkpointer."""
+
+
+class CheckpointLoadError(ValueError):
+    """A load was refused before it changed anything: no such step, or a damaged one. Every rank
+    raises it with the same message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +145,10 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 3, async_save: bool = True,
-                 *, async_writer: AsyncWriter = "thread", requests: SaveRequests | None = None) -> None:
-        self.config = CheckpointerConfig(keep=keep, async_save=async_save, async_writer=async_writer)
+                 *, async_writer: AsyncWriter = "thread", checksums: bool = True,
+                 requests: SaveRequests | None = None) -> None:
+        self.config = CheckpointerConfig(keep=keep, async_save=async_save, async_writer=async_writer,
+                                         checksums=checksums)
         self.directory = Path(directory).absolute()
         self.keep, self.async_save, self.async_writer = keep, async_save, async_writer  # read often; validated above
         self._requests = requests if requests is not None else process_requests()
@@ -156,6 +164,9 @@ class Checkpointer:
         self._last_step: int | None = None
         self._lock = threading.Lock()
         self._listing_cache: tuple[tuple, tuple] | None = None  # see _listing
+        # Steps a load found damaged where sizes cannot tell (a same-size overwrite): step ->
+        # (identity of its directory, what is damaged). A new save of the step is a new directory.
+        self._damaged: dict[int, tuple[tuple[int, int], str]] = {}
         self._pending: tuple[int, Future] | None = None
         self._error: BaseException | None = None
         self._last_error_text: str | None = None
@@ -235,7 +246,7 @@ class Checkpointer:
         self._last_step = step
         rank_state = self._capture_rank_state(tracked, step)
         task = start_state_task("save", f"saving step {step}", state)
-        writer = ShardWriter(job.tmp_dir, task=task)
+        writer = ShardWriter(job.tmp_dir, task=task, checksums=self.config.checksums)
         if not self.async_save:
             with self._abandoned_on_failure(job, task):
                 dcp.save(state, storage_writer=writer, process_group=self._bg_group,
@@ -246,7 +257,7 @@ class Checkpointer:
         with self._abandoned_on_failure(job, task):
             response = dcp.async_save(
                 state, storage_writer=writer, process_group=self._bg_group, async_stager=self._stager,
-                no_dist=not self._distributed,
+                planner=StagedSavePlanner(), no_dist=not self._distributed,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS if use_process else AsyncCheckpointerType.THREAD,
             )
         if isinstance(response, Future):  # staged before async_save returned
@@ -381,12 +392,11 @@ class Checkpointer:
     def _commit(self, job: _SaveJob, model: nn.Module) -> None:
         """Rank 0 only: metadata, rename into place, LATEST, retention."""
         fault_point("before_metadata", self._rank)
-        metadata = self._metadata(job, model)
-        layout.write_metadata(job.tmp_dir, metadata)
-        missing = layout.missing_files(job.tmp_dir, metadata.world_size)
+        missing = layout.missing_files(job.tmp_dir, self._world_size)
         if missing:  # LATEST must never name a step that cannot be loaded
             raise FileNotFoundError(f"{job.tmp_dir} lacks {', '.join(missing)} (is {self.directory} the same "
                                     "directory on every host?)")
+        layout.write_metadata(job.tmp_dir, self._metadata(job, model, layout.record_files(job.tmp_dir)))
         fault_point("before_rename", self._rank)
         layout.commit_step_dir(self.directory, job.tmp_dir, job.step, job.token)
         fault_point("before_latest", self._rank)
@@ -399,29 +409,38 @@ class Checkpointer:
         if deleted:
             logger.info("retention removed steps %s", deleted)
 
-    def _metadata(self, job: _SaveJob, model: nn.Module) -> CheckpointMetadata:
+    def _metadata(self, job: _SaveJob, model: nn.Module, files: dict[str, list[int | None]]) -> CheckpointMetadata:
         trainable_only = has_frozen_params(model)
         return CheckpointMetadata(
             step=job.step, world_size=self._world_size, wall_time=job.wall_time,
             trainable_only=trainable_only, versions=layout.library_versions(),
-            rebuild=layout.rebuild_info(model) if trainable_only else {},
+            rebuild=layout.rebuild_info(model) if trainable_only else {}, files=files,
         )
 
     # ---- load ----------------------------------------------------------------------------------
 
     def load(self, target: int | str | os.PathLike = "latest") -> int:
-        """Restore "latest", a step, or a step directory's path; returns the step. Collective."""
+        """Restore "latest", a step, or a step directory's path; returns the step. Collective.
+
+        All or nothing, on every rank: before any live tensor is touched, the ranks check each
+        file's size and CRC32 against what the save recorded (each rank reads its share of the
+        files). A damaged step is refused, naming the file; "latest" then takes the newest intact
+        step before it and says so.
+        """
         self.wait()
         tracked = self._require_tracked()
-        step_dir = self._resolve_collectively(target)
-        metadata = layout.read_metadata(step_dir)
-        assert metadata is not None  # _resolve_collectively only returns complete directories
+        step_dir, metadata = self._intact_step_collectively(target)
         rank_state = self._read_rank_state_collectively(step_dir, metadata)
         state = checked_training_state(tracked.model, tracked.optimizer, read_dcp_metadata(step_dir), step_dir)
         task = start_state_task("load", f"loading step {metadata.step}", state)
         try:
             dcp.load(state, checkpoint_id=step_dir, process_group=self._fg_group, no_dist=not self._distributed,
                      planner=ProgressLoadPlanner(task))
+        except (Exception, CheckpointException) as error:  # the files were whole: a read failed (I/O)
+            task.finish(error)
+            raise RuntimeError(f"rank {self._rank}: loading step {metadata.step} failed after its files were "
+                               f"checked: {describe(error)}; the model and optimizer may be partly restored: "
+                               "load a step again before training") from error
         except BaseException as error:
             task.finish(error)
             raise
@@ -432,8 +451,63 @@ class Checkpointer:
         logger.info("loaded checkpoint step %d from %s", metadata.step, step_dir)
         return metadata.step
 
-    def _resolve_collectively(self, target: int | str | os.PathLike) -> Path:
-        """Rank 0 picks the directory and every rank gets the same answer (or the same error)."""
+    def _intact_step_collectively(self, target: int | str | os.PathLike) -> tuple[Path, CheckpointMetadata]:
+        """The step directory to load and its metadata, once every rank found its files intact."""
+        candidates = self._resolve_collectively(target)
+        for number, step_dir in enumerate(candidates):
+            metadata = layout.read_metadata(step_dir)
+            damage = self._damage_collectively(step_dir, metadata)
+            if damage is None:
+                assert metadata is not None  # a missing one is damage
+                return step_dir, metadata
+            step = layout.parse_step_dir(step_dir.name)
+            self._remember_damage(step_dir, damage)
+            if number + 1 == len(candidates):
+                older = " and no older step is intact" if number else ""
+                raise CheckpointLoadError(f"checkpoint step {step} is damaged: {damage}{older}; "
+                                          "nothing was loaded. Load another step (see list())")
+            if self._rank == 0:
+                logger.warning("checkpoint step %s is damaged (%s); loading step %s, the newest intact one",
+                               step, damage, layout.parse_step_dir(candidates[number + 1].name))
+        raise AssertionError("_resolve_collectively returns at least one directory")
+
+    def _remember_damage(self, step_dir: Path, damage: str) -> None:
+        """list(), latest() and the dashboard call the step invalid from now on."""
+        identity = _dir_identity(step_dir)
+        step = layout.parse_step_dir(step_dir.name)
+        if identity is not None and step is not None:
+            self._damaged[step] = (identity, damage)
+            self._listing_cache = None
+
+    def _known_damage(self, step: int) -> str | None:
+        """What a load found damaged in `step`'s directory as it is now, or None."""
+        known = self._damaged.get(step)
+        if known is None or known[0] != _dir_identity(self.directory / layout.step_dir_name(step)):
+            return None
+        return known[1]
+
+    def _entries(self) -> list[CheckpointEntry]:
+        """The step directories, with those a load found damaged marked invalid."""
+        return [dataclasses.replace(entry, valid=False) if entry.valid and self._known_damage(entry.step) else entry
+                for entry in layout.list_entries(self.directory)]
+
+    def _damage_collectively(self, step_dir: Path, metadata: CheckpointMetadata | None) -> str | None:
+        """What is damaged in `step_dir`, the same words on every rank; None when every file is
+        whole. Sizes are checked by every rank, the checksums' reading is shared out."""
+        damage = layout.why_incomplete(step_dir, metadata)
+        if damage is None and self.config.checksums:
+            assert metadata is not None
+            share = sorted(metadata.files)[self._rank::self._world_size]
+            damage = layout.checksum_damage(step_dir, metadata, share)
+        reports = [damage]
+        if self._distributed:
+            reports = [None] * self._world_size
+            dist.all_gather_object(reports, damage, group=self._fg_group)
+        return next((report for report in reports if report is not None), None)
+
+    def _resolve_collectively(self, target: int | str | os.PathLike) -> list[Path]:
+        """Rank 0 picks the directories to try, best first, and every rank gets the same answer
+        (or the same error): "latest" may fall back to older steps, anything else names one."""
         if isinstance(target, bool) or not isinstance(target, (int, str, os.PathLike)):
             raise ValueError(f"target={target!r} must be 'latest', a step (int >= 0) or a step directory path")
         if isinstance(target, int):
@@ -441,40 +515,45 @@ class Checkpointer:
         answer: list[Any] = [None]
         if self._rank == 0:
             try:
-                answer = [str(self._resolve(target))]
+                answer = [[str(path) for path in self._resolve(target)]]
             except ValueError as exc:
-                answer = [exc]
+                answer = [str(exc)]
         if self._distributed:
             dist.broadcast_object_list(answer, src=0, group=self._fg_group)
-        if isinstance(answer[0], ValueError):
-            raise ValueError(str(answer[0]))
-        return Path(answer[0])
+        if isinstance(answer[0], str):
+            raise CheckpointLoadError(answer[0])
+        return [Path(path) for path in answer[0]]
 
-    def _resolve(self, target: int | str | os.PathLike) -> Path:
+    def _resolve(self, target: int | str | os.PathLike) -> list[Path]:
         if target == "latest":
             step = self._latest_valid_step()
             if step is None:
                 raise ValueError(f"no complete checkpoint in {self.directory}")
-            return self.directory / layout.step_dir_name(step)
+            complete = [e for e in self._entries() if e.valid and e.step <= step]
+            return [Path(e.path) for e in reversed(complete)]
         if isinstance(target, str) and target.isdigit():
             target = int(target)
         if isinstance(target, int):
             step_dir = self.directory / layout.step_dir_name(target)
-            if not layout.is_complete(step_dir, layout.read_metadata(step_dir)):
-                steps = [e.step for e in layout.list_entries(self.directory) if e.valid]
-                raise ValueError(f"step={target} has no complete checkpoint in {self.directory}; available: {steps}")
-            return step_dir
+            reason = layout.why_incomplete(step_dir, layout.read_metadata(step_dir))
+            if reason is not None:
+                steps = [e.step for e in self._entries() if e.valid]
+                why = f" ({reason})" if step_dir.is_dir() else ""
+                raise ValueError(f"step={target} has no complete checkpoint in {self.directory}{why}; "
+                                 f"available: {steps}")
+            return [step_dir]
         step_dir = Path(target).absolute()
-        if not layout.is_complete(step_dir, layout.read_metadata(step_dir)):
-            raise ValueError(f"path={str(target)!r} is not a complete checkpoint directory")
-        return step_dir
+        reason = layout.why_incomplete(step_dir, layout.read_metadata(step_dir))
+        if reason is not None:
+            raise ValueError(f"path={str(target)!r} is not a complete checkpoint directory ({reason})")
+        return [step_dir]
 
     def _read_rank_state_collectively(self, step_dir: Path, metadata: CheckpointMetadata) -> dict[str, Any]:
         """This rank's file of the step; a rank that cannot read its file fails the load on every
         rank, before the collective load that the others would otherwise wait in."""
-        # A different world size cannot reuse per-rank files: take rank 0's (scheduler and extras
-        # are the same on every rank) and leave the generators as they are.
-        source_rank = self._rank if metadata.world_size == self._world_size else 0
+        # A rank that did not exist at save time takes rank 0's file (scheduler and extras are the
+        # same on every rank) and keeps its own generators (see _restore_rank_state).
+        source_rank = self._rank if self._rank < metadata.world_size else 0
         path = step_dir / layout.rank_file_name(source_rank)
         state, error = None, None
         try:
@@ -484,8 +563,8 @@ class Checkpointer:
         try:
             all_ranks_succeeded(error, "reading the checkpoint", self._fg_group)
         except (ValueError, FailedElsewhere) as exc:
-            raise ValueError(f"checkpoint step {metadata.step} is damaged: {exc}; nothing was loaded. "
-                             "Load another step (see list())") from None
+            raise CheckpointLoadError(f"checkpoint step {metadata.step} is damaged: {exc}; nothing was loaded. "
+                                      "Load another step (see list())") from None
         return state
 
     def _restore_rank_state(self, tracked: _Tracked, rank_state: dict[str, Any],
@@ -497,18 +576,18 @@ class Checkpointer:
                 obj.load_state_dict(rank_state["extra"][name])
             else:
                 logger.warning("checkpoint step %d has no state for %r", metadata.step, name)
-        if metadata.world_size == self._world_size:
+        if self._rank < metadata.world_size:
             restore_rng_state(rank_state["rng"])
-        else:
-            logger.warning("RNG state not restored: saved on %d ranks, loading on %d",
-                           metadata.world_size, self._world_size)
+        unmapped = rng_streams_not_restored(metadata.world_size, self._world_size)
+        if unmapped and self._rank == 0:
+            logger.warning("checkpoint step %d: %s", metadata.step, unmapped)
 
     # ---- inspection --------------------------------------------------------------------------
 
     def list(self) -> tuple[CheckpointEntry, ...]:
         """Every step directory, oldest first, with `valid` telling which can be loaded."""
         self._raise_background_error()
-        return tuple(layout.list_entries(self.directory))
+        return tuple(self._entries())
 
     def latest(self) -> int | None:
         """The step `load("latest")` would restore, or None."""
@@ -534,19 +613,24 @@ class Checkpointer:
         cached = self._listing_cache
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]
-        listing = (self._latest_valid_step(), tuple(layout.list_entries(self.directory)))
+        listing = (self._latest_valid_step(warn=False), tuple(self._entries()))
         self._listing_cache = (key, listing) if key is not None else None
         return listing
 
-    def _latest_valid_step(self) -> int | None:
+    def _latest_valid_step(self, warn: bool = True) -> int | None:
+        """LATEST's step, or the newest complete one when LATEST names none; `warn` says so in a
+        line (not for the dashboard's polling, which would repeat it outside the cell)."""
         step = layout.read_latest(self.directory)
+        reason = "LATEST is missing or garbled"
         if step is not None:
             step_dir = self.directory / layout.step_dir_name(step)
-            if layout.is_complete(step_dir, layout.read_metadata(step_dir)):
+            damage = layout.why_incomplete(step_dir, layout.read_metadata(step_dir)) or self._known_damage(step)
+            if damage is None:
                 return step
-        valid = [e.step for e in layout.list_entries(self.directory) if e.valid]
-        if valid:
-            logger.warning("LATEST is missing or names no complete checkpoint; using step %d", valid[-1])
+            reason = f"LATEST names step {step}, which cannot be loaded ({damage})"
+        valid = [e.step for e in self._entries() if e.valid]
+        if valid and warn:
+            logger.warning("%s; using step %d, the newest complete one", reason, valid[-1])
         return valid[-1] if valid else None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -642,6 +726,15 @@ def _sweep(directory: Path) -> None:
         layout.recover_and_clean(directory, keep_names=live)
     except OSError as exc:
         logger.warning("could not clean abandoned temporary directories in %s: %s", directory, exc)
+
+
+def _dir_identity(path: Path) -> tuple[int, int] | None:
+    """What changes when a directory is replaced (a new save of its step), or None if it is gone."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_ino, info.st_ctime_ns  # a renamed-in directory has a new ctime, even on a reused inode
 
 
 def _unwritable_error(directory: Path, rank: int) -> OSError | None:

@@ -29,6 +29,20 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def rng_streams_not_restored(saved_world_size: int, world_size: int) -> str | None:
+    """One line saying which generator streams a load on `world_size` ranks cannot restore from a
+    save on `saved_world_size` (rank r restores rank r's stream), or None when every one maps."""
+    if saved_world_size == world_size:
+        return None
+    low, high = sorted((saved_world_size, world_size))
+    ranks = f"rank {low}" if high - low == 1 else f"ranks {low}-{high - 1}"
+    if world_size > saved_world_size:
+        return (f"saved on {saved_world_size} ranks, loaded on {world_size}: the RNG of {ranks} was not "
+                "restored (no saved stream); ranks below keep their saved streams")
+    return (f"saved on {saved_world_size} ranks, loaded on {world_size}: the saved RNG streams of {ranks} "
+            "were not restored (no such rank now); ranks below keep their saved streams")
+
+
 def _numpy_state() -> dict[str, Any] | None:
     try:
         import numpy as np

@@ -12,6 +12,11 @@ after the save that used it has finished, which `Checkpointer.save` guarantees b
 GPU tensors are copied into pinned buffers on a side stream that first waits for the work queued
 before the save, so the copy overlaps the next forward and backward. (DCP's DefaultStager deep-
 copies the whole state dict instead, and in torch 2.11 fails on a state holding a class object.)
+
+A copy can fail on one rank alone (out of memory). Raising there would leave the other ranks
+waiting in the save's collectives for a rank that never joins them. Instead the failed copy
+becomes a state that says why, and `StagedSavePlanner` raises on it while DCP agrees on the
+plan: DCP then fails the save on every rank, naming this one.
 """
 
 from __future__ import annotations
@@ -21,8 +26,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
+
+from fsdp2nb.checkpoint.faults import fault_point
+from fsdp2nb.collectives import describe, get_rank
+
+STAGING_FAILED_KEY = "fsdp2nb_staging_failed"
+"""The only key of the state a failed copy stages; its value says why."""
 
 
 class ReusedBufferStager(AsyncStager):
@@ -42,6 +55,14 @@ class ReusedBufferStager(AsyncStager):
         return self._copier.submit(self._copy_all, state_dict, ready)
 
     def _copy_all(self, state_dict: dict[str, Any], ready: tuple[int, torch.cuda.Event] | None) -> dict[str, Any]:
+        try:
+            fault_point("stage_copy", get_rank())
+            return self._copy_all_or_raise(state_dict, ready)
+        except Exception as exc:  # fails the save on every rank through StagedSavePlanner
+            return {STAGING_FAILED_KEY: f"rank {get_rank()}: copying the state failed: {describe(exc)}"}
+
+    def _copy_all_or_raise(self, state_dict: dict[str, Any],
+                           ready: tuple[int, torch.cuda.Event] | None) -> dict[str, Any]:
         if ready is None:
             return self._copy(state_dict, "")
         device, queued = ready
@@ -89,6 +110,22 @@ class ReusedBufferStager(AsyncStager):
             buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pinned)
             self._buffers[path] = buffer
         return buffer.copy_(source.detach(), non_blocking=pinned)
+
+
+class StagingFailed(RuntimeError):
+    """This rank could not copy its state for an async save; DCP reports it to every rank."""
+
+
+class StagedSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner that raises, inside DCP's agreement on the plan, on a rank
+    whose copy failed: every rank's save then fails alike and none waits in a collective."""
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
+                       is_coordinator: bool = False) -> None:
+        failure = state_dict.get(STAGING_FAILED_KEY)
+        if failure is not None:
+            raise StagingFailed(failure)
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
 
 def make_stager() -> AsyncStager:

@@ -33,11 +33,16 @@ def current_checkpointer() -> Checkpointer | None:
     return _tracked
 
 
+class NoTrackedCheckpointer(RuntimeError):
+    """`%fsdp2 save` or `load` ran before any Checkpointer called `track()`; the notebook shows
+    this error's message alone, as a usage mistake."""
+
+
 def tracked_checkpointer() -> Checkpointer:
     """The Checkpointer that most recently called `track()` in this process."""
     if _tracked is None:
-        raise RuntimeError(
-            "no checkpointer is tracking a model in this process: run "
-            "`Checkpointer(directory).track(model=model, optimizer=optimizer)` on every rank first"
+        raise NoTrackedCheckpointer(
+            "no checkpointer is tracking a model on the ranks: run "
+            "`Checkpointer(directory).track(model=model, optimizer=optimizer)` in a %%fsdp2 cell first"
         )
     return _tracked

@@ -328,9 +328,11 @@ def _wait_for_replies(session: NotebookSession, pool: WorkerPool, cell_id: int, 
         show_held_output(pool)
     finally:
         merger.flush()
+        if progress.waiting_line is not None:
+            progress.waiting_line.close()
     show_results(progress.results, pool.world_size)
     if progress.errors:
-        raise RankError(progress.errors, pool.world_size)
+        raise RankError(progress.errors, pool.world_size, notes=session.after_collective_timeout(pool, progress))
 
 
 def _progress_for(run: BackgroundRun) -> CellProgress:

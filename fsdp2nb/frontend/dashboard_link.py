@@ -92,7 +92,8 @@ class DashboardLink:
         facts = self.model.facts
         if facts.state == "stopped":
             return "no pool is running"
-        line = f"{facts.description} · {'restarting' if self._restarting else facts.state}"
+        state = "restarting" if self._restarting else "busy" if facts.busy and facts.state == "ready" else facts.state
+        line = f"{facts.description} · {state}"
         run = self.session.background.latest if self.session.background is not None else None
         return f"{line} · {run.summary()}" if run is not None else line
 
@@ -149,16 +150,20 @@ class DashboardLink:
         return "stop sent: every rank is interrupted"
 
     def restart(self) -> str:
-        pool = self.session.pool
-        if pool is not None and pool.busy_ranks:
-            raise _refused("a cell is running: Stop it first, then Restart")
-        if pool is None:
-            raise _refused("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
-        self._restarting = True
+        lock = self.session.lifecycle_lock
+        if not lock.acquire(blocking=False):  # never wait for the main thread: a pool is being (re)started
+            raise _refused("the pool is starting or restarting already; wait until it is ready")
         try:
+            pool = self.session.pool
+            if pool is not None and pool.busy_ranks:
+                raise _refused("a cell is running: Stop it first, then Restart")
+            if pool is None:
+                raise _refused("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
+            self._restarting = True
             pool = self.session.restart()
         finally:
             self._restarting = False
+            lock.release()
         return f"restarted: {pool.world_size} fresh ranks ({pool.spec.describe()}); rank state was cleared"
 
     def reset_peak(self) -> str:

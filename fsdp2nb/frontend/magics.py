@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dis
 import functools
 import pickle
 import shlex
 import sys
 
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
+from fsdp2nb.frontend.render import notebook_color_scheme
 from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list, spec_from_options
@@ -22,6 +25,8 @@ _COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load
              "wait", "interrupt")
 _WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load"))
 """Commands that need the ranks, so wait for a background run as a later cell does."""
+_REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError"))
+"""Errors of `%fsdp2 save`/`load` that changed nothing and say what to do: shown without tracebacks."""
 
 
 def _add_pool_options(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +46,12 @@ def _parser(prog: str, description: str) -> MagicArgumentParser:
 def _cell_options(line: str) -> argparse.Namespace:
     """The options of a `%%fsdp2` line; a notebook repeats a few lines, so each is parsed once
     (argparse is a good part of an empty cell's cost). Callers only read the result."""
-    return _cell_parser().parse_args(shlex.split(line))
+    return _cell_parser().parse_args(split_magic_line(line))
+
+
+def split_magic_line(line: str) -> list[str]:
+    """The words of a magic's line; a trailing `# comment` is not an argument, as in Python."""
+    return shlex.split(line, comments=True)
 
 
 @functools.cache
@@ -59,7 +69,8 @@ def _line_parsers() -> dict[str, MagicArgumentParser]:
     _add_pool_options(parsers["start"])
     _add_pool_options(parsers["restart"])
     parsers["push"].add_argument("names", nargs="+", metavar="NAME")
-    parsers["pull"].add_argument("name", metavar="NAME")
+    parsers["pull"].add_argument("names", nargs="+", metavar="NAME",
+                                 help="defined in the notebook; used as a value (y = %%fsdp2 pull x), returned")
     target = parsers["pull"].add_mutually_exclusive_group()
     target.add_argument("--rank", type=int, default=None, help="the rank to pull from (default 0)")
     target.add_argument("--all", action="store_true", help="pull from every rank: a dict rank -> value")
@@ -116,14 +127,20 @@ class FSDP2Magics(Magics):
             %fsdp2 start --cpu 4 [--timeout 300]   # start a pool without running a cell
             %fsdp2 status                           # rank, pid, device, state, memory
             %fsdp2 push lr batch_size               # send notebook variables to every rank
-            w = %fsdp2 pull w --rank 1              # bring a value back (a DTensor arrives whole)
-            ws = %fsdp2 pull loss --all             # {rank: value}
+            %fsdp2 pull loss step                   # define them in the notebook, from rank 0
+            %fsdp2 pull w --rank 1                  # from rank 1 (a DTensor arrives whole)
+            %fsdp2 pull loss --all                  # loss = {rank: value}
+            w1 = %fsdp2 pull w --rank 1             # a value: returned, no notebook name is set
             %fsdp2 save [STEP]                      # save through the ranks' tracked Checkpointer
             %fsdp2 load [STEP|latest]               # restore model, optimizer, RNG and step
             %fsdp2 dashboard                        # show the live dashboard (again)
             df = %fsdp2 metrics                     # what fsdp2nb.log recorded, as a table
             %fsdp2 restart [--cpu 2]                # fresh pool, rank state is lost
             %fsdp2 stop
+
+        `pull` on a line of its own defines the names in the notebook, as `push` does on the
+        ranks; used as a value (`y = %fsdp2 pull NAME`; several names give a tuple) it returns
+        the value and sets no name.
         """
         try:
             line = self._expand_variables(line)
@@ -181,8 +198,9 @@ class FSDP2Magics(Magics):
         transformed = transform_and_check(code)
         count = notebook_execution_count()
         run = BackgroundRun(ranks=ranks, execution_count=count, name=options.name)
+        scheme = notebook_color_scheme()
         start_background_run(self.session, pool, ranks, lambda cell_id: RunCell(
-            cell_id=cell_id, code=code, transformed=transformed, execution_count=count), run)
+            cell_id=cell_id, code=code, transformed=transformed, execution_count=count, color_scheme=scheme), run)
         if options.name:
             self.shell.user_ns[options.name] = run
         return run
@@ -205,7 +223,7 @@ class FSDP2Magics(Magics):
     # --- %fsdp2 COMMAND -----------------------------------------------------------------------
 
     def _run_command(self, line: str):
-        words = shlex.split(line)
+        words = split_magic_line(line)
         if not words or words[0] not in _COMMANDS:
             given = f"'{words[0]}'" if words else "nothing"
             raise UsageError(f"%fsdp2 takes one of {', '.join(_COMMANDS)}, got {given}; see %fsdp2?")
@@ -246,22 +264,48 @@ class FSDP2Magics(Magics):
         self.session.push(pool, _pickle_for_ranks(values))
 
     def _command_pull(self, options):
+        """Names pulled as a statement are defined in the notebook; as a value, returned."""
+        defines_names = magic_result_is_discarded()
         pool = self._running_pool()
         reply_ranks = tuple(range(pool.world_size)) if options.all else (options.rank or 0,)
         if not 0 <= reply_ranks[0] < pool.world_size:
             raise UsageError(f"--rank {reply_ranks[0]} does not exist: the pool has ranks 0-{pool.world_size - 1}")
-        payloads = self.session.pull(pool, options.name, reply_ranks)
+        for name in options.names:
+            if not name.isidentifier():
+                raise UsageError(f"cannot pull {name!r}: it is not a Python name")
+        # Every value arrives before any name is set: a failed pull changes nothing.
+        values = {name: self._pull_one(pool, name, reply_ranks, options.all) for name in options.names}
+        if defines_names:
+            self.shell.user_ns.update(values)
+            return None
+        return values[options.names[0]] if len(values) == 1 else tuple(values.values())
+
+    def _pull_one(self, pool: WorkerPool, name: str, reply_ranks: tuple[int, ...], every_rank: bool) -> object:
+        payloads = self.session.pull(pool, name, reply_ranks)
         values = {rank: pickle.loads(payload) for rank, payload in payloads.items()}
-        return values if options.all else values[reply_ranks[0]]
+        return values if every_rank else values[reply_ranks[0]]
 
     def _command_save(self, options) -> None:
-        self._run_on_ranks(f"save_checkpoint({options.step!r})")
+        self._run_checkpoint_command(f"save_checkpoint({options.step!r})")
 
     def _command_load(self, options) -> None:
         target = options.target
         if target != "latest" and not (target.isascii() and target.isdigit()):
             raise UsageError(f"%fsdp2 load takes 'latest' or a step number, got {target!r}")
-        self._run_on_ranks(f"load_checkpoint({int(target) if target.isdigit() else repr(target)})")
+        self._run_checkpoint_command(f"load_checkpoint({int(target) if target.isdigit() else repr(target)})")
+
+    def _run_checkpoint_command(self, call: str) -> None:
+        """Save or load on the ranks. No tracked checkpointer, or a step that cannot be loaded
+        (loading changed nothing), is shown as one line, without the ranks' tracebacks."""
+        from fsdp2nb.frontend.render import RankError
+
+        try:
+            self._run_on_ranks(call)
+        except RankError as error:
+            refused = [info for _, info in error.errors if info.ename in _REFUSALS_IN_ONE_LINE]
+            if refused:
+                raise UsageError(refused[0].evalue) from None
+            raise
 
     def _command_wait(self, options) -> None:
         self._background_runs().find(options.name).wait()
@@ -301,6 +345,28 @@ class FSDP2Magics(Magics):
         if pool is None or pool.state != "ready":
             raise UsageError("no pool is running; start one with `%fsdp2 start --cpu N` or a %%fsdp2 cell")
         return pool
+
+
+def magic_result_is_discarded() -> bool:
+    """Whether the line magic running now stands as a statement of its own (`%fsdp2 pull x`)
+    rather than giving a value its caller uses (`y = %fsdp2 pull x`).
+
+    IPython turns both into a call of `run_line_magic`; the caller's bytecode right after that
+    call tells: a statement pops the result, or prints it when it ends the cell. Called other
+    than through `run_line_magic`, the value counts as used.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _RUN_LINE_MAGIC:
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    if caller is None:
+        return False
+    after = next((i for i in dis.get_instructions(caller.f_code) if i.offset > caller.f_lasti), None)
+    return after is not None and (after.opname in ("POP_TOP", "PRINT_EXPR")  # PRINT_EXPR: Python < 3.12
+                                  or (after.opname == "CALL_INTRINSIC_1" and after.argrepr == "INTRINSIC_PRINT"))
+
+
+_RUN_LINE_MAGIC = InteractiveShell.run_line_magic.__code__
 
 
 def _spec_or_none(options) -> PoolSpec | None:

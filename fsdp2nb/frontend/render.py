@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fsdp2nb.pool.pool import describe_exit
-from fsdp2nb.wire.protocol import ErrorInfo, RankExited, RichOutput, StreamOutput
+from fsdp2nb.wire.protocol import ErrorInfo, RankActivity, RankExited, RichOutput, StreamOutput
 
 if TYPE_CHECKING:
     from fsdp2nb.pool.pool import WorkerPool
@@ -155,6 +155,10 @@ class StreamMerger:
         return True
 
 
+NOT_RAISED = {"RankDied", "RankStuck", "RankStopped"}
+"""What befell a rank rather than an exception it raised: said as a sentence, not as "raised"."""
+
+
 class RankError(Exception):
     """One or more ranks raised; IPython shows each distinct traceback once, root cause first."""
 
@@ -178,8 +182,10 @@ class RankError(Exception):
         for ranks, error in self.grouped():
             label = rank_label(ranks, self.world_size) or "[rank 0]"
             noun = "rank" if len(ranks) == 1 else "ranks"
-            lines.append(f"\x1b[1m{label} {noun} {', '.join(map(str, sorted(ranks)))} raised {error.ename}\x1b[0m")
-            lines.extend(error.traceback or (f"{error.ename}: {error.evalue}",))
+            what = f": {error.evalue}" if error.ename in NOT_RAISED else f" raised {error.ename}"
+            lines.append(f"\x1b[1m{label} {noun} {', '.join(map(str, sorted(ranks)))}{what}\x1b[0m")
+            if error.traceback or error.ename not in NOT_RAISED:  # else the line above said it all
+                lines.extend(error.traceback or (f"{error.ename}: {error.evalue}",))
         lines.extend(self.notes)
         return lines
 
@@ -196,6 +202,14 @@ class CellSyntaxError(Exception):
 
         lines = traceback.format_exception_only(SyntaxError, self.error)
         return [line.rstrip("\n") for line in lines] + ["(the cell ran on no rank)"]
+
+
+def notebook_color_scheme() -> str | None:
+    """The kernel's IPython colour scheme (`%colors`), for the ranks to colour tracebacks alike:
+    a scheme meant for a dark terminal ("linux") prints names near-white on a light theme."""
+    from IPython.core.getipython import get_ipython
+
+    return getattr(get_ipython(), "colors", None)
 
 
 def _without_cell_numbers(traceback_lines: tuple[str, ...]) -> tuple[str, ...]:
@@ -259,6 +273,55 @@ def show_held_output(pool: WorkerPool) -> None:
 
 def _outside_label(rank: int, world_size: int) -> str:
     return f"{rank_label([rank], world_size) or '[rank 0]'} (outside a cell)"
+
+
+class WaitingLine:
+    """One line, updated in place, saying where each rank of a waiting cell is."""
+
+    def __init__(self, world_size: int) -> None:
+        self._world_size = world_size
+        self._handle = None
+        self._text = ""
+
+    def show(self, elapsed_s: float, ranks: tuple[int, ...], activity: dict[int, RankActivity],
+             finished: set[int], timeout_s: float | None = None) -> None:
+        text = f"waiting {elapsed_s:.0f} s: " + "; ".join(self._describe(ranks, activity, finished))
+        if timeout_s is not None and any(a.collective for r, a in activity.items() if r not in finished):
+            text += (f" (a collective times out after {timeout_s:g} s, `--timeout` sets it; "
+                     "the stop button ends the wait)")
+        if text == self._text:
+            return
+        self._text = text
+        bundle = {"text/plain": text}
+        if self._handle is None:
+            from IPython.display import display
+
+            self._handle = display(bundle, raw=True, display_id=True)
+        else:
+            self._handle.update(bundle, raw=True)
+
+    def _describe(self, ranks: tuple[int, ...], activity: dict[int, RankActivity], finished: set[int]) -> list[str]:
+        groups: dict[str, list[int]] = {}
+        for rank in ranks:
+            groups.setdefault(self._one_rank(rank, activity.get(rank), finished), []).append(rank)
+        left_out = [rank for rank in range(self._world_size) if rank not in ranks]
+        if left_out:  # `--ranks`: a collective there waits for ranks that never enter it
+            groups["not running this cell"] = left_out
+        return [f"{rank_label(members, self._world_size) or '[rank 0]'} {what}" for what, members in groups.items()]
+
+    @staticmethod
+    def _one_rank(rank: int, activity: RankActivity | None, finished: set[int]) -> str:
+        if rank in finished:
+            return "finished"
+        if activity is None:
+            return "running"
+        where = activity.where or "outside the cell's code"
+        return f"in {activity.collective} at {where}" if activity.collective else f"at {where}"
+
+    def close(self) -> None:
+        """Blank the line: the cell has ended, so where its ranks waited is past."""
+        if self._handle is not None:
+            self._handle.update({"text/plain": ""}, raw=True)
 
 
 def rank_exit_error(event: RankExited) -> ErrorInfo:

@@ -12,11 +12,16 @@ def _mib(num_bytes: int) -> str:
 def status_table(pool: WorkerPool | None) -> str:
     if pool is None:
         return "no pool is running"
-    header = f"pool {pool.spec.describe()} ({pool.state}), logs in {pool.log_dir}"
+    agent_alive = pool.check_agent()  # a dead agent took its ranks with it: say so, not "idle"
+    state = f"broken: {pool.broken_reason}" if pool.state == "broken" and pool.broken_reason else pool.state
+    header = f"pool {pool.spec.describe()} ({state}), logs in {pool.log_dir}"
     rows = [("rank", "pid", "device", "state", "rss", "device memory")]
     for rank in range(pool.world_size):
         info, snapshot = pool.ranks.get(rank), pool.snapshots.get(rank)
-        state = "exited" if rank in pool.exited else ("busy" if rank in pool.busy_ranks else "idle")
+        if rank in pool.exited or not agent_alive:
+            state = "exited"
+        else:
+            state = "busy" if rank in pool.busy_ranks else "idle"
         rss = _mib(snapshot.rss_bytes) if snapshot else "-"
         device_memory = "-"
         if snapshot and snapshot.device_total_bytes:

@@ -26,6 +26,9 @@ class LaunchedRanks(Protocol):
     def process_ids(self) -> list[int]:
         """Processes on this host that the launch started (for the orphan registry)."""
 
+    def exit_description(self) -> str | None:
+        """How the launch's own process (the host agent) ended, e.g. "killed by SIGKILL"; None while it runs."""
+
     def terminate(self, grace_s: float) -> None:
         """End every rank: SIGTERM first, by force after `grace_s`. Safe to call twice."""
 
@@ -45,6 +48,16 @@ class LocalAgent:
 
     def process_ids(self) -> list[int]:
         return [self.process.pid]
+
+    def exit_description(self) -> str | None:
+        code = self.process.poll()
+        if code is None:
+            return None
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        if code == 128 + signal.SIGTERM:
+            return "ended by a SIGTERM it was sent (it ends its ranks then)"
+        return f"exited with code {code}"
 
     def terminate(self, grace_s: float) -> None:
         if self.is_running():

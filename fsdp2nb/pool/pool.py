@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
+import psutil
+
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.launcher import LaunchedRanks, Launcher, LocalLauncher
 from fsdp2nb.pool.spec import PoolSpec
@@ -36,6 +38,7 @@ from fsdp2nb.wire.protocol import (
     RankPlan,
     RankReady,
     RankSnapshot,
+    ReportActivity,
     RequestSave,
     ResetPeak,
     RichOutput,
@@ -138,6 +141,10 @@ class WorkerPool:
         self.snapshot_listeners: list[Callable[[RankSnapshot | TaskProgress], None]] = []
         """Called on the receiving thread with every snapshot and every progress event."""
         self.held_output = HeldOutput()
+        self.broken_reason: str | None = None
+        """Why the pool can run no more cells, besides a rank's exit (a dead host agent, a
+        collective that timed out)."""
+        self.agent_died = False
         self.log_dir = ""
         self._launcher = launcher or LocalLauncher()
         self._events: queue.SimpleQueue[EventMessage] = queue.SimpleQueue()  # C: a tenth of Queue's cost
@@ -227,6 +234,7 @@ class WorkerPool:
             self._ask_ranks_to_exit(grace_s)
         if self._launched is not None:
             self._launched.terminate(grace_s=3.0)
+        self._wait_for_rank_processes()
         self._stop_receiving.set()
         if self._receiver is not None:
             self._receiver.join()
@@ -239,6 +247,43 @@ class WorkerPool:
         shutil.rmtree(self._runtime_dir, ignore_errors=True)
         reaper.forget_pool(self.pool_id)
         self.state = "stopped"
+
+    def _wait_for_rank_processes(self, grace_s: float = 3.0) -> None:
+        """Make sure no rank outlives its pool: each leads a session of its own, so ending the
+        agent reaches them only through PR_SET_PDEATHSIG, which is not immediate. Left running
+        they would hold memory and be found later as orphans."""
+        processes = [p for p in map(_same_process, self.ranks.values()) if p is not None]
+        deadline = time.monotonic() + grace_s
+        while (processes := [p for p in processes if _still_running(p)]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+                logger.warning("fsdp2nb: rank pid %d outlived its agent and was killed", process.pid)
+
+    def check_agent(self) -> bool:
+        """Whether the host agent runs; if it ended unasked, the pool is broken: its ranks die with it."""
+        if self.agent_died:
+            return False
+        if self._launched is None or self.state not in ("ready", "broken"):
+            return True
+        how = self._launched.exit_description()
+        if how is None:
+            return True
+        pids = self._launched.process_ids()
+        self.agent_died = True
+        self.state = "broken"
+        self.broken_reason = f"the host agent (pid {pids[0] if pids else '?'}) {how}; its ranks ended with it"
+        return False
+
+    def rank_process_state(self, rank: int) -> str:
+        """A rank process's state as the OS reports it ("stopped", "running", ...), or ""."""
+        info = self.ranks.get(rank)
+        process = _same_process(info) if info is not None else None
+        try:
+            return process.status() if process is not None else ""
+        except psutil.Error:
+            return ""
 
     def _ask_ranks_to_exit(self, grace_s: float) -> None:
         for rank in self.ranks:
@@ -256,7 +301,7 @@ class WorkerPool:
     def send(self, ranks: int | tuple[int, ...], message: ControlMessage, connect_timeout_s: float = 5.0) -> None:
         """Send `message` to one rank or to several."""
         assert self._channels is not None, "the pool is not running"
-        control = isinstance(message, (Interrupt, RequestSave, ResetPeak))
+        control = isinstance(message, (Interrupt, RequestSave, ResetPeak, ReportActivity))
         cell_id = getattr(message, "cell_id", None)
         if cell_id is not None:
             for rank in (ranks,) if isinstance(ranks, int) else ranks:
@@ -357,6 +402,22 @@ def describe_exit(report: RankExited) -> str:
     if report.signal_name:
         return f"killed by {report.signal_name}"
     return f"exit code {report.exit_code}"
+
+
+def _same_process(info: RankReady) -> psutil.Process | None:
+    """The rank's process, unless its pid now belongs to another process (or to none)."""
+    try:
+        process = psutil.Process(info.pid)
+        return process if abs(process.create_time() - info.create_time) < 0.01 else None
+    except psutil.Error:
+        return None
+
+
+def _still_running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE  # a zombie is dead, waiting for its reaper
+    except psutil.Error:
+        return False
 
 
 def _unused_loopback_port() -> int:

@@ -101,7 +101,12 @@ def _prune_old_logs(max_age_s: float = LOG_RETENTION_S) -> None:
 def _is_alive(key: tuple) -> bool:
     pid, create_time = key
     current = process_key(pid)
-    return current is not None and abs(current[1] - create_time) < 0.01
+    if current is None or abs(current[1] - create_time) >= 0.01:
+        return False
+    try:  # a zombie has ended already; it waits only for its parent to collect its status
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _kill_if_same(pid: int, create_time: float) -> int:

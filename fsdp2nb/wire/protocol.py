@@ -43,6 +43,9 @@ class RunCell:
     """`code` after IPython's input transformations (magics, `!`), when the kernel did them."""
     execution_count: int | None = None
     """The notebook cell's number, so rank tracebacks say `In[N]` as the notebook does."""
+    color_scheme: str | None = None
+    """The notebook's IPython colour scheme (`InteractiveShell.colors`), so rank tracebacks are
+    coloured as a plain cell's and stay readable on the notebook's light or dark theme."""
 
 
 @dataclass(frozen=True)
@@ -85,11 +88,19 @@ class ResetPeak:
 
 
 @dataclass(frozen=True)
+class ReportActivity:
+    """Ask the rank's control thread where its main thread is (for the kernel's waiting line)."""
+
+    cell_id: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the rank's main loop and exit cleanly."""
 
 
-ControlMessage = RunCell | PushValues | PullValue | Interrupt | RequestSave | ResetPeak | Shutdown
+ControlMessage = (RunCell | PushValues | PullValue | Interrupt | RequestSave | ResetPeak | ReportActivity
+                  | Shutdown)
 
 
 # --- rank -> kernel (event channel) -----------------------------------------------------------
@@ -223,6 +234,19 @@ class RankExited:
 
 
 @dataclass(frozen=True)
+class RankActivity:
+    """Where a rank's main thread was when the kernel asked (`ReportActivity`), from a stack sample."""
+
+    rank: int
+    cell_id: int | None
+    """The request the rank was running, None between requests."""
+    where: str
+    """The cell line it was on, e.g. "In[3] line 4: dist.all_reduce(t)"; empty outside any cell."""
+    collective: str | None = None
+    """The torch.distributed call it waits in (e.g. "all_reduce"), if any."""
+
+
+@dataclass(frozen=True)
 class TaskProgress:
     """How far a rank is with a long piece of work (fsdp2nb.progress), at most a few times a second."""
 
@@ -242,11 +266,12 @@ class TaskProgress:
     error: str | None = None
 
 
-EventMessage = RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited | TaskProgress
+EventMessage = (RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited | TaskProgress
+                | RankActivity)
 
 WIRE_TYPES = (ChannelHello, RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
               RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak,
-              TaskProgress)
+              TaskProgress, ReportActivity, RankActivity)
 """Messages that travel as (index in this tuple, field values): see transport.Signer."""
 
 

@@ -109,7 +109,9 @@ class Agent:
         self.stopping = False
         self.stop_requested = False
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Returns the agent's exit code: 143 (as for SIGTERM) when asked to stop, so the kernel
+        can tell a SIGTERM it did not send (a rank's code, another process) from ranks that ended."""
         for rank_plan in self.plan.ranks:
             held = [fd for fds in self.pipes_by_pid.values() for fd in fds]
             pid, self.pipes_by_pid[pid] = _fork_rank(self.plan, rank_plan, self.key, held)
@@ -121,6 +123,7 @@ class Agent:
             self._watch()
         finally:
             self.channels.close()
+        return 128 + signal.SIGTERM if self.stop_requested else 0
 
     def _watch(self) -> None:
         wakeups = _Wakeups(self.plan.kernel_pid)
@@ -129,6 +132,9 @@ class Agent:
             if (kernel_gone or self.stop_requested) and not self.stopping:
                 self._stop()
             self._reap_exited()
+            if not self.ranks_by_pid:
+                break  # the last rank ended: nothing left to wait for (an endless wait here kept a
+                # politely stopped pool's agent alive until the kernel's grace period ran out)
             if self.stopping:  # the kernel's pidfd may stay readable: no waiting on it
                 time.sleep(_WATCH_INTERVAL_S)
             else:
@@ -226,7 +232,7 @@ def _log_tail(path: str) -> tuple[str, ...]:
 def main() -> None:
     plan, key = read_launch_request(sys.stdin)
     _preload()
-    Agent(plan, key).run()
+    sys.exit(Agent(plan, key).run())
 
 
 if __name__ == "__main__":

@@ -42,9 +42,11 @@ class FdCapture:
         # A pipe made by the host agent lets it recover what this rank wrote just before dying.
         read_end, write_end = pipe or os.pipe()
         self._read_end = read_end
+        # A second write end of our own: markers go through it, and a cell that closes `fd`
+        # (os.close(1)) neither ends the forwarding (no EOF) nor breaks a sync (EBADF).
+        self._write_end = write_end
         self._busy = False
         os.dup2(write_end, fd)
-        os.close(write_end)
         self._thread = threading.Thread(target=self._forward, args=(read_end,), daemon=True,
                                         name=f"fsdp2nb-capture-{fd}")
         self._thread.start()
@@ -52,9 +54,22 @@ class FdCapture:
     def begin_sync(self) -> int:
         """Write a marker after everything written so far; `end_sync` waits until it is seen."""
         with self._sync_lock, sigint_deferred():
-            os.write(self._fd, self._marker)
+            os.write(self._write_end, self._marker)
             self._markers_sent += 1
             return self._markers_sent
+
+    def reopen_if_closed(self) -> None:
+        """Point `fd` at the pipe again if user code closed it, and say so in the output."""
+        try:
+            os.fstat(self._fd)
+            return
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            os.dup2(self._write_end, self._fd)
+            name = {1: "stdout", 2: "stderr"}.get(self._fd, "")
+            os.write(self._write_end, f"fd {self._fd} ({name}) was closed by the cell; it was reopened "
+                                      "so that output keeps reaching the notebook\n".encode())
 
     def end_sync(self, target: int, timeout_s: float = 10.0) -> None:
         with self._seen:
@@ -114,6 +129,8 @@ class OutputSync:
             self._poller.register(read_end, select.POLLIN)
 
     def sync(self) -> None:
+        for capture in self._captures.values():
+            capture.reopen_if_closed()
         if self._streams is not None:
             self._streams.flush_now()  # a partial line still in Python's buffer
         with self._poller_lock:

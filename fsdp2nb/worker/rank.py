@@ -29,8 +29,10 @@ from fsdp2nb.wire.protocol import (
     LaunchPlan,
     PullValue,
     PushValues,
+    RankActivity,
     RankPlan,
     RankReady,
+    ReportActivity,
     RequestSave,
     ResetPeak,
     RichKind,
@@ -184,7 +186,8 @@ class Rank:
 
     def _handle(self, request: RunCell | PushValues | PullValue) -> CellFinished:
         if isinstance(request, RunCell):
-            error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count)
+            error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count,
+                                   request.color_scheme)
             return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
         if isinstance(request, PushValues):
             return self._push(request)
@@ -245,6 +248,15 @@ class Rank:
             post_save_request(message.request_id)
         elif isinstance(message, ResetPeak):
             self._sampler.reset_peak()
+        elif isinstance(message, ReportActivity):
+            self._report_activity()
+
+    def _report_activity(self) -> None:
+        from fsdp2nb.worker.activity import main_thread_activity
+
+        cell_id = self._cell_id
+        where, collective = main_thread_activity(self._main_thread_id) if cell_id is not None else ("", None)
+        self._channels.send_event(RankActivity(rank=self.rank, cell_id=cell_id, where=where, collective=collective))
 
     def _interrupt(self, cell_id: int) -> None:
         self._interrupted_cell_id = cell_id

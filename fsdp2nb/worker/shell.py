@@ -15,9 +15,11 @@ from IPython.core.compilerop import CachingCompiler
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
 from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
+from traitlets import TraitError
 from traitlets.config import Config
 
 from fsdp2nb.wire.protocol import ErrorInfo, RichKind
+from fsdp2nb.wire.sigint import SigintGate
 
 RichSink = Callable[[RichKind, dict, dict], None]
 
@@ -85,15 +87,43 @@ class _RankCompiler(CachingCompiler):
         return f"{parts[0]}{number}{parts[1]}"
 
 
+_SIGINT_HANDLER_CODES = frozenset((SigintGate.__call__.__code__, SigintGate.__exit__.__code__))
+"""Where the rank's SIGINT handling raises KeyboardInterrupt from: on top of the user's frames,
+as a plain cell's (C-level) handler is not."""
+
+
 class RankShell(InteractiveShell):
     """An InteractiveShell that records the last exception instead of printing it."""
 
     last_error: ErrorInfo | None = None
 
+    def showtraceback(self, exc_tuple=None, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        """IPython's, without the frames of the rank's own SIGINT handling: an interrupted cell
+        shows the user's line where it stopped, as a plain cell does (also where the interrupt
+        is the cause or context of another error)."""
+        error, seen = (exc_tuple or sys.exc_info())[1], set()
+        while isinstance(error, BaseException) and id(error) not in seen:
+            seen.add(id(error))
+            if isinstance(error, KeyboardInterrupt):
+                _cut_at_sigint_handler(error.__traceback__)
+            error = error.__cause__ or error.__context__
+        super().showtraceback(exc_tuple, *args, **kwargs)
+
     def _showtraceback(self, etype, evalue, stb: list[str]) -> None:
         self.last_error = ErrorInfo(
             ename=getattr(etype, "__name__", str(etype)), evalue=str(evalue), traceback=tuple(stb)
         )
+
+
+def _cut_at_sigint_handler(traceback: types.TracebackType | None) -> None:
+    """Drop the entries of `traceback` from where the rank's SIGINT handler begins (entries run
+    outermost first; the handler's frames sit on top of the frame it interrupted)."""
+    entry = traceback
+    while entry is not None and entry.tb_next is not None:
+        if entry.tb_next.tb_frame.f_code in _SIGINT_HANDLER_CODES:
+            entry.tb_next = None
+            return
+        entry = entry.tb_next
 
 
 def make_shell(namespace: dict, sink: RichSink) -> RankShell:
@@ -104,7 +134,7 @@ def make_shell(namespace: dict, sink: RichSink) -> RankShell:
     # instance(): display() and get_ipython() find only the registered singleton.
     shell = RankShell.instance(
         config=config, user_ns=namespace, displayhook_class=_RankDisplayHook,
-        display_pub_class=_RankDisplayPublisher, compiler_class=_RankCompiler, colors="linux",
+        display_pub_class=_RankDisplayPublisher, compiler_class=_RankCompiler, colors="neutral",
     )
     shell.displayhook.sink = sink
     shell.display_pub.sink = sink
@@ -117,15 +147,18 @@ def make_shell(namespace: dict, sink: RichSink) -> RankShell:
 
 
 def run_cell(shell: RankShell, code: str, transformed: str | None = None,
-             execution_count: int | None = None) -> ErrorInfo | None:
+             execution_count: int | None = None, color_scheme: str | None = None) -> ErrorInfo | None:
     """Run one cell; the error it raised, if any.
 
     `transformed` is the cell after IPython's input transformations, done once in the notebook
     kernel for all ranks. Such a cell runs on a short path (`_run_transformed`); cells with
     top-level `await` take IPython's full `run_cell`. The notebook keeps the history: ranks
-    number cells with the notebook's count, so a traceback's `In[N]` is the notebook cell's.
+    number cells with the notebook's count, so a traceback's `In[N]` is the notebook cell's,
+    and colour tracebacks with the notebook's `color_scheme`.
     """
     shell.last_error = None
+    if color_scheme is not None and color_scheme != shell.colors:
+        _use_color_scheme(shell, color_scheme)
     if execution_count is not None and execution_count != shell.execution_count:
         shell.execution_count = execution_count  # a trait: setting it notifies observers
     shell.displayhook.quiet_cell = _ends_with_semicolon(transformed or code)
@@ -136,6 +169,21 @@ def run_cell(shell: RankShell, code: str, transformed: str | None = None,
     if result.success:
         return None
     return shell.last_error or ErrorInfo(ename="Error", evalue="the cell failed", traceback=())
+
+
+def _use_color_scheme(shell: RankShell, scheme: str) -> None:
+    """Colour tracebacks as the notebook does. A scheme this rank does not know (a theme
+    registered in the kernel only) leaves the rank's own."""
+    try:
+        from IPython.utils.PyColorize import theme_table  # IPython 9: schemes are named themes
+    except ImportError:
+        theme_table = None
+    if theme_table is not None and scheme not in theme_table:
+        return
+    try:
+        shell.colors = scheme
+    except TraitError:  # IPython 8 refuses an unknown name before using it
+        pass
 
 
 def _ends_with_semicolon(source: str) -> bool:

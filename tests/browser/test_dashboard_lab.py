@@ -121,8 +121,42 @@ def test_save_during_training_then_load(lab, browser, shots):
         context.close()
 
 
+def test_save_during_training_notebook7(notebook7, browser, shots):
+    """Notebook 7 with its default settings: a Save click during a busy training cell is served
+    before the cell ends (the click travels on a subshell, as in JupyterLab)."""
+    ckpt, flag = notebook7.root / "ckpt", str(notebook7.root / "flag")
+    _notebook(notebook7.root / "dash.ipynb", str(ckpt), flag)
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    page = Page(context.new_page())
+    try:
+        page.open(notebook7.url("dash.ipynb"))
+        (shots / "nb7").mkdir(exist_ok=True)
+        _save_during_training(page, shots / "nb7", flag, ckpt, readme_shot=False)
+    except Exception:
+        page.page.screenshot(path=str(shots / "nb7-failure.png"))
+        raise
+    finally:
+        context.close()
+
+
 def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir) -> None:
     page.open(lab.url("dash.ipynb"))
+    dash = page.page.locator(".fsdp2nb-dashboard").first
+    step, before = _save_during_training(page, shots, flag, step_dir)
+    after = [dash.locator(f".fsdp2nb-rank[data-rank='{r}'] .fsdp2nb-mem").inner_text() for r in (0, 1)]
+    assert all(a != b for a, b in zip(after, before, strict=True)), (before, after)
+    assert "params" in after[0] and "optimizer 0 B" not in after[0], after
+    _check_memory_bars(dash)
+    _load_then_delete_latest(page, dash, step, step_dir)
+    dash.locator("button:has-text('all ranks')").click()
+    page.page.wait_for_function("document.querySelectorAll('.fsdp2nb-plot polyline').length == 2", timeout=120_000)
+    page.shoot(shots / "3-loaded.png")
+
+
+def _save_during_training(page: Page, shots, flag: str, step_dir,
+                          readme_shot: bool = True) -> tuple[int, list[str]]:
+    """Start the pool and the training cell, click Save while it runs; returns the saved step
+    and each rank's memory line from before training."""
     dash = page.page.locator(".fsdp2nb-dashboard").first
 
     page.run(0)
@@ -149,12 +183,13 @@ def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir)
         timeout=180_000)
     saved_after_s = time.monotonic() - clicked_at  # measured, not asserted: it depends on the machine
     assert "[*]" in page.page.locator(".jp-CodeCell").nth(2).locator(".jp-InputArea-prompt").inner_text()
+    assert "--cpu 2 · busy" in dash.locator(".widget-html").first.inner_text()
     (shots / "click-to-saved.txt").write_text(f"{saved_after_s:.2f} s from the Save click to 'saved step N'\n")
     page.page.wait_for_function("document.querySelector('.fsdp2nb-plot') && "
                                 "+document.querySelector('.fsdp2nb-plot').dataset.points > 20", timeout=120_000)
     _check_loss_plot(dash)
     page.shoot(shots / "2-saved-during-training.png")
-    if os.environ.get("FSDP2NB_DASHBOARD_SCREENSHOT"):
+    if readme_shot and os.environ.get("FSDP2NB_DASHBOARD_SCREENSHOT"):
         dash.screenshot(path=os.environ["FSDP2NB_DASHBOARD_SCREENSHOT"])
     message = dash.locator(".fsdp2nb-message").inner_text()
     step = int(re.search(r"saved step (\d+) in [0-9.]+ s", message).group(1))
@@ -164,12 +199,11 @@ def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir)
     output = page.output(2)
     assert "panel saw the step during the cell" in output and f"saved at {step}" in output, output
     assert f"saving step {step}: done" in output, output  # the cell's own progress bar
-    assert (lab.root / "ckpt" / f"step-{step:06d}").is_dir()
-    after = [dash.locator(f".fsdp2nb-rank[data-rank='{r}'] .fsdp2nb-mem").inner_text() for r in (0, 1)]
-    assert all(a != b for a, b in zip(after, before, strict=True)), (before, after)
-    assert "params" in after[0] and "optimizer 0 B" not in after[0], after
-    _check_memory_bars(dash)
+    assert (step_dir / f"step-{step:06d}").is_dir()
+    return step, before
 
+
+def _load_then_delete_latest(page: Page, dash, step: int, step_dir) -> None:
     label = dash.locator(".fsdp2nb-steps option").first.inner_text()
     assert re.match(rf"step\s+{step}\s", label) and "LATEST" in label, label
     dash.locator(".fsdp2nb-steps select").select_option(label=label)
@@ -186,10 +220,7 @@ def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir)
     page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-confirm')"
                                 f".innerText.includes('Step {step} is LATEST')", timeout=120_000)
     dash.locator(".fsdp2nb-confirm button:has-text('Cancel')").click()
-    assert (lab.root / "ckpt" / f"step-{step:06d}").is_dir()
-    dash.locator("button:has-text('all ranks')").click()
-    page.page.wait_for_function("document.querySelectorAll('.fsdp2nb-plot polyline').length == 2", timeout=120_000)
-    page.shoot(shots / "3-loaded.png")
+    assert (step_dir / f"step-{step:06d}").is_dir()
 
 
 def _check_memory_bars(dash) -> None:

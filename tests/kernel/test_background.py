@@ -158,7 +158,7 @@ def test_a_rank_dying_is_reported_in_the_runs_cell(kernel):
                      for m in mine if m["msg_type"] == "error")
     assert "rank 1" in text and "SIGKILL" in text and "the pool was restarted" in text
     queued = kernel.execute("%%fsdp2\nprint('after the death')")  # in sequence it would fail too
-    assert queued.status == "error" and "RankDied" in queued.traceback_text
+    assert queued.status == "error" and "rank 1: killed by SIGKILL" in queued.traceback_text
     fresh = kernel.execute("%%fsdp2\nprint('fresh pool', rank)")
     assert fresh.status == "ok" and "[0] fresh pool 0\n" in fresh.stdout
 

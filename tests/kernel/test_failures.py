@@ -41,4 +41,8 @@ def test_rank_ignoring_the_interrupt_gets_the_pool_restarted(kernel):
     run = kernel.execute_and_interrupt(code, when_printed="waiting")
     assert run.status == "error"
     assert "state was lost" in run.traceback_text and "rank(s) 1" in run.traceback_text
+    # Rank 1 ignored the interrupt: it is said to be stuck at its line, not to have raised.
+    assert "[1] rank 1: did not return after the interrupt (at In[" in run.traceback_text
+    assert "time.sleep(120)" in run.traceback_text
+    assert "[1] rank 1 raised KeyboardInterrupt" not in run.traceback_text
     assert kernel.execute("%%fsdp2\nprint('usable')").stdout == "[all] usable\n"

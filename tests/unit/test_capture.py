@@ -2,7 +2,13 @@ import os
 import threading
 import time
 
-from fsdp2nb.worker.capture import FdCapture, LineStream, OutputSync, PartialLineFlusher, _partial_marker_length
+from fsdp2nb.worker.capture import (
+    FdCapture,
+    LineStream,
+    OutputSync,
+    PartialLineFlusher,
+    _partial_marker_length,
+)
 
 
 def test_output_is_synced_from_several_threads_at_once(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import time
@@ -18,7 +19,7 @@ from fsdp2nb.checkpoint import (
     tracking,
 )
 from fsdp2nb.checkpoint import manager as manager_module
-from fsdp2nb.checkpoint.layout import METADATA_FILE, read_latest
+from fsdp2nb.checkpoint.layout import METADATA_FILE, file_crc32, read_latest, read_metadata
 from fsdp2nb.checkpoint.requests import SaveRequests
 from fsdp2nb.checkpoint.staging import ReusedBufferStager
 from fsdp2nb.checkpoint.state import read_dcp_metadata
@@ -439,3 +440,112 @@ def test_deleting_latest_points_latest_at_the_previous_step(trained, tmp_path):
         assert read_latest(tmp_path) == 1 and checkpointer.status().latest_step == 1
         delete_checkpoint(1)
         assert read_latest(tmp_path) is None and checkpointer.status().latest_step is None
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xfe\x00step", b"step-000002\xe9\n", b"not a step\n"])
+def test_latest_holding_garbage_falls_back_to_the_newest_complete_step(tmp_path, trained, garbage):
+    model, optimizer = trained
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(1)
+        ckpt.save(2)
+        (tmp_path / "LATEST").write_bytes(garbage)
+        assert read_latest(tmp_path) is None
+        assert ckpt.latest() == 2 and ckpt.load("latest") == 2
+
+
+def _optimizer_snapshot(optimizer) -> dict[str, torch.Tensor]:
+    return {f"{i}.{name}": value.clone() for i, state in enumerate(optimizer.state.values())
+            for name, value in state.items()}
+
+
+def _assert_unchanged(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        assert torch.equal(value, after[key]), key
+
+
+def _damage(shard: Path, how: str) -> None:
+    if how == "truncated":
+        os.truncate(shard, shard.stat().st_size // 2)
+    else:  # 256 bytes in the middle overwritten: the size stays
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            f.write(bytes(range(256)))
+
+
+@pytest.fixture
+def two_steps(tmp_path, trained, caplog):
+    """Steps 1 and 2 saved; the model and optimizer as they were at step 1; trained on since."""
+    model, optimizer = trained
+    ckpt = Checkpointer(tmp_path, async_save=False).track(model=model, optimizer=optimizer)
+    ckpt.save(1)
+    at_step1 = _snapshot(model), _optimizer_snapshot(optimizer)
+    _step(model, optimizer)
+    ckpt.save(2)
+    _step(model, optimizer)
+    yield ckpt, model, optimizer, at_step1
+    ckpt.close()
+
+
+@pytest.mark.parametrize("how", ["truncated", "overwritten"])
+def test_a_damaged_step_is_refused_whole_and_latest_takes_the_step_before(tmp_path, two_steps, caplog, how):
+    ckpt, model, optimizer, at_step1 = two_steps
+    (shard,) = (tmp_path / "step-000002").glob("*.distcp")
+    _damage(shard, how)
+    before = _snapshot(model), _optimizer_snapshot(optimizer)
+    # A truncation shows in the listing; a same-size overwrite once a load has read the bytes.
+    assert [(e.step, e.valid) for e in ckpt.list()] == [(1, True), (2, how == "overwritten")]
+    with pytest.raises(ValueError, match=rf"step.2 .*{shard.name}") as refused:
+        ckpt.load(2)
+    assert "\n" not in str(refused.value)
+    _assert_unchanged(before[0], _snapshot(model))
+    _assert_unchanged(before[1], _optimizer_snapshot(optimizer))
+    assert [(e.step, e.valid) for e in ckpt.list()] == [(1, True), (2, False)] and ckpt.latest() == 1
+    caplog.clear()
+    assert ckpt.load("latest") == 1
+    _assert_unchanged(at_step1[0], _snapshot(model))
+    _assert_unchanged(at_step1[1], _optimizer_snapshot(optimizer))
+    notes = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert len(notes) == 1 and "step 2" in notes[0] and shard.name in notes[0] and "step 1" in notes[0]
+
+
+def test_a_step_found_damaged_is_valid_again_once_saved_again(tmp_path, two_steps):
+    ckpt, model, optimizer, _ = two_steps
+    (shard,) = (tmp_path / "step-000002").glob("*.distcp")
+    _damage(shard, "overwritten")
+    assert ckpt.load("latest") == 1
+    assert [(e.step, e.valid) for e in ckpt.list()] == [(1, True), (2, False)]
+    ckpt.save(2)
+    assert [(e.step, e.valid) for e in ckpt.list()] == [(1, True), (2, True)]
+    assert ckpt.load("latest") == 2
+
+
+def test_checksums_are_recorded_per_file_and_can_be_left_off(tmp_path, trained):
+    model, optimizer = trained
+    for checksums in (True, False):
+        directory = tmp_path / str(checksums)
+        with Checkpointer(directory, async_save=False, checksums=checksums) as ckpt:
+            ckpt.track(model=model, optimizer=optimizer).save(1)
+        step_dir = directory / "step-000001"
+        files = read_metadata(step_dir).files
+        assert set(files) == {p.name for p in step_dir.iterdir()} - {METADATA_FILE}  # no .crc32 left
+        for name, (size, crc) in files.items():
+            assert size == (step_dir / name).stat().st_size
+            if name.endswith(".distcp") and not checksums:
+                assert crc is None
+            else:
+                assert crc == file_crc32(step_dir / name)
+
+
+def test_a_checkpoint_without_recorded_sizes_and_checksums_still_loads(tmp_path, trained):
+    model, optimizer = trained
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(1)
+        saved = _snapshot(model)
+        metadata_path = tmp_path / "step-000001" / METADATA_FILE
+        written = json.loads(metadata_path.read_text())
+        del written["files"]  # as written before files were recorded
+        metadata_path.write_text(json.dumps(written))
+        _step(model, optimizer)
+        assert [e.valid for e in ckpt.list()] == [True] and ckpt.load("latest") == 1
+        _assert_unchanged(saved, _snapshot(model))

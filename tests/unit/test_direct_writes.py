@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from fsdp2nb.checkpoint.direct_writes import _BUFFER_BYTES, DirectFileSystem, DirectWriteStream
+from fsdp2nb.checkpoint.layout import CHECKSUM_SUFFIX
 
 SIZES = [0, 1, 4095, 4096, 4097, _BUFFER_BYTES - 3, _BUFFER_BYTES, 3 * _BUFFER_BYTES + 17]
 
@@ -27,6 +29,17 @@ def test_stream_writes_exact_bytes(tmp_path, size):
     stream.close()
     stream.close()  # twice is harmless
     assert path.read_bytes() == payload
+
+
+@pytest.mark.parametrize("size", [0, 4097, _BUFFER_BYTES, 3 * _BUFFER_BYTES + 17])
+def test_checksum_beside_the_file_is_the_crc32_of_its_bytes(tmp_path, size):
+    payload = os.urandom(size)
+    path = tmp_path / "__0_0.distcp"
+    stream = DirectWriteStream(path, checksum=True)
+    for start in range(0, size, 1_000_003):  # pieces that straddle the buffers handed to the disk
+        stream.write(payload[start:start + 1_000_003])
+    stream.close()
+    assert (tmp_path / f"{path.name}{CHECKSUM_SUFFIX}").read_text() == f"{zlib.crc32(payload):08x}"
 
 
 def test_non_byte_memoryviews_are_written_as_their_bytes(tmp_path):

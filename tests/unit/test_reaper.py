@@ -33,6 +33,22 @@ def test_orphans_of_a_dead_owner_are_killed_only_on_an_exact_match():
         reaper.forget_pool("test-orphans")
 
 
+def test_a_process_that_ended_but_was_not_collected_is_not_reaped(caplog):
+    owner = _finished_process_key()
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    key = reaper.process_key(ended.pid)
+    while reaper.psutil.Process(ended.pid).status() != reaper.psutil.STATUS_ZOMBIE:
+        time.sleep(0.01)
+    try:
+        reaper.record_pool("test-zombie", owner, [key])
+        with caplog.at_level("WARNING", logger=reaper.__name__):
+            reaper.reap_orphans()
+        assert f"process {ended.pid}" not in caplog.text  # it was not running: nothing was "ended"
+    finally:
+        ended.wait()
+        reaper.forget_pool("test-zombie")
+
+
 def test_pools_of_a_live_owner_are_left_alone():
     worker = subprocess.Popen(["sleep", "60"])
     try:

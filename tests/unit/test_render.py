@@ -1,3 +1,5 @@
+import re
+
 from fsdp2nb.frontend.render import MERGE_WINDOW_S, RankError, StreamMerger, rank_label
 from fsdp2nb.wire.protocol import ErrorInfo
 
@@ -67,3 +69,13 @@ def test_rank_error_groups_identical_tracebacks_root_cause_first():
     assert lines[0].endswith("[2] rank 2 raised ValueError\x1b[0m")
     assert sum("raised KeyboardInterrupt" in line for line in lines) == 1
     assert "ranks 0, 1" in next(line for line in lines if "KeyboardInterrupt" in line and "raised" in line)
+
+
+def test_a_rank_that_did_not_return_is_not_said_to_have_raised():
+    stuck = ErrorInfo("RankStuck", "did not return after the interrupt (at In[3] line 2: time.sleep(9))", ())
+    interrupted = ErrorInfo("KeyboardInterrupt", "", ("KeyboardInterrupt",))
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line)
+             for line in RankError([(0, interrupted), (1, stuck)], world_size=2)._render_traceback_()]
+    assert "[1] rank 1: did not return after the interrupt (at In[3] line 2: time.sleep(9))" in lines
+    assert not any("raised RankStuck" in line or line.startswith("RankStuck") for line in lines)
+    assert "[0] rank 0 raised KeyboardInterrupt" in lines

@@ -29,6 +29,7 @@ class ScriptedPool:
         self.exited: dict = {}
         self.state = "ready"
         self.sent: list = []
+        self.snapshot_listeners: list = []
         self.held_output = HeldOutput()
         self.stopped = False
         self._events = deque(events)
@@ -103,3 +104,41 @@ def test_displays_are_held_by_count_whatever_their_size():
     pieces, dropped_chars, dropped_displays = held.take()
     assert [getattr(p, "text", None) or p.data["image/png"][-1] for p in pieces] == ["1", "2", "abcd\n"]
     assert dropped_chars == {} and dropped_displays == {0: 1}
+
+
+def test_a_cell_started_during_a_panel_restart_gets_the_new_pool():
+    """The dashboard's Restart runs on a subshell thread; a cell on the main thread meanwhile
+    must wait for the fresh pool instead of starting a second one or using the stopped one."""
+    import threading
+
+    from fsdp2nb.frontend.dashboard_link import DashboardLink
+
+    release = threading.Event()
+    made: list[ScriptedPool] = []
+
+    class SlowStartPool(ScriptedPool):
+        def start(self) -> None:
+            release.wait(10)
+
+    def factory(spec):
+        made.append(SlowStartPool(spec))
+        return made[-1]
+
+    session = NotebookSession(pool_factory=factory)
+    session.pool = old = ScriptedPool(SPEC)
+    link = DashboardLink(session)
+    restarting = threading.Thread(target=link.restart)
+    restarting.start()
+    while not made:
+        time.sleep(0.01)
+    got: list = []
+    cell = threading.Thread(target=lambda: got.append(session.pool_for(None, lambda: SPEC)))
+    cell.start()
+    cell.join(0.2)
+    assert cell.is_alive() and not got  # waiting for the restart, not starting a pool of its own
+    with pytest.raises(Exception, match="starting or restarting already"):
+        link.restart()  # a second click while the first is under way
+    release.set()
+    restarting.join(10)
+    cell.join(10)
+    assert old.stopped and got == [made[0]] and len(made) == 1

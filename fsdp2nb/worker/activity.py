@@ -1,0 +1,58 @@
+"""Where a rank's main thread is, from a stack sample its control thread takes.
+
+The kernel asks while a cell waits (a collective that not every rank entered waits silently until
+its timeout), so the notebook can say which cell line each rank is on and which collective it
+waits in. Sampling reads `sys._current_frames()`: the main thread is not stopped or signalled.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import sys
+from types import FrameType
+
+_CELL_NAME = re.compile(r"^<ipython-input-(\d+)-")
+"""How IPython names a cell's code (the rank's compiler keeps IPython's naming)."""
+_C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+_WRAPPER_NAMES = {"wrapper", "inner", "_fn"}
+
+
+def main_thread_activity(main_thread_id: int) -> tuple[str, str | None]:
+    """(the cell line the main thread is on, the torch.distributed call it is in) for a rank."""
+    frame = sys._current_frames().get(main_thread_id)
+    if frame is None:
+        return "", None
+    frames = _outermost_first(frame)
+    return _cell_line(frames), _collective(frames)
+
+
+def _outermost_first(frame: FrameType | None) -> list[FrameType]:
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames[::-1]
+
+
+def _cell_line(frames: list[FrameType]) -> str:
+    """The innermost frame of a cell's code (a function a cell defined counts too)."""
+    for frame in reversed(frames):
+        filename = frame.f_code.co_filename
+        match = _CELL_NAME.match(filename)
+        if match is None:
+            continue
+        text = linecache.getline(filename, frame.f_lineno).strip()
+        return f"In[{match.group(1)}] line {frame.f_lineno}" + (f": {text}" if text else "")
+    return ""
+
+
+def _collective(frames: list[FrameType]) -> str | None:
+    """The outermost public torch.distributed function on the stack (its wrappers skipped)."""
+    for frame in frames:
+        name = frame.f_code.co_name
+        if frame.f_code.co_filename.endswith(_C10D_FILE) and name not in _WRAPPER_NAMES \
+                and not name.startswith("_"):
+            return name
+    return None

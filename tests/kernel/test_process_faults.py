@@ -1,0 +1,218 @@
+"""Process faults that used to hang a cell or mislead: a collective that not every rank entered,
+a dying host agent, a rank closing its own stdout, and hostile user code."""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+
+def _agent_pid(kernel) -> int:
+    run = kernel.execute("%%fsdp2 --ranks 0\nimport os\nprint(os.getppid())")
+    assert run.status == "ok", run.traceback_text
+    return int(run.stdout.split()[-1])
+
+
+def _rank_pids(kernel) -> list[int]:
+    run = kernel.execute("%%fsdp2\nimport os\nprint(rank, os.getpid())")
+    assert run.status == "ok", run.traceback_text
+    return [int(line.split()[-1]) for line in run.stdout.splitlines()]
+
+
+def _until_dead(pid: int) -> None:
+    """Until `pid` has ended (a zombie counts: it waits only for its parent to collect it)."""
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+
+
+# --- a collective that not every rank entered -----------------------------------------------------
+
+
+def test_waiting_cell_shows_where_each_rank_is(kernel):
+    lines = []
+
+    def on_message(message):
+        if message["msg_type"] in ("display_data", "update_display_data"):
+            text = message["content"]["data"].get("text/plain", "")
+            if "all_reduce" in text and not lines:
+                lines.append(text)
+                kernel.manager.interrupt_kernel()  # as a user who read the line would
+
+    code = "%%fsdp2\nkept = 1\nt = torch.ones(1)\nif rank == 0:\n    dist.all_reduce(t)\n"
+    run = kernel.execute(code, timeout=120, on_message=on_message)
+    assert lines, "no waiting line named the collective"
+    assert "[0] in all_reduce at In[" in lines[0] and "line 4: dist.all_reduce(t)" in lines[0], lines[0]
+    assert "[1] finished" in lines[0], lines[0]
+    text = run.traceback_text
+    assert run.status == "error"
+    assert "[0] rank 0: did not return after the interrupt (at In[" in text, text
+    assert "raised KeyboardInterrupt" not in text
+    assert kernel.execute("%%fsdp2\nprint('kept' in globals())").stdout == "[all] False\n"
+
+
+def test_collective_timeout_marks_the_pool_broken_until_restarted(kernel):
+    # Longer than the quiet time after which the waiting line appears, so that it shows first.
+    assert kernel.execute("%fsdp2 restart --cpu 2 --timeout 10").status == "ok"
+    try:
+        run = kernel.execute("%%fsdp2 --ranks 1\nt = torch.ones(1)\ndist.all_reduce(t)", timeout=120)
+        assert run.status == "error"
+        text = run.traceback_text
+        assert "a collective timed out on rank(s) 1 after 10 s" in text, text
+        line = [m["content"]["data"]["text/plain"] for m in run.messages if m["msg_type"] == "display_data"]
+        assert line and "[1] in all_reduce at In[" in line[0] and "[0] not running this cell" in line[0], line
+        assert "`%fsdp2 restart`" in text and "--timeout SECONDS" in text
+        status = kernel.execute("%fsdp2 status").stdout
+        assert "(broken: a collective timed out on rank(s) 1 after 10 s)" in status, status
+        refused = kernel.execute("%%fsdp2\nprint('ran')")
+        assert refused.status == "error" and "ran" not in refused.stdout
+        assert "`%fsdp2 restart` starts a fresh one" in refused.traceback_text + refused.stderr
+    finally:
+        assert kernel.execute("%fsdp2 restart --cpu 2").status == "ok"
+    assert kernel.execute("%%fsdp2\nprint('usable')").stdout == "[all] usable\n"
+
+
+# --- the host agent dying -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("signum", "how"), [(signal.SIGKILL, "killed by SIGKILL"),
+                                             (signal.SIGTERM, "ended by a SIGTERM it was sent")])
+def test_agent_dying_mid_cell_ends_the_cell_and_restarts_the_pool(kernel, signum, how):
+    agent = _agent_pid(kernel)
+    code = (f"%%fsdp2\nimport os, time\nkept = 1\nif rank == 0:\n    os.kill(os.getppid(), {int(signum)})\n"
+            "time.sleep(60)")
+    run = kernel.execute(code, timeout=120)
+    assert run.status == "error"
+    text = run.traceback_text
+    assert f"the host agent (pid {agent}) {how}" in text, text
+    assert "ended with its host agent" in text and "the pool was restarted" in text
+    after = kernel.execute("%%fsdp2\nprint('kept' in globals())")
+    assert after.status == "ok" and after.stdout == "[all] False\n"
+
+
+def test_agent_killed_while_idle_is_reported_and_the_next_cell_restarts(kernel):
+    agent = _agent_pid(kernel)
+    os.kill(agent, signal.SIGKILL)
+    _until_dead(agent)
+    status = kernel.execute("%fsdp2 status")
+    assert status.status == "ok"
+    assert f"broken: the host agent (pid {agent}) killed by SIGKILL" in status.stdout, status.stdout
+    assert " idle " not in status.stdout and status.stdout.count("exited") == 2, status.stdout
+    run = kernel.execute("%%fsdp2\nprint('fresh')")
+    assert run.status == "ok", run.traceback_text
+    assert run.stdout == "[all] fresh\n"
+    assert "while the pool was idle" in run.stderr and "the pool was restarted" in run.stderr
+    assert "BrokenPipeError" not in run.stderr
+
+
+def test_rank_gone_unreported_fails_the_next_cell_plainly(kernel):
+    ranks, agent = _rank_pids(kernel), _agent_pid(kernel)
+    os.kill(agent, signal.SIGSTOP)  # it can neither collect the rank nor report its end
+    try:
+        os.kill(ranks[1], signal.SIGKILL)
+        _until_dead(ranks[1])  # gone before the cell is sent, as a rank that died between cells
+        run = kernel.execute("%%fsdp2\nprint('ran')", timeout=120)
+    finally:
+        if psutil.pid_exists(agent):
+            os.kill(agent, signal.SIGCONT)
+    assert run.status == "error"
+    text = run.traceback_text
+    assert "could not be reached" in text and "the pool was restarted" in text, text
+    assert "Traceback" not in text and "BrokenPipeError" not in text
+    assert kernel.execute("%%fsdp2\nprint('fresh')").stdout == "[all] fresh\n"
+
+
+# --- a rank closing its own output ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fd", "name"), [(1, "stdout"), (2, "stderr")])
+def test_rank_closing_its_output_fd_keeps_its_state_and_output(kernel, fd, name):
+    run = kernel.execute(f"%%fsdp2\nimport os\nkept = rank * 10\nif rank == 1:\n    os.close({fd})\n")
+    assert run.status == "ok", run.traceback_text
+    assert f"[1] fd {fd} ({name}) was closed by the cell" in run.stdout + run.stderr
+    after = kernel.execute("%%fsdp2\nprint(kept)\nos.system('echo from a child')")
+    assert after.status == "ok", after.traceback_text
+    assert "[0] 0\n" in after.stdout and "[1] 10\n" in after.stdout
+    assert "[all] from a child\n" in after.stdout
+
+
+# --- hostile user code ----------------------------------------------------------------------------
+
+
+def test_stopped_rank_is_called_stopped(kernel):
+    code = ("%%fsdp2\nimport os, signal, time\npids = [None] * world_size\n"
+            "dist.all_gather_object(pids, os.getpid())\n"
+            "if rank == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+            "else:\n    while open(f'/proc/{pids[1]}/stat').read().rsplit(') ', 1)[1][0] != 'T':\n"
+            "        time.sleep(0.05)\n    print('peer stopped', flush=True)\n"
+            "time.sleep(120)")
+    run = kernel.execute_and_interrupt(code, when_printed="peer stopped")
+    assert run.status == "error"
+    text = run.traceback_text
+    assert "[1] rank 1: is stopped by a signal (SIGSTOP or SIGTSTP)" in text, text
+    assert "(stopped: rank(s) 1)" in text and "stuck" not in text
+    assert "state was lost" in text
+    assert kernel.execute("%%fsdp2\nprint('usable')").stdout == "[all] usable\n"
+
+
+def test_sys_exit_fails_the_cell_and_keeps_the_rank(kernel):
+    kernel.execute("%%fsdp2\nkept = rank")
+    run = kernel.execute("%%fsdp2\nimport sys\nif rank == 1:\n    sys.exit(4)")
+    assert run.status == "error" and "[1] rank 1 raised SystemExit" in run.traceback_text
+    assert kernel.execute("%%fsdp2\nprint(kept)").stdout in ("[0] 0\n[1] 1\n", "[1] 1\n[0] 0\n")
+
+
+def test_runaway_recursion_fails_the_cell_and_keeps_the_ranks(kernel):
+    kernel.execute("%%fsdp2\nkept = rank")
+    run = kernel.execute("%%fsdp2\ndef dive(n):\n    return dive(n + 1)\ndive(0)")
+    assert run.status == "error" and "RecursionError" in run.traceback_text
+    assert len(run.traceback_text) < 20_000  # repeated frames folded, not thousands of lines
+    assert kernel.execute("%%fsdp2\nprint(kept)").stdout in ("[0] 0\n[1] 1\n", "[1] 1\n[0] 0\n")
+
+
+def test_huge_print_is_cut_and_the_kernel_stays_small(kernel):
+    kernel_process = psutil.Process(kernel.pid)
+    before = kernel_process.memory_info().rss
+    run = kernel.execute("%%fsdp2\nimport sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1_000_000)\n"
+                         "print()\nprint('after', flush=True)", timeout=300)
+    assert run.status == "ok", run.traceback_text
+    assert "output truncated after 200,000 characters" in run.stdout
+    assert len(run.stdout) < 2 * 200_000 + 2_000
+    grown = kernel_process.memory_info().rss - before
+    assert grown < 100 * 2**20, f"the kernel grew by {grown / 2**20:.0f} MiB for 200 MB of rank output"
+    assert kernel.execute("%%fsdp2\nprint('usable')").stdout == "[all] usable\n"
+
+
+def test_pulling_an_unpicklable_value_says_why_in_one_line(kernel):
+    assert kernel.execute("%%fsdp2\nimport threading\nlock = threading.Lock()").status == "ok"
+    run = kernel.execute("value = %fsdp2 pull lock")
+    assert run.status == "error"
+    assert "'lock' cannot be sent to the notebook" in run.traceback_text, run.traceback_text
+    assert kernel.execute("%%fsdp2\nprint(lock.locked())").stdout == "[all] False\n"
+
+
+# --- nothing left behind ---------------------------------------------------------------------------
+
+
+def test_kernel_shutdown_leaves_no_rank_process_and_no_registry_entry():
+    from fsdp2nb.pool import reaper
+    from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+
+    own = Kernel(env=WITHOUT_GPUS)
+    try:
+        assert own.execute("%load_ext fsdp2nb").status == "ok"
+        assert own.execute("%fsdp2 start --cpu 2").status == "ok"
+        ranks, agent = _rank_pids(own), _agent_pid(own)
+        pool_id = own.execute("from fsdp2nb import _session\nprint(_session.pool.pool_id)").stdout.strip()
+    finally:
+        own.stop()
+    left = [pid for pid in [*ranks, agent] if psutil.pid_exists(pid)
+            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert left == [], "processes of the pool outlived its kernel"
+    assert not (reaper.state_dir() / "pools" / f"{pool_id}.json").exists()
