@@ -28,7 +28,7 @@ import psutil
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.launcher import LaunchedRanks, Launcher, LocalLauncher
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.channels import KernelChannels
+from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.protocol import (
     ControlMessage,
     EventMessage,
@@ -128,7 +128,8 @@ class PoolStartError(RuntimeError):
 class WorkerPool:
     """N ranks forming one torch.distributed job, owned by the notebook kernel."""
 
-    def __init__(self, spec: PoolSpec, launcher: Launcher | None = None) -> None:
+    def __init__(self, spec: PoolSpec, launcher: Launcher | None = None, *,
+                 stalled_frame_s: float = STALLED_FRAME_S) -> None:
         self.spec = spec
         self.pool_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.state: PoolState = "stopped"
@@ -154,6 +155,11 @@ class WorkerPool:
         self._receiver: threading.Thread | None = None
         self._runtime_dir = ""
         self._save_requests = 0
+        self._stalled_frame_s = stalled_frame_s
+        self._log: logging.Logger | None = None
+        """This pool's own log (pool.log in `log_dir`): what its connections went through."""
+        self._last_cell_ids: dict[int, int] = {}
+        """Per rank, the request id it was last sent (a stalled rank is reported to that cell)."""
 
     @property
     def world_size(self) -> int:
@@ -168,7 +174,9 @@ class WorkerPool:
         try:
             key = secrets.token_bytes(KEY_BYTES)
             plan = self._plan()
-            self._channels = KernelChannels(Signer(key), plan.address)
+            self._log = _open_pool_log(os.path.join(self.log_dir, "pool.log"))
+            self._channels = KernelChannels(Signer(key, log=self._log), plan.address, log=self._log,
+                                            stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled)
             self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
             self._receiver.start()
             self._launched = self._launcher.launch(plan, key)
@@ -233,6 +241,9 @@ class WorkerPool:
         if self._channels is not None:
             self._channels.close()
         self._channels = None
+        if self._log is not None:
+            _close_pool_log(self._log)
+        self._log = None
         shutil.rmtree(self._runtime_dir, ignore_errors=True)
         reaper.forget_pool(self.pool_id)
         self.state = "stopped"
@@ -291,6 +302,10 @@ class WorkerPool:
         """Send `message` to one rank or to several."""
         assert self._channels is not None, "the pool is not running"
         control = isinstance(message, (Interrupt, RequestSave, ResetPeak, ReportActivity))
+        cell_id = getattr(message, "cell_id", None)
+        if cell_id is not None:
+            for rank in (ranks,) if isinstance(ranks, int) else ranks:
+                self._last_cell_ids[rank] = cell_id
         self._channels.send(ranks, message, control=control, connect_timeout_s=connect_timeout_s)
 
     def request_save(self) -> int:
@@ -323,6 +338,17 @@ class WorkerPool:
             except Exception:  # nothing known raises here (bad frames are dropped, handlers guarded):
                 logger.exception("fsdp2nb: failed to read an event from the ranks")  # keep serving
 
+    def _report_stalled(self, rank: int | None, stalled_s: float) -> None:
+        """Say in the cell that waits on `rank` (or the next one) that it stopped mid-message."""
+        if rank is None:
+            return  # the host agent sends no cell's output: pool.log has the line
+        pid = self.ranks[rank].pid if rank in self.ranks else "PID"
+        text = (f"fsdp2nb: {peer_name(rank)} stopped in the middle of sending a message {stalled_s:.0f} s ago "
+                "(stopped by a signal or a debugger?); the other ranks go on. Resume it "
+                f"(kill -CONT {pid}) or interrupt the cell to restart the pool.\n")
+        cell_id = self._last_cell_ids.get(rank) if rank in self.busy_ranks else None
+        self._dispatch_safely(StreamOutput(rank=rank, cell_id=cell_id, stream="stderr", text=text))
+
     def _dispatch_safely(self, event: EventMessage) -> None:
         try:
             self._dispatch(event)
@@ -350,6 +376,26 @@ class WorkerPool:
             self.held_output.add(event)  # a rank's own thread, between cells
             return
         self._events.put(event)
+
+
+def _open_pool_log(path: str) -> logging.Logger:
+    """A logger of this pool's own that writes only to `path`.
+
+    Made outside logging's registry, it has no parent: nothing it logs reaches the root logger's
+    fallback, which in a notebook kernel writes to whatever cell runs (a flood of junk
+    connections would have written a line per connection there)."""
+    log = logging.Logger("fsdp2nb.pool")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    return log
+
+
+def _close_pool_log(log: logging.Logger) -> None:
+    for handler in list(log.handlers):
+        handler.close()
+        log.removeHandler(handler)
+    log.addHandler(logging.NullHandler())  # a late line from a closing thread goes nowhere, not to a cell
 
 
 def describe_exit(report: RankExited) -> str:

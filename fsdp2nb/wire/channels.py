@@ -7,7 +7,10 @@ three connections to it, each introduced by a signed `ChannelHello`:
   these act while a cell runs;
 - events: rank -> kernel, shared by all the rank's threads (output, results, snapshots). One
   ordered stream per process means a rank's output always arrives before its `CellFinished`.
-The host agent opens an events connection only.
+The host agent opens an events connection only. `admission` introduces each connection (a
+signed hello that answers a fresh challenge); a second connection for a role and rank already
+connected is refused. Events connections are read without blocking: a rank stopped in the middle
+of a frame holds up no other rank, and is reported once it stays so for `STALLED_FRAME_S`.
 
 Frames are laid out by `framing` and signed by `signing`. Plain sockets wake the reader
 directly, where a ZeroMQ socket hands every message through an extra I/O thread on each side
@@ -18,20 +21,41 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from fsdp2nb.wire.framing import Link
+from fsdp2nb.wire.admission import CHALLENGE_BYTES, HELLO_TIMEOUT_S, Admission
+from fsdp2nb.wire.framing import FrameReader, Link
 from fsdp2nb.wire.protocol import ChannelHello, ChannelRole
 from fsdp2nb.wire.signing import Signer
 
-_ACCEPT_POLL_S = 0.2
-_HELLO_TIMEOUT_S = 10.0
-_MAX_HELLO_BYTES = 4096
+logger = logging.getLogger(__name__)
+
+STALLED_FRAME_S = 10.0
+"""How long a frame may stay half-received before its sender is reported as stalled."""
+
+OnStalled = Callable[[int | None, float], None]
+"""Told the rank (None: the host agent) that stopped in the middle of a frame, and for how long."""
+
+
+def peer_name(rank: int | None) -> str:
+    return "the host agent" if rank is None else f"rank {rank}"
+
+
+class _EventSource:
+    """An events connection being read: its frames so far and who sends them."""
+
+    def __init__(self, link: Link, rank: int | None) -> None:
+        self.link = link
+        self.frames = FrameReader(link.sock)
+        self.rank = rank
+        self.stall_reported = False
 
 
 class KernelChannels:
@@ -43,17 +67,17 @@ class KernelChannels:
     between threads, a thread wake-up that is a good part of an empty cell's cost.
     """
 
-    def __init__(self, signer: Signer, address: str) -> None:
+    def __init__(self, signer: Signer, address: str, *, log: logging.Logger = logger,
+                 stalled_frame_s: float = STALLED_FRAME_S, on_stalled: OnStalled | None = None) -> None:
         self._signer = signer
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._server.bind(address)
-        self._server.listen(128)
-        self._server.settimeout(_ACCEPT_POLL_S)
-        self._links: dict[tuple[ChannelRole, int], Link] = {}
+        self._log = log
+        self._stalled_frame_s = stalled_frame_s
+        self._on_stalled = on_stalled
+        self._links: dict[tuple[ChannelRole, int | None], Link] = {}
+        """Every introduced connection, by role and rank (events links too: one per rank)."""
         self._links_changed = threading.Condition()
-        self._event_links: list[Link] = []
         # Each reader waits on its own epoll set, built up as events connections arrive (the
-        # accepting thread queues them and wakes the background reader through a pipe):
+        # admitting thread queues them and wakes the background reader through a pipe):
         # rebuilding a selector for every wait cost the kernel time on every event. Pausing
         # the background reader switches its connections off in its set, so it sleeps on.
         self._background = select.epoll()
@@ -64,14 +88,19 @@ class KernelChannels:
         """Held while frames are read and delivered, and while the reader changes hands."""
         self._handoffs = 0
         """How often reading changed hands: a reader's wait that spans a change is stale."""
-        self._readers: dict[int, Link] = {}
+        self._readers: dict[int, _EventSource] = {}
+        self._part_read: set[_EventSource] = set()
+        """Sources with a frame begun and not yet complete (watched for stalls)."""
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._background.register(self._wake_read, select.EPOLLIN)
-        self._unregistered: collections.deque[Link] = collections.deque()
+        self._unregistered: collections.deque[_EventSource] = collections.deque()
         self._closed = False
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="fsdp2nb-accept")
-        self._acceptor.start()
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(address)
+        server.listen(128)
+        self._server = server
+        self._admission = Admission(server, signer, self._admit, log)
 
     def send(self, ranks: int | tuple[int, ...], message: Any, *, control: bool = False,
              connect_timeout_s: float = 5.0) -> None:
@@ -145,16 +174,16 @@ class KernelChannels:
                 return
             if self._handoffs != handoffs:
                 # Reading changed hands while this reader waited: what it saw ready may have been
-                # read since, and a link without a frame would block the read (lock held).
+                # read since (a read would find nothing; the next wait sees what is new).
                 ready = [(fd, event) for fd, event in ready if self._readers.get(fd) is None]
             for fd, _ in ready:
-                link = self._readers.get(fd)
-                if link is None:  # the accepting thread's wake-up: new links are registered next call
+                source = self._readers.get(fd)
+                if source is None:  # the admitting thread's wake-up: new links are registered next call
                     _drain(self._wake_read)
                 elif epoll is self._foreground or self._foreground_thread is None:
-                    message = self._read(link)
-                    if message is not None:
-                        deliver(message)
+                    self._read(source, deliver)
+            if self._part_read:
+                self._report_stalls()
 
     def _wait_ready(self, epoll: select.epoll, timeout_ms: int) -> list[tuple[int, int]]:
         """The (fd, event) pairs ready within `timeout_ms`; none once the channels are closed."""
@@ -166,73 +195,94 @@ class KernelChannels:
     def _register_new_links(self) -> None:
         """Called with the read lock held."""
         while self._unregistered:
-            link = self._unregistered.popleft()
-            self._readers[link.fileno()] = link
-            self._foreground.register(link.fileno(), select.EPOLLIN)
-            self._background.register(link.fileno(), 0 if self._foreground_thread is not None else select.EPOLLIN)
+            source = self._unregistered.popleft()
+            fd = source.link.fileno()
+            self._readers[fd] = source
+            self._foreground.register(fd, select.EPOLLIN)
+            self._background.register(fd, 0 if self._foreground_thread is not None else select.EPOLLIN)
 
-    def _read(self, link: Link) -> Any | None:
-        """The next message on `link`, or None (a frame that failed verification, or the
-        connection closed: then the link is dropped)."""
+    def _read(self, source: _EventSource, deliver: Callable[[Any], None]) -> None:
+        """Deliver each verified message that `source` completed; never waits for more bytes.
+
+        A frame that fails verification is dropped (one line in the log); a closed connection
+        is dropped."""
         try:
-            frame = link.receive()
-        except (EOFError, OSError):
-            for epoll in (self._background, self._foreground):
-                epoll.unregister(link.fileno())
-            del self._readers[link.fileno()]
-            with self._links_changed:
-                self._event_links.remove(link)
-            link.close()
-            return None
-        return self._signer.unpack(frame)
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._introduce, args=(client,), daemon=True).start()
-
-    def _introduce(self, client: socket.socket) -> None:
-        """Register a connection under the role its signed hello names; drop it otherwise."""
-        client.settimeout(_HELLO_TIMEOUT_S)  # a peer that sends nothing is dropped
-        link = Link(client)
-        try:
-            hello = self._signer.unpack(link.receive(max_bytes=_MAX_HELLO_BYTES))
-            client.settimeout(None)
-        except (EOFError, OSError):  # also a hello longer than any real one, or none in time
-            hello = None
-        if not isinstance(hello, ChannelHello):
-            link.close()
+            frames = source.frames.read_available()
+        except (EOFError, OSError) as error:
+            if source.frames.stalled_since is not None or not isinstance(error, EOFError):
+                self._log.warning("dropped the events connection of %s: %s", peer_name(source.rank), error)
+            self._drop(source)
             return
+        for frame in frames:
+            message = self._signer.unpack(frame)
+            if message is not None:
+                deliver(message)
+        if source.frames.stalled_since is not None:
+            self._part_read.add(source)
+        elif self._part_read:
+            self._resumed(source)
+
+    def _drop(self, source: _EventSource) -> None:
+        """Called with the read lock held."""
+        fd = source.link.fileno()
+        for epoll in (self._background, self._foreground):
+            epoll.unregister(fd)
+        del self._readers[fd]
+        self._part_read.discard(source)
+        with self._links_changed:
+            if self._links.get(("events", source.rank)) is source.link:
+                del self._links[("events", source.rank)]
+        source.link.close()
+
+    def _report_stalls(self) -> None:
+        """Report, once each, the senders whose frame has stayed incomplete for too long."""
+        now = time.monotonic()
+        for source in self._part_read:
+            stalled_s = now - (source.frames.stalled_since or now)
+            if not source.stall_reported and stalled_s >= self._stalled_frame_s:
+                source.stall_reported = True
+                self._log.warning("%s stopped in the middle of a message %.0f s ago", peer_name(source.rank), stalled_s)
+                if self._on_stalled is not None:
+                    self._on_stalled(source.rank, stalled_s)
+
+    def _resumed(self, source: _EventSource) -> None:
+        self._part_read.discard(source)
+        if source.stall_reported:
+            source.stall_reported = False
+            self._log.warning("%s resumed sending", peer_name(source.rank))
+
+    def _admit(self, hello: ChannelHello, sock: socket.socket) -> str | None:
+        """Register an introduced connection under its role and rank; or why it is refused."""
+        key = (hello.role, hello.rank)
         with self._links_changed:
             if self._closed:
-                link.close()
-                return
+                return "the pool is closing"
+            current = self._links.get(key)
+            if current is not None and not _hung_up(current.sock):
+                return (f"{peer_name(hello.rank)} already has a {hello.role} connection "
+                        "(a second one is refused; the first stays in use)")
+            if current is not None and hello.role != "events":  # the reader drops a closed events link
+                current.close()
+            link = Link(sock)
+            self._links[key] = link
             if hello.role == "events":
-                self._event_links.append(link)
-                self._unregistered.append(link)
+                self._unregistered.append(_EventSource(link, hello.rank))
                 os.write(self._wake_write, b"x")
             else:
-                replaced = self._links.get((hello.role, hello.rank))
-                if replaced is not None:
-                    replaced.close()
-                self._links[(hello.role, hello.rank)] = link
+                sock.setblocking(True)  # sent to from the kernel's threads; never read here
             self._links_changed.notify_all()
+        return None
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._admission.close()
         self._server.close()
         with self._links_changed:
             self._links_changed.notify_all()
-            links = [*self._links.values(), *self._event_links]
+            links = list(self._links.values())
             self._links.clear()
-            self._event_links.clear()
         with self._read_lock:  # not while a reader reads from them
             for link in links:
                 link.close()
@@ -255,6 +305,13 @@ class _ReadingHere:
         self._channels._give_reading_back()
 
 
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer of `sock` closed its end (checked without reading)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLHUP)
+    return bool(poller.poll(0))
+
+
 def _drain(fd: int) -> None:
     with contextlib.suppress(BlockingIOError):
         while os.read(fd, 4096):
@@ -274,10 +331,14 @@ class RankChannels:
         self._closed = False
 
     def _connect(self, address: str, role: ChannelRole, rank: int | None) -> Link:
+        """A connection introduced by a signed hello that answers the kernel's challenge."""
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         client.connect(address)
+        client.settimeout(HELLO_TIMEOUT_S)
         link = Link(client)
-        link.send(self._signer.pack(ChannelHello(role=role, rank=rank)))
+        challenge = bytes(link.receive(max_bytes=CHALLENGE_BYTES))
+        client.settimeout(None)
+        link.send(self._signer.pack(ChannelHello(role=role, rank=rank, challenge=challenge)))
         return link
 
     def send_event(self, message: Any) -> None:

@@ -20,10 +20,14 @@ RichKind = Literal["display", "result", "clear"]
 
 @dataclass(frozen=True)
 class ChannelHello:
-    """The first message on every connection: which rank opened it and what it is for."""
+    """The first message on every connection: which rank opened it and what it is for.
+
+    The kernel opens each connection with a fresh random challenge; a hello that does not carry
+    it back is refused, so a signed hello recorded earlier cannot be replayed."""
 
     role: ChannelRole
     rank: int | None
+    challenge: bytes
 
 
 # --- kernel -> rank (requests and control channels) ---------------------------------------------------------

@@ -31,10 +31,12 @@ class Signer:
     when the caches are cold, as they are for a cell after the notebook sat idle.
     """
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, *, log: logging.Logger = logger) -> None:
         if len(key) < KEY_BYTES:
             raise ValueError(f"the pool key must have at least {KEY_BYTES} bytes, got {len(key)}")
         self._mac = HmacSha256(key)
+        self._log = log
+        """Where dropped frames are reported (the kernel's pool log: never a notebook cell)."""
         self.num_rejected = 0
         self.num_undecodable = 0
 
@@ -47,17 +49,28 @@ class Signer:
     def unpack(self, frame: bytes) -> Any | None:
         """The message, or None when the frame is malformed, its signature is wrong or it does
         not decode here."""
+        payload = self.verify(frame)
+        if payload is None:
+            self._log.warning("dropped a message that failed signature verification")
+            return None
+        return self.decode(payload)
+
+    def verify(self, frame: bytes) -> bytes | None:
+        """The payload of a frame whose signature verifies; None (and counted) otherwise."""
         signature, payload = frame[:_SIGNATURE_BYTES], frame[_SIGNATURE_BYTES:]
         if len(frame) <= _SIGNATURE_BYTES or not hmac.compare_digest(signature, self._mac.sign(payload)):
             self.num_rejected += 1
-            logger.warning("dropped a message that failed signature verification")
             return None
+        return payload
+
+    def decode(self, payload: bytes) -> Any | None:
+        """The message in a verified payload; None when this end cannot rebuild it."""
         try:
             tag, content = pickle.loads(payload)
             return content if tag is None else _rebuild(tag, content)
         except Exception:  # signed by the other end, but not something this end can rebuild
             self.num_undecodable += 1  # (e.g. a display whose metadata holds a rank-only class)
-            logger.exception("dropped a signed message that could not be decoded")
+            self._log.exception("dropped a signed message that could not be decoded")
             return None
 
 
