@@ -24,7 +24,8 @@ class ScriptedPool:
     def __init__(self, spec: PoolSpec, events=(), fails_to_start: bool = False) -> None:
         self.spec = spec
         self.world_size = spec.world_size
-        self.ranks = {r: SimpleNamespace(log_path=f"/logs/rank-{r}.log") for r in range(spec.world_size)}
+        self.ranks = {r: SimpleNamespace(log_path=f"/logs/rank-{r}.log", device="cpu", pid=1000 + r)
+                      for r in range(spec.world_size)}
         self.busy_ranks: set[int] = set()
         self.exited: dict = {}
         self.state = "ready"
@@ -41,6 +42,9 @@ class ScriptedPool:
 
     def stop(self, *, polite: bool = True) -> None:
         self.stopped = True
+
+    def check_agent(self) -> bool:
+        return True
 
     def send(self, ranks, message, connect_timeout_s: float = 5.0) -> None:
         self.sent.append(message)
