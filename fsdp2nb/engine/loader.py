@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp2nb import progress
 from fsdp2nb.config_checks import check_bool, check_choice
-from fsdp2nb.engine.checkpoint_files import refuse_quantized
+from fsdp2nb.engine.checkpoint_files import find_checkpoint_files, refuse_quantized
 from fsdp2nb.engine.config import INIT_CHOICES
 from fsdp2nb.engine.engine import FSDP2Engine
 from fsdp2nb.engine.hub import resolve_model_dir
@@ -48,6 +49,20 @@ def load_model(
     engine = _engine_for(engine, mixed_precision)
     directory = resolve_model_dir(name_or_path)
     refuse_quantized(Path(directory))  # from_pretrained would try to quantize or dequantize it
+    task = _whole_load_progress(directory, init)
+    try:
+        model = _load_and_shard(directory, init, lora, engine, activation_checkpointing, allow_missing)
+    except BaseException as error:
+        task.finish(error)
+        raise
+    if task is not progress.SILENT:
+        task.advance(task.total_bytes)
+    task.finish()
+    return model, load_processor(directory)
+
+
+def _load_and_shard(directory: str, init: str, lora: Any, engine: FSDP2Engine,
+                    activation_checkpointing: bool, allow_missing: Sequence[str]) -> nn.Module:
     model = _build(directory, init)
     initial_values: dict[str, torch.Tensor] = {}
     if lora is not None:
@@ -61,7 +76,18 @@ def load_model(
         model, directory, activation_checkpointing=activation_checkpointing,
         allow_missing=allow_missing, initial_values=initial_values,
     )
-    return model, load_processor(directory)
+    return model
+
+
+def _whole_load_progress(directory: str, init: str) -> progress.AnyTask:
+    """init="rank0"/"default" read through from_pretrained, which reports nothing on the way: the
+    bar shows the bytes this rank reads, at the start and at the end. A meta load reports per file."""
+    if init == "meta" or not progress.listening():
+        return progress.SILENT
+    reads = init == "default" or dist.get_rank() == 0
+    files = find_checkpoint_files(directory)
+    total = sum((files.directory / name).stat().st_size for name in set(files.key_to_file.values())) if reads else 0
+    return progress.start_task("load_model", "loading model weights (from_pretrained)", total, 0)
 
 
 def _engine_for(engine: FSDP2Engine | None, mixed_precision: str | None) -> FSDP2Engine:

@@ -38,8 +38,9 @@ def test_a_cell_of_long_work_shows_one_bar_and_a_few_lines(kernel, tmp_path):
     assert kernel.execute(f"{setup}\n%fsdp2 push {' '.join(paths)}").status == "ok"
     run = kernel.execute(WORK, timeout=300)
     assert run.status == "ok", run.traceback_text + run.stderr
+    # Progress bars only: not the path export_hf_model returns, nor a line saying where ranks wait.
     bars = [m["content"] for m in run.messages if m["msg_type"] in ("display_data", "update_display_data")
-            and m["content"].get("transient", {}).get("display_id")]  # not the path export_hf_model returns
+            and m["content"].get("transient", {}).get("display_id", "").startswith("fsdp2nb-progress-")]
     display_ids = {bar["transient"]["display_id"] for bar in bars}
     assert len(display_ids) == 1 and run.messages[0]["msg_type"] != "update_display_data"
     assert all("application/vnd.jupyter.widget-view+json" in bar["data"] for bar in bars)
@@ -48,3 +49,18 @@ def test_a_cell_of_long_work_shows_one_bar_and_a_few_lines(kernel, tmp_path):
     kinds = ["loading model weights", "saving step 1", "loading step 1", "exporting in Hugging Face format"]
     assert [line.split(":")[0] for line in text] == kinds, text
     assert all(": done, " in line and " in " in line for line in text), text
+
+
+def test_a_load_through_from_pretrained_shows_its_start_and_end(kernel, tmp_path):
+    """init="rank0": rank 0 reads the whole checkpoint, the others receive it; the bar counts
+    rank 0's bytes, shown when the load starts and when it is done."""
+    model_dir = str(tmp_path / "model")
+    code = (f"%%fsdp2\nimport fsdp2nb\nfrom fsdp2nb.testing import save_tiny_checkpoint\n"
+            f"if rank == 0:\n    save_tiny_checkpoint({model_dir!r}, 'llama')\ndist.barrier()\n"
+            f"model, _ = fsdp2nb.load_model({model_dir!r}, init='rank0', mixed_precision='fp32')\n")
+    run = kernel.execute(code, timeout=300)
+    assert run.status == "ok", run.traceback_text + run.stderr
+    bars = [m["content"]["data"]["text/plain"] for m in run.messages
+            if m["msg_type"] in ("display_data", "update_display_data")
+            and m["content"].get("transient", {}).get("display_id", "").startswith("fsdp2nb-progress-")]
+    assert bars and bars[-1].startswith("loading model weights (from_pretrained): done, "), bars
