@@ -88,8 +88,11 @@ fully_shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ckpt = fsdp2nb.Checkpointer({ckpt_dir!r}, keep=3, async_save=True).track(model=model, optimizer=optimizer)
 
+fault_armed = False  # set only while a cell of the campaign runs: a user's code raises, not the idle rank
+
 def _injected_fault(signum, frame):
-    raise RuntimeError(f"injected fault on rank {{rank}}")
+    if fault_armed:
+        raise RuntimeError(f"injected fault on rank {{rank}}")
 
 signal.signal(signal.SIGUSR1, _injected_fault)
 
@@ -131,17 +134,39 @@ def _hash_into(digest, value):
 """
 
 TRAIN_CELL = """%%fsdp2
-for step in range({first}, {end}):
-    train_step(step)
-    if rank == 0:
-        print(f"step {{step}}", flush=True)
-    if step % {save_every} == 0:
-        ckpt.save(step)
+fault_armed = True
+try:
+    for step in range({first}, {end}):
+        train_step(step)
         if rank == 0:
-            print(f"saving {{step}}", flush=True)
-    else:
-        ckpt.maybe_save(step)
-ckpt.wait()
+            print(f"step {{step}}", flush=True)
+        if step % {save_every} == 0:
+            ckpt.save(step)
+            if rank == 0:
+                print(f"saving {{step}}", flush=True)
+        else:
+            ckpt.maybe_save(step)
+    ckpt.wait()
+finally:
+    fault_armed = False
+"""
+
+ARMED_LOAD_CELL = """%%fsdp2
+fault_armed = True
+try:
+    loaded = ckpt.load("latest")
+finally:
+    fault_armed = False
+if rank == 0:
+    print(f"loaded step {loaded}")
+"""
+"""What a user's own cell does to resume; the exception fault strikes here rather than in the magic."""
+
+PROBE_CELL = """%%fsdp2
+probe = torch.ones(1)
+dist.all_reduce(probe)
+if rank == 0:
+    print(f"sum {probe.item():g}")
 """
 
 DIGEST_CELL = """%%fsdp2
@@ -341,7 +366,7 @@ class Campaign:
 
     def _strike_while_loading(self, record: FaultRecord) -> float:
         self._setup_cell(record)
-        msg_id = self.kernel.submit("%fsdp2 load latest")
+        msg_id = self.kernel.submit(ARMED_LOAD_CELL if record.kind == "raise_in_collective" else "%fsdp2 load latest")
         time.sleep(self.rng.uniform(0.0, 0.15))
         struck_at = time.monotonic()
         record.struck = self._inject(record)
@@ -461,7 +486,7 @@ class Campaign:
             if self.kernel is None or not self._setup_cell(record):
                 return False
         loaded = self._load_latest(record)
-        if loaded is None:
+        if loaded is None or not self._collectives_work(record):
             return False
         record.restored_step = loaded
         self.position = loaded + 1 if loaded >= 0 else 0
@@ -471,6 +496,20 @@ class Campaign:
         record = FaultRecord(number=0, kind=why, moment="")
         if not self._try_recover(record):
             raise RuntimeError(f"the notebook could not be set up ({why}): {record.problems}")
+
+    def _collectives_work(self, record: FaultRecord) -> bool:
+        """The default process group still carries a collective, as the next training cell needs."""
+        try:
+            run = self.kernel.execute(PROBE_CELL, timeout=self.cell_timeout_s)
+        except TimeoutError:
+            record.problems.append("a collective after the recovery hung")
+            self._kill_kernel()
+            return False
+        if run.status == "ok" and f"sum {self.num_ranks}" in run.stdout:
+            return True
+        record.problems.append(f"a collective after the recovery failed: {_last_line(run.traceback_text)} "
+                               f"... {run.traceback_text.strip().splitlines()[-1][:200] if run.traceback_text else ''}")
+        return False
 
     def _setup_cell(self, record: FaultRecord) -> bool:
         started = time.monotonic()
@@ -728,7 +767,8 @@ def _processes_marked(marker: str) -> list[psutil.Process]:
 def _outcome(run) -> str:  # noqa: ANN001
     if run.status == "ok":
         return "ok"
-    return _last_line(run.traceback_text)[:120]
+    restarted = "; the pool was restarted" if "pool was restarted" in run.traceback_text else ""
+    return _last_line(run.traceback_text)[:120] + restarted
 
 
 def _last_line(text: str) -> str:

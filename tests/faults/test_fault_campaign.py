@@ -30,7 +30,8 @@ entry once its fix is merged, and the kind joins the 15-fault campaign."""
 def _check(result: CampaignResult) -> None:
     table = summary_table(result)
     print(table)
-    problems = [f"fault {r.number} {r.kind} ({r.moment}): {r.problems or 'not recovered'}" for r in result.failures()]
+    problems = [f"fault {r.number} {r.kind} ({r.moment}): {r.problems or 'not recovered'} {r.notes}"
+                for r in result.failures()]
     assert not problems, "\n".join([table, *problems])
     assert not result.orphans, table
     assert result.state_matches, table
