@@ -237,7 +237,7 @@ class Campaign:
     """One seeded campaign: `run()` injects `num_faults` faults and returns a CampaignResult."""
 
     def __init__(self, *, seed: int, num_faults: int, num_ranks: int = 2, kinds: tuple[str, ...] = FAULT_KINDS,
-                 collective_timeout_s: float = 3.0, cell_timeout_s: float = 30.0, workdir: str | None = None,
+                 collective_timeout_s: float = 5.0, cell_timeout_s: float = 30.0, workdir: str | None = None,
                  log=print) -> None:  # noqa: ANN001
         unknown = set(kinds) - set(FAULT_KINDS)
         if unknown:

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=200, help="how many faults to inject (default 200)")
     parser.add_argument("--ranks", type=int, default=4, help="CPU ranks in the pool (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scheduler; a failure names it")
-    parser.add_argument("--timeout", type=float, default=3.0, help="the pool's collective timeout in seconds")
+    parser.add_argument("--timeout", type=float, default=5.0, help="the pool's collective timeout in seconds")
     parser.add_argument("--kinds", default=",".join(FAULT_KINDS),
                         help=f"comma-separated fault kinds (default: all of {', '.join(FAULT_KINDS)})")
     args = parser.parse_args(argv)

@@ -20,6 +20,9 @@ KNOWN_DEFECTS: dict[str, str] = {
                   "and restarting the pool (agent death hanging a cell)",
     "stop_rank_forever": "after a rank is SIGSTOPped and never continued, the next cell hangs "
                          "(SIGSTOPped ranks stalling the receiver)",
+    "stop_rank": "a rank SIGSTOPped past the collective timeout, then continued, returns from the "
+                 "interrupt in time, so the pool is kept, but the other rank's gloo pairs closed at the "
+                 "timeout: the next collective fails with 'Connection closed by peer' (SIGSTOPped ranks)",
     "truncated_shard": "`%fsdp2 load latest` fails with CheckpointException on a truncated shard "
                        "instead of falling back to the newest intact step (damaged checkpoint loaded half-way)",
 }
