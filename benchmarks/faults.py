@@ -790,7 +790,7 @@ def _record_line(record: FaultRecord) -> str:
 def summary_table(result: CampaignResult) -> str:
     """One table: faults by kind, recovered, time to recover, steps redone, losses, orphans."""
     rows = [("kind", "injected", "struck mid-work", "recovered", "recover median s", "recover max s", "steps redone",
-             "ckpt lost", "LATEST bad")]
+             "ckpt lost", "LATEST bad", "failed")]
     by_kind: dict[str, list[FaultRecord]] = {}
     for record in result.records:
         by_kind.setdefault(record.kind, []).append(record)
@@ -805,7 +805,8 @@ def summary_table(result: CampaignResult) -> str:
                      str(sum(r.recovered for r in records)),
                      f"{statistics.median(times):.1f}" if times else "-", f"{max(times):.1f}" if times else "-",
                      str(sum(r.steps_redone for r in records)), str(sum(r.checkpoint_lost for r in records)),
-                     str(sum(not r.latest_ok for r in records))))
+                     str(sum(not r.latest_ok for r in records)),
+                     str(sum(r in result.failures() for r in records))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))

@@ -14,12 +14,16 @@ from benchmarks.faults import FAULT_KINDS, Campaign, CampaignResult, summary_tab
 
 SEED = 20261201
 NUM_FAULTS = 15
+COLLECTIVE_TIMEOUT_S = 15.0
+"""Above the pool's interrupt delay plus its restart grace (3 + 5 s): an exception on one rank
+then always ends with the others interrupted and the pool restarted. A shorter timeout lets a
+collective time out first, which leaves gloo's pairs closed in a pool that is kept (see stop_rank)."""
 
 KNOWN_DEFECTS: dict[str, str] = {
     "kill_agent": "after the host agent is SIGKILLed the next cell hangs instead of failing "
                   "and restarting the pool (agent death hanging a cell)",
-    "stop_rank_forever": "after a rank is SIGSTOPped and never continued, the next cell hangs "
-                         "(SIGSTOPped ranks stalling the receiver)",
+    "stop_rank_forever": "a rank SIGSTOPped while the pool is idle and never continued: the next "
+                         "cell hangs instead of restarting the pool (SIGSTOPped ranks stalling the receiver)",
     "stop_rank": "a rank SIGSTOPped past the collective timeout, then continued, returns from the "
                  "interrupt in time, so the pool is kept, but the other rank's gloo pairs closed at the "
                  "timeout: the next collective fails with 'Connection closed by peer' (SIGSTOPped ranks)",
@@ -42,7 +46,8 @@ def _check(result: CampaignResult) -> None:
 
 def test_fifteen_seeded_faults_lose_nothing_and_leave_nothing(tmp_path):
     kinds = tuple(kind for kind in FAULT_KINDS if kind not in KNOWN_DEFECTS)
-    result = Campaign(seed=SEED, num_faults=NUM_FAULTS, num_ranks=2, kinds=kinds, workdir=str(tmp_path)).run()
+    result = Campaign(seed=SEED, num_faults=NUM_FAULTS, num_ranks=2, kinds=kinds, workdir=str(tmp_path),
+                      collective_timeout_s=COLLECTIVE_TIMEOUT_S).run()
     assert len(result.records) == NUM_FAULTS
     _check(result)
 
