@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fsdp2nb-installed
 
-.PHONY: demo test lint bench lab gpu-check clean
+.PHONY: demo test lint bench lab gpu-check clean soak
 
 $(STAMP): pyproject.toml scripts/setup_venv.sh
 	bash scripts/setup_venv.sh $(VENV)
@@ -32,3 +32,7 @@ gpu-check: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# make soak: the long fault campaign (200 seeded faults on 4 CPU ranks; SOAK_ARGS="--faults 30 --seed 7").
+soak: $(STAMP)
+	$(PY) -m benchmarks.soak $(SOAK_ARGS)

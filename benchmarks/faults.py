@@ -1,0 +1,821 @@
+"""A seeded fault campaign against a notebook that trains with an async checkpointer.
+
+A real ipykernel (driven through jupyter_client) trains a small MLP, sharded with `fully_shard`,
+on CPU ranks and saves every few steps with `Checkpointer(dir, keep=3, async_save=True)`. A
+seeded scheduler injects one fault at a time at a chosen moment (mid-training, during an async
+save, during a load, or before a load), then recovers as a user would: the pool restarts on its
+own, a setup cell builds the model again and `%fsdp2 load latest` restores it. Training data is
+seeded per step and every op is deterministic, so the final model and optimizer state must equal,
+bit for bit, those of a fault-free run to the same step.
+
+`benchmarks/soak.py` runs a long campaign; `tests/faults/` a short one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from fsdp2nb.checkpoint import layout
+from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+
+FAULT_KINDS = ("kill_rank", "kill_agent", "kill_kernel", "stop_rank", "stop_rank_forever",
+               "raise_in_collective", "interrupt_twice", "enospc",
+               "truncated_shard", "deleted_metadata", "latest_missing_step")
+"""Every kind the scheduler draws from."""
+
+DAMAGE_KINDS = ("truncated_shard", "deleted_metadata", "latest_missing_step")
+"""Kinds that damage the checkpoint directory before a load (LATEST is broken on purpose)."""
+
+MOMENTS = {
+    "kill_rank": ("train", "save", "load"),
+    "kill_agent": ("train", "save", "load"),
+    "kill_kernel": ("train", "save", "load"),
+    "stop_rank": ("train", "save"),
+    "stop_rank_forever": ("train", "save"),
+    "raise_in_collective": ("train", "save", "load"),
+    "interrupt_twice": ("train", "save", "load"),
+    "enospc": ("save",),
+    "truncated_shard": ("before_load",),
+    "deleted_metadata": ("before_load",),
+    "latest_missing_step": ("before_load",),
+}
+"""When each kind may strike: during the training loop, while an async save writes, while
+`%fsdp2 load latest` runs, or on the disk before a load."""
+
+WIDTH, DEPTH, BATCH = 192, 4, 16
+SAVE_EVERY = 3
+CHUNK = 9
+PACE_S = 0.1
+"""Seconds each step sleeps: output reaches the driver a little late, and a fault meant for the
+middle of a cell must not land after its end."""
+"""Steps per training cell; a fault strikes inside one."""
+
+TMPFS_BYTES = 48 << 20
+"""Room for keep=3 checkpoints (about 1.8 MiB each), one in flight and one being replaced."""
+
+SETUP_CELL = """%%fsdp2
+import hashlib, os, signal, time
+import fsdp2nb
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+if "ckpt" in globals():  # a pool that survived the fault: release the old checkpointer's save
+    try:
+        ckpt.close()
+    except Exception as error:
+        print("the previous checkpointer's save failed:", type(error).__name__)
+torch.use_deterministic_algorithms(True)
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Sequential(nn.Linear({width}, {width}), nn.Tanh()) for _ in range({depth})],
+                      nn.Linear({width}, 1))
+for block in model[:-1]:
+    fully_shard(block)
+fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+ckpt = fsdp2nb.Checkpointer({ckpt_dir!r}, keep=3, async_save=True).track(model=model, optimizer=optimizer)
+
+fault_armed = False  # set only while a cell of the campaign runs: a user's code raises, not the idle rank
+
+def _injected_fault(signum, frame):
+    if fault_armed:
+        raise RuntimeError(f"injected fault on rank {{rank}}")
+
+signal.signal(signal.SIGUSR1, _injected_fault)
+
+def train_step(step):
+    generator = torch.Generator().manual_seed(1000 * step + rank)  # the data depend on the step only
+    x = torch.randn({batch}, {width}, generator=generator)          # [batch, width]
+    loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).tanh())
+    loss.backward()
+    fsdp2nb.clip_grad_norm_(model, 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    fsdp2nb.log(step, loss=loss.item())
+    time.sleep({pace_s})  # paces the loop like a bigger model's step, so faults land inside it
+
+def state_digest():
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    digests = []
+    for tree in (get_model_state_dict(model, options=options),
+                 get_optimizer_state_dict(model, optimizer, options=options)):
+        digest = hashlib.sha256()
+        _hash_into(digest, tree)
+        digests.append(digest.hexdigest()[:16])
+    return digests
+
+def _hash_into(digest, value):
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            digest.update(str(key).encode())
+            _hash_into(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _hash_into(digest, item)
+    elif isinstance(value, torch.Tensor):
+        digest.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    else:
+        digest.update(repr(value).encode())
+"""
+
+TRAIN_CELL = """%%fsdp2
+fault_armed = True
+try:
+    for step in range({first}, {end}):
+        train_step(step)
+        if rank == 0:
+            print(f"step {{step}}", flush=True)
+        if step % {save_every} == 0:
+            ckpt.save(step)
+            if rank == 0:
+                print(f"saving {{step}}", flush=True)
+        else:
+            ckpt.maybe_save(step)
+    ckpt.wait()
+finally:
+    fault_armed = False
+"""
+
+ARMED_LOAD_CELL = """%%fsdp2
+fault_armed = True
+try:
+    loaded = ckpt.load("latest")
+finally:
+    fault_armed = False
+if rank == 0:
+    print(f"loaded step {loaded}")
+"""
+"""What a user's own cell does to resume; the exception fault strikes here rather than in the magic."""
+
+PROBE_CELL = """%%fsdp2
+probe = torch.ones(1)
+dist.all_reduce(probe)
+if rank == 0:
+    print(f"sum {probe.item():g}")
+"""
+
+DIGEST_CELL = """%%fsdp2
+digests = state_digest()
+if rank == 0:
+    print("digest", *digests)
+"""
+
+
+@dataclass
+class FaultRecord:
+    """What one injected fault did and what recovering from it took."""
+
+    number: int
+    kind: str
+    moment: str
+    detail: str = ""
+    skipped: str = ""
+    """Why the fault could not be injected here (empty when it was)."""
+    struck: bool = False
+    """The fault hit while its moment's work was still running."""
+    cell_outcome: str = ""
+    recovered: bool = False
+    """Training went on through the automatic restart, a setup cell and `%fsdp2 load latest`."""
+    recovery_path: str = ""
+    recover_s: float = 0.0
+    steps_redone: int = 0
+    latest_before: int | None = None
+    restored_step: int | None = None
+    checkpoint_lost: bool = False
+    latest_ok: bool = True
+    """After the fault, LATEST named a complete checkpoint (damage kinds excepted)."""
+    problems: list[str] = field(default_factory=list)
+    """What went wrong: each one fails the campaign."""
+    notes: list[str] = field(default_factory=list)
+    """What happened on the way that a user also meets (a setup cell run twice)."""
+
+
+@dataclass
+class CampaignResult:
+    seed: int
+    num_ranks: int
+    records: list[FaultRecord]
+    final_step: int
+    digests: tuple[str, ...]
+    reference_digests: tuple[str, ...]
+    orphans: list[str]
+    foreign_shm: list[str]
+    wall_s: float
+
+    @property
+    def injected(self) -> list[FaultRecord]:
+        return [r for r in self.records if not r.skipped]
+
+    @property
+    def state_matches(self) -> bool:
+        return bool(self.digests) and self.digests == self.reference_digests
+
+    def failures(self) -> list[FaultRecord]:
+        return [r for r in self.injected if not r.recovered or r.checkpoint_lost or not r.latest_ok or r.problems]
+
+
+class _Triggered(Exception):
+    """Raised from a message callback to stop reading a cell's output at the fault's moment."""
+
+
+class Campaign:
+    """One seeded campaign: `run()` injects `num_faults` faults and returns a CampaignResult."""
+
+    def __init__(self, *, seed: int, num_faults: int, num_ranks: int = 2, kinds: tuple[str, ...] = FAULT_KINDS,
+                 collective_timeout_s: float = 5.0, cell_timeout_s: float = 30.0, workdir: str | None = None,
+                 log=print) -> None:  # noqa: ANN001
+        unknown = set(kinds) - set(FAULT_KINDS)
+        if unknown:
+            raise ValueError(f"kinds={sorted(unknown)} are unknown; choose from {FAULT_KINDS}")
+        self.seed, self.num_faults, self.num_ranks = seed, num_faults, num_ranks
+        self.kinds = kinds
+        self.collective_timeout_s = collective_timeout_s
+        self.cell_timeout_s = cell_timeout_s
+        self.log = log
+        self.rng = random.Random(seed)
+        self.root = Path(workdir or tempfile.mkdtemp(prefix="fsdp2nb-soak-"))
+        self.private_tmp = self.root / "tmp"  # the kernel's TMPDIR: the pools' private dirs land here
+        self.ckpt_dir = self.root / "ckpt"
+        self.marker = f"soak-{uuid.uuid4().hex[:12]}"
+        self.kernel: Kernel | None = None
+        self.position = 0  # the next step to train
+        self.highest_trained = -1
+        self.tmpfs_mounted = False
+        self.tmpfs_refused = ""
+        self.seen_pids: set[int] = set()
+        self.shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+    # ---- the campaign -------------------------------------------------------------------------
+
+    def run(self) -> CampaignResult:
+        started = time.monotonic()
+        self.private_tmp.mkdir(parents=True, exist_ok=True)
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self._mount_tmpfs()
+        records: list[FaultRecord] = []
+        digests: tuple[str, ...] = ()
+        reference: tuple[str, ...] = ()
+        try:
+            self._new_kernel()
+            self._must_recover("start")
+            schedule = self._schedule()
+            for number, kind in enumerate(schedule, 1):
+                record = self._one_fault(number, kind)
+                records.append(record)
+                self.log(_record_line(record))
+            final_step = self.position + CHUNK - 1
+            self._train_until(final_step + 1)
+            digests = self._digests()
+            reference = self._reference_digests(final_step)
+        finally:
+            self._stop_kernel()
+            self._unmount_tmpfs()
+        orphans, foreign = self._orphans()
+        return CampaignResult(seed=self.seed, num_ranks=self.num_ranks, records=records, final_step=final_step,
+                              digests=digests, reference_digests=reference, orphans=orphans, foreign_shm=foreign,
+                              wall_s=time.monotonic() - started)
+
+    def _schedule(self) -> list[str]:
+        """Every enabled kind about equally often, in a seeded order."""
+        kinds = list(self.kinds)
+        schedule: list[str] = []
+        while len(schedule) < self.num_faults:
+            self.rng.shuffle(kinds)
+            schedule.extend(kinds)
+        return schedule[:self.num_faults]
+
+    def _one_fault(self, number: int, kind: str) -> FaultRecord:
+        record = FaultRecord(number=number, kind=kind, moment=self.rng.choice(MOMENTS[kind]))
+        if kind == "enospc" and not self.tmpfs_mounted:
+            record.skipped = f"no tmpfs for the checkpoints: {self.tmpfs_refused}"
+            return record
+        if record.moment in ("before_load", "load") and layout.read_latest(self.ckpt_dir) is None:
+            self._train_until(self.position + SAVE_EVERY + 1)  # something to damage or load
+        record.latest_before = self._step_latest_resolves_to()
+        struck_at = time.monotonic()
+        if record.moment in ("train", "save"):
+            struck_at = self._strike_while_training(record)
+        elif record.moment == "load":
+            struck_at = self._strike_while_loading(record)
+        else:
+            self._damage(record)
+        self._check_latest(record)
+        self._recover(record, struck_at)
+        if record.kind in DAMAGE_KINDS:  # saves over the damaged step, so later faults meet a sound directory
+            self._train_until(self.position + CHUNK)
+        return record
+
+    # ---- striking -----------------------------------------------------------------------------
+
+    def _strike_while_training(self, record: FaultRecord) -> float:
+        first, end = self.position, self.position + CHUNK
+        if record.kind == "enospc":
+            self._fill_tmpfs(record)
+            trigger = re.compile(r"saving \d+")
+        elif record.moment == "save":
+            trigger = re.compile(r"saving \d+")
+        else:
+            trigger = re.compile(rf"step {self.rng.randrange(first, first + CHUNK // 2)}\b")
+        kernel = self.kernel
+        msg_id = kernel.submit(TRAIN_CELL.format(first=first, end=end, save_every=SAVE_EVERY))
+        seen: list[str] = []
+
+        def watch(message: dict) -> None:
+            if message["msg_type"] == "stream":
+                seen.append(message["content"]["text"])
+                if trigger.search(message["content"]["text"]):
+                    raise _Triggered
+
+        struck_at = time.monotonic()
+        finished = None
+        try:
+            finished = kernel.collect(msg_id, timeout=self.cell_timeout_s, on_message=watch)
+        except _Triggered:
+            if record.kind != "enospc":
+                time.sleep(self.rng.uniform(0.0, 0.05))
+                struck_at = time.monotonic()
+                record.struck = self._inject(record)
+        except TimeoutError:
+            record.problems.append("the training cell hung before the fault")
+        self._note_steps("".join(seen))
+        if record.kind == "enospc":
+            record.struck = finished is None or finished.status == "error"
+        if finished is None:
+            finished = self._finish_cell(record, msg_id)
+        if finished is not None:
+            self._note_steps(finished.stdout)
+            record.cell_outcome = _outcome(finished)
+            record.struck = record.struck and finished.status == "error"
+        self._empty_tmpfs_filler()
+        return struck_at
+
+    def _strike_while_loading(self, record: FaultRecord) -> float:
+        self._setup_cell(record)
+        msg_id = self.kernel.submit(ARMED_LOAD_CELL if record.kind == "raise_in_collective" else "%fsdp2 load latest")
+        time.sleep(self.rng.uniform(0.0, 0.15))
+        struck_at = time.monotonic()
+        record.struck = self._inject(record)
+        finished = self._finish_cell(record, msg_id)
+        if finished is not None:
+            record.cell_outcome = _outcome(finished)
+            record.struck = record.struck and finished.status == "error"
+        return struck_at
+
+    def _finish_cell(self, record: FaultRecord, msg_id: str):  # noqa: ANN202
+        """The rest of a struck cell, or None where the kernel is gone or the cell hung."""
+        if record.kind == "kill_kernel":
+            return None
+        try:
+            return self.kernel.collect(msg_id, timeout=self.cell_timeout_s)
+        except TimeoutError:
+            record.problems.append(f"the struck cell did not end within {self.cell_timeout_s:.0f} s")
+            self._unstick_kernel(msg_id)
+            return None
+
+    def _unstick_kernel(self, msg_id: str) -> None:
+        """Press the stop button; a kernel that still does not answer is replaced."""
+        self.kernel.manager.interrupt_kernel()
+        try:
+            self.kernel.collect(msg_id, timeout=15)
+        except TimeoutError:
+            self.log("  the kernel did not answer the stop button: killing it")
+            self._kill_kernel()
+
+    def _inject(self, record: FaultRecord) -> bool:
+        """Do the fault; False when its target was already gone."""
+        ranks = self._rank_processes()
+        kind = record.kind
+        if kind == "interrupt_twice":
+            self.kernel.manager.interrupt_kernel()
+            time.sleep(0.05)
+            self.kernel.manager.interrupt_kernel()
+            return True
+        if kind == "kill_kernel":
+            self._kill_kernel()
+            return True
+        if kind == "kill_agent":
+            agent = self._agent_process()
+            record.detail = f"agent pid {agent.pid if agent else None}"
+            return _signal(agent, signal.SIGKILL)
+        if not ranks:
+            record.detail = "no rank to strike"
+            return False
+        target_rank = self.rng.randrange(len(ranks))
+        target = ranks[target_rank]
+        record.detail = f"rank {target_rank} pid {target.pid}"
+        if kind == "kill_rank":
+            return _signal(target, signal.SIGKILL)
+        if kind == "raise_in_collective":
+            return _signal(target, signal.SIGUSR1)
+        if kind in ("stop_rank", "stop_rank_forever"):
+            struck = _signal(target, signal.SIGSTOP)
+            if kind == "stop_rank":
+                timer = threading.Timer(self.collective_timeout_s + 2.0, _signal, (target, signal.SIGCONT))
+                timer.daemon = True
+                timer.start()
+            return struck
+        raise AssertionError(kind)
+
+    def _damage(self, record: FaultRecord) -> None:
+        """Break the checkpoint LATEST names, or LATEST itself, as a disk or a person might."""
+        step = layout.read_latest(self.ckpt_dir)
+        step_dir = self.ckpt_dir / layout.step_dir_name(step)
+        if record.kind == "truncated_shard":
+            shard = sorted(step_dir.glob("*.distcp"))[0]
+            with open(shard, "r+b") as file:
+                file.truncate(os.path.getsize(shard) // 2)
+            record.detail = f"{shard.name} of step {step} cut to half"
+        elif record.kind == "deleted_metadata":
+            (step_dir / layout.DCP_METADATA_FILE).unlink()
+            record.detail = f".metadata of step {step} deleted"
+        else:
+            missing = step + 1000
+            (self.ckpt_dir / layout.LATEST_FILE).write_text(layout.step_dir_name(missing) + "\n")
+            record.detail = f"LATEST names step {missing}, which does not exist (step {step} does)"
+        record.struck = True
+        record.latest_before = self._newest_intact_step(excluding=step if record.kind != "latest_missing_step" else None)
+
+    # ---- recovering ---------------------------------------------------------------------------
+
+    def _recover(self, record: FaultRecord, struck_at: float) -> None:
+        """As a user would: the pool restarted itself; run the setup cell, then load latest."""
+        for path in ("user", "%fsdp2 restart", "new kernel"):
+            if path == "%fsdp2 restart" and self.kernel is not None:
+                try:
+                    self.kernel.execute("%fsdp2 restart", timeout=self.cell_timeout_s)
+                except TimeoutError:
+                    self._kill_kernel()
+            if path == "new kernel" or self.kernel is None:
+                self._kill_kernel()
+                self._new_kernel()
+            if self._try_recover(record):
+                record.recover_s = time.monotonic() - struck_at
+                record.recovery_path = path if record.kind != "kill_kernel" else "new kernel (the fault)"
+                record.recovered = path == "user" or (path == "new kernel" and record.kind == "kill_kernel")
+                break
+        else:
+            raise RuntimeError(f"fault {record.number} ({record.kind}): no recovery worked; see the log above")
+        redone_from = record.restored_step if record.restored_step is not None else -1
+        record.steps_redone = max(0, self.highest_trained - redone_from)
+        if record.latest_before is not None and (record.restored_step or -1) < record.latest_before:
+            record.checkpoint_lost = True
+            record.problems.append(f"restored step {record.restored_step} < step {record.latest_before} "
+                                   "that LATEST named before the fault")
+
+    def _try_recover(self, record: FaultRecord) -> bool:
+        if self.kernel is None:
+            self._new_kernel()
+        if not self._setup_cell(record):
+            # A rank that died while the kernel was idle is reported by the next cell, which
+            # restarts the pool: a user runs the setup cell again.
+            if self.kernel is None or not self._setup_cell(record):
+                return False
+        loaded = self._load_latest(record)
+        if loaded is None or not self._collectives_work(record):
+            return False
+        record.restored_step = loaded
+        self.position = loaded + 1 if loaded >= 0 else 0
+        return True
+
+    def _must_recover(self, why: str) -> None:
+        record = FaultRecord(number=0, kind=why, moment="")
+        if not self._try_recover(record):
+            raise RuntimeError(f"the notebook could not be set up ({why}): {record.problems}")
+
+    def _collectives_work(self, record: FaultRecord) -> bool:
+        """The default process group still carries a collective, as the next training cell needs."""
+        try:
+            run = self.kernel.execute(PROBE_CELL, timeout=self.cell_timeout_s)
+        except TimeoutError:
+            record.problems.append("a collective after the recovery hung")
+            self._kill_kernel()
+            return False
+        if run.status == "ok" and f"sum {self.num_ranks}" in run.stdout:
+            return True
+        record.problems.append(f"a collective after the recovery failed: {_last_line(run.traceback_text)} "
+                               f"... {run.traceback_text.strip().splitlines()[-1][:200] if run.traceback_text else ''}")
+        return False
+
+    def _setup_cell(self, record: FaultRecord) -> bool:
+        started = time.monotonic()
+        code = SETUP_CELL.format(width=WIDTH, depth=DEPTH, batch=BATCH, pace_s=PACE_S, ckpt_dir=str(self.ckpt_dir))
+        try:
+            run = self.kernel.execute(code, timeout=self.cell_timeout_s)
+        except TimeoutError:
+            record.problems.append("the setup cell hung")
+            self._kill_kernel()
+            return False
+        if run.status != "ok":
+            record.notes.append(f"setup cell failed after {time.monotonic() - started:.1f} s: "
+                                   f"{_last_line(run.traceback_text)}")
+            return False
+        self._remember_pids()
+        return True
+
+    def _load_latest(self, record: FaultRecord) -> int | None:
+        """The restored step (-1: nothing saved yet), or None when `%fsdp2 load latest` failed."""
+        if layout.read_latest(self.ckpt_dir) is None and not any(e.valid for e in layout.list_entries(self.ckpt_dir)):
+            return -1
+        try:
+            run = self.kernel.execute("%fsdp2 load latest", timeout=self.cell_timeout_s)
+        except TimeoutError:
+            record.problems.append("`%fsdp2 load latest` hung")
+            self._kill_kernel()
+            return None
+        match = re.search(r"loaded step (\d+)", run.stdout)
+        if run.status == "ok" and match:
+            return int(match.group(1))
+        record.problems.append(f"`%fsdp2 load latest` failed: {_last_line(run.traceback_text)}")
+        return self._load_older(record)
+
+    def _load_older(self, record: FaultRecord) -> int | None:
+        """What a user does after a failed `load latest`: name the newest step that loads."""
+        for entry in reversed(layout.list_entries(self.ckpt_dir)):
+            if not entry.valid:
+                continue
+            run = self.kernel.execute(f"%fsdp2 load {entry.step}", timeout=self.cell_timeout_s)
+            if run.status == "ok":
+                record.detail += f"; loaded step {entry.step} by name"
+                return entry.step
+        return None
+
+    # ---- checks -------------------------------------------------------------------------------
+
+    def _check_latest(self, record: FaultRecord) -> None:
+        """LATEST must name a complete checkpoint after any fault that did not break it on purpose."""
+        if record.kind in DAMAGE_KINDS:
+            return
+        step = layout.read_latest(self.ckpt_dir)
+        if step is None:
+            record.latest_ok = record.latest_before is None or record.latest_before == -1
+        else:
+            step_dir = self.ckpt_dir / layout.step_dir_name(step)
+            record.latest_ok = layout.is_complete(step_dir, layout.read_metadata(step_dir))
+        if not record.latest_ok:
+            record.problems.append(f"LATEST names step {step}, which is not a complete checkpoint")
+
+    def _step_latest_resolves_to(self) -> int | None:
+        """The step LATEST names when that is a complete checkpoint, else the newest complete one."""
+        step = layout.read_latest(self.ckpt_dir)
+        if step is not None:
+            step_dir = self.ckpt_dir / layout.step_dir_name(step)
+            if layout.is_complete(step_dir, layout.read_metadata(step_dir)):
+                return step
+        return self._newest_intact_step(excluding=None)
+
+    def _newest_intact_step(self, excluding: int | None) -> int | None:
+        steps = [e.step for e in layout.list_entries(self.ckpt_dir) if e.valid and e.step != excluding]
+        return steps[-1] if steps else None
+
+    def _orphans(self) -> tuple[list[str], list[str]]:
+        """Processes, private dirs, sockets and shared memory of the campaign's pools still present."""
+        found: list[str] = []
+        deadline = time.monotonic() + 10
+        while True:
+            alive = _processes_marked(self.marker)
+            if not alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for process in alive:
+            found.append(f"process {process.pid} {' '.join(_cmdline(process))[:80]}")
+            _signal(process, signal.SIGKILL)
+        for path in self.private_tmp.rglob("*"):
+            if path.is_socket():
+                found.append(f"socket {path}")
+        for path in self.private_tmp.glob("fsdp2nb-*"):
+            if path.name != f"fsdp2nb-{os.getuid()}":
+                found.append(f"private dir {path}")
+        registry = self.private_tmp / f"fsdp2nb-{os.getuid()}"
+        found.extend(f"registry entry {path}" for path in (registry / "pools").glob("*.json"))
+        foreign: list[str] = []
+        if os.path.isdir("/dev/shm"):
+            for name in sorted(set(os.listdir("/dev/shm")) - self.shm_before):
+                if any(str(pid) in name for pid in self.seen_pids):
+                    found.append(f"/dev/shm/{name}")
+                else:
+                    foreign.append(name)
+        return found, foreign
+
+    # ---- training and digests -----------------------------------------------------------------
+
+    def _train_until(self, end: int) -> None:
+        while self.position < end:
+            last = min(end, self.position + CHUNK)
+            run = self.kernel.execute(TRAIN_CELL.format(first=self.position, end=last, save_every=SAVE_EVERY),
+                                      timeout=self.cell_timeout_s)
+            if run.status != "ok":
+                raise RuntimeError(f"fault-free training failed: {run.traceback_text[-2000:]}")
+            self._note_steps(run.stdout)
+            self.position = last
+
+    def _digests(self) -> tuple[str, ...]:
+        run = self.kernel.execute(DIGEST_CELL, timeout=self.cell_timeout_s)
+        match = re.search(r"digest (\w+) (\w+)", run.stdout)
+        if run.status != "ok" or not match:
+            raise RuntimeError(f"digest cell failed: {run.traceback_text[-2000:]}")
+        return match.groups()
+
+    def _reference_digests(self, final_step: int) -> tuple[str, ...]:
+        """The same training, fault-free, from step 0 into a checkpoint directory of its own."""
+        reference_dir = self.root / "reference-ckpt"
+        code = SETUP_CELL.format(width=WIDTH, depth=DEPTH, batch=BATCH, pace_s=PACE_S, ckpt_dir=str(reference_dir))
+        run = self.kernel.execute(code, timeout=self.cell_timeout_s)
+        if run.status != "ok":
+            raise RuntimeError(f"reference setup failed: {run.traceback_text[-2000:]}")
+        self.position = 0
+        self._train_until(final_step + 1)
+        return self._digests()
+
+    def _note_steps(self, text: str) -> None:
+        steps = [int(s) for s in re.findall(r"step (\d+)", text)]
+        if steps:
+            self.highest_trained = max(self.highest_trained, max(steps))
+
+    # ---- processes ----------------------------------------------------------------------------
+
+    def _new_kernel(self) -> None:
+        env = {**WITHOUT_GPUS, "TMPDIR": str(self.private_tmp), "FSDP2NB_SOAK_MARKER": self.marker}
+        self.kernel = Kernel(env=env)
+        self.seen_pids.add(self.kernel.pid)
+        run = self.kernel.execute("%load_ext fsdp2nb", timeout=self.cell_timeout_s)
+        assert run.status == "ok", run.traceback_text
+        run = self.kernel.execute(f"%fsdp2 start --cpu {self.num_ranks} --timeout {self.collective_timeout_s:g}",
+                                  timeout=self.cell_timeout_s)  # shows the dashboard
+        if run.status != "ok":
+            raise RuntimeError(f"the pool did not start: {run.traceback_text[-2000:]}")
+        self._remember_pids()
+
+    def _kill_kernel(self) -> None:
+        if self.kernel is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.kernel.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):  # reaped at once, as a notebook server does
+            self.kernel.manager.provisioner.process.wait(timeout=10)
+        self.kernel.client.stop_channels()
+        with contextlib.suppress(Exception):
+            self.kernel.manager.cleanup_resources()
+        self.kernel = None
+
+    def _stop_kernel(self) -> None:
+        if self.kernel is not None:
+            with contextlib.suppress(Exception):
+                self.kernel.execute("%fsdp2 stop", timeout=60)
+            with contextlib.suppress(Exception):
+                self.kernel.stop()
+            self.kernel = None
+
+    def _agent_process(self) -> psutil.Process | None:
+        if self.kernel is None:
+            return None
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.kernel.pid).children():
+                if "fsdp2nb.worker.agent" in " ".join(_cmdline(child)):
+                    return child
+        return None
+
+    def _rank_processes(self) -> list[psutil.Process]:
+        """The ranks, in rank order (the agent forks them in that order)."""
+        agent = self._agent_process()
+        if agent is None:
+            return []
+        with contextlib.suppress(psutil.Error):
+            return sorted(agent.children(), key=lambda p: p.create_time())
+        return []
+
+    def _remember_pids(self) -> None:
+        agent = self._agent_process()
+        if agent is not None:
+            self.seen_pids.add(agent.pid)
+        self.seen_pids.update(p.pid for p in self._rank_processes())
+
+    # ---- the tmpfs for ENOSPC -----------------------------------------------------------------
+
+    def _mount_tmpfs(self) -> None:
+        if "enospc" not in self.kinds:
+            return
+        command = ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES},mode=0700", "tmpfs", str(self.ckpt_dir)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode == 0:
+            self.tmpfs_mounted = True
+        else:
+            self.tmpfs_refused = (result.stderr.strip() or f"mount exited with {result.returncode}")
+            self.log(f"ENOSPC faults skipped: mounting a tmpfs was refused ({self.tmpfs_refused})")
+
+    def _unmount_tmpfs(self) -> None:
+        if self.tmpfs_mounted:
+            subprocess.run(["umount", "--lazy", str(self.ckpt_dir)], check=False)
+            self.tmpfs_mounted = False
+
+    def _fill_tmpfs(self, record: FaultRecord) -> None:
+        """Leave less room than one checkpoint, so the next save fails with ENOSPC."""
+        free = shutil.disk_usage(self.ckpt_dir).free
+        filler = self.ckpt_dir / ".soak-filler"
+        with open(filler, "wb") as file:
+            os.posix_fallocate(file.fileno(), 0, max(0, free - (64 << 10)))
+        record.detail = f"tmpfs filled to {64} KiB free"
+
+    def _empty_tmpfs_filler(self) -> None:
+        (self.ckpt_dir / ".soak-filler").unlink(missing_ok=True)
+
+
+# ---- helpers and the table ---------------------------------------------------------------------
+
+def _signal(process: psutil.Process | None, signum: int) -> bool:
+    if process is None:
+        return False
+    try:
+        process.send_signal(signum)
+        return True
+    except psutil.Error:
+        return False
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    with contextlib.suppress(psutil.Error):
+        return process.cmdline()
+    return []
+
+
+def _processes_marked(marker: str) -> list[psutil.Process]:
+    """Live processes whose environment carries the campaign's marker (kernels, agents, ranks)."""
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if process.environ().get("FSDP2NB_SOAK_MARKER") == marker:
+                found.append(process)
+    return found
+
+
+def _outcome(run) -> str:  # noqa: ANN001
+    if run.status == "ok":
+        return "ok"
+    restarted = "; the pool was restarted" if "pool was restarted" in run.traceback_text else ""
+    return _last_line(run.traceback_text)[:120] + restarted
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[0][:200] if lines else ""
+
+
+def _record_line(record: FaultRecord) -> str:
+    if record.skipped:
+        return f"#{record.number:<3} {record.kind:<20} skipped: {record.skipped}"
+    state = "recovered" if record.recovered else f"NOT recovered ({record.recovery_path})"
+    problems = f" PROBLEMS: {'; '.join(record.problems)}" if record.problems else ""
+    problems += f" notes: {'; '.join(record.notes)}" if record.notes else ""
+    return (f"#{record.number:<3} {record.kind:<20} {record.moment:<11} {state}, restored step "
+            f"{record.restored_step} in {record.recover_s:.1f} s, {record.steps_redone} redone "
+            f"[{record.detail}] cell: {record.cell_outcome}{problems}")
+
+
+def summary_table(result: CampaignResult) -> str:
+    """One table: faults by kind, recovered, time to recover, steps redone, losses, orphans."""
+    rows = [("kind", "injected", "struck mid-work", "recovered", "recover median s", "recover max s", "steps redone",
+             "ckpt lost", "LATEST bad", "failed")]
+    by_kind: dict[str, list[FaultRecord]] = {}
+    for record in result.records:
+        by_kind.setdefault(record.kind, []).append(record)
+    for kind in [*FAULT_KINDS, "all"]:
+        records = [r for r in result.injected if kind in ("all", r.kind)]
+        skipped = [r for r in by_kind.get(kind, []) if r.skipped]
+        if not records and not skipped:
+            continue
+        times = [r.recover_s for r in records if r.recovered]
+        rows.append((kind, str(len(records)) + (f" ({len(skipped)} skipped)" if skipped else ""),
+                     str(sum(r.struck for r in records)),
+                     str(sum(r.recovered for r in records)),
+                     f"{statistics.median(times):.1f}" if times else "-", f"{max(times):.1f}" if times else "-",
+                     str(sum(r.steps_redone for r in records)), str(sum(r.checkpoint_lost for r in records)),
+                     str(sum(not r.latest_ok for r in records)),
+                     str(sum(r in result.failures() for r in records))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines.append("")
+    lines.append(f"seed {result.seed}, {result.num_ranks} ranks, final step {result.final_step}, "
+                 f"{result.wall_s:.0f} s; model and optimizer equal the fault-free run bitwise: "
+                 f"{result.state_matches} ({' '.join(result.digests)} vs {' '.join(result.reference_digests)}); "
+                 f"orphans: {len(result.orphans)}")
+    lines.extend(f"  orphan: {orphan}" for orphan in result.orphans)
+    if result.foreign_shm:
+        lines.append(f"  /dev/shm entries of other processes, not counted: {len(result.foreign_shm)}")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""A short seeded fault campaign: 15 faults against a real kernel training on 2 CPU ranks.
+
+It fails on any fault not recovered from, a checkpoint lost, LATEST naming an incomplete
+checkpoint, a pool's process, private directory, socket or shared memory outliving the kernel,
+or final model and optimizer state that differ from a fault-free run's. `make soak` runs the
+long campaign (benchmarks/soak.py); both print the same table.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.faults import FAULT_KINDS, Campaign, CampaignResult, summary_table
+
+SEED = 20261201
+NUM_FAULTS = 15
+COLLECTIVE_TIMEOUT_S = 15.0
+"""Above the pool's interrupt delay plus its restart grace (3 + 5 s): an exception on one rank
+then always ends with the others interrupted and the pool restarted. A shorter timeout lets a
+collective time out first, which leaves gloo's pairs closed in a pool that is kept (see stop_rank)."""
+
+KNOWN_DEFECTS: dict[str, str] = {
+    "kill_agent": "after the host agent is SIGKILLed the next cell hangs instead of failing "
+                  "and restarting the pool (agent death hanging a cell)",
+    "stop_rank_forever": "a rank SIGSTOPped while the pool is idle and never continued: the next "
+                         "cell hangs instead of restarting the pool (SIGSTOPped ranks stalling the receiver)",
+    "stop_rank": "a rank SIGSTOPped past the collective timeout, then continued, returns from the "
+                 "interrupt in time, so the pool is kept, but the other rank's gloo pairs closed at the "
+                 "timeout: the next collective fails with 'Connection closed by peer' (SIGSTOPped ranks)",
+    "truncated_shard": "`%fsdp2 load latest` fails with CheckpointException on a truncated shard "
+                       "instead of falling back to the newest intact step (damaged checkpoint loaded half-way)",
+}
+"""Fault kinds that fail on main because of defects being fixed on other branches; remove an
+entry once its fix is merged, and the kind joins the 15-fault campaign."""
+
+
+def _check(result: CampaignResult) -> None:
+    table = summary_table(result)
+    print(table)
+    problems = [f"fault {r.number} {r.kind} ({r.moment}): {r.problems or 'not recovered'} {r.notes}"
+                for r in result.failures()]
+    assert not problems, "\n".join([table, *problems])
+    assert not result.orphans, table
+    assert result.state_matches, table
+
+
+def test_fifteen_seeded_faults_lose_nothing_and_leave_nothing(tmp_path):
+    kinds = tuple(kind for kind in FAULT_KINDS if kind not in KNOWN_DEFECTS)
+    result = Campaign(seed=SEED, num_faults=NUM_FAULTS, num_ranks=2, kinds=kinds, workdir=str(tmp_path),
+                      collective_timeout_s=COLLECTIVE_TIMEOUT_S).run()
+    assert len(result.records) == NUM_FAULTS
+    _check(result)
+
+
+@pytest.mark.parametrize("kind", sorted(KNOWN_DEFECTS))
+def test_a_known_defect_kind_alone(kind, tmp_path):
+    result = Campaign(seed=SEED, num_faults=1, num_ranks=2, kinds=(kind,), workdir=str(tmp_path)).run()
+    try:
+        _check(result)
+    except AssertionError:
+        pytest.xfail(f"{kind} (seed {SEED}): {KNOWN_DEFECTS[kind]}")
