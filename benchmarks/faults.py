@@ -237,7 +237,7 @@ class Campaign:
     """One seeded campaign: `run()` injects `num_faults` faults and returns a CampaignResult."""
 
     def __init__(self, *, seed: int, num_faults: int, num_ranks: int = 2, kinds: tuple[str, ...] = FAULT_KINDS,
-                 collective_timeout_s: float = 5.0, cell_timeout_s: float = 30.0, workdir: str | None = None,
+                 collective_timeout_s: float = 5.0, cell_timeout_s: float | None = None, workdir: str | None = None,
                  log=print) -> None:  # noqa: ANN001
         unknown = set(kinds) - set(FAULT_KINDS)
         if unknown:
@@ -245,7 +245,9 @@ class Campaign:
         self.seed, self.num_faults, self.num_ranks = seed, num_faults, num_ranks
         self.kinds = kinds
         self.collective_timeout_s = collective_timeout_s
-        self.cell_timeout_s = cell_timeout_s
+        # A rank stopped in a collective ends its cell after the collective timeout, the 3 s the
+        # others get after an error, the 5 s interrupt grace and a pool restart: allow for a slow machine.
+        self.cell_timeout_s = cell_timeout_s or collective_timeout_s + 45.0
         self.log = log
         self.rng = random.Random(seed)
         self.root = Path(workdir or tempfile.mkdtemp(prefix="fsdp2nb-soak-"))
@@ -472,7 +474,7 @@ class Campaign:
             raise RuntimeError(f"fault {record.number} ({record.kind}): no recovery worked; see the log above")
         redone_from = record.restored_step if record.restored_step is not None else -1
         record.steps_redone = max(0, self.highest_trained - redone_from)
-        if record.latest_before is not None and (record.restored_step or -1) < record.latest_before:
+        if record.latest_before is not None and redone_from < record.latest_before:  # step 0 is a step
             record.checkpoint_lost = True
             record.problems.append(f"restored step {record.restored_step} < step {record.latest_before} "
                                    "that LATEST named before the fault")
@@ -523,9 +525,20 @@ class Campaign:
         if run.status != "ok":
             record.notes.append(f"setup cell failed after {time.monotonic() - started:.1f} s: "
                                    f"{_last_line(run.traceback_text)}")
+            if "`%fsdp2 restart` starts a fresh one" in run.traceback_text:
+                self._restart_as_told(record)  # what the error tells the user to do
             return False
         self._remember_pids()
         return True
+
+    def _restart_as_told(self, record: FaultRecord) -> None:
+        try:
+            run = self.kernel.execute("%fsdp2 restart", timeout=self.cell_timeout_s)
+        except TimeoutError:
+            record.problems.append("`%fsdp2 restart` hung")
+            self._kill_kernel()
+            return
+        record.notes.append(f"%fsdp2 restart, as the cell said: {run.status}")
 
     def _load_latest(self, record: FaultRecord) -> int | None:
         """The restored step (-1: nothing saved yet), or None when `%fsdp2 load latest` failed."""

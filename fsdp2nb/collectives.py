@@ -10,7 +10,9 @@ Each helper also works in a single process without a process group, as one rank 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,6 +24,18 @@ _T = TypeVar("_T")
 
 class FailedElsewhere(RuntimeError):
     """Another rank failed at a step this rank took part in."""
+
+
+COLLECTIVE_TIMEOUT_ENV = "FSDP2NB_COLLECTIVE_TIMEOUT_S"
+"""Set on a pool's ranks to the default group's timeout (`--timeout`)."""
+
+
+def new_gloo_group() -> dist.ProcessGroup:
+    """A gloo group of every rank, with the pool's collective timeout: a group made with torch's
+    default would wait 30 minutes for a rank that `--timeout` says is gone after a few seconds."""
+    timeout_s = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    timeout = timedelta(seconds=float(timeout_s)) if timeout_s else None
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def is_distributed() -> bool:

@@ -156,8 +156,8 @@ class Checkpointer:
         self._rank = collectives.get_rank()
         self._world_size = collectives.get_world_size()
         # Two groups: the calling thread's collectives must never interleave with a background save's.
-        self._fg_group = dist.new_group(backend="gloo") if self._distributed else None
-        self._bg_group = dist.new_group(backend="gloo") if self._distributed else None
+        self._fg_group = collectives.new_gloo_group() if self._distributed else None
+        self._bg_group = collectives.new_gloo_group() if self._distributed else None
         self._closed = False
         self._check_writable()
         self._tracked: _Tracked | None = None

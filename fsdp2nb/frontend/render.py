@@ -284,8 +284,8 @@ class WaitingLine:
         self._text = ""
 
     def show(self, elapsed_s: float, ranks: tuple[int, ...], activity: dict[int, RankActivity],
-             finished: set[int], timeout_s: float | None = None) -> None:
-        text = f"waiting {elapsed_s:.0f} s: " + "; ".join(self._describe(ranks, activity, finished))
+             finished: set[int], timeout_s: float | None = None, stopped: dict[int, int] | None = None) -> None:
+        text = f"waiting {elapsed_s:.0f} s: " + "; ".join(self._describe(ranks, activity, finished, stopped or {}))
         if timeout_s is not None and any(a.collective for r, a in activity.items() if r not in finished):
             text += (f" (a collective times out after {timeout_s:g} s, `--timeout` sets it; "
                      "the stop button ends the wait)")
@@ -300,10 +300,13 @@ class WaitingLine:
         else:
             self._handle.update(bundle, raw=True)
 
-    def _describe(self, ranks: tuple[int, ...], activity: dict[int, RankActivity], finished: set[int]) -> list[str]:
+    def _describe(self, ranks: tuple[int, ...], activity: dict[int, RankActivity], finished: set[int],
+                  stopped: dict[int, int]) -> list[str]:
         groups: dict[str, list[int]] = {}
         for rank in ranks:
-            groups.setdefault(self._one_rank(rank, activity.get(rank), finished), []).append(rank)
+            what = (f"stopped by a signal (`kill -CONT {stopped[rank]}` resumes it; the stop button restarts the pool)"
+                    if rank in stopped else self._one_rank(rank, activity.get(rank), finished))
+            groups.setdefault(what, []).append(rank)
         left_out = [rank for rank in range(self._world_size) if rank not in ranks]
         if left_out:  # `--ranks`: a collective there waits for ranks that never enter it
             groups["not running this cell"] = left_out

@@ -86,6 +86,8 @@ class CellProgress:
     activity: dict[int, RankActivity] = field(default_factory=dict)
     """Where each rank was when last asked (RankActivity), while the cell waited."""
     waiting_line: WaitingLine | None = None
+    stopped: dict[int, int] = field(default_factory=dict)
+    """Ranks that did not answer because a signal stopped them (rank -> pid), as last seen."""
     diverged_at: float | None = None
     """When the ranks were first seen at diverging points (see _ranks_diverge)."""
 
@@ -339,18 +341,22 @@ class NotebookSession:
         running = progress.running
         if not running:
             return
+        pool = self.pool
+        progress.stopped = {rank: pool.ranks[rank].pid for rank in running if rank not in progress.activity
+                            and rank in pool.ranks and pool.rank_process_state(rank) == "stopped"} if pool else {}
         if not _ranks_diverge(progress, world_size):
             progress.diverged_at = None
             return
         now = time.monotonic()
         progress.diverged_at = progress.diverged_at or now
-        if progress.waiting_line is None and now - progress.diverged_at < _ACTIVITY_INTERVAL_S:
+        if progress.waiting_line is None and not progress.stopped and now - progress.diverged_at < _ACTIVITY_INTERVAL_S:
             return  # one sample can catch ranks of a healthy loop at different points; wait for the next
         if progress.waiting_line is None:
             merger.flush()  # what the ranks printed comes before the line
             progress.waiting_line = WaitingLine(world_size)
         progress.waiting_line.show(time.monotonic() - progress.started_at, progress.ranks, progress.activity,
-                                   finished=set(progress.finished), timeout_s=self._collective_timeout_s())
+                                   finished=set(progress.finished), timeout_s=self._collective_timeout_s(),
+                                   stopped=progress.stopped)
 
     def _collective_timeout_s(self) -> float | None:
         return self.pool.spec.collective_timeout_s if self.pool is not None else None
@@ -438,7 +444,7 @@ def _is_collective_timeout(error: ErrorInfo) -> bool:
 
 def _ranks_diverge(progress: CellProgress, world_size: int) -> bool:
     """Whether the ranks are where a collective not every rank entered leaves them."""
-    if progress.finished:
+    if progress.finished or progress.stopped:
         return True
     collectives = {progress.activity[r].collective if r in progress.activity else None for r in progress.running}
     if collectives == {None}:

@@ -21,6 +21,7 @@ from datetime import timedelta
 import psutil
 
 from fsdp2nb.checkpoint.tracking import current_checkpointer
+from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.protocol import (
     CellFinished,
@@ -58,6 +59,7 @@ def torchrun_environment(plan: LaunchPlan, rank_plan: RankPlan) -> dict[str, str
         LOCAL_WORLD_SIZE=str(len(plan.ranks)), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(plan.master_port), GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo",
         TORCHELASTIC_RUN_ID=plan.pool_id,
+        **{COLLECTIVE_TIMEOUT_ENV: str(plan.collective_timeout_s)},
     )
 
 

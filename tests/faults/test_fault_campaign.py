@@ -19,17 +19,7 @@ COLLECTIVE_TIMEOUT_S = 15.0
 then always ends with the others interrupted and the pool restarted. A shorter timeout lets a
 collective time out first, which leaves gloo's pairs closed in a pool that is kept (see stop_rank)."""
 
-KNOWN_DEFECTS: dict[str, str] = {
-    "kill_agent": "after the host agent is SIGKILLed the next cell hangs instead of failing "
-                  "and restarting the pool (agent death hanging a cell)",
-    "stop_rank_forever": "a rank SIGSTOPped while the pool is idle and never continued: the next "
-                         "cell hangs instead of restarting the pool (SIGSTOPped ranks stalling the receiver)",
-    "stop_rank": "a rank SIGSTOPped past the collective timeout, then continued, returns from the "
-                 "interrupt in time, so the pool is kept, but the other rank's gloo pairs closed at the "
-                 "timeout: the next collective fails with 'Connection closed by peer' (SIGSTOPped ranks)",
-    "truncated_shard": "`%fsdp2 load latest` fails with CheckpointException on a truncated shard "
-                       "instead of falling back to the newest intact step (damaged checkpoint loaded half-way)",
-}
+KNOWN_DEFECTS: dict[str, str] = {}
 """Fault kinds that fail on main because of defects being fixed on other branches; remove an
 entry once its fix is merged, and the kind joins the 15-fault campaign."""
 

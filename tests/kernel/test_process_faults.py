@@ -3,6 +3,7 @@ a dying host agent, a rank closing its own stdout, and hostile user code."""
 
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -88,6 +89,39 @@ def test_collective_timeout_marks_the_pool_broken_until_restarted(kernel):
     finally:
         assert kernel.execute("%fsdp2 restart --cpu 2").status == "ok"
     assert kernel.execute("%%fsdp2\nprint('usable')").stdout == "[all] usable\n"
+
+
+def test_a_checkpointer_collective_times_out_with_the_pool(kernel, tmp_path):
+    """The checkpointer's own groups wait as long as `--timeout`, not torch's 30 minutes."""
+    assert kernel.execute("%fsdp2 restart --cpu 2 --timeout 3").status == "ok"
+    try:
+        code = (f"%%fsdp2\nimport fsdp2nb\nmodel = torch.nn.Linear(4, 4)\n"
+                f"ckpt = fsdp2nb.Checkpointer({str(tmp_path / 'ckpt')!r}, async_save=False).track(model=model)\n"
+                f"if rank == 0:\n    ckpt.save(1)  # rank 1 never joins\n")
+        run = kernel.execute(code, timeout=120)
+        assert run.status == "error" and "a collective timed out on rank(s) 0 after 3 s" in run.traceback_text, \
+            run.traceback_text
+    finally:
+        assert kernel.execute("%fsdp2 restart --cpu 2").status == "ok"
+
+
+def test_waiting_line_names_a_stopped_rank(kernel):
+    pid = _rank_pids(kernel)[1]
+    seen = []
+
+    def on_message(message):
+        if message["msg_type"] in ("display_data", "update_display_data") and not seen:
+            text = message["content"]["data"].get("text/plain", "")
+            if "stopped by a signal" in text:
+                seen.append(text)
+                os.kill(pid, signal.SIGCONT)  # as a user who read the line would
+
+    threading.Timer(1.0, os.kill, (pid, signal.SIGSTOP)).start()
+    code = "%%fsdp2\nimport time\nt = torch.ones(1)\nfor _ in range(150):\n    dist.all_reduce(t)\n    time.sleep(0.02)\n"
+    run = kernel.execute(code, timeout=120, on_message=on_message)
+    os.kill(pid, signal.SIGCONT)
+    assert seen and f"[1] stopped by a signal (`kill -CONT {pid}` resumes it" in seen[0], seen
+    assert run.status == "ok", run.traceback_text
 
 
 # --- the host agent dying -------------------------------------------------------------------------
