@@ -523,9 +523,9 @@ class Campaign:
             self._kill_kernel()
             return False
         if run.status != "ok":
-            record.notes.append(f"setup cell failed after {time.monotonic() - started:.1f} s: "
-                                   f"{_last_line(run.traceback_text)}")
-            if "`%fsdp2 restart` starts a fresh one" in run.traceback_text:
+            said = run.traceback_text + run.stderr  # a refusal (UsageError) comes as stderr
+            record.notes.append(f"setup cell failed after {time.monotonic() - started:.1f} s: {_last_line(said)}")
+            if "`%fsdp2 restart` starts a fresh one" in said:
                 self._restart_as_told(record)  # what the error tells the user to do
             return False
         self._remember_pids()
