@@ -144,7 +144,7 @@ class JupyterDistributed(Driver):
 
 MONARCH_ACTOR = textwrap.dedent("""
     from monarch.actor import Actor, endpoint, this_host
-    from monarch.spmd import setup_torch_elastic_env
+    from monarch.spmd import setup_torch_elastic_env_async
 
     class Rank(Actor):
         def __init__(self):
@@ -159,14 +159,15 @@ MONARCH_ACTOR = textwrap.dedent("""
             exec(code, self.namespace)
 
     procs = this_host().spawn_procs(per_host={"procs": NUM_RANKS})
-    setup_torch_elastic_env(procs)
+    await setup_torch_elastic_env_async(procs)
     ranks = procs.spawn("ranks", Rank)
 """)
 
 
 class Monarch(Driver):
-    """Actors on a proc mesh, driven by explicit endpoint calls: `noop` is the empty call, `run`
-    executes a cell's code in the actor (a user would write it as an endpoint)."""
+    """Actors on a proc mesh, driven by explicit endpoint calls, awaited as Monarch asks inside a
+    running event loop: `noop` is the empty call, `run` executes a cell's code in the actor (a
+    user would write it as an endpoint)."""
 
     def start_cells(self, num_ranks: int) -> list[str]:
         return [MONARCH_ACTOR.replace("NUM_RANKS", str(num_ranks)),
@@ -174,23 +175,23 @@ class Monarch(Driver):
                               "rank = dist.get_rank()\n")]
 
     def on_ranks(self, code: str) -> str:
-        return f"ranks.run.call({code!r}).get()"
+        return f"await ranks.run.call({code!r})"
 
     @property
     def empty_cell(self) -> str:
-        return "ranks.noop.call().get()"
+        return "await ranks.noop.call()"
 
     def recover_cells(self, num_ranks: int) -> list[str]:
         return []  # a mesh with a dead proc is not used again: start_cells spawn a new one
 
     def stop_cells(self) -> list[str]:
-        return ["procs.stop().get()"]
+        return ["await procs.stop()"]
 
 
 ACCELERATE_RUN = textwrap.dedent("""
     from accelerate import notebook_launcher
 
-    def on_every_rank(code, port):
+    def on_every_rank(code):
         from accelerate import Accelerator
         accelerator = Accelerator(cpu=True)
         exec(code, {"rank": accelerator.process_index, "accelerator": accelerator})
