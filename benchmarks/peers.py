@@ -5,7 +5,8 @@ nbdistributed (`%dist_init`, `%%distributed`), accelerate (`notebook_launcher`, 
 ranks in every call) and Monarch (actors driven by endpoint calls). Each is driven through a real
 kernel (jupyter_client) with the cells its docs show (`benchmarks/peer_drivers.py`); all run on
 gloo CPU ranks with the same torch. Rows:
-- empty cell: median over alternating pairs of the tool's empty cell minus a plain cell, 2 and 4 ranks;
+- empty cell: median over alternating pairs of the tool's empty cell minus a plain cell (in a plain
+  kernel beside it), 2 and 4 ranks;
 - cold start: from a fresh kernel until the first cell with torch imported and a group formed has
   ended, beside torchrun of a script that does the same;
 - back after a crash: rank 1 is killed by its cell; until the first cell that finds torch and a
@@ -157,9 +158,8 @@ class ProxyKernel(Kernel):
     """A kernel started from another command line, as jupyter-distributed's server extension
     starts its proxy (the extension also sets the world size through the environment)."""
 
-    def __init__(self, argv: list[str]) -> None:  # noqa: D107
-        self.argv = argv
-        self.world_size = 1
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv  # started by `launch`, once the number of ranks is known
 
     def launch(self, num_ranks: int) -> None:
         from jupyter_client.manager import KernelManager
@@ -188,13 +188,15 @@ def cold_start_s(driver: Driver, kernel: Kernel, num_ranks: int) -> float:
     return time.perf_counter() - started
 
 
-def empty_cell_ms(driver: Driver, kernel: Kernel, runs: int, budget_s: float) -> float:
+def empty_cell_ms(driver: Driver, kernel: Kernel, plain_kernel: Kernel, runs: int, budget_s: float) -> float:
     """Median of (tool's empty cell - plain cell) over alternating pairs, `runs` pairs or as many
-    as fit in `budget_s` (at least three): accelerate's cell forks its ranks and takes seconds."""
+    as fit in `budget_s` (at least three): accelerate's cell forks its ranks and takes seconds.
+    The plain cell runs in a kernel of its own: under jupyter-distributed and nbdistributed's
+    distributed mode, a plain cell in the tool's kernel runs on the ranks too."""
     checked_cell(kernel, driver.empty_cell)  # once untimed: first-call costs are not per cell
     added, deadline = [], time.monotonic() + budget_s
     while len(added) < runs and (len(added) < 3 or time.monotonic() < deadline):
-        plain = checked_cell(kernel, "pass")
+        plain = checked_cell(plain_kernel, "pass")
         added.append(checked_cell(kernel, driver.empty_cell) - plain)
     return statistics.median(added) * 1000
 
@@ -270,7 +272,7 @@ def torchrun_loop_s(num_ranks: int) -> float:
 
 
 def measure(driver: Driver, result: PeerResult, num_ranks: int, args: argparse.Namespace,
-            torchrun_steps_ms: list) -> None:
+            torchrun_steps_ms: list, plain_kernel: Kernel) -> None:
     """Every row of one tool at `num_ranks`, in one kernel; a failed row is kept as its error."""
     kernel = start_kernel(driver)
 
@@ -295,7 +297,7 @@ def measure(driver: Driver, result: PeerResult, num_ranks: int, args: argparse.N
 
     try:
         step(f"cold start, {num_ranks} ranks", lambda: cold_start_s(driver, kernel, num_ranks))
-        step(f"empty cell, {num_ranks} ranks", lambda: empty_cell_ms(driver, kernel, args.runs, args.budget_s))
+        step(f"empty cell, {num_ranks} ranks", lambda: empty_cell_ms(driver, kernel, plain_kernel, args.runs, args.budget_s))
         if num_ranks == 2:
             step("training", lambda: train_overhead_ms(driver, kernel, num_ranks, args.train_runs, torchrun_steps_ms))
             crash: list[float] = []
@@ -374,11 +376,13 @@ through a real kernel with the cells its own docs show, on gloo CPU ranks with t
 Lower is better in every row; `(Nx)` is the ratio to fsdp2nb. A tool that could not do a step
 says `failed`, and its error is listed below the table.
 
-- empty cell: the tool's empty cell less a plain cell, median of alternating pairs
+- empty cell: the tool's empty cell less a plain cell in a plain kernel, median of alternating
+  pairs
   (Monarch: an awaited call of an empty endpoint on every actor; accelerate: a
   `notebook_launcher` call, which forks its ranks every time).
 - cold start: from a started kernel until the first cell that finds torch imported and a process
-  group formed on every rank has ended.
+  group formed on every rank has ended (jupyter-distributed's includes its kernel's start, which
+  starts the rank kernels; for the others a plain kernel's start, about a second, is left out).
 - rank 1 killed: its cell kills rank 1 while the others sleep for a minute; until that cell has
   ended, and until the next cell finds a formed group again, through what the tool's docs say to
   do (ipyparallel: a new cluster; jupyter-distributed: restart the kernel; nbdistributed:
@@ -399,6 +403,21 @@ def installed(driver: Driver) -> str | None:
     except Exception as error:  # noqa: BLE001 - an import that fails for any reason is reported
         return _short(f"{driver.package} does not import: {type(error).__name__}: {error}")
     return None
+
+
+def measure_all(drivers: list[Driver], sizes: list[int], args: argparse.Namespace, results: list[PeerResult],
+                torchrun_steps_ms: list, plain_kernel: Kernel) -> None:
+    for driver in drivers:
+        result = PeerResult(driver.name)
+        results.append(result)
+        missing = installed(driver)
+        if missing:
+            result.errors = {key: missing for key, *_ in ROWS}
+            print(f"{driver.name}: {missing}", file=sys.stderr)
+            continue
+        for num_ranks in sizes:
+            print(f"{driver.name} on {num_ranks} ranks ...", file=sys.stderr, flush=True)
+            measure(driver, result, num_ranks, args, torchrun_steps_ms, plain_kernel)
 
 
 def main(argv: list[str] | None = None) -> list[PeerResult]:
@@ -423,17 +442,12 @@ def main(argv: list[str] | None = None) -> list[PeerResult]:
     torchrun_start = {n: statistics.median(torchrun_cold_start_s(n) for _ in range(2)) for n in sizes}
     torchrun_steps_ms: list[float] = []
     results = []
-    for driver in drivers:
-        result = PeerResult(driver.name)
-        results.append(result)
-        missing = installed(driver)
-        if missing:
-            result.errors = {key: missing for key, *_ in ROWS}
-            print(f"{driver.name}: {missing}", file=sys.stderr)
-            continue
-        for num_ranks in sizes:
-            print(f"{driver.name} on {num_ranks} ranks ...", file=sys.stderr, flush=True)
-            measure(driver, result, num_ranks, args, torchrun_steps_ms)
+    plain_kernel = Kernel(env=kernel_env())
+    try:
+        measure_all(drivers, sizes, args, results, torchrun_steps_ms, plain_kernel)
+    finally:
+        stop_kernel(plain_kernel)
+
     notes = ["torchrun of a script that imports torch and forms the group: "
              + ", ".join(f"{torchrun_start[n]:.2f} s on {n} ranks" for n in sizes)
              + "; the same 20 training steps inside torchrun: "
