@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fsdp2nb-installed
 
-.PHONY: demo test lint bench lab gpu-check clean soak
+.PHONY: demo test lint bench bench-peers lab gpu-check clean soak
 
 $(STAMP): pyproject.toml scripts/setup_venv.sh
 	bash scripts/setup_venv.sh $(VENV)
@@ -26,6 +26,17 @@ lab: $(STAMP)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) -m benchmarks.$$(basename $$b .py) || exit 1; done  # as modules: ranks import them by name
+
+# bench-peers: fsdp2nb beside ipyparallel, jupyter-distributed, nbdistributed, accelerate and
+# Monarch, installed in .venv-peers on the same torch; writes docs/peers.md.
+PEERS_STAMP := .venv-peers/.peers-installed
+
+$(PEERS_STAMP): pyproject.toml scripts/setup_venv.sh scripts/setup_peers_venv.sh
+	bash scripts/setup_peers_venv.sh .venv-peers
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
+	.venv-peers/bin/python -m benchmarks.peers --markdown docs/peers.md
 
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh
