@@ -329,6 +329,10 @@ class NotebookSession:
             return
         progress.activity_asked_at = now
         for rank in progress.running:
+            if pool.rank_process_state(rank) in ("", "zombie"):  # ended, and no agent told (it is stopped)
+                self._after_unreachable_rank(pool, (rank,), ConnectionError(
+                    f"rank {rank}'s process ended and nothing reported it"))
+        for rank in progress.running:
             try:
                 pool.send(rank, ReportActivity(cell_id=cell_id), connect_timeout_s=0)
             except ConnectionError:
