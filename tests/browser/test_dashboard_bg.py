@@ -7,25 +7,11 @@ import re
 
 import nbformat
 
-from tests.browser.test_dashboard_lab import SETUP, Page
+from tests.browser.test_dashboard_lab import SETUP, TRAIN_LOOP, Page
 
-TRAIN_BG = """%%fsdp2 --bg --name train
-import os
-saved_at = None
-for step in range(1, 100_000):
-    x = torch.randn(32, 64)
-    loss = (model(x) - x @ target).pow(2).mean()
-    loss.backward(); optimizer.step(); optimizer.zero_grad()
-    fsdp2nb.log(step, loss=loss.item())
-    if ckpt.maybe_save(step):
-        saved_at = step
-    if rank == 0 and step % 25 == 0: print(f"step {step} loss {loss.item():.4f}", flush=True)
-    if os.path.exists(FLAG) or step > 6000:  # the test makes FLAG once it checked the run still goes
-        break
-    time.sleep(0.01)
-ckpt.wait()
-if rank == 0: print("run ended by the flag" if os.path.exists(FLAG) else "no flag", "saved at", saved_at, flush=True)
-"""
+TRAIN_BG = ("%%fsdp2 --bg --name train\n" + TRAIN_LOOP +
+            'if rank == 0: print("run ended by the flag" if os.path.exists(FLAG) else "no flag", '
+            '"saved at", saved_at, flush=True)\n')
 
 
 def _bg_notebook(path, ckpt: str, flag: str) -> None:

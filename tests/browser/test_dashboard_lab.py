@@ -23,8 +23,7 @@ ckpt = fsdp2nb.Checkpointer(CKPT, keep=None).track(model=model, optimizer=optimi
 target = torch.randn(64, 1, generator=torch.Generator().manual_seed(0))
 """
 
-TRAIN = """%%fsdp2
-import os
+TRAIN_LOOP = """import os
 saved_at = None
 for step in range(1, 100_000):
     x = torch.randn(32, 64)
@@ -34,12 +33,15 @@ for step in range(1, 100_000):
     if ckpt.maybe_save(step):
         saved_at = step
     if rank == 0 and step % 25 == 0: print(f"step {step} loss {loss.item():.4f}", flush=True)
-    if os.path.exists(FLAG) or step > 6000:  # the test makes FLAG once the panel lists the save
+    if os.path.exists(FLAG) or step > 6000:  # the test makes FLAG once it has seen what it checks
         break
     time.sleep(0.01)
 ckpt.wait()
-print("panel saw the step during the cell" if os.path.exists(FLAG) else "no flag", "saved at", saved_at)
 """
+"""A training loop with maybe_save and fsdp2nb.log that ends when the test makes FLAG."""
+
+TRAIN = ("%%fsdp2\n" + TRAIN_LOOP +
+         'print("panel saw the step during the cell" if os.path.exists(FLAG) else "no flag", "saved at", saved_at)\n')
 
 
 def _notebook(path, ckpt: str, flag: str) -> None:
