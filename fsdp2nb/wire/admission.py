@@ -6,6 +6,8 @@ nothing. One thread with one epoll set introduces every connection, so a flood o
 connections costs no thread each: at most `MAX_PENDING` wait at once (the oldest is closed for a
 newcomer), each for `HELLO_TIMEOUT_S` at most. A hello is read no further than its own frame, and
 never into a buffer larger than a hello can be. Each refusal is one line in the pool's log.
+Over TCP the TLS handshake comes first, driven by the same thread without blocking, and counts
+against the same deadline.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import os
 import secrets
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable
 
+from fsdp2nb.wire.endpoints import tune_tcp
 from fsdp2nb.wire.framing import FrameTooLong
 from fsdp2nb.wire.protocol import ChannelHello
 from fsdp2nb.wire.signing import Signer
@@ -46,8 +50,10 @@ class Admission:
     """Accepts connections on `server` and hands each one whose hello verifies to `admit`."""
 
     def __init__(self, server: socket.socket, signer: Signer, admit: Admit, log: logging.Logger, *,
-                 hello_timeout_s: float = HELLO_TIMEOUT_S, max_pending: int = MAX_PENDING) -> None:
+                 hello_timeout_s: float = HELLO_TIMEOUT_S, max_pending: int = MAX_PENDING,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._server = server
+        self._tls = tls
         self._server.setblocking(False)
         self._signer = signer
         self._admit = admit
@@ -120,18 +126,39 @@ class Admission:
 
     def _greet(self, sock: socket.socket) -> None:
         sock.setblocking(False)
+        if self._tls is not None:
+            tune_tcp(sock)
+            sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         pending = _Pending(sock, secrets.token_bytes(CHALLENGE_BYTES), time.monotonic() + self._hello_timeout_s)
         self._pending[sock.fileno()] = pending
         self._epoll.register(sock.fileno(), select.EPOLLIN)
+        if self._tls is None:
+            self._send_challenge(pending)
+
+    def _send_challenge(self, pending: _Pending) -> None:
         try:  # a fresh socket's buffer takes the challenge whole
-            sock.send(_LENGTH.pack(CHALLENGE_BYTES) + pending.challenge)
+            pending.sock.send(_LENGTH.pack(CHALLENGE_BYTES) + pending.challenge)
         except OSError as error:
             self._refuse(pending, f"it closed before its challenge was sent ({error})")
 
+    def _shake_hands(self, pending: _Pending) -> None:
+        try:
+            pending.sock.do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
+            return  # more of the handshake is on its way
+        except (ssl.SSLError, OSError) as error:
+            self._refuse(pending, f"its TLS handshake failed ({error})")
+            return
+        pending.handshaken = True
+        self._send_challenge(pending)
+
     def _read_hello(self, pending: _Pending) -> None:
+        if not pending.handshaken:
+            self._shake_hands(pending)
+            return
         try:
             frame = pending.read_first_frame()
-        except (BlockingIOError, InterruptedError):  # woken for nothing: wait on
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):  # woken for nothing: wait on
             return
         except FrameTooLong as error:
             self._refuse(pending, f"its first message is too long for a hello ({error})")
@@ -190,11 +217,19 @@ class _Pending:
         self.sock = sock
         self.challenge = challenge
         self.deadline = deadline
+        self.handshaken = not isinstance(sock, ssl.SSLSocket)
         self._received = bytearray()
 
     def read_first_frame(self) -> bytes | None:
-        """The first frame once it is all here, else None; reads no byte past it, and refuses
-        (FrameTooLong) a length over what a hello can take before reading any of it."""
+        """The first frame once it is all here; reads no byte past it, and refuses (FrameTooLong)
+        a length over what a hello can take before reading any of it. Reads until the socket
+        has nothing more (BlockingIOError, or SSLWantReadError): TLS may hold a record's rest
+        decrypted where the socket's readiness no longer shows it."""
+        while (frame := self._read_once()) is None:
+            pass
+        return frame
+
+    def _read_once(self) -> bytes | None:
         if len(self._received) < _LENGTH.size:
             wanted = _LENGTH.size - len(self._received)
         else:

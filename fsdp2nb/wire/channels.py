@@ -1,7 +1,8 @@
-"""The kernel's and the ranks' ends of the pool's Unix stream sockets.
+"""The kernel's and the ranks' ends of the pool's stream sockets.
 
-The kernel listens on one socket in the pool's private (0700) runtime directory. Every rank opens
-three connections to it, each introduced by a signed `ChannelHello`:
+The kernel listens on one socket: a Unix socket in the pool's private (0700) runtime directory,
+or, for ranks on other hosts, TCP with TLS on its cluster-facing address (`endpoints`). Every rank
+opens three connections to it, each introduced by a signed `ChannelHello`:
 - requests: kernel -> rank, read by the rank's main thread (cells, push, pull, shutdown);
 - control: kernel -> rank, read by the rank's control thread (interrupts, save requests), so
   these act while a cell runs;
@@ -30,10 +31,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fsdp2nb.wire import endpoints
 from fsdp2nb.wire.admission import CHALLENGE_BYTES, HELLO_TIMEOUT_S, Admission
 from fsdp2nb.wire.framing import FrameReader, Link
 from fsdp2nb.wire.protocol import ChannelHello, ChannelRole
 from fsdp2nb.wire.signing import Signer
+from fsdp2nb.wire.tls import PoolCertificate, server_context
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +71,8 @@ class KernelChannels:
     """
 
     def __init__(self, signer: Signer, address: str, *, log: logging.Logger = logger,
-                 stalled_frame_s: float = STALLED_FRAME_S, on_stalled: OnStalled | None = None) -> None:
+                 stalled_frame_s: float = STALLED_FRAME_S, on_stalled: OnStalled | None = None,
+                 certificate: PoolCertificate | None = None) -> None:
         self._signer = signer
         self._log = log
         self._stalled_frame_s = stalled_frame_s
@@ -96,11 +100,14 @@ class KernelChannels:
         self._background.register(self._wake_read, select.EPOLLIN)
         self._unregistered: collections.deque[_EventSource] = collections.deque()
         self._closed = False
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(address)
-        server.listen(128)
+        if endpoints.is_tcp(address) and certificate is None:
+            raise ValueError("a TCP listener needs the pool's certificate: nothing crosses a network unencrypted")
+        server = endpoints.listen(address)
         self._server = server
-        self._admission = Admission(server, signer, self._admit, log)
+        self.address = endpoints.bound_address(server)
+        """Where ranks connect (with the port the system picked for `tcp://HOST:0`)."""
+        tls = server_context(certificate) if certificate is not None else None
+        self._admission = Admission(server, signer, self._admit, log, tls=tls)
 
     def send(self, ranks: int | tuple[int, ...], message: Any, *, control: bool = False,
              connect_timeout_s: float = 5.0) -> None:
@@ -321,8 +328,9 @@ def _drain(fd: int) -> None:
 class RankChannels:
     """A rank's (or agent's) end. `send_event` may be called from any thread."""
 
-    def __init__(self, signer: Signer, address: str, *, rank: int | None) -> None:
+    def __init__(self, signer: Signer, address: str, *, rank: int | None, fingerprint: str = "") -> None:
         self._signer = signer
+        self._fingerprint = fingerprint
         self._events = self._connect(address, "events", rank)
         self._requests = self._control = None
         if rank is not None:
@@ -332,14 +340,22 @@ class RankChannels:
 
     def _connect(self, address: str, role: ChannelRole, rank: int | None) -> Link:
         """A connection introduced by a signed hello that answers the kernel's challenge."""
-        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        client.connect(address)
+        client = endpoints.connect(address, self._fingerprint)
         client.settimeout(HELLO_TIMEOUT_S)
         link = Link(client)
         challenge = bytes(link.receive(max_bytes=CHALLENGE_BYTES))
         client.settimeout(None)
         link.send(self._signer.pack(ChannelHello(role=role, rank=rank, challenge=challenge)))
         return link
+
+    def local_host(self) -> str | None:
+        """This host's address on the route to the kernel (its cluster address); None over Unix sockets."""
+        sock = self._events.sock
+        return None if sock.family == socket.AF_UNIX else sock.getsockname()[0]
+
+    def events_fileno(self) -> int:
+        """Readable once the kernel closed the connection (it never sends on it): for watchers."""
+        return self._events.fileno()
 
     def send_event(self, message: Any) -> None:
         if not self._closed:

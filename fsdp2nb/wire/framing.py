@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -65,7 +66,8 @@ class Link:
 def _receive_exactly(sock: socket.socket, size: int) -> bytes | bytearray:
     if size > _TRUSTED_ALLOCATION_BYTES:
         return _receive_growing(sock, size)
-    data = sock.recv(size, socket.MSG_WAITALL)
+    # TLS takes no recv flags, and hands out one record (16 KiB at most) per call.
+    data = sock.recv(size) if isinstance(sock, ssl.SSLSocket) else sock.recv(size, socket.MSG_WAITALL)
     if len(data) == size:
         return data
     if not data and size:
@@ -86,7 +88,8 @@ def _receive_growing(sock: socket.socket, size: int) -> bytearray:
     """`size` bytes, read in pieces: the buffer never outgrows what the peer really sent."""
     buffer = bytearray()
     while len(buffer) < size:
-        piece = sock.recv(min(size - len(buffer), _TRUSTED_ALLOCATION_BYTES), socket.MSG_WAITALL)
+        wanted = min(size - len(buffer), _TRUSTED_ALLOCATION_BYTES)
+        piece = sock.recv(wanted) if isinstance(sock, ssl.SSLSocket) else sock.recv(wanted, socket.MSG_WAITALL)
         if not piece:
             raise EOFError("the connection was closed in the middle of a frame")
         buffer += piece
@@ -117,9 +120,9 @@ class FrameReader:
         EOFError once the peer closed; FrameTooLong for a frame over `max_frame_bytes`."""
         try:
             first = self.sock.recv(_READ_BYTES)
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
             return []
-        if not self._buffer and _is_one_whole_frame(first, self._max_frame_bytes):
+        if not self._buffer and _is_one_whole_frame(first, self._max_frame_bytes) and not _tls_pending(self.sock):
             return [first[_LENGTH.size:]]  # the usual case: nothing to join, nothing left over
         chunks = self._receive_more(first)
         if self._buffer or len(chunks) > 1:
@@ -146,10 +149,12 @@ class FrameReader:
         if not first:
             raise EOFError("the connection was closed" + (" in the middle of a frame" if self._buffer else ""))
         chunks = [first]
-        while len(chunks[-1]) == _READ_BYTES and len(chunks) < _MAX_READS:
+        # A TLS socket gives one record per call, so a short read does not mean it is drained.
+        secure = isinstance(self.sock, ssl.SSLSocket)
+        while (secure or len(chunks[-1]) == _READ_BYTES) and len(chunks) < _MAX_READS:
             try:
                 chunk = self.sock.recv(_READ_BYTES)
-            except (BlockingIOError, InterruptedError):
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
                 break
             if not chunk:
                 break  # the end is seen again on the next call, after these frames
@@ -158,6 +163,11 @@ class FrameReader:
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+
+def _tls_pending(sock: socket.socket) -> bool:
+    """Whether TLS holds decrypted bytes that the socket's readiness no longer shows."""
+    return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
 
 
 def _is_one_whole_frame(data: bytes, max_frame_bytes: int | None) -> bool:
