@@ -18,7 +18,7 @@ from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_
 from fsdp2nb.frontend.render import notebook_color_scheme
 from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
-from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list, spec_from_options
+from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, parse_rank_list, spec_from_options
 from fsdp2nb.wire.protocol import RunCell
 
 _COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
@@ -36,6 +36,15 @@ def _add_pool_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu", type=int, metavar="N", help="N CPU ranks joined by gloo")
     group.add_argument("--timeout", type=float, metavar="SECONDS", help="collective timeout (default 600 s)")
     group.add_argument("--no-dashboard", action="store_true", help="do not show the dashboard when the pool starts")
+    hosts = parser.add_argument_group("ranks on several hosts")
+    hosts.add_argument("--ray", nargs="?", const="auto", metavar="auto|HOST:PORT",
+                       help="hosts from a Ray cluster (default: the one this machine belongs to)")
+    hosts.add_argument("--slurm", action="store_true", help="hosts of the Slurm allocation this kernel runs in")
+    hosts.add_argument("--nodes", type=int, metavar="N", help="how many hosts (with --slurm: the allocation's)")
+    hosts.add_argument("--gpus-per-node", type=int, metavar="N", help="N GPU ranks on each host")
+    hosts.add_argument("--cpu-per-node", type=int, metavar="N", help="N CPU ranks on each host")
+    hosts.add_argument("--listen", metavar="ADDRESS",
+                       help="this host's address on the cluster network (default: found from the route)")
 
 
 def _parser(prog: str, description: str) -> MagicArgumentParser:
@@ -108,6 +117,8 @@ class FSDP2Magics(Magics):
             %%fsdp2 --cpu 2              # 2 CPU ranks joined by gloo
             %%fsdp2 --gpus 4             # ranks 0-3 on the first 4 visible GPUs (NCCL)
             %%fsdp2 --gpus 0,2,3         # ranks on GPUs 0, 2 and 3
+            %%fsdp2 --ray --nodes 2 --gpus-per-node 8     # 16 ranks on 2 hosts of a Ray cluster
+            %%fsdp2 --slurm --gpus-per-node 4            # inside salloc/sbatch: every allocated host
             %%fsdp2 --ranks 0            # only rank 0 of the running pool
             x = torch.ones(1) * rank
             dist.all_reduce(x)
@@ -232,10 +243,10 @@ class FSDP2Magics(Magics):
 
     def _with_running_devices(self, spec: PoolSpec | None, options) -> PoolSpec | None:
         """`--timeout` alone keeps the devices of the running pool (or the default ones)."""
-        if spec is None or options.gpus is not None or options.cpu is not None:
+        if spec is None or options.gpus is not None or options.cpu is not None or spec.placement is not None:
             return spec
         base = self.session.pool.spec if self.session.pool else default_spec()
-        return PoolSpec(devices=base.devices, collective_timeout_s=spec.collective_timeout_s)
+        return PoolSpec(devices=base.devices, collective_timeout_s=spec.collective_timeout_s, placement=base.placement)
 
     def _command_start(self, options) -> None:
         pool = self.session.start(self._with_running_devices(_spec_or_none(options), options) or default_spec())
@@ -370,9 +381,11 @@ _RUN_LINE_MAGIC = InteractiveShell.run_line_magic.__code__
 
 
 def _spec_or_none(options) -> PoolSpec | None:
-    if options.gpus is None and options.cpu is None and options.timeout is None:
+    hosts = HostOptions(ray=options.ray, slurm=options.slurm, num_nodes=options.nodes,
+                        gpus_per_node=options.gpus_per_node, cpu_per_node=options.cpu_per_node, listen=options.listen)
+    if options.gpus is None and options.cpu is None and options.timeout is None and not hosts.given:
         return None
-    return spec_from_options(gpus=options.gpus, cpu=options.cpu, collective_timeout_s=options.timeout)
+    return spec_from_options(gpus=options.gpus, cpu=options.cpu, collective_timeout_s=options.timeout, hosts=hosts)
 
 
 def _pickle_for_ranks(values: dict) -> bytes:

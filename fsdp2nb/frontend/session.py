@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -124,6 +125,8 @@ class NotebookSession:
         pool = self._pool_factory(spec)
         pool.start()
         self.pool = pool
+        for note in pool.start_notes:
+            print(note, file=sys.stderr)
         logger.info("started %d ranks in %.1f s", spec.world_size, time.perf_counter() - started)
         return pool
 

@@ -1,8 +1,8 @@
 """How ranks come into being, behind one small interface.
 
 `LocalLauncher` starts a host agent on this machine that forks the ranks. Ranks on other hosts
-can come from any engine that can run `python -m fsdp2nb.worker.agent` (or one rank per process)
-with the same launch plan: torchrun, Slurm or Ray only need to implement `Launcher`.
+come from an engine that runs `python -m fsdp2nb.worker.agent` once per host with the same launch
+plan: `ray_launcher` (through a Ray driver of its own) and `slurm_launcher` (one srun step).
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ import sys
 from dataclasses import asdict
 from typing import Protocol
 
+from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import LaunchPlan
+
+
+class LaunchError(RuntimeError):
+    """The engine could not start the ranks (no Ray cluster, no srun, too few hosts); one line says why."""
 
 
 class LaunchedRanks(Protocol):
@@ -34,7 +39,29 @@ class LaunchedRanks(Protocol):
 
 
 class Launcher(Protocol):
+    num_nodes: int
+
+    notes: list[str]
+    """Lines for the cell that starts the pool (e.g. a warning about the cluster's security)."""
+
+    def listen_address(self, runtime_dir: str, log_dir: str) -> str:
+        """Where the kernel listens for the ranks: a Unix socket path, or `tcp://HOST:0` on the
+        address the ranks' hosts reach this one by."""
+
     def launch(self, plan: LaunchPlan, key: bytes) -> LaunchedRanks: ...
+
+
+def launcher_for(spec: PoolSpec) -> Launcher:
+    """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
+    if spec.placement is None:
+        return LocalLauncher()
+    if spec.placement.engine == "ray":
+        from fsdp2nb.pool.ray_launcher import RayLauncher
+
+        return RayLauncher(spec)
+    from fsdp2nb.pool.slurm_launcher import SlurmLauncher
+
+    return SlurmLauncher(spec)
 
 
 class LocalAgent:
@@ -77,6 +104,12 @@ class LocalAgent:
 
 class LocalLauncher:
     """Starts one agent for this host in its own session, so the kernel's SIGINT never reaches it."""
+
+    num_nodes = 1
+    notes: list[str] = []
+
+    def listen_address(self, runtime_dir: str, log_dir: str) -> str:
+        return os.path.join(runtime_dir, "pool.sock")
 
     def launch(self, plan: LaunchPlan, key: bytes) -> LocalAgent:
         agent_log = open(os.path.join(plan.log_dir, "agent.log"), "ab")  # noqa: SIM115

@@ -26,18 +26,21 @@ from typing import Literal
 import psutil
 
 from fsdp2nb.pool import reaper
-from fsdp2nb.pool.launcher import LaunchedRanks, Launcher, LocalLauncher
+from fsdp2nb.pool.launcher import LaunchedRanks, Launcher, LaunchError, launcher_for
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
+from fsdp2nb.wire.endpoints import is_tcp
 from fsdp2nb.wire.protocol import (
     ControlMessage,
     EventMessage,
     Interrupt,
+    JoinRendezvous,
     LaunchPlan,
     RankExited,
     RankPlan,
     RankReady,
     RankSnapshot,
+    RendezvousOpened,
     ReportActivity,
     RequestSave,
     ResetPeak,
@@ -47,6 +50,7 @@ from fsdp2nb.wire.protocol import (
     TaskProgress,
 )
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
+from fsdp2nb.wire.tls import PoolCertificate
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +150,7 @@ class WorkerPool:
         collective that timed out)."""
         self.agent_died = False
         self.log_dir = ""
-        self._launcher = launcher or LocalLauncher()
+        self._launcher = launcher or launcher_for(spec)
         self._events: queue.SimpleQueue[EventMessage] = queue.SimpleQueue()  # C: a tenth of Queue's cost
         self._all_ready = threading.Event()
         self._stop_receiving = threading.Event()
@@ -158,12 +162,19 @@ class WorkerPool:
         self._stalled_frame_s = stalled_frame_s
         self._log: logging.Logger | None = None
         """This pool's own log (pool.log in `log_dir`): what its connections went through."""
+        self._rendezvous: RendezvousOpened | None = None
+        """Rank 0's store address, until `_wait_until_ready` passes it on."""
         self._last_cell_ids: dict[int, int] = {}
         """Per rank, the request id it was last sent (a stalled rank is reported to that cell)."""
 
     @property
     def world_size(self) -> int:
         return self.spec.world_size
+
+    @property
+    def start_notes(self) -> list[str]:
+        """What the cell that starts the pool should say besides (e.g. a warning about Ray's security)."""
+        return list(self._launcher.notes)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -173,41 +184,59 @@ class WorkerPool:
         self.state = "starting"
         try:
             key = secrets.token_bytes(KEY_BYTES)
-            plan = self._plan()
+            self._make_directories()
             self._log = _open_pool_log(os.path.join(self.log_dir, "pool.log"))
-            self._channels = KernelChannels(Signer(key, log=self._log), plan.address, log=self._log,
-                                            stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled)
+            address = self._launcher.listen_address(self._runtime_dir, self.log_dir)
+            certificate = _pool_certificate(address, self._runtime_dir)
+            self._channels = KernelChannels(Signer(key, log=self._log), address, log=self._log,
+                                            stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled,
+                                            certificate=certificate)
+            plan = self._plan(self._channels.address, certificate.fingerprint if certificate else "")
             self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
             self._receiver.start()
             self._launched = self._launcher.launch(plan, key)
             self._register()
             self._wait_until_ready(timeout_s)
             self._register()
+        except LaunchError as error:
+            self.stop(polite=False)
+            raise PoolStartError(str(error)) from None
         except BaseException:
             self.stop(polite=False)
             raise
         self.state = "ready"
 
-    def _plan(self) -> LaunchPlan:
+    def _make_directories(self) -> None:
         self._runtime_dir = tempfile.mkdtemp(prefix="fsdp2nb-")  # mkdtemp makes it 0700
         self.log_dir = str(reaper.state_dir() / "logs" / self.pool_id)
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
+
+    def _plan(self, address: str, tls_fingerprint: str) -> LaunchPlan:
+        per_node = self.spec.devices
+        ranks = tuple(RankPlan(rank=node * len(per_node) + local, local_rank=local, device=device, node=node)
+                      for node in range(self.spec.num_nodes) for local, device in enumerate(per_node))
         return LaunchPlan(
-            pool_id=self.pool_id, world_size=self.world_size, backend=self.spec.backend,
-            ranks=tuple(RankPlan(rank=r, local_rank=r, device=d) for r, d in enumerate(self.spec.devices)),
-            address=os.path.join(self._runtime_dir, "pool.sock"),
-            runtime_dir=self._runtime_dir, log_dir=self.log_dir,
+            pool_id=self.pool_id, world_size=self.world_size, backend=self.spec.backend, ranks=ranks,
+            address=address, runtime_dir=self._runtime_dir, log_dir=self.log_dir,
             collective_timeout_s=self.spec.collective_timeout_s, kernel_pid=os.getpid(),
-            master_port=_unused_loopback_port(),
+            master_port=_unused_loopback_port(), num_nodes=self.spec.num_nodes, tls_fingerprint=tls_fingerprint,
         )
 
     def _wait_until_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._all_ready.wait(0.05):
+            self._pass_rendezvous_on()
             if self.exited or not self._launched.is_running():
                 raise PoolStartError(self._start_failure())
             if time.monotonic() > deadline:
                 raise PoolStartError(f"the ranks did not start within {timeout_s:.0f} s (logs: {self.log_dir})")
+
+    def _pass_rendezvous_on(self) -> None:
+        """Tell ranks 1.. where rank 0's store listens, once it says so (multi-host pools)."""
+        opened, self._rendezvous = self._rendezvous, None
+        if opened is not None:
+            self.send(tuple(range(1, self.world_size)), JoinRendezvous(host=opened.host, port=opened.port),
+                      connect_timeout_s=DEFAULT_START_TIMEOUT_S)
 
     def _start_failure(self) -> str:
         for exit_report in self.exited.values():
@@ -273,7 +302,8 @@ class WorkerPool:
         pids = self._launched.process_ids()
         self.agent_died = True
         self.state = "broken"
-        self.broken_reason = f"the host agent (pid {pids[0] if pids else '?'}) {how}; its ranks ended with it"
+        who = "the host agent" if self.spec.placement else f"the host agent (pid {pids[0] if pids else '?'})"
+        self.broken_reason = f"{who} {how}; its ranks ended with it"
         return False
 
     def rank_process_state(self, rank: int) -> str:
@@ -363,6 +393,9 @@ class WorkerPool:
                 listener(event)
             if isinstance(event, RankSnapshot) or event.cell_id is None:
                 return  # a progress event of a cell also goes to the cell, for its own bar
+        if isinstance(event, RendezvousOpened):
+            self._rendezvous = event
+            return
         if isinstance(event, RankReady):
             self.ranks[event.rank] = event
             if len(self.ranks) == self.world_size:
@@ -418,6 +451,15 @@ def _still_running(process: psutil.Process) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE  # a zombie is dead, waiting for its reaper
     except psutil.Error:
         return False
+
+
+def _pool_certificate(address: str, runtime_dir: str) -> PoolCertificate | None:
+    """A fresh certificate for a pool whose ranks connect over TCP; None for a Unix socket."""
+    if not is_tcp(address):
+        return None
+    from fsdp2nb.wire.tls import make_pool_certificate
+
+    return make_pool_certificate(runtime_dir)
 
 
 def _unused_loopback_port() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 MAX_COLLECTIVE_TIMEOUT_S = 365 * 24 * 3600.0
@@ -16,13 +17,39 @@ DEFAULT_NUM_CPU_RANKS = 2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """Hosts that an engine (Ray or Slurm) provides for a pool's ranks, one host agent on each."""
+
+    engine: Literal["ray", "slurm"]
+    num_nodes: int
+    """How many hosts; each runs the same devices."""
+    address: str | None = None
+    """Ray only: the cluster to join, "auto" or HOST:PORT."""
+    listen: str | None = None
+    """The kernel's address on the cluster network; found from the route to the cluster when None."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("ray", "slurm"):
+            raise ValueError(f"engine={self.engine!r} must be 'ray' or 'slurm'")
+        if self.num_nodes < 1:
+            raise ValueError(f"--nodes {self.num_nodes} must be at least 1")
+
+    def describe(self) -> str:
+        text = f"--ray {self.address or 'auto'}" if self.engine == "ray" else "--slurm"
+        text += f" --nodes {self.num_nodes}"
+        return text + (f" --listen {self.listen}" if self.listen else "")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PoolSpec:
     """A pool's shape; two cells share a pool only when their specs are equal."""
 
     devices: tuple[str, ...]
-    """One torch device string per rank, e.g. ("cpu", "cpu") or ("cuda:0", "cuda:2")."""
+    """One torch device string per rank of a host, e.g. ("cpu", "cpu") or ("cuda:0", "cuda:2")."""
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     """How long a collective may wait before the process group raises."""
+    placement: Placement | None = None
+    """Other hosts for the ranks (Ray or Slurm); None: this host only."""
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -34,8 +61,12 @@ class PoolSpec:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be more than 0 and at most a year")
 
     @property
+    def num_nodes(self) -> int:
+        return self.placement.num_nodes if self.placement else 1
+
+    @property
     def world_size(self) -> int:
-        return len(self.devices)
+        return len(self.devices) * self.num_nodes
 
     @property
     def uses_gpus(self) -> bool:
@@ -48,7 +79,10 @@ class PoolSpec:
 
     def describe(self) -> str:
         """The options that ask for this pool, e.g. `--gpus 0,1` or `--cpu 2 --timeout 60`."""
-        if self.uses_gpus:
+        if self.placement is not None:
+            kind = "gpus" if self.uses_gpus else "cpu"
+            text = f"{self.placement.describe()} --{kind}-per-node {len(self.devices)}"
+        elif self.uses_gpus:
             text = f"--gpus {','.join(d.split(':')[1] for d in self.devices)}"
         else:
             text = f"--cpu {self.world_size}"
@@ -71,13 +105,17 @@ def visible_gpu_indices() -> list[int]:
 
 
 def spec_from_options(
-    *, gpus: str | None, cpu: int | None, collective_timeout_s: float | None = None
+    *, gpus: str | None, cpu: int | None, collective_timeout_s: float | None = None,
+    hosts: HostOptions | None = None,
 ) -> PoolSpec:
-    """Turn `--gpus`/`--cpu` into a spec; raises ValueError with a one-line explanation."""
+    """Turn `--gpus`/`--cpu` (or the options of `hosts`) into a spec; raises ValueError with a
+    one-line explanation."""
     timeout = DEFAULT_COLLECTIVE_TIMEOUT_S if collective_timeout_s is None else collective_timeout_s
     if not 0 < timeout <= MAX_COLLECTIVE_TIMEOUT_S:  # also nan and inf, which the ranks cannot use
         raise ValueError(f"--timeout {timeout:g} is not usable; give the collective timeout in seconds, "
                          f"more than 0 and at most {MAX_COLLECTIVE_TIMEOUT_S:.0f} (a year)")
+    if hosts is not None and hosts.given:
+        return multi_host_spec(hosts, gpus=gpus, cpu=cpu, collective_timeout_s=timeout)
     if gpus is not None and cpu is not None:
         raise ValueError("--gpus and --cpu exclude each other: pick GPUs or CPU ranks")
     if gpus is not None:
@@ -86,6 +124,58 @@ def spec_from_options(
     if num_ranks < 1:
         raise ValueError(f"--cpu {num_ranks} must be at least 1 (the number of CPU ranks)")
     return PoolSpec(devices=("cpu",) * num_ranks, collective_timeout_s=timeout)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostOptions:
+    """The options that place a pool on other hosts, as the magics parsed them."""
+
+    ray: str | None = None
+    """"auto" or HOST:PORT when `--ray` was given."""
+    slurm: bool = False
+    num_nodes: int | None = None
+    gpus_per_node: int | None = None
+    cpu_per_node: int | None = None
+    listen: str | None = None
+
+    @property
+    def given(self) -> bool:
+        return (self.ray is not None or self.slurm or self.num_nodes is not None or self.gpus_per_node is not None
+                or self.cpu_per_node is not None or self.listen is not None)
+
+
+def multi_host_spec(hosts: HostOptions, *, gpus: str | None, cpu: int | None, collective_timeout_s: float,
+                    environ: dict[str, str] | None = None) -> PoolSpec:
+    """A spec for ranks on other hosts; raises ValueError with a one-line explanation."""
+    environ = os.environ if environ is None else environ
+    if hosts.ray is None and not hosts.slurm:
+        raise ValueError("--nodes, --gpus-per-node, --cpu-per-node and --listen place ranks on other hosts: "
+                         "add --ray [auto|HOST:PORT] or --slurm")
+    if hosts.ray is not None and hosts.slurm:
+        raise ValueError("--ray and --slurm exclude each other: pick the engine that provides the hosts")
+    if gpus is not None or cpu is not None:
+        raise ValueError("--gpus and --cpu place ranks on this host; across hosts use --gpus-per-node N "
+                         "or --cpu-per-node N")
+    if (hosts.gpus_per_node is None) == (hosts.cpu_per_node is None):
+        raise ValueError("say what each host runs: --gpus-per-node N or --cpu-per-node N (one of them)")
+    per_node = hosts.gpus_per_node if hosts.gpus_per_node is not None else hosts.cpu_per_node
+    if per_node < 1:
+        raise ValueError(f"{per_node} ranks per host: give at least 1")
+    if hosts.slurm and not environ.get("SLURM_JOB_ID"):
+        raise ValueError("--slurm runs inside a Slurm allocation (salloc or sbatch), and SLURM_JOB_ID is not set")
+    num_nodes = hosts.num_nodes
+    if num_nodes is None and hosts.slurm:
+        num_nodes = int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or 0) or None
+    if num_nodes is None:
+        raise ValueError("--nodes N is needed: how many hosts the pool spans")
+    if hosts.listen is not None:
+        from fsdp2nb.wire.endpoints import check_listen_host
+
+        check_listen_host(hosts.listen)
+    devices = tuple(f"cuda:{i}" for i in range(per_node)) if hosts.gpus_per_node else ("cpu",) * per_node
+    placement = Placement(engine="ray" if hosts.ray is not None else "slurm", num_nodes=num_nodes,
+                          address=hosts.ray, listen=hosts.listen)
+    return PoolSpec(devices=devices, collective_timeout_s=collective_timeout_s, placement=placement)
 
 
 def default_spec() -> PoolSpec:

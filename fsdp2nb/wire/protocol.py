@@ -99,8 +99,16 @@ class Shutdown:
     """Leave the rank's main loop and exit cleanly."""
 
 
+@dataclass(frozen=True)
+class JoinRendezvous:
+    """Where rank 0's store listens (multi-host pools): the other ranks join the process group there."""
+
+    host: str
+    port: int
+
+
 ControlMessage = (RunCell | PushValues | PullValue | Interrupt | RequestSave | ResetPeak | ReportActivity
-                  | Shutdown)
+                  | Shutdown | JoinRendezvous)
 
 
 # --- rank -> kernel (event channel) -----------------------------------------------------------
@@ -266,12 +274,21 @@ class TaskProgress:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class RendezvousOpened:
+    """Rank 0 of a multi-host pool opened its store on its host's cluster address; the kernel
+    passes it on to the other ranks (`JoinRendezvous`)."""
+
+    host: str
+    port: int
+
+
 EventMessage = (RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited | TaskProgress
-                | RankActivity)
+                | RankActivity | RendezvousOpened)
 
 WIRE_TYPES = (ChannelHello, RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
               RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak,
-              TaskProgress, ReportActivity, RankActivity)
+              TaskProgress, ReportActivity, RankActivity, JoinRendezvous, RendezvousOpened)
 """Messages that travel as (index in this tuple, field values): see transport.Signer."""
 
 
@@ -280,11 +297,13 @@ WIRE_TYPES = (ChannelHello, RunCell, PushValues, PullValue, Interrupt, RequestSa
 
 @dataclass(frozen=True)
 class RankPlan:
-    """Where one rank runs: its global and local rank and its torch device string."""
+    """Where one rank runs: its global and local rank, its torch device string and its host."""
 
     rank: int
     local_rank: int
     device: str
+    node: int = 0
+    """The index of the host (the agent) that starts it; 0 on a one-host pool."""
 
 
 @dataclass(frozen=True)
@@ -295,10 +314,23 @@ class LaunchPlan:
     world_size: int
     backend: str
     ranks: tuple[RankPlan, ...]
+    """Every rank of the pool; each host's agent starts those of its `node`."""
     address: str
-    """The kernel's Unix socket; every rank and agent connection starts there."""
+    """Where every rank and agent connection starts: the kernel's Unix socket, or
+    `tcp://HOST:PORT` when ranks run on other hosts."""
     runtime_dir: str
     log_dir: str
     collective_timeout_s: float
     kernel_pid: int
+    """Watched by a one-host agent; an agent on another host watches its connection instead."""
     master_port: int
+    num_nodes: int = 1
+    tls_fingerprint: str = ""
+    """SHA-256 of the kernel's TLS certificate (hex), which ranks check; TCP addresses only."""
+
+    @property
+    def multi_host(self) -> bool:
+        return self.address.startswith("tcp://")
+
+    def ranks_of_node(self, node: int) -> tuple[RankPlan, ...]:
+        return tuple(rank for rank in self.ranks if rank.node == node)

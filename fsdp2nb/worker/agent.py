@@ -6,6 +6,10 @@ the fork safe. Afterwards it reports each rank's exit (code or signal, last stde
 ends every rank when the kernel that started it goes away.
 
 Run as `python -m fsdp2nb.worker.agent`; the launch plan and pool key arrive as JSON on stdin.
+On a pool that spans hosts every host's agent reads the same plan and starts the ranks of its
+own node: `FSDP2NB_NODE` (set by the Ray actor that starts it) or Slurm's `SLURM_NODEID`. There
+the kernel is no process it can watch: the end of its connection to the kernel (TCP keepalive
+notices a vanished host) means the kernel is gone, as does the end of the process that started it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ def read_launch_request(stream) -> tuple[LaunchPlan, bytes]:
     fields = dict(request["plan"])
     fields["ranks"] = tuple(RankPlan(**entry) for entry in fields["ranks"])
     return LaunchPlan(**fields), bytes.fromhex(request["key"])
+
+
+def node_index() -> int:
+    """Which host of the plan this agent is: its ranks are those of this node."""
+    return int(os.environ.get("FSDP2NB_NODE") or os.environ.get("SLURM_NODEID") or 0)
 
 
 def _preload() -> None:
@@ -101,9 +110,13 @@ def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
 class Agent:
     """Owns the ranks of one host; `run()` returns when they have all ended."""
 
-    def __init__(self, plan: LaunchPlan, key: bytes) -> None:
+    def __init__(self, plan: LaunchPlan, key: bytes, node: int = 0) -> None:
         self.plan = plan
         self.key = key
+        self.node = node
+        self.starter_pid = plan.kernel_pid if not plan.multi_host else os.getppid()
+        """The process whose end ends the ranks: the kernel, or (across hosts) whatever started
+        this agent, a Ray actor or Slurm's step daemon."""
         self.ranks_by_pid: dict[int, RankPlan] = {}
         self.pipes_by_pid: dict[int, list[int]] = {}
         self.stopping = False
@@ -112,12 +125,14 @@ class Agent:
     def run(self) -> int:
         """Returns the agent's exit code: 143 (as for SIGTERM) when asked to stop, so the kernel
         can tell a SIGTERM it did not send (a rank's code, another process) from ranks that ended."""
-        for rank_plan in self.plan.ranks:
+        os.makedirs(self.plan.log_dir, mode=0o700, exist_ok=True)  # on another host it may not exist yet
+        for rank_plan in self.plan.ranks_of_node(self.node):
             held = [fd for fds in self.pipes_by_pid.values() for fd in fds]
             pid, self.pipes_by_pid[pid] = _fork_rank(self.plan, rank_plan, self.key, held)
             self.ranks_by_pid[pid] = rank_plan
         # Connect only after forking, so that no rank inherits the agent's connection.
-        self.channels = RankChannels(Signer(self.key), self.plan.address, rank=None)
+        self.channels = RankChannels(Signer(self.key), self.plan.address, rank=None,
+                                     fingerprint=self.plan.tls_fingerprint)
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "stop_requested", True))
         try:
             self._watch()
@@ -126,9 +141,11 @@ class Agent:
         return 128 + signal.SIGTERM if self.stop_requested else 0
 
     def _watch(self) -> None:
-        wakeups = _Wakeups(self.plan.kernel_pid)
+        kernel_link = self.channels.events_fileno() if self.plan.multi_host else None
+        wakeups = _Wakeups(self.starter_pid, kernel_link)
         while self.ranks_by_pid:
-            kernel_gone = os.getppid() != self.plan.kernel_pid  # nobody can use these ranks any more
+            # Nobody can use these ranks any more:
+            kernel_gone = os.getppid() != self.starter_pid or wakeups.link_closed()
             if (kernel_gone or self.stop_requested) and not self.stopping:
                 self._stop()
             self._reap_exited()
@@ -185,7 +202,8 @@ class _Wakeups:
     (SIGTERM) or the kernel ended (its pidfd). Polling instead woke the agent 20 times a second,
     taking a core from training ranks on a host with none spare. Call from the main thread."""
 
-    def __init__(self, kernel_pid: int) -> None:
+    def __init__(self, kernel_pid: int, kernel_link: int | None = None) -> None:
+        self._kernel_link = kernel_link
         self._signals, write_end = os.pipe()
         for fd in (self._signals, write_end):
             os.set_blocking(fd, False)
@@ -198,6 +216,16 @@ class _Wakeups:
             self._poller.register(os.pidfd_open(kernel_pid), select.POLLIN)
         except (AttributeError, OSError):  # before Linux 5.3, or the kernel is gone already
             self.timeout_ms = int(_KERNEL_CHECK_S * 1000)
+        if kernel_link is not None:  # the kernel never sends on it: readable means closed
+            self._poller.register(kernel_link, select.POLLIN | select.POLLRDHUP)
+
+    def link_closed(self) -> bool:
+        """Whether the kernel's end of the agent's connection is closed (or the connection broke)."""
+        if self._kernel_link is None:
+            return False
+        poller = select.poll()
+        poller.register(self._kernel_link, select.POLLIN | select.POLLRDHUP)
+        return bool(poller.poll(0))
 
     def wait(self) -> None:
         self._poller.poll(self.timeout_ms)
@@ -232,7 +260,7 @@ def _log_tail(path: str) -> tuple[str, ...]:
 def main() -> None:
     plan, key = read_launch_request(sys.stdin)
     _preload()
-    sys.exit(Agent(plan, key).run())
+    sys.exit(Agent(plan, key, node_index()).run())
 
 
 if __name__ == "__main__":

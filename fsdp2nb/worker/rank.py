@@ -45,6 +45,7 @@ from fsdp2nb.wire.protocol import (
 from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import FdCapture, OutputSync, line_buffered_streams
+from fsdp2nb.worker.rendezvous import network_environment, open_store
 from fsdp2nb.worker.sampler import ResourceSampler
 
 _BLOCK = -1
@@ -56,9 +57,8 @@ def torchrun_environment(plan: LaunchPlan, rank_plan: RankPlan) -> dict[str, str
     """The variables torchrun would set for this rank, so library code that reads them works."""
     return dict(
         RANK=str(rank_plan.rank), LOCAL_RANK=str(rank_plan.local_rank), WORLD_SIZE=str(plan.world_size),
-        LOCAL_WORLD_SIZE=str(len(plan.ranks)), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(plan.master_port), GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo",
-        TORCHELASTIC_RUN_ID=plan.pool_id,
+        LOCAL_WORLD_SIZE=str(len(plan.ranks_of_node(rank_plan.node))), GROUP_RANK=str(rank_plan.node),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(plan.master_port), TORCHELASTIC_RUN_ID=plan.pool_id,
         **{COLLECTIVE_TIMEOUT_ENV: str(plan.collective_timeout_s)},
     )
 
@@ -76,7 +76,8 @@ class Rank:
         self._interrupted_cell_id: int | None = None
         self._in_request = False
         self._main_thread_id = threading.get_ident()
-        self._channels = RankChannels(Signer(key), plan.address, rank=self.rank)
+        self._channels = RankChannels(Signer(key), plan.address, rank=self.rank, fingerprint=plan.tls_fingerprint)
+        os.environ.update(network_environment(plan, rank_plan, self._channels.local_host()))
         self._log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the rank
         pipes = pipes or {}
         self._captures = {
@@ -109,11 +110,7 @@ class Rank:
         ))
 
     def _init_distributed(self) -> dict:
-        """Join the process group through a FileStore in the private runtime directory.
-
-        A FileStore, unlike a TCPStore, opens no listening socket (TCPStore binds every
-        interface), and there is no free-port race to lose.
-        """
+        """Join the process group (`rendezvous`: a FileStore on one host, rank 0's TCPStore across hosts)."""
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -124,13 +121,14 @@ class Rank:
         elif "OMP_NUM_THREADS" not in os.environ:
             # CPU ranks sharing a host split its cores instead of oversubscribing. torchrun gives
             # each of several ranks 1 thread: the same on 2 cores and 2 ranks, fewer where cores are spare.
-            num_threads = max(1, (os.cpu_count() or 1) // len(self.plan.ranks))
+            num_threads = max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"]))
             os.environ["OMP_NUM_THREADS"] = str(num_threads)
             torch.set_num_threads(num_threads)
-        store = dist.FileStore(os.path.join(self.plan.runtime_dir, "rendezvous"), self.plan.world_size)
+        timeout = timedelta(seconds=self.plan.collective_timeout_s)
+        store = open_store(self.plan, self.rank, self._channels, timeout)
         dist.init_process_group(
             self.plan.backend, store=store, rank=self.rank, world_size=self.plan.world_size,
-            timeout=timedelta(seconds=self.plan.collective_timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
         mesh = init_device_mesh(device.type, (self.plan.world_size,), mesh_dim_names=("dp_shard",))
