@@ -83,7 +83,7 @@ class DashboardLink:
                              world_size=self.model.facts.world_size)
         return PoolFacts(
             state=pool.state, world_size=pool.world_size, description=pool.spec.describe(),
-            devices={r: info.device for r, info in pool.ranks.items()},
+            devices={r: info.where() for r, info in pool.ranks.items()},
             pids={r: info.pid for r, info in pool.ranks.items()},
             deaths={r: describe_exit(report) for r, report in pool.exited.items()},
             busy=frozenset(pool.busy_ranks), host_total_bytes=self._host_total)

@@ -26,7 +26,7 @@ def status_table(pool: WorkerPool | None) -> str:
         device_memory = "-"
         if snapshot and snapshot.device_total_bytes:
             device_memory = f"{_mib(snapshot.device_allocated_bytes)} / {_mib(snapshot.device_total_bytes)}"
-        rows.append((str(rank), str(info.pid if info else "-"), info.device if info else "-", state, rss,
+        rows.append((str(rank), str(info.pid if info else "-"), info.where() if info else "-", state, rss,
                      device_memory))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]

@@ -162,6 +162,8 @@ class WorkerPool:
         self._stalled_frame_s = stalled_frame_s
         self._log: logging.Logger | None = None
         """This pool's own log (pool.log in `log_dir`): what its connections went through."""
+        self._lost_agents: dict[int, str] = {}
+        """Node -> host address of agents whose connection ended (pools across hosts)."""
         self._rendezvous: RendezvousOpened | None = None
         """Rank 0's store address, until `_wait_until_ready` passes it on."""
         self._last_cell_ids: dict[int, int] = {}
@@ -190,7 +192,7 @@ class WorkerPool:
             certificate = _pool_certificate(address, self._runtime_dir)
             self._channels = KernelChannels(Signer(key, log=self._log), address, log=self._log,
                                             stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled,
-                                            certificate=certificate)
+                                            certificate=certificate, on_agent_lost=self._agent_lost)
             plan = self._plan(self._channels.address, certificate.fingerprint if certificate else "")
             self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
             self._receiver.start()
@@ -242,11 +244,14 @@ class WorkerPool:
         for exit_report in self.exited.values():
             tail = "\n".join(exit_report.stderr_tail[-10:])
             return f"rank {exit_report.rank} exited while starting ({describe_exit(exit_report)}):\n{tail}"
+        if self.spec.placement is not None:
+            how = self._launched.exit_description() or "ended"
+            return f"the host agent {how} while starting the ranks; see the agent logs in {self.log_dir}"
         return f"the host agent exited while starting the ranks; see {self.log_dir}/agent.log"
 
     def _register(self) -> None:
         processes = [reaper.process_key(pid) for pid in self._launched.process_ids()]
-        processes += [(info.pid, info.create_time) for info in self.ranks.values()]
+        processes += [(info.pid, info.create_time) for info in self.ranks.values() if not info.address]
         reaper.record_pool(self.pool_id, reaper.process_key(os.getpid()), [p for p in processes if p],
                            runtime_dir=self._runtime_dir)
 
@@ -281,7 +286,8 @@ class WorkerPool:
         """Make sure no rank outlives its pool: each leads a session of its own, so ending the
         agent reaches them only through PR_SET_PDEATHSIG, which is not immediate. Left running
         they would hold memory and be found later as orphans."""
-        processes = [p for p in map(_same_process, self.ranks.values()) if p is not None]
+        local = [info for info in self.ranks.values() if not info.address]
+        processes = [p for p in map(_same_process, local) if p is not None]
         deadline = time.monotonic() + grace_s
         while (processes := [p for p in processes if _still_running(p)]) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -302,13 +308,29 @@ class WorkerPool:
         pids = self._launched.process_ids()
         self.agent_died = True
         self.state = "broken"
-        who = "the host agent" if self.spec.placement else f"the host agent (pid {pids[0] if pids else '?'})"
-        self.broken_reason = f"{who} {how}; its ranks ended with it"
+        self.broken_reason = f"{self._agent_name(pids, how)} {how}; its ranks ended with it"
         return False
 
+    def _agent_name(self, pids: list[int], how: str) -> str:
+        if self.spec.placement is None:
+            return f"the host agent (pid {pids[0] if pids else '?'})"
+        if how.startswith("on host") or not self._lost_agents:  # the launcher said where
+            return "the host agent"
+        node, host = next(iter(self._lost_agents.items()))
+        ranks = ", ".join(str(r) for r in range(node * len(self.spec.devices), (node + 1) * len(self.spec.devices)))
+        return f"the host agent on host {host} (node {node}, ranks {ranks})"
+
+    def _agent_lost(self, node: int, host: str) -> None:
+        """Called on the reading thread when an agent's connection ended."""
+        if self.state in ("ready", "starting"):
+            self._lost_agents.setdefault(node, host)
+
     def rank_process_state(self, rank: int) -> str:
-        """A rank process's state as the OS reports it ("stopped", "running", ...), or ""."""
+        """A rank process's state as the OS reports it ("stopped", "running", ...), or "" once it
+        has ended; "remote" for a rank on another host, which this host cannot see."""
         info = self.ranks.get(rank)
+        if info is not None and info.address:
+            return "remote"
         process = _same_process(info) if info is not None else None
         try:
             return process.status() if process is not None else ""

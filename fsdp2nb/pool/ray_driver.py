@@ -33,8 +33,11 @@ _lock = threading.Lock()
 
 def report(message: dict) -> None:
     with _lock:
-        sys.stdout.write(json.dumps(message) + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(json.dumps(message) + "\n")
+            sys.stdout.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # the kernel is gone: nobody reads these any more
 
 
 class AgentHost:

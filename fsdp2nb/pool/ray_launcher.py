@@ -35,8 +35,9 @@ class RayLaunchError(LaunchError):
 class RayAgents:
     """The started agents, as the pool sees them: through the driver's reports."""
 
-    def __init__(self, driver: _Driver, started: list[dict]) -> None:
+    def __init__(self, driver: _Driver, started: list[dict], plan: LaunchPlan) -> None:
         self._driver = driver
+        self._plan = plan
         self.hosts = {entry["node"]: entry["host"] for entry in started}
 
     def is_running(self) -> bool:
@@ -48,7 +49,8 @@ class RayAgents:
     def exit_description(self) -> str | None:
         if self._driver.exits:
             node, report = next(iter(self._driver.exits.items()))
-            return f"on host {report['host']} (node {node}) {report['how']}"
+            ranks = ", ".join(str(rank.rank) for rank in self._plan.ranks_of_node(node))
+            return f"on host {report['host']} (node {node}, ranks {ranks}) {report['how']}"
         if not self._driver.running():
             return f"of every host was ended with the Ray driver ({_how(self._driver.process.returncode)})"
         return None
@@ -86,7 +88,7 @@ class RayLauncher:
         assert self._driver is not None, "listen_address() starts the driver first"
         request = json.dumps({"plan": asdict(plan), "key": key.hex()})
         reply = self._driver.ask({"launch": request})
-        return RayAgents(self._driver, reply["started"])
+        return RayAgents(self._driver, reply["started"], plan)
 
 
 class _Driver:

@@ -44,7 +44,7 @@ class SrunStep:
         if code is None:
             return None
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        return f"of a host ended, and with it the srun step ({how}; srun's log says which node)"
+        return f"ended, and with it the srun step ({how}; srun.log says more)"
 
     def terminate(self, grace_s: float) -> None:
         if self.is_running():

@@ -57,8 +57,13 @@ class Kernel:
 
     `env` adds to (or overrides) this process's environment for the kernel and its ranks."""
 
-    def __init__(self, env: dict[str, str] | None = None, cwd: str | None = None) -> None:
-        self.manager = KernelManager(kernel_name="python3")
+    def __init__(self, env: dict[str, str] | None = None, cwd: str | None = None,
+                 argv_prefix: list[str] | None = None) -> None:
+        self._spec_dir = None
+        if argv_prefix:
+            self.manager = self._manager_with_prefix(argv_prefix)
+        else:
+            self.manager = KernelManager(kernel_name="python3")
         self.manager.start_kernel(env={**os.environ, **(env or {})}, cwd=cwd)
         self.client = self.manager.blocking_client()
         self.client.start_channels()
@@ -66,6 +71,27 @@ class Kernel:
         self.other_messages: list[dict] = []
         """iopub messages `execute` read that belong to other requests (a background run's)."""
         self._replies: dict[str, dict] = {}
+
+    def _manager_with_prefix(self, argv_prefix: list[str]) -> KernelManager:
+        """A kernel started through `argv_prefix` (e.g. `ip netns exec HOST`), reached through Unix
+        sockets: a kernel in another network namespace has a loopback of its own."""
+        import json
+        import sys
+        import tempfile
+
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        self._spec_dir = tempfile.TemporaryDirectory(prefix="fsdp2nb-kernelspec-")
+        spec_path = os.path.join(self._spec_dir.name, "prefixed")
+        os.makedirs(spec_path)
+        argv = [*argv_prefix, sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        with open(os.path.join(spec_path, "kernel.json"), "w") as spec:
+            json.dump({"argv": argv, "display_name": "prefixed", "language": "python"}, spec)
+        specs = KernelSpecManager(kernel_dirs=[self._spec_dir.name])
+        manager = KernelManager(kernel_name="prefixed", kernel_spec_manager=specs, transport="ipc")
+        manager.connection_file = os.path.join(self._spec_dir.name, "kernel.json")
+        manager.ip = os.path.join(self._spec_dir.name, "k")  # ipc: a path prefix for the sockets
+        return manager
 
     @property
     def pid(self) -> int:
@@ -139,3 +165,5 @@ class Kernel:
     def stop(self) -> None:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=False)
+        if self._spec_dir is not None:
+            self._spec_dir.cleanup()

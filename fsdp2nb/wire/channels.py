@@ -47,17 +47,40 @@ OnStalled = Callable[[int | None, float], None]
 """Told the rank (None: the host agent) that stopped in the middle of a frame, and for how long."""
 
 
+OnAgentLost = Callable[[int, str], None]
+"""Told the node and host address of a host agent whose events connection ended."""
+
+
+def _peer_host(sock: socket.socket) -> str:
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return ""
+    return peer[0] if isinstance(peer, tuple) else ""
+
+
 def peer_name(rank: int | None) -> str:
     return "the host agent" if rank is None else f"rank {rank}"
+
+
+LinkKey = tuple[ChannelRole, "int | str"]
+"""A connection's role and its sender: a rank, or "agent N" for the host agent of node N."""
+
+
+def link_key(hello: ChannelHello) -> LinkKey:
+    return hello.role, (hello.rank if hello.rank is not None else f"agent {hello.node}")
 
 
 class _EventSource:
     """An events connection being read: its frames so far and who sends them."""
 
-    def __init__(self, link: Link, rank: int | None) -> None:
+    def __init__(self, link: Link, key: LinkKey, hello: ChannelHello) -> None:
         self.link = link
         self.frames = FrameReader(link.sock)
-        self.rank = rank
+        self.key = key
+        self.rank = hello.rank
+        self.node = hello.node
+        self.peer_host = _peer_host(link.sock)
         self.stall_reported = False
 
 
@@ -72,12 +95,13 @@ class KernelChannels:
 
     def __init__(self, signer: Signer, address: str, *, log: logging.Logger = logger,
                  stalled_frame_s: float = STALLED_FRAME_S, on_stalled: OnStalled | None = None,
-                 certificate: PoolCertificate | None = None) -> None:
+                 certificate: PoolCertificate | None = None, on_agent_lost: OnAgentLost | None = None) -> None:
         self._signer = signer
+        self._on_agent_lost = on_agent_lost
         self._log = log
         self._stalled_frame_s = stalled_frame_s
         self._on_stalled = on_stalled
-        self._links: dict[tuple[ChannelRole, int | None], Link] = {}
+        self._links: dict[LinkKey, Link] = {}
         """Every introduced connection, by role and rank (events links too: one per rank)."""
         self._links_changed = threading.Condition()
         # Each reader waits on its own epoll set, built up as events connections arrive (the
@@ -237,9 +261,11 @@ class KernelChannels:
         del self._readers[fd]
         self._part_read.discard(source)
         with self._links_changed:
-            if self._links.get(("events", source.rank)) is source.link:
-                del self._links[("events", source.rank)]
+            if self._links.get(source.key) is source.link:
+                del self._links[source.key]
         source.link.close()
+        if source.rank is None and self._on_agent_lost is not None:
+            self._on_agent_lost(source.node, source.peer_host)
 
     def _report_stalls(self) -> None:
         """Report, once each, the senders whose frame has stayed incomplete for too long."""
@@ -260,7 +286,7 @@ class KernelChannels:
 
     def _admit(self, hello: ChannelHello, sock: socket.socket) -> str | None:
         """Register an introduced connection under its role and rank; or why it is refused."""
-        key = (hello.role, hello.rank)
+        key = link_key(hello)
         with self._links_changed:
             if self._closed:
                 return "the pool is closing"
@@ -273,7 +299,7 @@ class KernelChannels:
             link = Link(sock)
             self._links[key] = link
             if hello.role == "events":
-                self._unregistered.append(_EventSource(link, hello.rank))
+                self._unregistered.append(_EventSource(link, key, hello))
                 os.write(self._wake_write, b"x")
             else:
                 sock.setblocking(True)  # sent to from the kernel's threads; never read here
@@ -328,9 +354,11 @@ def _drain(fd: int) -> None:
 class RankChannels:
     """A rank's (or agent's) end. `send_event` may be called from any thread."""
 
-    def __init__(self, signer: Signer, address: str, *, rank: int | None, fingerprint: str = "") -> None:
+    def __init__(self, signer: Signer, address: str, *, rank: int | None, fingerprint: str = "",
+                 node: int = 0) -> None:
         self._signer = signer
         self._fingerprint = fingerprint
+        self._node = node
         self._events = self._connect(address, "events", rank)
         self._requests = self._control = None
         if rank is not None:
@@ -345,7 +373,7 @@ class RankChannels:
         link = Link(client)
         challenge = bytes(link.receive(max_bytes=CHALLENGE_BYTES))
         client.settimeout(None)
-        link.send(self._signer.pack(ChannelHello(role=role, rank=rank, challenge=challenge)))
+        link.send(self._signer.pack(ChannelHello(role=role, rank=rank, challenge=challenge, node=self._node)))
         return link
 
     def local_host(self) -> str | None:

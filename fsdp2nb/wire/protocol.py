@@ -27,7 +27,10 @@ class ChannelHello:
 
     role: ChannelRole
     rank: int | None
+    """None for a host agent."""
     challenge: bytes
+    node: int = 0
+    """Which host's agent (rank None) opened it: a pool across hosts has one agent per host."""
 
 
 # --- kernel -> rank (requests and control channels) ---------------------------------------------------------
@@ -124,6 +127,12 @@ class RankReady:
     device: str
     hostname: str
     log_path: str
+    address: str = ""
+    """The rank's host on the cluster network (pools across hosts); empty on one host."""
+
+    def where(self) -> str:
+        """The device, and the host where the pool spans hosts: "cuda:0 on gpu7 (10.0.0.7)"."""
+        return f"{self.device} on {self.hostname} ({self.address})" if self.address else self.device
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ class Agent:
             self.ranks_by_pid[pid] = rank_plan
         # Connect only after forking, so that no rank inherits the agent's connection.
         self.channels = RankChannels(Signer(self.key), self.plan.address, rank=None,
-                                     fingerprint=self.plan.tls_fingerprint)
+                                     fingerprint=self.plan.tls_fingerprint, node=self.node)
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "stop_requested", True))
         try:
             self._watch()

@@ -106,7 +106,7 @@ class Rank:
         process = psutil.Process()
         self._channels.send_event(RankReady(
             rank=self.rank, pid=process.pid, create_time=process.create_time(), device=self.device,
-            hostname=socket.gethostname(), log_path=self.log_path,
+            hostname=socket.gethostname(), log_path=self.log_path, address=self._channels.local_host() or "",
         ))
 
     def _init_distributed(self) -> dict:
