@@ -9,6 +9,7 @@ stdin and in actor arguments, never on a command line.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import queue
@@ -71,6 +72,9 @@ class RayLauncher:
         self._driver: _Driver | None = None
 
     def listen_address(self, runtime_dir: str, log_dir: str) -> str:
+        if importlib.util.find_spec("ray") is None:
+            raise RayLaunchError("--ray needs Ray installed beside the kernel and on every host: "
+                                 "pip install 'fsdp2nb[ray]'")
         ranks_per_node = len(self.spec.devices)
         bundle = {"GPU": ranks_per_node, "CPU": 1} if self.spec.uses_gpus else {"CPU": ranks_per_node}
         self._driver = _Driver(log_dir)
