@@ -53,7 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     reason = TestHosts.unavailable_reason()
     if reason:
-        sys.exit(f"bench_hosts needs network namespaces: {reason}")
+        print(f"bench_hosts skipped: it needs network namespaces ({reason})")
+        return
     with TestHosts(2) as hosts, tempfile.TemporaryDirectory() as bin_dir:
         write_srun(bin_dir, hosts.names)
         env = {**WITHOUT_GPUS, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "1",
