@@ -1,0 +1,251 @@
+"""A real Ray cluster over TestHosts: a head in host 0's namespace, a worker node in each other one.
+
+    with TestHosts(2) as hosts, RayCluster(hosts, python=sys.executable) as cluster:
+        cluster.wait_until_nodes(2)
+        hosts[0].run([sys.executable, "driver.py", cluster.address], env=cluster.driver_env())
+
+Each node is one `ray start --block` process: it stays in the foreground with the node's processes
+as its children, so the cluster is stopped by the processes started here, never by `ray stop`
+(which ends every Ray process of the user on the machine). Nodes bind their own namespace's address
+(`--node-ip-address`), start no dashboard, share no temp dir (one short private directory per
+cluster, one subdirectory per node, so Unix socket paths stay well under 107 characters), and have
+a small object store. Their ports are fixed: each namespace has a port space of its own, and with
+known ports a raylet does not wait for an agent's port file, a wait that times out on a loaded
+machine. RAY_AUTH_MODE and every other setting of the caller's environment pass through unchanged.
+
+The driver (a test's script, or the product's Ray helper) must run inside host 0's namespace with
+`driver_env()`: its RAY_TMPDIR is the head's temp dir, where Ray records the node's address.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+from fsdp2nb.testing.netns import TestHost, TestHosts, kill_namespace_processes
+
+logger = logging.getLogger(__name__)
+
+GCS_PORT = 6379
+# Fixed per-node ports; each namespace has its own port space, so they cannot collide.
+NODE_PORTS = {
+    "--node-manager-port": 6380,
+    "--object-manager-port": 6381,
+    "--dashboard-agent-grpc-port": 6382,  # the metrics agent
+    "--dashboard-agent-listen-port": 6383,
+    "--metrics-export-port": 6384,
+    "--runtime-env-agent-port": 6385,
+    "--min-worker-port": 10000,
+    "--max-worker-port": 10999,
+}
+OBJECT_STORE_BYTES = 80_000_000
+STARTED_MARKER = "Ray runtime started"
+"""The line `ray start` prints once its node has registered with the GCS."""
+
+# Counts the alive nodes from inside host 0's namespace; prints them as JSON.
+_COUNT_NODES = textwrap.dedent("""
+    import json, sys, time
+    import ray
+    address, node_ip, wanted, timeout_s = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    ray.init(address=address, _node_ip_address=node_ip, logging_level="ERROR", log_to_driver=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+        if len(alive) >= wanted or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    print(json.dumps(alive))
+    ray.shutdown()
+    sys.exit(0 if len(alive) >= wanted else 3)
+""")
+
+
+class RayCluster:
+    """A Ray head on `hosts[0]` and one worker node on each other host; stop() ends all of it.
+
+    Construction starts the nodes one after the other and returns once each `ray start` has said
+    its node is registered (raising with the node's log tail if one fails or exceeds
+    `start_timeout_s`); `wait_until_nodes` then confirms from a driver's point of view.
+    """
+
+    def __init__(
+        self,
+        hosts: TestHosts,
+        *,
+        python: str,
+        num_cpus: int = 2,
+        start_timeout_s: float = 120.0,
+        keep_temp: bool = False,
+    ) -> None:
+        if num_cpus < 1:
+            raise ValueError(f"num_cpus={num_cpus!r}: must be at least 1")
+        self.hosts = hosts
+        self.python = python
+        self.num_cpus = num_cpus
+        self.address = f"{hosts[0].address}:{GCS_PORT}"
+        """The GCS address drivers and worker nodes connect to, e.g. "10.213.0.1:6379"."""
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="f2r", dir="/tmp"))
+        """This cluster's private temp dir; node i's Ray temp dir is temp_dir / f"h{i}"."""
+        self.start_seconds: list[float] = []
+        """How long each node's `ray start` took to report its node up, host 0 first."""
+        self._keep_temp = keep_temp
+        self._procs: list[subprocess.Popen] = []
+        self._stopped = False
+        try:
+            for host in hosts:
+                self._start_node(host, start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def node_dir(self, host: TestHost) -> Path:
+        """The Ray temp dir of `host`'s node (its logs are under session_latest/logs)."""
+        return self.temp_dir / f"h{host.index}"
+
+    def log_path(self, host: TestHost) -> Path:
+        """Where `host`'s `ray start` writes its output."""
+        return self.temp_dir / f"h{host.index}.log"
+
+    def _start_node(self, host: TestHost, timeout_s: float) -> None:
+        node_dir = self.node_dir(host)
+        node_dir.mkdir()
+        args = [
+            self.python, "-m", "ray.scripts.scripts", "start", "--block",
+            "--node-ip-address", host.address,
+            "--num-cpus", str(self.num_cpus),
+            "--object-store-memory", str(OBJECT_STORE_BYTES),
+            "--temp-dir", str(node_dir),
+            "--disable-usage-stats",
+        ]
+        for option, port in NODE_PORTS.items():
+            args += [option, str(port)]
+        if host.index == 0:
+            args += ["--head", "--port", str(GCS_PORT), "--include-dashboard=false"]
+        else:
+            args += ["--address", self.address]
+        env = dict(
+            os.environ,
+            RAY_TMPDIR=str(node_dir),
+            # Registration with the GCS waits this long (default 10 s): ample room on a loaded machine.
+            RAY_raylet_start_wait_time_s="120",
+        )
+        started = time.monotonic()
+        with open(self.log_path(host), "wb") as log:
+            self._procs.append(host.popen(
+                args, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            ))
+        self._wait_for_marker(host, self._procs[-1], started + timeout_s)
+        self.start_seconds.append(round(time.monotonic() - started, 2))
+        logger.info("ray node on %s up in %.1f s", host.name, self.start_seconds[-1])
+
+    def _wait_for_marker(self, host: TestHost, proc: subprocess.Popen, deadline: float) -> None:
+        log = self.log_path(host)
+        while STARTED_MARKER not in log.read_text(errors="replace"):
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"ray start on {host.name} exited with {proc.returncode}:\n{self.log_tail(host)}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ray start on {host.name} did not report its node up:\n{self.log_tail(host)}")
+            time.sleep(0.2)
+
+    def log_tail(self, host: TestHost, num_lines: int = 30) -> str:
+        """The last lines of `host`'s `ray start` output, for error messages."""
+        try:
+            lines = self.log_path(host).read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(lines[-num_lines:])
+
+    # -- use ------------------------------------------------------------------------------------
+
+    def driver_env(self, **extra: str) -> dict[str, str]:
+        """The environment for a Ray driver run in host 0's namespace (the caller's, plus RAY_TMPDIR)."""
+        return dict(os.environ, RAY_TMPDIR=str(self.node_dir(self.hosts[0])), **extra)
+
+    def run_driver(self, code: str, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+        """Run Python `code` (with `args` in sys.argv[1:]) as a driver in host 0's namespace."""
+        return self.hosts[0].run(
+            [self.python, "-c", code, *args], env=self.driver_env(), capture_output=True, text=True,
+            timeout=timeout_s, stdin=subprocess.DEVNULL,
+        )
+
+    def wait_until_nodes(self, num_nodes: int, timeout_s: float = 60.0) -> list[str]:
+        """Block until `num_nodes` nodes are alive as a driver sees them; return their addresses."""
+        out = self.run_driver(
+            _COUNT_NODES, self.address, self.hosts[0].address, str(num_nodes), str(timeout_s),
+            timeout_s=timeout_s + 60.0,
+        )
+        try:
+            alive = json.loads(out.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            alive = None
+        if out.returncode != 0 or alive is None:
+            raise TimeoutError(
+                f"{num_nodes} Ray nodes not alive within {timeout_s} s (alive: {alive}); driver exited "
+                f"{out.returncode}:\n{out.stderr[-3000:]}"
+            )
+        return alive
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    def __enter__(self) -> RayCluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """End the nodes, then every process left in the cluster's namespaces. Safe to call twice.
+
+        SIGTERM goes to each `ray start` and the processes under it at once (a `ray start` alone
+        drains its node for up to 30 s first); what has not exited after `grace_s` is killed, and
+        then so is anything else still running in the namespaces, Ray's or started through it.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        trees = [_tree(proc.pid) for proc in self._procs]
+        for tree in trees:
+            _signal_all(tree, signal.SIGTERM)
+        _, alive = psutil.wait_procs([p for tree in trees for p in tree], timeout=grace_s)
+        _signal_all(alive, signal.SIGKILL)
+        for host in self.hosts:
+            kill_namespace_processes(host.name, grace_s=1.0)
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                logger.warning("ray start (pid %d) did not exit after SIGKILL", proc.pid)
+        if not self._keep_temp:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    """`pid` and everything under it, as it is now."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _signal_all(procs: list[psutil.Process], sig: signal.Signals) -> None:
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
