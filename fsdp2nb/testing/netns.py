@@ -193,29 +193,33 @@ def list_namespaces() -> list[str]:
     return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
 
 
-def kill_namespace_processes(name: str, grace_s: float = 3.0) -> None:
-    """SIGTERM every process in namespace `name`, wait up to `grace_s`, then SIGKILL what is left.
+def kill_namespace_processes(names: str | list[str], grace_s: float = 3.0) -> None:
+    """SIGTERM every process in the namespace(s) `names`, wait up to `grace_s`, then SIGKILL the rest.
 
-    New processes may appear while the old ones exit (a supervisor restarting a child), so the
-    namespace is swept again until it is empty or the SIGKILL sweeps give up.
+    All namespaces share one grace period. New processes may appear while old ones exit (a
+    supervisor restarting a child), so the namespaces are swept until empty or the sweeps give up.
     """
-    _signal_all(namespace_pids(name), signal.SIGTERM)
+    names = [names] if isinstance(names, str) else names
+
+    def alive() -> list[int]:
+        return _alive([pid for name in names for pid in namespace_pids(name)])
+
+    _signal_all(alive(), signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while _alive(namespace_pids(name)) and time.monotonic() < deadline:
+    while alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     for _ in range(50):
-        pids = _alive(namespace_pids(name))
+        pids = alive()
         if not pids:
             return
         _signal_all(pids, signal.SIGKILL)
         time.sleep(0.05)
-    logger.warning("namespace %s still has processes %s after SIGKILL", name, namespace_pids(name))
+    logger.warning("namespaces %s still have processes %s after SIGKILL", names, alive())
 
 
 def _teardown(made: list[str], grace_s: float) -> None:
     """The finalizer: end the processes, then delete the namespaces, last made first."""
-    for name in list(made):
-        kill_namespace_processes(name, grace_s)
+    kill_namespace_processes(list(made), grace_s)
     for name in reversed(list(made)):
         out = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True)
         if out.returncode != 0 and name in list_namespaces():

@@ -223,8 +223,7 @@ class RayCluster:
             _signal_all(tree, signal.SIGTERM)
         _, alive = psutil.wait_procs([p for tree in trees for p in tree], timeout=grace_s)
         _signal_all(alive, signal.SIGKILL)
-        for host in self.hosts:
-            kill_namespace_processes(host.name, grace_s=1.0)
+        kill_namespace_processes(self.hosts.names, grace_s=1.0)
         for proc in self._procs:
             try:
                 proc.wait(timeout=5.0)
