@@ -126,6 +126,7 @@ _STRICT_SPREAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.timeout(600)  # the first Ray test also starts the cluster: 50-80 s, more on a loaded machine
 def test_ray_strict_spread_puts_one_actor_on_each_host(ray_cluster, test_hosts):
     out = ray_cluster.run_driver(_STRICT_SPREAD, ray_cluster.address, test_hosts[0].address, timeout_s=180)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -165,6 +166,27 @@ def test_fake_srun_ends_every_task_when_one_fails(test_hosts, tmp_path):
     assert time.monotonic() - started < 30  # the SIGTERM-ignoring task got SIGKILL after 3 s
     left = [pid for h in test_hosts for pid in h.pids() if "sleep" in _cmdline(pid)]
     assert left == []
+
+
+def test_fake_srun_passes_sigterm_on_to_every_task(test_hosts, tmp_path):
+    write_srun(tmp_path, test_hosts.names)
+    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    srun = subprocess.Popen(["srun", "-N", "2", "sleep", "1002"], env=env, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(_sleeps(h, "1002") for h in test_hosts):
+            time.sleep(0.05)
+        assert all(_sleeps(h, "1002") for h in test_hosts)
+        srun.terminate()
+        assert srun.wait(timeout=10) == 128 + 15  # the tasks' status: ended by SIGTERM
+        assert not any(_sleeps(h, "1002") for h in test_hosts)
+    finally:
+        srun.kill()
+        srun.wait()
+
+
+def _sleeps(host: TestHost, seconds: str) -> list[int]:
+    return [pid for pid in host.pids() if _cmdline(pid) == f"sleep {seconds}"]
 
 
 def _cmdline(pid: int) -> str:
