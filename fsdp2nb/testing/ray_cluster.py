@@ -9,11 +9,12 @@ as its children, so the cluster is stopped by the processes started here, never 
 (which ends every Ray process of the user on the machine). Nodes bind their own namespace's address
 (`--node-ip-address`), start no dashboard, share no temp dir (one short private directory per
 cluster, one subdirectory per node, so Unix socket paths stay well under 107 characters), and have
-a small object store. Their ports are fixed (each namespace has a port space of its own), which
-spares a raylet one of its waits for an agent's port file. The other wait is a fixed 15 s that a
-loaded 2-core machine can exceed: the raylet then aborts, and the node is started again (at most
-START_ATTEMPTS times). RAY_AUTH_MODE and every other setting of the caller's environment pass
-through unchanged.
+a small object store. Their ports are fixed (each namespace has a port space of its own). A
+raylet aborts when its Python agents have not written their port files within a fixed 15 s, which
+a loaded 2-core machine exceeds; the values are known beforehand, so they are written ahead of the
+agents (see _write_agent_port_files), and a node whose raylet or GCS aborts all the same is
+started again (at most START_ATTEMPTS times). RAY_AUTH_MODE and every other setting of the caller's
+environment pass through unchanged.
 
 The driver (a test's script, or the product's Ray helper) must run inside host 0's namespace with
 `driver_env()`: its RAY_TMPDIR is the head's temp dir, where Ray records the node's address.
@@ -52,6 +53,11 @@ NODE_PORTS = {
     "--max-worker-port": 10999,
 }
 OBJECT_STORE_BYTES = 80_000_000
+AGENT_PORT_FILES = {
+    "dashboard_agent_listen_port": -1,
+    "runtime_env_agent_port": NODE_PORTS["--runtime-env-agent-port"],
+}
+"""The agent port files written ahead of the agents (see _write_agent_port_files)."""
 START_ATTEMPTS = 3
 STARTED_MARKER = "Ray runtime started"
 """The line `ray start` prints once its node has registered with the GCS."""
@@ -167,6 +173,8 @@ class RayCluster:
             RAY_TMPDIR=str(node_dir),
             # Registration with the GCS waits this long (default 10 s): ample room on a loaded machine.
             RAY_raylet_start_wait_time_s="120",
+            # How long a raylet waits for its runtime env agent to answer (default 30 s).
+            RAY_agent_register_timeout_ms="120000",
         )
         with open(self.log_path(host), "wb") as log:
             proc = host.popen(
@@ -179,7 +187,10 @@ class RayCluster:
     def _wait_until_up(self, host: TestHost, proc: subprocess.Popen, deadline: float) -> str | None:
         """None once `ray start` says the node is up, else what went wrong."""
         log = self.log_path(host)
+        ports_written = False
         while STARTED_MARKER not in log.read_text(errors="replace"):
+            if not ports_written:
+                ports_written = _write_agent_port_files(proc.pid)
             if proc.poll() is not None:
                 return f"exited with {proc.returncode}"
             aborted = self._abort_line(host)
@@ -284,6 +295,36 @@ class RayCluster:
                 logger.warning("ray start (pid %d) did not exit after SIGKILL", proc.pid)
         if not self._keep_temp:
             _remove_tree(self.temp_dir)
+
+
+def _write_agent_port_files(ray_start_pid: int) -> bool:
+    """Write the agents' port files for the raylet under `ray_start_pid`, unless they exist yet.
+
+    A raylet reads two ports from files its Python agents write once they are up, and aborts if a
+    file is missing after a fixed 15 s, which the dashboard agent's start exceeds on a loaded
+    2-core machine. Both values are known before the agents start: the runtime env agent's port is
+    the fixed one it was given, and the dashboard agent of Ray's minimal install (what the `ray`
+    extra installs) serves no HTTP, which it records as -1. Writing them first lets the raylet go
+    on; the agents overwrite them with the same values. Returns whether the raylet was found.
+    A Ray release that names these files differently finds them absent and waits as before.
+    """
+    raylet = next((p for p in _tree(ray_start_pid) if p.name() == "raylet"), None)
+    if raylet is None:
+        return False
+    try:
+        flags = dict(arg[2:].split("=", 1) for arg in raylet.cmdline() if arg.startswith("--") and "=" in arg)
+    except psutil.NoSuchProcess:
+        return False
+    node_id, session_dir = flags.get("node_id"), flags.get("session_dir")
+    if not node_id or not session_dir:
+        return False
+    for name, port in AGENT_PORT_FILES.items():
+        path = Path(session_dir) / f"{name}_{node_id}"
+        if not path.exists():
+            scratch = path.with_name(f".{path.name}.f2nb")
+            scratch.write_text(str(port))
+            os.replace(scratch, path)  # never a half-written file for the raylet to read
+    return True
 
 
 def _tree(pid: int) -> list[psutil.Process]:
