@@ -134,9 +134,9 @@ class RayCluster:
     def _start_node(self, host: TestHost, timeout_s: float) -> None:
         """Start `host`'s node, again after a raylet or GCS abort, up to `START_ATTEMPTS` times.
 
-        A raylet waits a fixed 15 s for its dashboard agent (a Python process) to write its port
-        files and aborts when the agent is slower, which it is on a loaded 2-core machine; the
-        next attempt usually finds the agent's imports cached.
+        The agents' port files are written ahead (_write_agent_port_files); a raylet that aborts
+        all the same (a Ray release that names those files differently, say) gets a new attempt,
+        which finds the agents' imports cached.
         """
         started = time.monotonic()
         for attempt in range(1, START_ATTEMPTS + 1):
