@@ -5,19 +5,24 @@ import instead of N. The agent never touches CUDA or opens sockets before forkin
 the fork safe. Afterwards it reports each rank's exit (code or signal, last stderr lines) and
 ends every rank when the kernel that started it goes away.
 
-Run as `python -m fsdp2nb.worker.agent`; the launch plan and pool key arrive as JSON on stdin.
+Run as `python -m fsdp2nb.worker.agent`; the launch plan and pool key arrive as JSON on stdin,
+read only once torch is imported, so that an agent can be started ahead of its launch.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
+import io
 import json
 import os
 import select
+import shutil
 import signal
 import sys
 import time
+import traceback
 
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
@@ -229,10 +234,49 @@ def _log_tail(path: str) -> tuple[str, ...]:
     return tuple(lines[-_STDERR_TAIL_LINES:])
 
 
-def main() -> None:
-    plan, key = read_launch_request(sys.stdin)
+def main(argv: list[str] | None = None) -> None:
+    """Import first, then read the plan: a standby agent (pool/launcher.py) waits in that read,
+    torch imported, until a launch writes its plan; end of file means that none will come."""
+    parser = argparse.ArgumentParser(prog="python -m fsdp2nb.worker.agent")
+    parser.add_argument("--standby-log", help="where a standby writes until its plan names the pool's log")
+    standby_log = parser.parse_args(argv).standby_log
     _preload()
-    sys.exit(Agent(plan, key).run())
+    request = sys.stdin.buffer.read()
+    if not request:
+        _forget_standby_log(standby_log)
+        _exit(0)
+    plan, key = read_launch_request(io.BytesIO(request))
+    if standby_log is not None:
+        _log_to(os.path.join(plan.log_dir, "agent.log"), standby_log)
+    try:
+        code = Agent(plan, key).run()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _exit(code)
+
+
+def _log_to(path: str, standby_log: str) -> None:
+    """Point fds 1 and 2 at the pool's agent log, carrying over what the standby wrote before."""
+    with open(path, "ab") as log:
+        with contextlib.suppress(OSError), open(standby_log, "rb") as earlier:
+            shutil.copyfileobj(earlier, log)
+        for fd in (1, 2):
+            os.dup2(log.fileno(), fd)
+    _forget_standby_log(standby_log)
+
+
+def _forget_standby_log(standby_log: str | None) -> None:
+    if standby_log is not None:
+        shutil.rmtree(os.path.dirname(standby_log), ignore_errors=True)
+
+
+def _exit(code: int) -> None:
+    """Exit without Python's shutdown, which takes 0.5 s with torch imported: every stop and
+    restart of a pool waits for the agent's exit. The agent holds nothing that needs it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
