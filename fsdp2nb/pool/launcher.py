@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -72,10 +73,7 @@ class LocalAgent:
     def terminate(self, grace_s: float) -> None:
         if self.is_running():
             self.process.send_signal(signal.SIGTERM)  # the agent SIGTERMs, then SIGKILLs, its ranks
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
+            _wait_for_exit(self.process, grace_s)
         # The agent has its own session: one killpg ends it; its ranks (each in a session of
         # its own) die with it through PR_SET_PDEATHSIG.
         try:
@@ -180,6 +178,26 @@ class LocalLauncher:
         standby, self._standby = self._standby, None
         if standby is not None:
             standby.close()
+
+
+def _wait_for_exit(process: subprocess.Popen, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for `process` to end, waking as it does: Popen.wait with a timeout
+    polls, up to 50 ms late, and a restart waits for the old agent."""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # before Linux 5.3 (or gone already)
+        pidfd = None
+    if pidfd is not None:
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll(int(timeout_s * 1000))
+        finally:
+            os.close(pidfd)
+    try:
+        process.wait(0 if pidfd is not None else timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _rank_environment() -> dict[str, str]:

@@ -30,6 +30,9 @@ from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import drain_pipe
 
 _WATCH_INTERVAL_S = 0.05
+_STOP_POLL_S = 0.005
+"""How often a stopping agent looks for its ranks' exits: a restart waits for them, and a rank
+ends within a few ms of its SIGTERM. Only while stopping, for at most the grace period."""
 _KERNEL_CHECK_S = 1.0
 """How often to look for a vanished kernel where it cannot be waited for (no pidfd_open)."""
 _TERMINATE_GRACE_S = 3.0
@@ -181,7 +184,7 @@ class Agent:
         deadline = time.monotonic() + _TERMINATE_GRACE_S
         while self.ranks_by_pid and time.monotonic() < deadline:
             self._reap_exited()
-            time.sleep(_WATCH_INTERVAL_S)
+            time.sleep(_STOP_POLL_S)
         _signal_all(self.ranks_by_pid, signal.SIGKILL)
 
 
