@@ -13,7 +13,9 @@ is closed, or on its own when the kernel goes away (its stdin reaches end of fil
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import select
 import shutil
@@ -25,6 +27,8 @@ from typing import Protocol
 
 from fsdp2nb.pool import reaper
 from fsdp2nb.wire.protocol import LaunchPlan
+
+logger = logging.getLogger(__name__)
 
 AGENT_COMMAND = (sys.executable, "-m", "fsdp2nb.worker.agent")
 
@@ -99,7 +103,8 @@ class StandbyAgent:
         self.log_dir.mkdir(mode=0o700, parents=True)
         with open(self.log_dir / "agent.log", "ab") as log:
             self.process = subprocess.Popen(
-                [*command, "--standby-log", str(self.log_dir / "agent.log")], stdin=subprocess.PIPE,
+                [*command, "--standby-log", str(self.log_dir / "agent.log"), "--kernel-pid", str(os.getpid())],
+                stdin=subprocess.PIPE,
                 stdout=log, stderr=log, start_new_session=True, env=environment,
             )
         reaper.record_pool(self.standby_id, reaper.process_key(os.getpid()),
@@ -115,14 +120,15 @@ class StandbyAgent:
         The agent moves what it wrote so far into the pool's log and removes `log_dir` itself."""
         assert self.process.stdin is not None
         self.process.stdin.write(request)
-        self.process.stdin.close()
+        self.process.stdin.close()  # a plan is one write: what the agent reads ends here
         reaper.forget_pool(self.standby_id)
         return LocalAgent(self.process)
 
     def close(self) -> None:
         """End the unused standby at once: it holds nothing but imported modules."""
         if self.process.stdin is not None and not self.process.stdin.closed:
-            self.process.stdin.close()
+            with contextlib.suppress(OSError):  # a failed hand-over may leave unflushed bytes
+                self.process.stdin.close()
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -147,7 +153,13 @@ class LocalLauncher:
         standby, self._standby = self._standby, None
         if standby is not None:
             if standby.usable(_rank_environment()):
-                return standby.hand_over(request)
+                try:
+                    return standby.hand_over(request)
+                except OSError as error:  # it ended since (BrokenPipeError): start one afresh
+                    logger.info("the standby agent could not take the plan (%s); starting a fresh agent", error)
+            else:
+                logger.info("the environment or directory changed since the standby agent started; "
+                            "starting a fresh agent")
             standby.close()
         return self._launch_cold(plan, request)
 

@@ -242,9 +242,11 @@ def main(argv: list[str] | None = None) -> None:
     torch imported, until a launch writes its plan; end of file means that none will come."""
     parser = argparse.ArgumentParser(prog="python -m fsdp2nb.worker.agent")
     parser.add_argument("--standby-log", help="where a standby writes until its plan names the pool's log")
-    standby_log = parser.parse_args(argv).standby_log
+    parser.add_argument("--kernel-pid", type=int, help="the kernel that started this agent (default: the parent)")
+    args = parser.parse_args(argv)
+    standby_log, kernel_pid = args.standby_log, args.kernel_pid or os.getppid()
     _preload()
-    request = sys.stdin.buffer.read()
+    request = sys.stdin.buffer.read() if _plan_or_eof_before_exit(kernel_pid) else b""
     if not request:
         _forget_standby_log(standby_log)
         _exit(0)
@@ -257,6 +259,24 @@ def main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         code = 1
     _exit(code)
+
+
+def _plan_or_eof_before_exit(kernel_pid: int) -> bool:
+    """Sleep until stdin has data or its end, or the kernel that started this agent has ended;
+    whether stdin is ready. End of file alone would miss a kernel whose forked child (a
+    `fork`ed multiprocessing worker, say) still holds the pipe's other end."""
+    try:
+        kernel = os.pidfd_open(kernel_pid)
+    except (AttributeError, OSError):  # before Linux 5.3, or gone already: end of file tells
+        return os.getppid() == kernel_pid
+    if os.getppid() != kernel_pid:  # the kernel ended while torch was imported (and its pid was reused)
+        return False
+    poller = select.poll()
+    poller.register(sys.stdin.fileno(), select.POLLIN)
+    poller.register(kernel, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll()}
+    os.close(kernel)
+    return sys.stdin.fileno() in ready
 
 
 def _log_to(path: str, standby_log: str) -> None:
