@@ -11,7 +11,8 @@
   new rank has joined a new process group, once the standby agent it forks from has imported
   torch; beside the cold start, alternating, with the ratio.
 - On 2 ranks: the stop button until the cell has ended (KeyboardInterrupt on every rank), and a
-  rank's death until its cell has ended (the pool restarted from the standby within it).
+  rank's death or its host agent's until the cell has ended (the pool restarted from the standby
+  within it), also as a ratio to the cold start.
 Run: .venv/bin/python benchmarks/bench_pool.py [--runs 100] [--only-starts]
 """
 
@@ -151,26 +152,28 @@ def seconds_after_output(kernel: Kernel, code: str, marker: str, press_stop: boo
     return ended - seen[0]
 
 
-def failure_handling_s(kernel: Kernel, times: int) -> tuple[float, float]:
+def failure_handling_s(kernel: Kernel, times: int) -> tuple[float, float, float]:
     """Median seconds from the stop button to the end of a cell sleeping on every rank, and from
-    a rank's death to the end of its cell (the pool restarted included)."""
+    a rank's death and from the host agent's to the end of the cell (the pool restarted included)."""
     interrupt = [seconds_after_output(kernel, "%%fsdp2\nimport time\nprint('waiting', flush=True)\ntime.sleep(60)",
                                       "waiting", press_stop=True) for _ in range(times)]
     # What a rank prints just before it dies may die with it: it says so 0.2 s ahead.
-    death = []
+    deaths: dict[str, list[float]] = {"os.getpid()": [], "os.getppid()": []}
     for _ in range(times):
-        wait_for_standby(kernel)  # as when a rank dies more than a few seconds after the last restart
-        death.append(seconds_after_death(kernel))
-    return statistics.median(interrupt), statistics.median(death)
+        for victim, seconds in deaths.items():
+            wait_for_standby(kernel)  # as when a rank dies more than a few seconds after the last restart
+            seconds.append(seconds_after_death(kernel, victim))
+    return statistics.median(interrupt), *(statistics.median(seconds) for seconds in deaths.values())
 
 
-def seconds_after_death(kernel: Kernel) -> float:
-    """From a rank's SIGKILL until its cell has ended, the pool restarted within it. The rank
-    says when it will die (the clock is the same machine's): what a rank prints just before it
-    dies may die with it, and when it reaches the client is up to the kernel's output batching."""
+def seconds_after_death(kernel: Kernel, victim: str) -> float:
+    """From the SIGKILL of rank 1's `victim` (itself, or its host agent) until the cell has ended,
+    the pool restarted within it. The rank says when it will kill (the clock is the same
+    machine's): what a rank prints just before it dies may die with it, and when it reaches the
+    client is up to the kernel's output batching."""
     run = kernel.execute("%%fsdp2\nimport os, time\nif rank == 1:\n    dies_at = time.time() + 0.2\n"
                          "    print('dying at', dies_at, flush=True); time.sleep(dies_at - time.time())\n"
-                         "    os.kill(os.getpid(), 9)\ntime.sleep(60)")
+                         f"    os.kill({victim}, 9)\ntime.sleep(60)")
     ended = time.time()
     assert run.status == "error" and "dying at" in run.stdout, run.stdout
     return ended - float(run.stdout.split("dying at")[1].split()[0])
@@ -223,7 +226,7 @@ def main() -> None:
             plain, empty, added = paired_cell_ms(kernel, args.runs)
             kernel_cpu, rank_cpu = cpu_per_cell_us(kernel, args.runs)
             if num_ranks == 2:
-                interrupt_s, death_s = failure_handling_s(kernel, times=3)
+                interrupt_s, death_s, agent_death_s = failure_handling_s(kernel, times=3)
             rows.append((num_ranks, plain, empty, added, kernel_cpu, rank_cpu))
     finally:
         kernel.stop()
@@ -238,7 +241,9 @@ def main() -> None:
     print("kernel cpu: CPU time a %%fsdp2 cell adds in the kernel process over a plain cell (all threads);"
           " rank cpu: per rank per cell")
     print(f"2 ranks, median of 3: stop button -> cell ended {interrupt_s:.2f} s; rank killed -> cell ended "
-          f"{death_s:.2f} s (the pool restarted from the standby within it)")
+          f"{death_s:.2f} s, host agent killed -> cell ended {agent_death_s:.2f} s (the pool restarted from the "
+          f"standby within it; {death_s / statistics.median(starts[2][0]):.2f}x and "
+          f"{agent_death_s / statistics.median(starts[2][0]):.2f}x the 2-rank cold start)")
     print("goals: added <= 1.5 ms on 2 ranks; interrupt within 1 s; a dead rank ends its cell within seconds")
 
 
