@@ -8,7 +8,7 @@ A restart should not pay for importing torch again (about 1 s of a 1.2 s start h
 pool is up, `LocalLauncher.start_standby()` starts the next agent ahead of time. It imports
 torch and IPython, then blocks reading its launch plan from stdin; the next launch writes the
 plan there instead of starting a process. A standby that is never used ends when the launcher
-is closed, or on its own when the kernel goes away (its stdin reaches end of file).
+is closed, or on its own when the kernel goes away (it sleeps on stdin and a pidfd of the kernel).
 """
 
 from __future__ import annotations
@@ -101,12 +101,15 @@ class StandbyAgent:
         self.cwd = os.getcwd()
         self.log_dir = reaper.state_dir() / "standby" / self.standby_id
         self.log_dir.mkdir(mode=0o700, parents=True)
-        with open(self.log_dir / "agent.log", "ab") as log:
-            self.process = subprocess.Popen(
-                [*command, "--standby-log", str(self.log_dir / "agent.log"), "--kernel-pid", str(os.getpid())],
-                stdin=subprocess.PIPE,
-                stdout=log, stderr=log, start_new_session=True, env=environment,
-            )
+        try:
+            with open(self.log_dir / "agent.log", "ab") as log:
+                self.process = subprocess.Popen(
+                    [*command, "--standby-log", str(self.log_dir / "agent.log"), "--kernel-pid", str(os.getpid())],
+                    stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True, env=environment,
+                )
+        except OSError:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            raise
         reaper.record_pool(self.standby_id, reaper.process_key(os.getpid()),
                            [key for key in [reaper.process_key(self.process.pid)] if key],
                            runtime_dir=str(self.log_dir))
@@ -180,10 +183,13 @@ class LocalLauncher:
         its import does not compete with the ranks' start."""
         if self._standby is None or self._standby.process.poll() is not None:
             self.close()
-            self._standby = StandbyAgent(self._command, _rank_environment())
+            try:
+                self._standby = StandbyAgent(self._command, _rank_environment())
+            except OSError as error:  # the pool runs; only its next restart will be a cold start
+                logger.warning("fsdp2nb: could not start a standby agent for fast restarts: %s", error)
 
     def standby_pid(self) -> int | None:
-        """The waiting standby's pid (None if there is none): for `%fsdp2 status` and tests."""
+        """The waiting standby's pid (None if there is none): for tests and benchmarks."""
         return self._standby.process.pid if self._standby is not None else None
 
     def close(self) -> None:

@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     standby_log, kernel_pid = args.standby_log, args.kernel_pid or os.getppid()
     _preload()
-    request = sys.stdin.buffer.read() if _plan_or_eof_before_exit(kernel_pid) else b""
+    request = sys.stdin.buffer.read() if _wait_for_plan(kernel_pid) else b""
     if not request:
         _forget_standby_log(standby_log)
         _exit(0)
@@ -261,9 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     _exit(code)
 
 
-def _plan_or_eof_before_exit(kernel_pid: int) -> bool:
+def _wait_for_plan(kernel_pid: int) -> bool:
     """Sleep until stdin has data or its end, or the kernel that started this agent has ended;
-    whether stdin is ready. End of file alone would miss a kernel whose forked child (a
+    False for the kernel's end. End of file alone would miss a kernel whose forked child (a
     `fork`ed multiprocessing worker, say) still holds the pipe's other end."""
     try:
         kernel = os.pidfd_open(kernel_pid)
