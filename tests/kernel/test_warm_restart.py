@@ -21,6 +21,8 @@ _KILL = {
     "a rank killed": "%%fsdp2\nimport os, time\nkept = 1\nif rank == 1:\n    os.kill(os.getpid(), 9)\ntime.sleep(60)",
     "the agent killed": "%%fsdp2\nimport os, time\nkept = 1\nif rank == 0:\n    os.kill(os.getppid(), 9)\ntime.sleep(60)",
 }
+_STUCK = ("%%fsdp2\nimport signal, time\nkept = 1\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+          "print('waiting', flush=True)\ntime.sleep(120)")
 
 
 def _agents(kernel: Kernel) -> tuple[int, int | None, str | None, str | None]:
@@ -37,7 +39,7 @@ def _rank_facts(kernel: Kernel) -> set[tuple[str, str]]:
     return {tuple(line.split()[1:]) for line in run.stdout.splitlines()}
 
 
-@pytest.mark.parametrize("how", ["a rank killed", "the agent killed", "%fsdp2 restart"])
+@pytest.mark.parametrize("how", ["a rank killed", "the agent killed", "a rank stuck", "%fsdp2 restart"])
 def test_a_restart_forks_fresh_ranks_from_the_standby_into_a_new_group(kernel, how):
     assert kernel.execute("%%fsdp2\nkept = rank + 40").status == "ok"
     agent, standby, _, _ = _agents(kernel)
@@ -46,7 +48,10 @@ def test_a_restart_forks_fresh_ranks_from_the_standby_into_a_new_group(kernel, h
     if how == "%fsdp2 restart":
         assert kernel.execute(how).status == "ok"
     else:
-        run = kernel.execute(_KILL[how], timeout=120)
+        if how == "a rank stuck":  # it ignores the stop button: the pool is restarted 5 s later
+            run = kernel.execute_and_interrupt(_STUCK, when_printed="waiting")
+        else:
+            run = kernel.execute(_KILL[how], timeout=120)
         assert run.status == "error"
         text = run.traceback_text
         assert "the pool was restarted (--cpu 2) and all rank state was lost" in text, text
