@@ -697,9 +697,10 @@ class Campaign:
         if self.kernel is None:
             return None
         with contextlib.suppress(psutil.Error):
-            for child in psutil.Process(self.kernel.pid).children():
-                if "fsdp2nb.worker.agent" in " ".join(_cmdline(child)):
-                    return child
+            agents = [child for child in psutil.Process(self.kernel.pid).children()
+                      if "fsdp2nb.worker.agent" in " ".join(_cmdline(child))]
+            # The pool's agent, not the standby waiting for the next launch: started after it.
+            return min(agents, key=lambda p: p.create_time()) if agents else None
         return None
 
     def _rank_processes(self) -> list[psutil.Process]:

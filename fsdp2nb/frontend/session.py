@@ -29,6 +29,7 @@ from fsdp2nb.frontend.render import (
     show_results,
     write_to_kernel,
 )
+from fsdp2nb.pool.launcher import LocalLauncher
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool, describe_exit
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import (
@@ -61,6 +62,8 @@ INTERRUPT_GRACE_S = 5.0
 WAITING_REPORT_S = 3.0
 """After this long without output from a cell, the ranks are asked where they are; a collective
 that not every rank entered would otherwise wait silently for the whole collective timeout."""
+RESUME_HINT = ("to resume, run the cells that set up the ranks again (model, optimizer, Checkpointer); "
+               "`ckpt.load(\"latest\")` then continues from the last checkpoint saved")
 _ACTIVITY_INTERVAL_S = 2.0
 _POLL_S = 0.1
 
@@ -100,8 +103,14 @@ class CellProgress:
 class NotebookSession:
     """Owns the pool of one kernel; the magics call its methods."""
 
-    def __init__(self, pool_factory: Callable[[PoolSpec], WorkerPool] = WorkerPool) -> None:
+    def __init__(self, pool_factory: Callable[[PoolSpec], WorkerPool] | None = None) -> None:
         self.pool: WorkerPool | None = None
+        self.launcher: LocalLauncher | None = None
+        """Starts this session's pools, and keeps a standby agent for the next (None where
+        `pool_factory` was given: that factory launches its own)."""
+        if pool_factory is None:
+            self.launcher = LocalLauncher()
+            pool_factory = self._pool_with_standby
         self._pool_factory = pool_factory
         self._cell_ids = itertools.count(1)
         self.background: BackgroundRuns | None = None
@@ -112,6 +121,11 @@ class NotebookSession:
 
     # --- pool lifecycle -----------------------------------------------------------------------
 
+    def _pool_with_standby(self, spec: PoolSpec) -> WorkerPool:
+        """A pool on this host launches through the session's launcher (and its standby agent);
+        one across hosts through the engine its spec names."""
+        return WorkerPool(spec, launcher=self.launcher if spec.placement is None else None)
+
     def start(self, spec: PoolSpec) -> WorkerPool:
         with self.lifecycle_lock:
             return self._start(spec)
@@ -120,7 +134,7 @@ class NotebookSession:
         if self.pool is not None and self.pool.state in ("ready", "starting"):
             raise PoolMismatchError(
                 f"a pool ({self.pool.spec.describe()}) is already running; `%fsdp2 restart` replaces it")
-        self.stop()
+        self.stop(keep_standby=True)
         started = time.perf_counter()
         pool = self._pool_factory(spec)
         pool.start()
@@ -128,14 +142,19 @@ class NotebookSession:
         for note in pool.start_notes:
             print(note, file=sys.stderr)
         logger.info("started %d ranks in %.1f s", spec.world_size, time.perf_counter() - started)
+        if self.launcher is not None and spec.placement is None:
+            self.launcher.start_standby()  # the next restart forks from it (see pool/launcher.py)
         return pool
 
-    def stop(self, *, polite: bool = True) -> bool:
+    def stop(self, *, polite: bool = True, keep_standby: bool = False) -> bool:
         """Stop the pool if there is one; returns whether there was. Safe to call twice.
 
-        `polite=False` skips asking the ranks to exit, for ranks known to be stuck or dead."""
+        `polite=False` skips asking the ranks to exit, for ranks known to be stuck or dead.
+        The standby agent ends too, unless a new pool is about to start (`keep_standby`)."""
         with self.lifecycle_lock:
             pool, self.pool = self.pool, None
+            if self.launcher is not None and not keep_standby:
+                self.launcher.close()
         if pool is None:
             return False
         # Busy ranks (a background run at kernel exit) read no exit request until their cell ends.
@@ -147,7 +166,7 @@ class NotebookSession:
             spec = spec or (self.pool.spec if self.pool else None)
             if spec is None:
                 raise PoolMismatchError("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
-            self.stop()
+            self.stop(keep_standby=True)
             return self._start(spec)
 
     def pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec]) -> WorkerPool:
@@ -432,14 +451,14 @@ class NotebookSession:
 
     def _restart_after_failure(self, spec: PoolSpec, what_happened: str) -> str:
         """Replace the pool without asking its ranks (they are stuck or dead); the note to show."""
-        self.stop(polite=False)
+        self.stop(polite=False, keep_standby=True)
         try:
             self.start(spec)
         except PoolStartError as error:  # say so beside why the old pool went, not instead of it
             return (f"\x1b[1;31m{what_happened}; all rank state was lost and a new pool did not start: "
                     f"{error}\x1b[0m\n`%fsdp2 start {spec.describe()}` tries again")
         return (f"\x1b[1;31m{what_happened}; the pool was restarted ({spec.describe()}) "
-                "and all rank state was lost\x1b[0m")
+                f"and all rank state was lost\x1b[0m\n{RESUME_HINT}")
 
 
 def _is_collective_timeout(error: ErrorInfo) -> bool:

@@ -3,20 +3,35 @@
 `LocalLauncher` starts a host agent on this machine that forks the ranks. Ranks on other hosts
 come from an engine that runs `python -m fsdp2nb.worker.agent` once per host with the same launch
 plan: `ray_launcher` (through a Ray driver of its own) and `slurm_launcher` (one srun step).
+
+A restart should not pay for importing torch again (about 1 s of a 1.2 s start here): once a
+pool is up, `LocalLauncher.start_standby()` starts the next agent ahead of time. It imports
+torch and IPython, then blocks reading its launch plan from stdin; the next launch writes the
+plan there instead of starting a process. A standby that is never used ends when the launcher
+is closed, or on its own when the kernel goes away (it sleeps on stdin and a pidfd of the kernel).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import select
+import shutil
 import signal
 import subprocess
 import sys
 from dataclasses import asdict
 from typing import Protocol
 
+from fsdp2nb.pool import reaper
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import LaunchPlan
+
+logger = logging.getLogger(__name__)
+
+AGENT_COMMAND = (sys.executable, "-m", "fsdp2nb.worker.agent")
 
 
 class LaunchError(RuntimeError):
@@ -89,10 +104,7 @@ class LocalAgent:
     def terminate(self, grace_s: float) -> None:
         if self.is_running():
             self.process.send_signal(signal.SIGTERM)  # the agent SIGTERMs, then SIGKILLs, its ranks
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
+            _wait_for_exit(self.process, grace_s)
         # The agent has its own session: one killpg ends it; its ranks (each in a session of
         # its own) die with it through PR_SET_PDEATHSIG.
         try:
@@ -102,8 +114,69 @@ class LocalAgent:
         self.process.wait()
 
 
+class StandbyAgent:
+    """An agent started ahead of a launch: it imports torch and IPython, then waits for its plan.
+
+    It was started with `environment` in `cwd`; a launch uses it only while the kernel's are
+    the same (a variable read at import, or the rank's `sys.path[0]`, would otherwise differ
+    from what a fresh agent gets). Its output goes to a private directory until a plan names
+    the pool's log directory; the reaper knows it by `standby_id`, owned by this kernel."""
+
+    def __init__(self, command: tuple[str, ...], environment: dict[str, str]) -> None:
+        self.standby_id = f"standby-{os.getpid()}-{os.urandom(4).hex()}"
+        self.environment = environment
+        self.cwd = os.getcwd()
+        self.log_dir = reaper.state_dir() / "standby" / self.standby_id
+        self.log_dir.mkdir(mode=0o700, parents=True)
+        try:
+            with open(self.log_dir / "agent.log", "ab") as log:
+                self.process = subprocess.Popen(
+                    [*command, "--standby-log", str(self.log_dir / "agent.log"), "--kernel-pid", str(os.getpid())],
+                    stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True, env=environment,
+                )
+        except OSError:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            raise
+        reaper.record_pool(self.standby_id, reaper.process_key(os.getpid()),
+                           [key for key in [reaper.process_key(self.process.pid)] if key],
+                           runtime_dir=str(self.log_dir))
+
+    def usable(self, environment: dict[str, str]) -> bool:
+        return self.process.poll() is None and environment == self.environment and os.getcwd() == self.cwd
+
+    def hand_over(self, request: bytes) -> LocalAgent:
+        """Give the standby its plan; from here on it is the pool's agent, and no longer a standby.
+
+        The agent moves what it wrote so far into the pool's log and removes `log_dir` itself."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(request)
+        self.process.stdin.close()  # a plan is one write: what the agent reads ends here
+        reaper.forget_pool(self.standby_id)
+        return LocalAgent(self.process)
+
+    def close(self) -> None:
+        """End the unused standby at once: it holds nothing but imported modules."""
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            with contextlib.suppress(OSError):  # a failed hand-over may leave unflushed bytes
+                self.process.stdin.close()
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+        reaper.forget_pool(self.standby_id)
+
+
 class LocalLauncher:
-    """Starts one agent for this host in its own session, so the kernel's SIGINT never reaches it."""
+    """Starts one agent for this host in its own session, so the kernel's SIGINT never reaches it.
+
+    With `start_standby()` called after a launch, the next launch hands its plan to an agent
+    that has imported torch already. `close()` ends an unused standby; safe to call twice."""
+
+    def __init__(self, command: tuple[str, ...] = AGENT_COMMAND) -> None:
+        self._command = command
+        self._standby: StandbyAgent | None = None
 
     num_nodes = 1
     notes: list[str] = []
@@ -112,16 +185,70 @@ class LocalLauncher:
         return os.path.join(runtime_dir, "pool.sock")
 
     def launch(self, plan: LaunchPlan, key: bytes) -> LocalAgent:
+        request = json.dumps({"plan": asdict(plan), "key": key.hex()}).encode()
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            if standby.usable(_rank_environment()):
+                try:
+                    return standby.hand_over(request)
+                except OSError as error:  # it ended since (BrokenPipeError): start one afresh
+                    logger.info("the standby agent could not take the plan (%s); starting a fresh agent", error)
+            else:
+                logger.info("the environment or directory changed since the standby agent started; "
+                            "starting a fresh agent")
+            standby.close()
+        return self._launch_cold(plan, request)
+
+    def _launch_cold(self, plan: LaunchPlan, request: bytes) -> LocalAgent:
         agent_log = open(os.path.join(plan.log_dir, "agent.log"), "ab")  # noqa: SIM115
         with agent_log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "fsdp2nb.worker.agent"], stdin=subprocess.PIPE, stdout=agent_log,
+                self._command, stdin=subprocess.PIPE, stdout=agent_log,
                 stderr=agent_log, start_new_session=True, env=_rank_environment(),
             )
         assert process.stdin is not None
-        process.stdin.write(json.dumps({"plan": asdict(plan), "key": key.hex()}).encode())
+        process.stdin.write(request)
         process.stdin.close()
         return LocalAgent(process)
+
+    def start_standby(self) -> None:
+        """Start the next launch's agent now, if none waits; call once the pool is up, so that
+        its import does not compete with the ranks' start."""
+        if self._standby is None or self._standby.process.poll() is not None:
+            self.close()
+            try:
+                self._standby = StandbyAgent(self._command, _rank_environment())
+            except OSError as error:  # the pool runs; only its next restart will be a cold start
+                logger.warning("fsdp2nb: could not start a standby agent for fast restarts: %s", error)
+
+    def standby_pid(self) -> int | None:
+        """The waiting standby's pid (None if there is none): for tests and benchmarks."""
+        return self._standby.process.pid if self._standby is not None else None
+
+    def close(self) -> None:
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.close()
+
+
+def _wait_for_exit(process: subprocess.Popen, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for `process` to end, waking as it does: Popen.wait with a timeout
+    polls, up to 50 ms late, and a restart waits for the old agent."""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # before Linux 5.3 (or gone already)
+        pidfd = None
+    if pidfd is not None:
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll(int(timeout_s * 1000))
+        finally:
+            os.close(pidfd)
+    try:
+        process.wait(0 if pidfd is not None else timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _rank_environment() -> dict[str, str]:

@@ -1,6 +1,7 @@
 """A registry of running pools, so processes orphaned by a crashed kernel can be ended safely.
 
-Each pool writes its owner (the kernel) and its processes as (pid, start time) pairs. A pid alone
+Each pool writes its owner (the kernel) and its processes as (pid, start time) pairs; so does a
+standby agent waiting for the next launch (pool/launcher.py), under its own id. A pid alone
 could have been reused by an unrelated process; the pair cannot, so only exact matches are killed.
 """
 
@@ -78,6 +79,7 @@ def reap_orphans() -> int:
             shutil.rmtree(entry["runtime_dir"], ignore_errors=True)
         path.unlink(missing_ok=True)
     _prune_old_logs()
+    _prune_standby_dirs()
     return num_killed
 
 
@@ -94,6 +96,20 @@ def _prune_old_logs(max_age_s: float = LOG_RETENTION_S) -> None:
         try:
             if log_dir.stat().st_mtime < cutoff:
                 shutil.rmtree(log_dir, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _prune_standby_dirs(min_age_s: float = 60.0) -> None:
+    """A standby agent's output directory (pool/launcher.py) is registered while it waits and
+    removed by the agent once a plan names the pool's log. One left unregistered is that of an
+    agent that died between taking its plan and reading it: removed after `min_age_s`."""
+    registered = {path.stem for path in _registry_dir().glob("*.json")}
+    cutoff = time.time() - min_age_s
+    for directory in (state_dir() / "standby").glob("standby-*"):
+        try:
+            if directory.name not in registered and directory.stat().st_mtime < cutoff:
+                shutil.rmtree(directory, ignore_errors=True)
         except OSError:
             continue
 

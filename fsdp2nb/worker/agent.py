@@ -5,7 +5,8 @@ import instead of N. The agent never touches CUDA or opens sockets before forkin
 the fork safe. Afterwards it reports each rank's exit (code or signal, last stderr lines) and
 ends every rank when the kernel that started it goes away.
 
-Run as `python -m fsdp2nb.worker.agent`; the launch plan and pool key arrive as JSON on stdin.
+Run as `python -m fsdp2nb.worker.agent`; the launch plan and pool key arrive as JSON on stdin,
+read only once torch is imported, so that an agent can be started ahead of its launch.
 On a pool that spans hosts every host's agent reads the same plan and starts the ranks of its
 own node: `FSDP2NB_NODE` (set by the Ray actor that starts it) or Slurm's `SLURM_NODEID`. There
 the kernel is no process it can watch: the end of its connection to the kernel (TCP keepalive
@@ -14,14 +15,18 @@ notices a vanished host) means the kernel is gone, as does the end of the proces
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
+import io
 import json
 import os
 import select
+import shutil
 import signal
 import sys
 import time
+import traceback
 
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
@@ -29,6 +34,9 @@ from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import drain_pipe
 
 _WATCH_INTERVAL_S = 0.05
+_STOP_POLL_S = 0.005
+"""How often a stopping agent looks for its ranks' exits: a restart waits for them, and a rank
+ends within a few ms of its SIGTERM. Only while stopping, for at most the grace period."""
 _KERNEL_CHECK_S = 1.0
 """How often to look for a vanished kernel where it cannot be waited for (no pidfd_open)."""
 _TERMINATE_GRACE_S = 3.0
@@ -193,7 +201,7 @@ class Agent:
         deadline = time.monotonic() + _TERMINATE_GRACE_S
         while self.ranks_by_pid and time.monotonic() < deadline:
             self._reap_exited()
-            time.sleep(_WATCH_INTERVAL_S)
+            time.sleep(_STOP_POLL_S)
         _signal_all(self.ranks_by_pid, signal.SIGKILL)
 
 
@@ -257,10 +265,72 @@ def _log_tail(path: str) -> tuple[str, ...]:
     return tuple(lines[-_STDERR_TAIL_LINES:])
 
 
-def main() -> None:
-    plan, key = read_launch_request(sys.stdin)
+def main(argv: list[str] | None = None) -> None:
+    """Import first, then read the plan: a standby agent (pool/launcher.py) waits in that read,
+    torch imported, until a launch writes its plan; end of file means that none will come."""
+    parser = argparse.ArgumentParser(prog="python -m fsdp2nb.worker.agent")
+    parser.add_argument("--standby-log", help="where a standby writes until its plan names the pool's log")
+    parser.add_argument("--kernel-pid", type=int, help="the kernel that started this agent (default: the parent)")
+    args = parser.parse_args(argv)
+    standby_log, kernel_pid = args.standby_log, args.kernel_pid or os.getppid()
+    # A signal mask survives exec: started from a thread that blocks signals (a Ray actor's),
+    # the agent would never wake for SIGCHLD, nor its ranks for the stop button's SIGINT.
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
     _preload()
-    sys.exit(Agent(plan, key, node_index()).run())
+    request = sys.stdin.buffer.read() if _wait_for_plan(kernel_pid) else b""
+    if not request:
+        _forget_standby_log(standby_log)
+        _exit(0)
+    plan, key = read_launch_request(io.BytesIO(request))
+    if standby_log is not None:
+        _log_to(os.path.join(plan.log_dir, "agent.log"), standby_log)
+    try:
+        code = Agent(plan, key, node_index()).run()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _exit(code)
+
+
+def _wait_for_plan(kernel_pid: int) -> bool:
+    """Sleep until stdin has data or its end, or the kernel that started this agent has ended;
+    False for the kernel's end. End of file alone would miss a kernel whose forked child (a
+    `fork`ed multiprocessing worker, say) still holds the pipe's other end."""
+    try:
+        kernel = os.pidfd_open(kernel_pid)
+    except (AttributeError, OSError):  # before Linux 5.3, or gone already: end of file tells
+        return os.getppid() == kernel_pid
+    if os.getppid() != kernel_pid:  # the kernel ended while torch was imported (and its pid was reused)
+        return False
+    poller = select.poll()
+    poller.register(sys.stdin.fileno(), select.POLLIN)
+    poller.register(kernel, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll()}
+    os.close(kernel)
+    return sys.stdin.fileno() in ready
+
+
+def _log_to(path: str, standby_log: str) -> None:
+    """Point fds 1 and 2 at the pool's agent log, carrying over what the standby wrote before."""
+    with open(path, "ab") as log:
+        with contextlib.suppress(OSError), open(standby_log, "rb") as earlier:
+            shutil.copyfileobj(earlier, log)
+        for fd in (1, 2):
+            os.dup2(log.fileno(), fd)
+    _forget_standby_log(standby_log)
+
+
+def _forget_standby_log(standby_log: str | None) -> None:
+    if standby_log is not None:
+        shutil.rmtree(os.path.dirname(standby_log), ignore_errors=True)
+
+
+def _exit(code: int) -> None:
+    """Exit without Python's shutdown, which takes 0.5 s with torch imported: every stop and
+    restart of a pool waits for the agent's exit. The agent holds nothing that needs it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

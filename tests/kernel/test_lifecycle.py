@@ -68,7 +68,7 @@ def test_four_ranks_merge_lines_and_listen_only_on_loopback():
         assert "[0,2] hello from even\n" in run.stdout and "[1,3] hello from odd\n" in run.stdout
         assert "[all] together\n" in run.stdout
         processes = _pool_processes(kernel.pid)
-        assert len(processes) == 5  # the host agent and four ranks
+        assert len(processes) == 6  # the host agent, four ranks and the standby agent for a restart
         listening = [c.laddr for p in processes for c in p.net_connections(kind="inet")
                      if c.status == psutil.CONN_LISTEN]
         assert all(addr.ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for addr in listening), listening
@@ -133,7 +133,7 @@ def test_no_worker_survives_the_kernel(how):
         kernel.execute("%load_ext fsdp2nb")
         assert kernel.execute("%%fsdp2 --cpu 2\nx = 1").status == "ok"
         processes = _pool_processes(kernel.pid)
-        assert len(processes) == 3
+        assert len(processes) == 4  # the host agent, two ranks and the standby agent
         if how == "sigkill":
             os.kill(kernel.pid, signal.SIGKILL)
         elif how == "restart":

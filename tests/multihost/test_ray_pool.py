@@ -15,6 +15,8 @@ import pytest
 from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
 from tests.kernel.test_training import SETUP, _losses
 
+pytestmark = pytest.mark.timeout(900)  # the session's Ray cluster starts inside the first test
+
 START = "%fsdp2 start --ray {address} --nodes 2 --cpu-per-node 1 --no-dashboard"
 TRAIN = ("%%fsdp2\nfor step in range(3):\n    loss = train_step(step)\n"
          "    if rank == 0: print(f'step {step} loss {loss:.6f}')")
