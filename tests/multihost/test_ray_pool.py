@@ -90,8 +90,8 @@ def test_the_start_warns_that_ray_has_no_token_authentication(ray_kernel):
 
 
 def test_the_pool_listens_only_on_cluster_addresses(ray_kernel, test_hosts):
-    """The kernel's TLS listener, rank 0's store and gloo: on a host's own address, never a
-    wildcard. (Ray's servers, the Ray driver's included, listen as Ray chooses; they are Ray's.)"""
+    """The kernel's TLS listener, rank 0's store and gloo: on a host's own address (or loopback),
+    never a wildcard. (Ray's servers, the Ray driver's included, listen as Ray chooses.)"""
     ours = {ray_kernel.pid, *(process.pid for process in pool_processes(test_hosts)
                               if not runs_module(process, "fsdp2nb.pool.ray_driver"))}
     listening = []
@@ -100,7 +100,8 @@ def test_the_pool_listens_only_on_cluster_addresses(ray_kernel, test_hosts):
         listening += [line.split()[3] for line in table.splitlines()
                       if {int(pid) for pid in re.findall(r"pid=(\d+)", line)} & ours]
     hosts = {address.rsplit(":", 1)[0] for address in listening}
-    assert hosts and hosts <= {host.address for host in test_hosts}, listening
+    assert test_hosts[0].address in hosts and hosts <= {"127.0.0.1", *(host.address for host in test_hosts)}, \
+        listening
 
 
 def test_output_errors_and_interrupts_behave_as_on_one_host(ray_kernel):
@@ -162,11 +163,14 @@ def test_killing_one_hosts_agent_ends_the_cell_naming_host_and_rank(ray_kernel, 
 
 
 def test_killing_the_kernel_leaves_no_process_on_either_host(test_hosts, ray_cluster):
+    others = {process.pid for process in pool_processes(test_hosts)}  # the module kernel's pool
     kernel = Kernel(env={**ray_cluster.driver_env(), **WITHOUT_GPUS}, argv_prefix=test_hosts[0].exec_prefix())
     assert kernel.execute("%load_ext fsdp2nb").status == "ok"
     run = kernel.execute(START.format(address=ray_cluster.address), timeout=300)
     assert run.status == "ok", run.traceback_text + run.stderr
-    assert len(pool_processes(test_hosts)) >= 5  # driver, two agents, two ranks
+    mine = [process for process in pool_processes(test_hosts) if process.pid not in others]
+    assert len(mine) == 5  # the driver, two agents, two ranks
     psutil.Process(kernel.pid).kill()
-    assert wait_for_no_pool_processes(test_hosts, timeout_s=60) == []
+    _, alive = psutil.wait_procs(mine, timeout=60)
+    assert alive == []
     kernel.client.stop_channels()
