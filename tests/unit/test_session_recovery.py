@@ -13,7 +13,7 @@ from fsdp2nb.frontend.render import RankError, StreamMerger
 from fsdp2nb.frontend.session import INTERRUPT_GRACE_S, CellProgress, NotebookSession
 from fsdp2nb.pool.pool import HeldOutput, PoolStartError
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, RankExited, RichOutput, StreamOutput
+from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, RankExited, RankReady, RichOutput, StreamOutput
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))
 
@@ -24,8 +24,8 @@ class ScriptedPool:
     def __init__(self, spec: PoolSpec, events=(), fails_to_start: bool = False) -> None:
         self.spec = spec
         self.world_size = spec.world_size
-        self.ranks = {r: SimpleNamespace(log_path=f"/logs/rank-{r}.log", device="cpu", pid=1000 + r)
-                      for r in range(spec.world_size)}
+        self.ranks = {r: RankReady(rank=r, pid=1000 + r, create_time=0.0, device="cpu", hostname="host",
+                                   log_path=f"/logs/rank-{r}.log") for r in range(spec.world_size)}
         self.busy_ranks: set[int] = set()
         self.exited: dict = {}
         self.state = "ready"
