@@ -41,6 +41,9 @@ FAULT_KINDS = ("kill_rank", "kill_agent", "kill_kernel", "stop_rank", "stop_rank
 DAMAGE_KINDS = ("truncated_shard", "deleted_metadata", "latest_missing_step")
 """Kinds that damage the checkpoint directory before a load (LATEST is broken on purpose)."""
 
+RESTART_ADVICE = "`%fsdp2 restart` starts a fresh"
+"""How a cell tells the user that the pool is broken and what to do (a user does it)."""
+
 MOMENTS = {
     "kill_rank": ("train", "save", "load"),
     "kill_agent": ("train", "save", "load"),
@@ -203,6 +206,9 @@ class FaultRecord:
     """What went wrong: each one fails the campaign."""
     notes: list[str] = field(default_factory=list)
     """What happened on the way that a user also meets (a setup cell run twice)."""
+    restart_told: bool = False
+    """A cell said the pool is broken and to `%fsdp2 restart`, and the campaign did."""
+    retried_after_restart: bool = False
 
 
 @dataclass
@@ -489,7 +495,12 @@ class Campaign:
                 return False
         loaded = self._load_latest(record)
         if loaded is None or not self._collectives_work(record):
-            return False
+            # A collective left waiting by the fault may time out only now, after the set-up:
+            # the probe's error then says to restart, and a user does, then sets up again.
+            if not record.restart_told or record.retried_after_restart:
+                return False
+            record.retried_after_restart = True
+            return self._try_recover(record)
         record.restored_step = loaded
         self.position = loaded + 1 if loaded >= 0 else 0
         return True
@@ -509,6 +520,11 @@ class Campaign:
             return False
         if run.status == "ok" and f"sum {self.num_ranks}" in run.stdout:
             return True
+        said = run.traceback_text + run.stderr
+        if RESTART_ADVICE in said:
+            record.notes.append(f"a collective after the recovery failed: {_last_line(said)}")
+            self._restart_as_told(record)
+            return False
         record.problems.append(f"a collective after the recovery failed: {_last_line(run.traceback_text)} "
                                f"... {run.traceback_text.strip().splitlines()[-1][:200] if run.traceback_text else ''}")
         return False
@@ -525,7 +541,7 @@ class Campaign:
         if run.status != "ok":
             said = run.traceback_text + run.stderr  # a refusal (UsageError) comes as stderr
             record.notes.append(f"setup cell failed after {time.monotonic() - started:.1f} s: {_last_line(said)}")
-            if "`%fsdp2 restart` starts a fresh one" in said:
+            if RESTART_ADVICE in said:
                 self._restart_as_told(record)  # what the error tells the user to do
             return False
         self._remember_pids()
@@ -539,6 +555,7 @@ class Campaign:
             self._kill_kernel()
             return
         record.notes.append(f"%fsdp2 restart, as the cell said: {run.status}")
+        record.restart_told = True
 
     def _load_latest(self, record: FaultRecord) -> int | None:
         """The restored step (-1: nothing saved yet), or None when `%fsdp2 load latest` failed."""
