@@ -67,7 +67,7 @@ def main() -> None:
 
             cluster = RayCluster(hosts, python=sys.executable)
             cluster.wait_until_nodes(2)
-            env.update(cluster.driver_env())
+            env = {**cluster.driver_env(), **env}  # the driver's RAY_TMPDIR, and this PATH with srun
             pools["2 hosts x 1 rank (Ray)"] = f"--ray {cluster.address} --nodes 2 --cpu-per-node 1"
         kernel = Kernel(env=env, argv_prefix=hosts[0].exec_prefix())
         try:
