@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -58,7 +59,12 @@ class Kernel:
     `env` adds to (or overrides) this process's environment for the kernel and its ranks."""
 
     def __init__(self, env: dict[str, str] | None = None, cwd: str | None = None) -> None:
-        self.manager = KernelManager(kernel_name="python3")
+        # Unix sockets in a private directory, as scripts/run_demo.py's kernel. TCP ports would be
+        # picked free by the manager and bound by the kernel later: on a busy host another process
+        # took one in between now and then, and the kernel died at start ("Address already in use").
+        self._sockets = tempfile.TemporaryDirectory(prefix="kernel-sockets-")
+        self.manager = KernelManager(kernel_name="python3", transport="ipc",
+                                     ip=os.path.join(self._sockets.name, "kernel"))
         self.manager.start_kernel(env={**os.environ, **(env or {})}, cwd=cwd)
         self.client = self.manager.blocking_client()
         self.client.start_channels()
@@ -139,3 +145,4 @@ class Kernel:
     def stop(self) -> None:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=False)
+        self._sockets.cleanup()
