@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 
 from fsdp2nb.checkpoint import layout
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, CellRun, Kernel
 
 FAULT_KINDS = ("kill_rank", "kill_agent", "kill_kernel", "stop_rank", "stop_rank_forever",
                "raise_in_collective", "interrupt_twice", "enospc",
@@ -510,13 +510,20 @@ class Campaign:
         if not self._try_recover(record):
             raise RuntimeError(f"the notebook could not be set up ({why}): {record.problems}")
 
+    def _execute_or_kill(self, record: FaultRecord, code: str, *, hung: str) -> CellRun | None:
+        """Run a cell; one that does not end within the cell timeout is noted as the problem `hung`
+        and its kernel killed (None), as a user would after waiting that long."""
+        try:
+            return self.kernel.execute(code, timeout=self.cell_timeout_s)
+        except TimeoutError:
+            record.problems.append(hung)
+            self._kill_kernel()
+            return None
+
     def _collectives_work(self, record: FaultRecord) -> bool:
         """The default process group still carries a collective, as the next training cell needs."""
-        try:
-            run = self.kernel.execute(PROBE_CELL, timeout=self.cell_timeout_s)
-        except TimeoutError:
-            record.problems.append("a collective after the recovery hung")
-            self._kill_kernel()
+        run = self._execute_or_kill(record, PROBE_CELL, hung="a collective after the recovery hung")
+        if run is None:
             return False
         if run.status == "ok" and f"sum {self.num_ranks}" in run.stdout:
             return True
@@ -532,11 +539,8 @@ class Campaign:
     def _setup_cell(self, record: FaultRecord) -> bool:
         started = time.monotonic()
         code = SETUP_CELL.format(width=WIDTH, depth=DEPTH, batch=BATCH, pace_s=PACE_S, ckpt_dir=str(self.ckpt_dir))
-        try:
-            run = self.kernel.execute(code, timeout=self.cell_timeout_s)
-        except TimeoutError:
-            record.problems.append("the setup cell hung")
-            self._kill_kernel()
+        run = self._execute_or_kill(record, code, hung="the setup cell hung")
+        if run is None:
             return False
         if run.status != "ok":
             said = run.traceback_text + run.stderr  # a refusal (UsageError) comes as stderr
@@ -548,11 +552,8 @@ class Campaign:
         return True
 
     def _restart_as_told(self, record: FaultRecord) -> None:
-        try:
-            run = self.kernel.execute("%fsdp2 restart", timeout=self.cell_timeout_s)
-        except TimeoutError:
-            record.problems.append("`%fsdp2 restart` hung")
-            self._kill_kernel()
+        run = self._execute_or_kill(record, "%fsdp2 restart", hung="`%fsdp2 restart` hung")
+        if run is None:
             return
         record.notes.append(f"%fsdp2 restart, as the cell said: {run.status}")
         record.restart_told = True
@@ -561,11 +562,8 @@ class Campaign:
         """The restored step (-1: nothing saved yet), or None when `%fsdp2 load latest` failed."""
         if layout.read_latest(self.ckpt_dir) is None and not any(e.valid for e in layout.list_entries(self.ckpt_dir)):
             return -1
-        try:
-            run = self.kernel.execute("%fsdp2 load latest", timeout=self.cell_timeout_s)
-        except TimeoutError:
-            record.problems.append("`%fsdp2 load latest` hung")
-            self._kill_kernel()
+        run = self._execute_or_kill(record, "%fsdp2 load latest", hung="`%fsdp2 load latest` hung")
+        if run is None:
             return None
         match = re.search(r"loaded step (\d+)", run.stdout)
         if run.status == "ok" and match:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -59,11 +60,15 @@ class Kernel:
 
     def __init__(self, env: dict[str, str] | None = None, cwd: str | None = None,
                  argv_prefix: list[str] | None = None) -> None:
-        self._spec_dir = None
+        # Unix sockets in a private directory, as scripts/run_demo.py's kernel. TCP ports would be
+        # picked free by the manager and bound by the kernel later: on a busy host another process
+        # took one in between now and then, and the kernel died at start ("Address already in use").
+        self._sockets = tempfile.TemporaryDirectory(prefix="kernel-sockets-")
+        sockets = os.path.join(self._sockets.name, "kernel")
         if argv_prefix:
-            self.manager = self._manager_with_prefix(argv_prefix)
+            self.manager = self._manager_with_prefix(argv_prefix, sockets)
         else:
-            self.manager = KernelManager(kernel_name="python3")
+            self.manager = KernelManager(kernel_name="python3", transport="ipc", ip=sockets)
         self.manager.start_kernel(env={**os.environ, **(env or {})}, cwd=cwd)
         self.client = self.manager.blocking_client()
         self.client.start_channels()
@@ -72,26 +77,21 @@ class Kernel:
         """iopub messages `execute` read that belong to other requests (a background run's)."""
         self._replies: dict[str, dict] = {}
 
-    def _manager_with_prefix(self, argv_prefix: list[str]) -> KernelManager:
-        """A kernel started through `argv_prefix` (e.g. `ip netns exec HOST`), reached through Unix
-        sockets: a kernel in another network namespace has a loopback of its own."""
+    def _manager_with_prefix(self, argv_prefix: list[str], sockets: str) -> KernelManager:
+        """A kernel started through `argv_prefix` (e.g. `ip netns exec HOST`): on Unix sockets, a
+        kernel in another network namespace is reached as any other (it has a loopback of its own)."""
         import json
         import sys
-        import tempfile
 
         from jupyter_client.kernelspec import KernelSpecManager
 
-        self._spec_dir = tempfile.TemporaryDirectory(prefix="fsdp2nb-kernelspec-")
-        spec_path = os.path.join(self._spec_dir.name, "prefixed")
+        spec_path = os.path.join(self._sockets.name, "specs", "prefixed")
         os.makedirs(spec_path)
         argv = [*argv_prefix, sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
         with open(os.path.join(spec_path, "kernel.json"), "w") as spec:
             json.dump({"argv": argv, "display_name": "prefixed", "language": "python"}, spec)
-        specs = KernelSpecManager(kernel_dirs=[self._spec_dir.name])
-        manager = KernelManager(kernel_name="prefixed", kernel_spec_manager=specs, transport="ipc")
-        manager.connection_file = os.path.join(self._spec_dir.name, "kernel.json")
-        manager.ip = os.path.join(self._spec_dir.name, "k")  # ipc: a path prefix for the sockets
-        return manager
+        specs = KernelSpecManager(kernel_dirs=[os.path.dirname(spec_path)])
+        return KernelManager(kernel_name="prefixed", kernel_spec_manager=specs, transport="ipc", ip=sockets)
 
     @property
     def pid(self) -> int:
@@ -165,5 +165,4 @@ class Kernel:
     def stop(self) -> None:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=False)
-        if self._spec_dir is not None:
-            self._spec_dir.cleanup()
+        self._sockets.cleanup()

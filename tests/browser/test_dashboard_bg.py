@@ -1,11 +1,12 @@
-"""Issue 14: in JupyterLab, a Save click during a `%%fsdp2 --bg` run is served while the run goes
-(the kernel is idle, so other cells run meanwhile), and the step lands on disk."""
+"""Issue 14: in JupyterLab and Notebook 7, a Save click during a `%%fsdp2 --bg` run is served while
+the run goes (the kernel is idle, so other cells run meanwhile), and the step lands on disk."""
 
 from __future__ import annotations
 
 import re
 
 import nbformat
+import pytest
 
 from tests.browser.test_dashboard_lab import SETUP, TRAIN_LOOP, Page
 
@@ -25,16 +26,19 @@ def _bg_notebook(path, ckpt: str, flag: str) -> None:
     nbformat.write(notebook, path)
 
 
-def test_save_during_background_run_lab(lab, browser, shots):
-    ckpt, flag = lab.root / "ckpt-bg", lab.root / "flag-bg"
-    _bg_notebook(lab.root / "bg.ipynb", str(ckpt), str(flag))
+# Notebook 7 (`/notebooks/PATH`) uses the same classes for its cells and outputs as JupyterLab.
+@pytest.mark.parametrize(("app", "name"), [("lab", "bg"), ("notebook7", "nb7-bg")], ids=["lab", "notebook7"])
+def test_save_during_background_run(app, name, request, browser, shots):
+    server = request.getfixturevalue(app)  # the session's Lab or Notebook 7 server, started on first use
+    ckpt, flag = server.root / "ckpt-bg", server.root / "flag-bg"
+    _bg_notebook(server.root / "bg.ipynb", str(ckpt), str(flag))
     context = browser.new_context(viewport={"width": 1280, "height": 1000})
     page = Page(context.new_page())
     try:
-        page.open(lab.url("bg.ipynb"))
-        _save_during_background_run(page, shots, ckpt, flag, "bg")
+        page.open(server.url("bg.ipynb"))
+        _save_during_background_run(page, shots, ckpt, flag, name)
     except Exception:
-        page.page.screenshot(path=str(shots / "bg-failure.png"))
+        page.page.screenshot(path=str(shots / f"{name}-failure.png"))
         raise
     finally:
         context.close()
@@ -78,19 +82,3 @@ def _save_during_background_run(page: Page, shots, ckpt, flag, name: str) -> Non
     output = page.output(2)
     assert f"run ended by the flag saved at {step}" in output, output
     assert (ckpt / f"step-{step:06d}").is_dir()
-
-
-def test_save_during_background_run_notebook7(notebook7, browser, shots):
-    """The same in Notebook 7 (`/notebooks/PATH`): its cells and outputs use the same classes."""
-    ckpt, flag = notebook7.root / "ckpt-bg", notebook7.root / "flag-bg"
-    _bg_notebook(notebook7.root / "bg.ipynb", str(ckpt), str(flag))
-    context = browser.new_context(viewport={"width": 1280, "height": 1000})
-    page = Page(context.new_page())
-    try:
-        page.open(notebook7.url("bg.ipynb"))
-        _save_during_background_run(page, shots, ckpt, flag, "nb7-bg")
-    except Exception:
-        page.page.screenshot(path=str(shots / "nb7-bg-failure.png"))
-        raise
-    finally:
-        context.close()

@@ -6,22 +6,11 @@ import socket
 import stat
 import struct
 
-import pytest
-
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.framing import Link
 from fsdp2nb.wire.protocol import ChannelHello, RankExited, RunCell, StreamOutput
 from fsdp2nb.wire.signing import Signer
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = WorkerPool(PoolSpec(devices=("cpu", "cpu")))
-    pool.start()
-    yield pool
-    pool.stop()
-    pool.stop()
 
 
 def _run(pool, cell_id, code):

@@ -7,21 +7,10 @@ import os
 import time
 
 import psutil
-import pytest
 
-from fsdp2nb.pool.pool import WorkerPool
-from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.worker.sampler import SAMPLE_INTERVAL_S
 
 WINDOW_S = 2.0
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = WorkerPool(PoolSpec(devices=("cpu", "cpu")))
-    pool.start()
-    yield pool
-    pool.stop()
 
 
 def _wakeups(pid: int, thread_name: str) -> int:

@@ -12,3 +12,14 @@ def kernel():
     assert run.status == "ok", run.traceback_text
     yield k
     k.stop()
+
+
+@pytest.fixture
+def assert_pool_usable(kernel):
+    """Call after a failure: asserts that a plain cell runs on every rank of `kernel` again."""
+
+    def check() -> None:
+        run = kernel.execute("%%fsdp2\nprint('usable')")
+        assert run.stdout == "[all] usable\n", run.traceback_text or run.stderr
+
+    return check
