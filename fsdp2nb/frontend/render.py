@@ -328,10 +328,18 @@ class WaitingLine:
 
 
 def rank_exit_error(event: RankExited) -> ErrorInfo:
-    tail = event.stderr_tail[-10:]
     lines = (f"rank {event.rank} (pid {event.pid}) died: {describe_exit(event)}",
-             *(("last output lines:", *tail) if tail else ()))
+             *(("last output lines:", *tail) if (tail := _last_words(event.stderr_tail)) else ()))
     return ErrorInfo(ename="RankDied", evalue=describe_exit(event), traceback=tuple(lines))
+
+
+def _last_words(tail: tuple[str, ...]) -> tuple[str, ...]:
+    """The last 10 lines; for a crash in C code, its Python stack from the top (where it crashed)."""
+    crash = next((i for i, line in enumerate(tail) if line.startswith("Fatal Python error")), None)
+    if crash is None:
+        return tail[-10:]
+    stack = [line for line in tail[crash:] if not line.startswith("Extension modules")]
+    return tuple(stack[:16])
 
 
 def show_results(results: list[tuple[int, RichOutput]], world_size: int) -> None:

@@ -40,7 +40,7 @@ ends within a few ms of its SIGTERM. Only while stopping, for at most the grace 
 _KERNEL_CHECK_S = 1.0
 """How often to look for a vanished kernel where it cannot be waited for (no pidfd_open)."""
 _TERMINATE_GRACE_S = 3.0
-_STDERR_TAIL_LINES = 20
+_STDERR_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
 
 

@@ -9,6 +9,7 @@ Threads in a rank:
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import signal
@@ -293,6 +294,10 @@ def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
     """Entry point of a rank process; returns when the pool shuts it down."""
     os.environ.update(torchrun_environment(plan, rank_plan))
     rank = Rank(plan, rank_plan, key, pipes)
+    # A crash in C code (SIGSEGV, SIGABRT) ends the rank before any Python handler runs: have it
+    # write the crashing thread's stack to fd 2, now the rank's captured stderr, which the agent
+    # drains into the rank's log and the cell's exit report.
+    faulthandler.enable(file=sys.__stderr__, all_threads=False)
     rank.start()
     try:
         rank.serve()

@@ -79,3 +79,16 @@ def test_a_rank_that_did_not_return_is_not_said_to_have_raised():
     assert "[1] rank 1: did not return after the interrupt (at In[3] line 2: time.sleep(9))" in lines
     assert not any("raised RankStuck" in line or line.startswith("RankStuck") for line in lines)
     assert "[0] rank 0 raised KeyboardInterrupt" in lines
+
+
+def test_the_cell_shows_a_crash_from_the_frame_that_crashed():
+    from fsdp2nb.frontend.render import rank_exit_error
+    from fsdp2nb.wire.protocol import RankExited
+
+    tail = ("step 7", "Fatal Python error: Segmentation fault", "", "Current thread 0x1 (most recent call first):",
+            '  File "<ipython-input-1-x>", line 3 in crash_here', *(f'  File "f{i}.py", line {i} in g' for i in range(30)),
+            "", "Extension modules: torch._C (total: 1)")
+    error = rank_exit_error(RankExited(rank=1, pid=5, exit_code=None, signal_name="SIGSEGV", stderr_tail=tail))
+    text = "\n".join(error.traceback)
+    assert "Fatal Python error: Segmentation fault" in text and "crash_here" in text
+    assert "Extension modules" not in text and len(error.traceback) <= 18
