@@ -133,9 +133,10 @@ def test_ray_strict_spread_puts_one_actor_on_each_host(ray_cluster, test_hosts):
     assert sorted(json.loads(out.stdout.strip().splitlines()[-1])) == ["10.213.0.1", "10.213.0.2"]
 
 
-_REPORT_TASK = (
-    "import os, sys; print(os.environ['SLURM_NODEID'], os.environ['SLURM_PROCID'], os.environ['SLURM_NNODES'], "
-    "os.environ['SLURMD_NODENAME'], os.readlink('/proc/self/ns/net'), sys.stdin.read().strip())"
+_REPORT_TASK = (  # one write per task: the two tasks share srun's stdout, and print() may write piecewise
+    "import os, sys; words = (os.environ['SLURM_NODEID'], os.environ['SLURM_PROCID'], os.environ['SLURM_NNODES'], "
+    "os.environ['SLURMD_NODENAME'], os.readlink('/proc/self/ns/net'), sys.stdin.read().strip()); "
+    "os.write(1, (' '.join(words) + '\\n').encode())"
 )
 
 
