@@ -93,25 +93,34 @@ class LocalAgent:
 
     def exit_description(self) -> str | None:
         code = self.process.poll()
-        if code is None:
-            return None
-        if code < 0:
-            return f"killed by {signal.Signals(-code).name}"
-        if code == 128 + signal.SIGTERM:
-            return "ended by a SIGTERM it was sent (it ends its ranks then)"
-        return f"exited with code {code}"
+        return None if code is None else describe_exit_code(code)
 
     def terminate(self, grace_s: float) -> None:
-        if self.is_running():
-            self.process.send_signal(signal.SIGTERM)  # the agent SIGTERMs, then SIGKILLs, its ranks
-            _wait_for_exit(self.process, grace_s)
-        # The agent has its own session: one killpg ends it; its ranks (each in a session of
-        # its own) die with it through PR_SET_PDEATHSIG.
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.process.wait()
+        # The agent SIGTERMs, then SIGKILLs, its ranks; each rank (in a session of its own) also
+        # dies with the agent through PR_SET_PDEATHSIG.
+        end_process_group(self.process, grace_s)
+
+
+def describe_exit_code(code: int) -> str:
+    """How a process ended, from its Popen return code: "killed by SIGKILL", "exited with code 3"."""
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    if code == 128 + signal.SIGTERM:
+        return "ended by a SIGTERM it was sent (it ends its ranks then)"
+    return f"exited with code {code}"
+
+
+def end_process_group(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM `process` (the leader of a session of its own), give it `grace_s` to end what it
+    started, then SIGKILL its whole process group. Safe to call twice."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        _wait_for_exit(process, grace_s)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
 
 
 class StandbyAgent:

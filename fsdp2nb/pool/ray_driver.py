@@ -26,6 +26,8 @@ import subprocess
 import sys
 import threading
 
+from fsdp2nb.pool.launcher import describe_exit_code, end_process_group
+
 PLACEMENT_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 _lock = threading.Lock()
@@ -63,28 +65,13 @@ class AgentHost:
 
     def wait(self) -> str:
         """Returns once the agent has ended: how it ended."""
-        code = self.process.wait()
-        if code < 0:
-            return f"was killed by {signal.Signals(-code).name}"
-        if code == 128 + signal.SIGTERM:
-            return "ended by a SIGTERM"
-        return f"exited with code {code}"
+        how = describe_exit_code(self.process.wait())
+        return f"was {how}" if how.startswith("killed") else how
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM the agent (it ends its ranks), then its whole process group by force."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.process.wait()
+        if self.process is not None:
+            end_process_group(self.process, grace_s)
 
 
 def token_auth_enabled() -> bool:

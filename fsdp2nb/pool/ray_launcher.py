@@ -13,12 +13,11 @@ import importlib.util
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
 
-from fsdp2nb.pool.launcher import LaunchError
+from fsdp2nb.pool.launcher import LaunchError, describe_exit_code, end_process_group
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.endpoints import tcp_address
 from fsdp2nb.wire.protocol import LaunchPlan
@@ -53,7 +52,7 @@ class RayAgents:
             ranks = ", ".join(str(rank.rank) for rank in self._plan.ranks_of_node(node))
             return f"on host {report['host']} (node {node}, ranks {ranks}) {report['how']}"
         if not self._driver.running():
-            return f"of every host was ended with the Ray driver ({_how(self._driver.process.returncode)})"
+            return f"of every host was ended with the Ray driver ({describe_exit_code(self._driver.process.returncode)})"
         return None
 
     def terminate(self, grace_s: float) -> None:
@@ -115,7 +114,7 @@ class _Driver:
                 self.exits[message["exited"]] = message
             else:
                 self._replies.put(message)
-        self._replies.put({"error": f"the Ray driver ended ({_how(self.process.wait())}); see ray-driver.log"})
+        self._replies.put({"error": f"the Ray driver ended ({describe_exit_code(self.process.wait())}); see ray-driver.log"})
 
     def ask(self, message: dict) -> dict:
         self._send(message)
@@ -145,16 +144,4 @@ class _Driver:
                 self.process.wait(grace_s + 30)
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.process.wait()
-
-
-def _how(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
+        end_process_group(self.process, 0)

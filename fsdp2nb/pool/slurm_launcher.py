@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 from dataclasses import asdict
 
-from fsdp2nb.pool.launcher import LaunchError
+from fsdp2nb.pool.launcher import LaunchError, describe_exit_code, end_process_group
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.endpoints import tcp_address
 from fsdp2nb.wire.protocol import LaunchPlan
@@ -43,21 +42,10 @@ class SrunStep:
         code = self.process.poll()
         if code is None:
             return None
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        return f"ended, and with it the srun step ({how}; srun.log says more)"
+        return f"ended, and with it the srun step (srun {describe_exit_code(code)}; srun.log says more)"
 
     def terminate(self, grace_s: float) -> None:
-        if self.is_running():
-            self.process.send_signal(signal.SIGTERM)  # srun passes it to every task
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.process.wait()
+        end_process_group(self.process, grace_s)  # srun passes the SIGTERM to every task
 
 
 class SlurmLauncher:

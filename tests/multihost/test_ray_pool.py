@@ -52,6 +52,17 @@ def host_agents(hosts) -> list[psutil.Process]:
             and not runs_module(process.parent(), "fsdp2nb.worker.agent")]
 
 
+def kill_host_one_agent_mid_cell(kernel, hosts):
+    """SIGKILL host 1's agent 3 s into a cell of all_reduces; the cell's run."""
+    agents = host_agents(hosts[1:])
+    assert len(agents) == 1
+    submitted = kernel.submit("%%fsdp2\nimport time\nfor i in range(600):\n"
+                              "    x = torch.ones(1)\n    dist.all_reduce(x)\n    time.sleep(0.05)")
+    time.sleep(3)
+    agents[0].send_signal(signal.SIGKILL)
+    return kernel.collect(submitted, timeout=180)
+
+
 def wait_for_no_pool_processes(hosts, timeout_s: float = 30.0) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout_s
     while (left := pool_processes(hosts)) and time.monotonic() < deadline:
@@ -148,13 +159,7 @@ def test_killing_one_hosts_agent_ends_the_cell_naming_host_and_rank(ray_kernel, 
     started = ray_kernel.execute(START.format(address=ray_cluster.address).replace("start", "restart"),
                                  timeout=300)
     assert started.status == "ok", started.traceback_text + started.stderr
-    agents = host_agents(test_hosts[1:])
-    assert len(agents) == 1
-    submitted = ray_kernel.submit("%%fsdp2\nimport time\nfor i in range(600):\n"
-                                  "    x = torch.ones(1)\n    dist.all_reduce(x)\n    time.sleep(0.05)")
-    time.sleep(3)
-    agents[0].send_signal(signal.SIGKILL)
-    run = ray_kernel.collect(submitted, timeout=180)
+    run = kill_host_one_agent_mid_cell(ray_kernel, test_hosts)
     assert run.status == "error"
     text = run.traceback_text + run.stderr
     assert f"on host {test_hosts[1].address}" in text and "was killed by SIGKILL" in text, text

@@ -1,14 +1,12 @@
 """A pool across two hosts inside a Slurm allocation, through a stand-in `srun` that starts one
 task per test host as srun does (fsdp2nb/testing/fake_srun.py). The kernel runs on host 0."""
 
-import signal
-import time
 
 import pytest
 
 from fsdp2nb.testing.fake_srun import write_srun
 from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
-from tests.multihost.test_ray_pool import host_agents, wait_for_no_pool_processes
+from tests.multihost.test_ray_pool import kill_host_one_agent_mid_cell, wait_for_no_pool_processes
 
 START = "%fsdp2 start --slurm --cpu-per-node 1 --listen {listen} --no-dashboard"
 
@@ -40,13 +38,7 @@ def test_one_srun_step_gives_one_group_across_hosts(slurm_kernel, test_hosts):
 
 
 def test_a_killed_agent_ends_the_step_and_the_cell_names_its_host(slurm_kernel, test_hosts):
-    agents = host_agents(test_hosts[1:])
-    assert len(agents) == 1
-    submitted = slurm_kernel.submit("%%fsdp2\nimport time\nfor i in range(600):\n"
-                                    "    x = torch.ones(1)\n    dist.all_reduce(x)\n    time.sleep(0.05)")
-    time.sleep(3)
-    agents[0].send_signal(signal.SIGKILL)
-    run = slurm_kernel.collect(submitted, timeout=180)
+    run = kill_host_one_agent_mid_cell(slurm_kernel, test_hosts)
     text = run.traceback_text + run.stderr
     assert run.status == "error" and f"on host {test_hosts[1].address} (node 1, ranks 1)" in text, text
     after = slurm_kernel.execute("%%fsdp2\nx = torch.ones(1)\ndist.all_reduce(x)\nprint(int(x.item()))", timeout=300)
