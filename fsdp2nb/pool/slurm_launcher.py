@@ -16,7 +16,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 
-from fsdp2nb.pool.launcher import LaunchError, describe_exit_code, end_process_group
+from fsdp2nb.pool.launcher import LaunchError, LocalAgent, describe_exit_code
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.endpoints import tcp_address
 from fsdp2nb.wire.protocol import LaunchPlan
@@ -26,26 +26,15 @@ class SlurmLaunchError(LaunchError):
     """The step could not be started; one line says why."""
 
 
-class SrunStep:
-    """The srun process that carries every host's agent."""
-
-    def __init__(self, process: subprocess.Popen) -> None:
-        self.process = process
-
-    def is_running(self) -> bool:
-        return self.process.poll() is None
-
-    def process_ids(self) -> list[int]:
-        return [self.process.pid]
+class SrunStep(LocalAgent):
+    """The srun process that carries every host's agent: held as a local agent is (SIGTERM
+    reaches every task through srun), described as a step."""
 
     def exit_description(self) -> str | None:
         code = self.process.poll()
         if code is None:
             return None
         return f"ended, and with it the srun step (srun {describe_exit_code(code)}; srun.log says more)"
-
-    def terminate(self, grace_s: float) -> None:
-        end_process_group(self.process, grace_s)  # srun passes the SIGTERM to every task
 
 
 class SlurmLauncher:
