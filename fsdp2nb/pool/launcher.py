@@ -22,7 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from fsdp2nb.pool import reaper
@@ -38,6 +38,23 @@ class LaunchError(RuntimeError):
     """The engine could not start the ranks (no Ray cluster, no srun, too few hosts); one line says why."""
 
 
+@dataclass(frozen=True)
+class AgentExit:
+    """How a launch's host agent ended, and which one as far as the launcher can tell.
+
+    The pool words it once for every launcher. Where the launcher cannot tell the host (one srun
+    step carries every host's agent), the pool names the host whose connection ended."""
+
+    how: str
+    """"killed by SIGKILL", "exited with code 3", "ended with the Ray driver (...)"."""
+    node: int | None = None
+    host: str | None = None
+    pid: int | None = None
+    """The agent's process, where it runs on this host."""
+    every_host: bool = False
+    """Every host's agent ended at once (their common parent did)."""
+
+
 class LaunchedRanks(Protocol):
     """A handle on started ranks that the pool can stop."""
 
@@ -46,8 +63,8 @@ class LaunchedRanks(Protocol):
     def process_ids(self) -> list[int]:
         """Processes on this host that the launch started (for the orphan registry)."""
 
-    def exit_description(self) -> str | None:
-        """How the launch's own process (the host agent) ended, e.g. "killed by SIGKILL"; None while it runs."""
+    def agent_exit(self) -> AgentExit | None:
+        """How a host agent of the launch ended; None while they all run."""
 
     def terminate(self, grace_s: float) -> None:
         """End every rank: SIGTERM first, by force after `grace_s`. Safe to call twice."""
@@ -91,9 +108,9 @@ class LocalAgent:
     def process_ids(self) -> list[int]:
         return [self.process.pid]
 
-    def exit_description(self) -> str | None:
+    def agent_exit(self) -> AgentExit | None:
         code = self.process.poll()
-        return None if code is None else describe_exit_code(code)
+        return None if code is None else AgentExit(describe_exit_code(code), pid=self.process.pid)
 
     def terminate(self, grace_s: float) -> None:
         # The agent SIGTERMs, then SIGKILLs, its ranks; each rank (in a session of its own) also

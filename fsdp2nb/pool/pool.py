@@ -26,7 +26,7 @@ from typing import Literal
 import psutil
 
 from fsdp2nb.pool import reaper
-from fsdp2nb.pool.launcher import LaunchedRanks, Launcher, LaunchError, launcher_for
+from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, Launcher, LaunchError, launcher_for
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
@@ -245,8 +245,9 @@ class WorkerPool:
             tail = "\n".join(exit_report.stderr_tail[-10:])
             return f"rank {exit_report.rank} exited while starting ({describe_exit(exit_report)}):\n{tail}"
         if self.spec.placement is not None:
-            how = self._launched.exit_description() or "ended"
-            return f"the host agent {how} while starting the ranks; see the agent logs in {self.log_dir}"
+            ended = self._launched.agent_exit() if self._launched is not None else None
+            which = self._describe_agent_exit(ended) if ended is not None else "the host agent ended"
+            return f"{which} while starting the ranks; see the agent logs in {self.log_dir}"
         return f"the host agent exited while starting the ranks; see {self.log_dir}/agent.log"
 
     def _register(self) -> None:
@@ -302,23 +303,28 @@ class WorkerPool:
             return False
         if self._launched is None or self.state not in ("ready", "broken"):
             return True
-        how = self._launched.exit_description()
-        if how is None:
+        ended = self._launched.agent_exit()
+        if ended is None:
             return True
-        pids = self._launched.process_ids()
         self.agent_died = True
         self.state = "broken"
-        self.broken_reason = f"{self._agent_name(pids, how)} {how}; its ranks ended with it"
+        self.broken_reason = f"{self._describe_agent_exit(ended)}; its ranks ended with it"
         return False
 
-    def _agent_name(self, pids: list[int], how: str) -> str:
-        if self.spec.placement is None:
-            return f"the host agent (pid {pids[0] if pids else '?'})"
-        if how.startswith("on host") or not self._lost_agents:  # the launcher said where
-            return "the host agent"
-        node, host = next(iter(self._lost_agents.items()))
-        ranks = ", ".join(str(r) for r in range(node * len(self.spec.devices), (node + 1) * len(self.spec.devices)))
-        return f"the host agent on host {host} (node {node}, ranks {ranks})"
+    def _describe_agent_exit(self, ended: AgentExit) -> str:
+        """Which agent ended, where and how: one wording for every launcher."""
+        if ended.every_host:
+            return f"every host's agent {ended.how}"
+        if ended.pid is not None:
+            return f"the host agent (pid {ended.pid}) {ended.how}"
+        node, host = ended.node, ended.host
+        if node is None and self._lost_agents:  # the launcher cannot tell; the connection that ended can
+            node, host = next(iter(self._lost_agents.items()))
+        if node is None:
+            return f"the host agent {ended.how}"
+        per_node = len(self.spec.devices)
+        ranks = ", ".join(str(rank) for rank in range(node * per_node, (node + 1) * per_node))
+        return f"the host agent on host {host} (node {node}, ranks {ranks}) {ended.how}"
 
     def _agent_lost(self, node: int, host: str) -> None:
         """Called on the reading thread when an agent's connection ended."""

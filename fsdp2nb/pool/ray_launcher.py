@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 
-from fsdp2nb.pool.launcher import LaunchError, describe_exit_code, end_process_group
+from fsdp2nb.pool.launcher import AgentExit, LaunchError, describe_exit_code, end_process_group
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.endpoints import tcp_address
 from fsdp2nb.wire.protocol import LaunchPlan
@@ -35,9 +35,8 @@ class RayLaunchError(LaunchError):
 class RayAgents:
     """The started agents, as the pool sees them: through the driver's reports."""
 
-    def __init__(self, driver: _Driver, started: list[dict], plan: LaunchPlan) -> None:
+    def __init__(self, driver: _Driver, started: list[dict]) -> None:
         self._driver = driver
-        self._plan = plan
         self.hosts = {entry["node"]: entry["host"] for entry in started}
 
     def is_running(self) -> bool:
@@ -46,13 +45,13 @@ class RayAgents:
     def process_ids(self) -> list[int]:
         return [self._driver.process.pid]
 
-    def exit_description(self) -> str | None:
+    def agent_exit(self) -> AgentExit | None:
         if self._driver.exits:
             node, report = next(iter(self._driver.exits.items()))
-            ranks = ", ".join(str(rank.rank) for rank in self._plan.ranks_of_node(node))
-            return f"on host {report['host']} (node {node}, ranks {ranks}) {report['how']}"
+            return AgentExit(report["how"], node=node, host=report["host"])
         if not self._driver.running():
-            return f"of every host was ended with the Ray driver ({describe_exit_code(self._driver.process.returncode)})"
+            how = describe_exit_code(self._driver.process.returncode)
+            return AgentExit(f"ended with the Ray driver ({how})", every_host=True)
         return None
 
     def terminate(self, grace_s: float) -> None:
@@ -91,7 +90,7 @@ class RayLauncher:
         assert self._driver is not None, "listen_address() starts the driver first"
         request = json.dumps({"plan": asdict(plan), "key": key.hex()})
         reply = self._driver.ask({"launch": request})
-        return RayAgents(self._driver, reply["started"], plan)
+        return RayAgents(self._driver, reply["started"])
 
 
 class _Driver:

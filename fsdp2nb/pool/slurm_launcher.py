@@ -16,7 +16,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 
-from fsdp2nb.pool.launcher import LaunchError, LocalAgent, describe_exit_code
+from fsdp2nb.pool.launcher import AgentExit, LaunchError, LocalAgent, describe_exit_code
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.endpoints import tcp_address
 from fsdp2nb.wire.protocol import LaunchPlan
@@ -30,11 +30,11 @@ class SrunStep(LocalAgent):
     """The srun process that carries every host's agent: held as a local agent is (SIGTERM
     reaches every task through srun), described as a step."""
 
-    def exit_description(self) -> str | None:
+    def agent_exit(self) -> AgentExit | None:
         code = self.process.poll()
         if code is None:
             return None
-        return f"ended, and with it the srun step (srun {describe_exit_code(code)}; srun.log says more)"
+        return AgentExit(f"ended, and with it the srun step (srun {describe_exit_code(code)}; srun.log says more)")
 
 
 class SlurmLauncher:

@@ -33,6 +33,7 @@ class ScriptedPool:
         self.snapshot_listeners: list = []
         self.held_output = HeldOutput()
         self.stopped = False
+        self.start_notes: list[str] = []
         self._events = deque(events)
         self._fails_to_start = fails_to_start
 
