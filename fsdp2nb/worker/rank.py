@@ -156,6 +156,7 @@ class Rank:
                 self._output_sync.sync()
                 self._cell_id = None
                 self._channels.send_event(finished)
+            self._sampler.refresh_tracked_sizes()  # here, not on the sampler's thread: see TrackedSizes
 
     def _run_request(self, request: RunCell | PushValues | PullValue) -> CellFinished:
         """Run one request; KeyboardInterrupt is raised only while this runs (see _on_sigint)."""

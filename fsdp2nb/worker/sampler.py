@@ -32,6 +32,7 @@ class ResourceSampler:
         self._stopped = threading.Event()
         self._rss_peak = 0
         self._tracked_sizes = TrackedSizes()
+        self._tracked_sizes_failed = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="fsdp2nb-sampler")
 
     def start(self) -> None:
@@ -40,6 +41,16 @@ class ResourceSampler:
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def refresh_tracked_sizes(self) -> None:
+        """Read the tracked model's sizes (see TrackedSizes); the rank calls it between requests."""
+        try:
+            self._tracked_sizes.refresh()
+        except Exception:  # a failed reading must never take the rank down; say why once
+            if not self._tracked_sizes_failed:
+                logger.exception("rank %d: reading the tracked model's sizes failed (later failures are not logged)",
+                                 self._rank)
+            self._tracked_sizes_failed = True
 
     def reset_peak(self) -> None:
         """Start the peak readings afresh (RSS here, the CUDA allocator's peak on a GPU rank)."""
@@ -57,7 +68,7 @@ class ResourceSampler:
             rank=self._rank, time=time.time(), busy=busy,
             rss_bytes=rss, cpu_percent=self._process.cpu_percent(), rss_peak_bytes=self._rss_peak,
             checkpoint=_checkpoint_view() if self._rank == 0 else None, **_device_memory(self._device),
-            **self._tracked_sizes.read(busy), metrics=process_metrics().drain(),
+            **self._tracked_sizes.read(), metrics=process_metrics().drain(),
         )
 
     def _run(self) -> None:
@@ -108,40 +119,47 @@ def _checkpoint_view() -> CheckpointView | None:
 class TrackedSizes:
     """Bytes of the tracked model's parameters, gradients and optimizer state on this rank.
 
-    Reading a DTensor's local shard goes through an autograd function, holding the GIL the
-    training thread needs, so while a cell runs a sample does no per-parameter work: sizes are
-    read when the tracked model changes and once after each cell (which may have changed its
-    parameters), the optimizer state also when it gains entries (the first step). A gradient's
-    shard is its parameter's (FSDP2 shards them alike), and gradients come and go together
-    (backward, `zero_grad`), so one trainable parameter tells whether they are there."""
+    `refresh()` reads them on the rank's main thread, between requests; `read()`, called by the
+    sampler thread, only hands out the last reading. The sampler must not touch the tensors: a
+    thread that reads `param.grad` while the main thread trains an FSDP2 model (FSDP2 assigns
+    each step's sharded gradients, `zero_grad` drops them) corrupts CPython's object heap now
+    and then, and the rank dies of SIGSEGV later, somewhere else (seen with torch 2.13 on Python
+    3.11; `scripts/repro_grad_read_race.py` reproduces it). So the figures are those
+    of the end of the last cell, not of the moment. A gradient's shard is its parameter's (FSDP2
+    shards them alike), and gradients come and go together (backward, `zero_grad`), so one
+    trainable parameter tells whether they are there."""
 
     def __init__(self) -> None:
+        self._sizes: dict[str, int] = {}
         self._model = None
         self._param_bytes = 0
         self._trainable_bytes = 0
         self._probe = None  # the first trainable parameter
         self._optimizer_bytes = 0
-        self._num_states = 0
-        self._was_busy = True  # the first idle sample reads everything
+        self._num_states = -1
 
-    def read(self, busy: bool = False) -> dict[str, int]:
+    def read(self) -> dict[str, int]:
+        """The last reading; safe on any thread (it is replaced whole, never changed)."""
+        return self._sizes
+
+    def refresh(self) -> None:
+        """Read the sizes again; on the main thread only, while no user code runs."""
         tracked = getattr(current_checkpointer(), "_tracked", None)
         if tracked is None:
-            self._model = None
-            return {}
-        cell_ended, self._was_busy = self._was_busy and not busy, busy
-        if tracked.model is not self._model or cell_ended:
-            self._read_parameters(tracked.model)
-            self._num_states = -1
+            self._model, self._probe, self._sizes = None, None, {}
+            return
+        self._read_parameters(tracked.model)  # a cell may have changed them (LoRA adapters, say)
         num_states = len(tracked.optimizer.state) if tracked.optimizer is not None else 0
-        if num_states != self._num_states:  # the first step creates the state: read it at once
+        if num_states != self._num_states:  # the first step creates the state
             self._num_states = num_states
             self._optimizer_bytes = _optimizer_bytes(tracked.optimizer)
         has_grads = self._probe is not None and self._probe.grad is not None
-        return dict(param_bytes=self._param_bytes, grad_bytes=self._trainable_bytes if has_grads else 0,
-                    optimizer_bytes=self._optimizer_bytes)
+        self._sizes = dict(param_bytes=self._param_bytes, grad_bytes=self._trainable_bytes if has_grads else 0,
+                           optimizer_bytes=self._optimizer_bytes)
 
     def _read_parameters(self, model) -> None:  # noqa: ANN001 - a torch module
+        if model is not self._model:
+            self._num_states = -1
         self._model = model
         params = list(model.parameters())
         trainable = [p for p in params if p.requires_grad]

@@ -63,39 +63,78 @@ def test_tracked_sizes_count_params_grads_and_optimizer_state(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with Checkpointer(tmp_path, async_save=False).track(model=model, optimizer=optimizer):
         sizes = TrackedSizes()
+        sizes.refresh()
         assert sizes.read() == dict(param_bytes=80, grad_bytes=0, optimizer_bytes=0)
         model(torch.ones(2, 4)).sum().backward()
         optimizer.step()
-        assert sizes.read(busy=True) == dict(param_bytes=80, grad_bytes=80, optimizer_bytes=80)  # momentum buffers
+        assert sizes.read()["grad_bytes"] == 0  # what the last refresh saw, until the next
+        sizes.refresh()
+        assert sizes.read() == dict(param_bytes=80, grad_bytes=80, optimizer_bytes=80)  # momentum buffers
         optimizer.zero_grad()
-        assert sizes.read(busy=True)["grad_bytes"] == 0
-    assert TrackedSizes().read() == {}  # closed: nothing tracked
+        sizes.refresh()
+        assert sizes.read()["grad_bytes"] == 0
+    sizes.refresh()
+    assert sizes.read() == {}  # closed: nothing tracked
 
 
-def test_tracked_sizes_do_no_per_parameter_work_while_a_cell_runs(tmp_path, monkeypatch):
+class _WatchedParameter:
+    """Stands in for a parameter; records the threads that read its gradient."""
+
+    requires_grad = True
+
+    def __init__(self, readers: list[str]) -> None:
+        self._readers = readers
+
+    @property
+    def grad(self):  # noqa: ANN201 - mirrors torch's
+        import threading
+
+        self._readers.append(threading.current_thread().name)
+        return None
+
+    def numel(self) -> int:
+        return 4
+
+    def element_size(self) -> int:
+        return 4
+
+
+def test_the_sampler_thread_never_touches_the_tracked_model(tmp_path):
+    """A thread reading `.grad` while FSDP2 trains crashes the rank (see TrackedSizes): while a
+    cell runs, every snapshot must come from what the main thread read between requests."""
+    import threading
+
     import torch
 
     from fsdp2nb.checkpoint import Checkpointer
-    from fsdp2nb.worker import sampler
 
-    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(8)))
-    optimizer = torch.optim.AdamW(model.parameters())
-    measured: list[int] = []
-    real_local_bytes = sampler._local_bytes
-    monkeypatch.setattr(sampler, "_local_bytes", lambda tensors: measured.append(len(tensors)) or real_local_bytes(tensors))
-    with Checkpointer(tmp_path, async_save=False).track(model=model, optimizer=optimizer):
-        sizes = sampler.TrackedSizes()
-        sizes.read(busy=True)  # a new model: read once
-        model(torch.ones(2, 4)).sum().backward()
-        optimizer.step()
-        sizes.read(busy=True)  # the first step made the optimizer state: read once
-        measured.clear()
-        for _ in range(20):
-            optimizer.zero_grad()
-            assert sizes.read(busy=True)["grad_bytes"] == 0
-            model(torch.ones(2, 4)).sum().backward()
-            assert sizes.read(busy=True)["grad_bytes"] == 8 * 80
-        assert measured == []
-        sizes.read(busy=False)  # the cell ended: everything once more
-        sizes.read(busy=False)
-        assert len(measured) == 3  # parameters, trainable parameters, optimizer state
+    readers: list[str] = []
+    parameter = _WatchedParameter(readers)
+    model = torch.nn.Module()
+    model.parameters = lambda recurse=True: iter([parameter])
+    sampler = ResourceSampler(rank=1, device="cpu", send=lambda snapshot: None, is_busy=lambda: True)
+    with Checkpointer(tmp_path, async_save=False).track(model=model):
+        sampler.refresh_tracked_sizes()
+        assert readers == [threading.current_thread().name]
+        snapshots = []
+        thread = threading.Thread(target=lambda: snapshots.extend(sampler.sample() for _ in range(5)),
+                                  name="sampler-under-test")
+        thread.start()
+        thread.join()
+    assert readers == [threading.current_thread().name]  # nothing more, from no other thread
+    assert {s.param_bytes for s in snapshots} == {16} and {s.grad_bytes for s in snapshots} == {0}
+
+
+def test_a_failed_size_reading_is_logged_once_and_keeps_the_rank(tmp_path, caplog):
+    import torch
+
+    from fsdp2nb.checkpoint import Checkpointer
+
+    model = torch.nn.Module()
+    model.parameters = lambda recurse=True: (_ for _ in ()).throw(RuntimeError("no parameters today"))
+    sampler = ResourceSampler(rank=1, device="cpu", send=lambda snapshot: None, is_busy=lambda: False)
+    with Checkpointer(tmp_path, async_save=False).track(model=model):
+        sampler.refresh_tracked_sizes()
+        sampler.refresh_tracked_sizes()
+    failures = [r for r in caplog.records if "reading the tracked model's sizes failed" in r.getMessage()]
+    assert len(failures) == 1
