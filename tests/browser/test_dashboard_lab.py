@@ -145,6 +145,9 @@ def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir)
     page.open(lab.url("dash.ipynb"))
     dash = page.page.locator(".fsdp2nb-dashboard").first
     step, before = _save_during_training(page, shots, flag, step_dir)
+    # The tracked sizes are read when a cell ends and reach the panel with the next snapshot.
+    page.page.wait_for_function("!document.querySelector(\".fsdp2nb-dashboard .fsdp2nb-rank[data-rank='0'] "
+                                ".fsdp2nb-mem\").innerText.includes('optimizer 0 B')", timeout=30_000)
     after = [dash.locator(f".fsdp2nb-rank[data-rank='{r}'] .fsdp2nb-mem").inner_text() for r in (0, 1)]
     assert all(a != b for a, b in zip(after, before, strict=True)), (before, after)
     assert "params" in after[0] and "optimizer 0 B" not in after[0], after
