@@ -132,6 +132,7 @@ class TrackedSizes:
     def __init__(self) -> None:
         self._sizes: dict[str, int] = {}
         self._model = None
+        self._parameters_key: list = []  # (parameter, requires_grad) as last read
         self._param_bytes = 0
         self._trainable_bytes = 0
         self._probe = None  # the first trainable parameter
@@ -146,7 +147,7 @@ class TrackedSizes:
         """Read the sizes again; on the main thread only, while no user code runs."""
         tracked = getattr(current_checkpointer(), "_tracked", None)
         if tracked is None:
-            self._model, self._probe, self._sizes = None, None, {}
+            self._model, self._probe, self._parameters_key, self._sizes = None, None, [], {}
             return
         self._read_parameters(tracked.model)  # a cell may have changed them (LoRA adapters, say)
         num_states = len(tracked.optimizer.state) if tracked.optimizer is not None else 0
@@ -160,12 +161,23 @@ class TrackedSizes:
     def _read_parameters(self, model) -> None:  # noqa: ANN001 - a torch module
         if model is not self._model:
             self._num_states = -1
-        self._model = model
         params = list(model.parameters())
+        # The same parameter objects hold the same shards (sharding anew makes new parameters), so
+        # each shard's size is read again only when the parameters or what trains have changed.
+        key = [(p, p.requires_grad) for p in params]
+        if model is self._model and _same_parameters(key, self._parameters_key):
+            return
+        self._model, self._parameters_key = model, key
         trainable = [p for p in params if p.requires_grad]
         self._param_bytes = _local_bytes(params)
         self._trainable_bytes = _local_bytes(trainable)
         self._probe = trainable[0] if trainable else None
+
+
+def _same_parameters(now: list, before: list) -> bool:
+    """Whether two (parameter, requires_grad) lists name the same objects, training alike."""
+    return len(now) == len(before) and all(
+        p is q and trains == trained for (p, trains), (q, trained) in zip(now, before, strict=True))
 
 
 def _optimizer_bytes(optimizer) -> int:  # noqa: ANN001 - a torch optimizer or None

@@ -73,6 +73,10 @@ def test_tracked_sizes_count_params_grads_and_optimizer_state(tmp_path):
         optimizer.zero_grad()
         sizes.refresh()
         assert sizes.read()["grad_bytes"] == 0
+        model.bias.requires_grad_(False)  # what trains changed: read again
+        model(torch.ones(2, 4)).sum().backward()
+        sizes.refresh()
+        assert sizes.read() == dict(param_bytes=80, grad_bytes=64, optimizer_bytes=80)
     sizes.refresh()
     assert sizes.read() == {}  # closed: nothing tracked
 
