@@ -93,6 +93,10 @@ STYLE = ("<style>.fsdp2nb-steps select{font-family:var(--jp-code-font-family,mon
 """CSS for the list and the HTML rows; sent once, in the header."""
 
 
+_TRACKED_WHEN = '"as the last cell on this rank left them"'
+"""The tracked sizes are read when a request ends, never by the sampler mid-cell (worker/sampler.py)."""
+
+
 def rank_row_html(row: RankRow) -> str:
     colour = _STATE_COLOURS.get(row.state, "#6b7280")
     warn = ' style="color:#dc2626;font-weight:600"' if row.memory is not None and row.memory.warning else ""
@@ -103,7 +107,8 @@ def rank_row_html(row: RankRow) -> str:
             f'<span style="color:{colour}">● {html.escape(row.state_text)}</span>'
             f'{memory_bar(row.memory)}{sparkline(row.history)}'
             f'<span class="fsdp2nb-mem"><span{warn}>{html.escape(memory_text(row.memory))}</span>'
-            f'{"<br><span style=color:#6b7280>" + html.escape(tracked) + "</span>" if tracked else ""}</span></div>')
+            f'{"<br><span style=color:#6b7280 title=" + _TRACKED_WHEN + ">" + html.escape(tracked) + "</span>" if tracked else ""}'
+            '</span></div>')
 
 
 # --- training curves ----------------------------------------------------------------------------

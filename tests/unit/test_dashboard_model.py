@@ -62,6 +62,8 @@ def test_cpu_rank_shows_rss_and_tracked_bytes_against_host_memory():
     (row,) = model.rows()
     assert row.memory.kind == "cpu" and row.memory.total == 16 * GiB and row.memory.peak == 3 * GiB
     assert render.tracked_text(row.memory) == "params 1 MiB · grads 1 MiB · optimizer 2 MiB"
+    # Read when a cell ends, not live: the row says so on hover.
+    assert 'title="as the last cell on this rank left them">params 1 MiB' in render.rank_row_html(row)
 
 
 def test_dead_and_busy_ranks_are_told_apart():
