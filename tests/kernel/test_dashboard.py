@@ -63,6 +63,17 @@ class Iopub:
             self.comms.setdefault(content["comm_id"], {}).update(content["data"]["state"])
             self.updates.append((content["comm_id"], content["data"]["state"]))
 
+    def wait_for(self, comm_id: str, key: str, wanted: str, timeout: float = 60) -> str:
+        """The comm's `key` once it contains `wanted`: the dashboard's thread may still be sending
+        updates after the cell's idle status (its samples are not tied to the cell)."""
+        deadline = time.monotonic() + timeout
+        while wanted not in self.comms[comm_id].get(key, "") and time.monotonic() < deadline:
+            try:
+                self._track(self.kernel.client.get_iopub_msg(timeout=0.5))
+            except queue.Empty:
+                continue
+        return self.comms[comm_id].get(key, "")
+
     def comm_of(self, **state) -> str:
         return next(cid for cid, known in self.comms.items() if all(known.get(k) == v for k, v in state.items()))
 
@@ -141,14 +152,19 @@ def test_save_clicked_on_a_subshell_lands_at_the_next_maybe_save(dash):
             "    if rank == 0 and step == 1: print(f'step {step} trained', flush=True)\n"
             "    if ckpt.maybe_save(step):\n        print(f'saved at step {step}')\n        break\n"
             "    time.sleep(0.02)\nckpt.wait()")
+    message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
+    updates_before = len(dash.updates)
     messages = dash.run(code, on_message=on_message)
     outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
     assert clicked, outputs
     saved = [int(line.split()[-1]) for line in outputs.splitlines() if "saved at step" in line]
     assert saved and len(set(saved)) == 1, outputs  # every rank served it at the same step
     assert (dash.root / "ckpt" / f"step-{saved[0]:06d}").is_dir()
-    message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
-    assert "requested" in dash.comms[message_widget]["value"]
+    shown = [state["value"] for comm_id, state in dash.updates[updates_before:]
+             if comm_id == message_widget and "value" in state]
+    assert any("save requested" in text for text in shown), shown
+    # Then the message follows the save to its end, however late the last sample comes.
+    assert f"saved step {saved[0]}" in dash.wait_for(message_widget, "value", f"saved step {saved[0]}")
 
 
 def test_metrics_magic_returns_the_logged_losses(dash):
