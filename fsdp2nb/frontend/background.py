@@ -22,9 +22,10 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
+from fsdp2nb.frontend.render import RankError, alarm
+
 if TYPE_CHECKING:
-    from fsdp2nb.frontend.session import CellProgress, NotebookSession
-    from fsdp2nb.pool.pool import WorkerPool
+    from fsdp2nb.frontend.request_wait import RequestWait
     from fsdp2nb.wire.protocol import ControlMessage
 
 logger = logging.getLogger(__name__)
@@ -245,19 +246,10 @@ class BackgroundRuns:
             raise _queued_failure(latest, error)
 
 
-def runs_of(session: NotebookSession) -> BackgroundRuns:
-    """The session's runs, made on first use (on the main thread, by the magic that starts one)."""
-    if session.background is None:
-        session.background = BackgroundRuns()
-    return session.background
-
-
 def _queued_failure(run: BackgroundRun, error: BaseException) -> BaseException:
     """The run's error for a cell queued behind it, saying that this cell did not run."""
-    from fsdp2nb.frontend.render import RankError
-
-    note = (f"\x1b[1;31mthe background run {run.label} failed, so this cell did not run "
-            "(as in sequence); run it again to run it\x1b[0m")
+    note = alarm(f"the background run {run.label} failed, so this cell did not run "
+                 "(as in sequence); run it again to run it")
     if isinstance(error, RankError):
         return RankError(error.errors, error.world_size, notes=(*error.notes, note))
     return RuntimeError(f"the background run {run.label} failed ({type(error).__name__}: {error}); "
@@ -270,29 +262,25 @@ def check_run_name(name: str | None) -> None:
         raise ValueError(f"--name takes a Python identifier to bind the run's handle to, got {name!r}")
 
 
-def start_background_run(session: NotebookSession, pool: WorkerPool, ranks: tuple[int, ...],
-                         make_request: Callable[[int], ControlMessage], run: BackgroundRun) -> None:
+def start_background_run(runs: BackgroundRuns, wait: RequestWait, request: ControlMessage,
+                         run: BackgroundRun) -> None:
     """Send the request now and hand the wait for its replies to a runner thread."""
     shell = _shell()
     parent = shell.get_parent() if hasattr(shell, "get_parent") else None
-    cell_id = session.next_cell_id()
-    pool.busy_ranks.update(ranks)  # before returning: a Stop or Save click sees the run at once
-    try:
-        pool.send(ranks, make_request(cell_id))
-    except BaseException:
-        pool.busy_ranks.difference_update(ranks)
-        raise
-    runs_of(session).add(run)
-    thread = threading.Thread(target=_run, args=(session, pool, cell_id, run, shell, parent),
-                              daemon=True, name=f"fsdp2nb-run-{run.execution_count}")
+    wait.send(request)  # marks the ranks busy before returning: a Stop or Save click sees the run at once
+    runs.add(run)
+    thread = threading.Thread(target=_run, args=(wait, run, shell, parent), daemon=True,
+                              name=f"fsdp2nb-run-{run.execution_count}")
     thread.start()
 
 
-def _run(session: NotebookSession, pool: WorkerPool, cell_id: int, run: BackgroundRun, shell, parent) -> None:  # noqa: ANN001
+def _run(wait: RequestWait, run: BackgroundRun, shell, parent) -> None:  # noqa: ANN001
+    """The runner: the blocking cell's wait, on this thread. Its events come through the pool's
+    receiving thread, its output goes to this thread's parent cell."""
     tokens = shell.set_thread_parent(parent) if parent is not None and hasattr(shell, "set_thread_parent") else None
     error: BaseException | None = None
     try:
-        _wait_for_replies(session, pool, cell_id, _progress_for(run), run.stops)
+        wait.wait_for_replies()
     except BaseException as caught:  # every failure belongs to the run, shown in its cell
         error = caught
         try:
@@ -300,57 +288,10 @@ def _run(session: NotebookSession, pool: WorkerPool, cell_id: int, run: Backgrou
         except Exception:  # the handle still ends and carries the error
             logger.exception("fsdp2nb: could not show the error of %s", run.label)
     finally:
-        pool.busy_ranks.difference_update(run.ranks)
         _flush_streams()
         if tokens is not None:
             shell.reset_thread_parent(tokens)
         run.finish(error)
-
-
-def _wait_for_replies(session: NotebookSession, pool: WorkerPool, cell_id: int, progress: CellProgress,
-                      stops: StopRequests) -> None:
-    """The blocking cell's wait (`NotebookSession.run_request`), on this thread: its events come
-    through the pool's receiving thread, its output goes to this thread's parent cell."""
-    from fsdp2nb.frontend.render import (
-        RankError,
-        StreamMerger,
-        show_held_output,
-        show_results,
-        write_to_kernel,
-    )
-
-    merger = StreamMerger(progress.ranks, pool.world_size, write_to_kernel,
-                          {r: info.log_path for r, info in pool.ranks.items()})
-    try:
-        show_held_output(pool)
-        session.wait(pool, cell_id, progress, merger, stops)
-        merger.flush()
-        show_held_output(pool)
-    finally:
-        merger.flush()
-        if progress.waiting_line is not None:
-            progress.waiting_line.close()
-    show_results(progress.results, pool.world_size)
-    if progress.errors:
-        raise RankError(progress.errors, pool.world_size, notes=session.after_collective_timeout(pool, progress))
-
-
-def _progress_for(run: BackgroundRun) -> CellProgress:
-    from fsdp2nb.frontend.session import CellProgress
-
-    return CellProgress(ranks=run.ranks, finished=_FinishedRanks(run), errors=[], results=[])
-
-
-class _FinishedRanks(dict):
-    """CellProgress.finished that also tells the handle, under its lock, as each rank returns."""
-
-    def __init__(self, run: BackgroundRun) -> None:
-        super().__init__()
-        self._run = run
-
-    def __setitem__(self, rank: int, event) -> None:  # noqa: ANN001 - a CellFinished
-        super().__setitem__(rank, event)
-        self._run.rank_finished(rank, failed=event.error is not None)
 
 
 def _show_error(shell, error: BaseException) -> None:  # noqa: ANN001 - an IPython shell

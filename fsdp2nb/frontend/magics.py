@@ -22,8 +22,8 @@ from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, parse_rank_li
 from fsdp2nb.wire.protocol import RunCell
 
 _COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
-             "wait", "interrupt")
-_WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load"))
+             "wait", "interrupt", "debug")
+_WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load", "debug"))
 """Commands that need the ranks, so wait for a background run as a later cell does."""
 _REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError"))
 """Errors of `%fsdp2 save`/`load` that changed nothing and say what to do: shown without tracebacks."""
@@ -86,6 +86,8 @@ def _line_parsers() -> dict[str, MagicArgumentParser]:
     parsers["save"].add_argument("step", nargs="?", type=_non_negative_int, default=None,
                                  help="step to save as (default: the last step the checkpointer saw)")
     parsers["load"].add_argument("target", nargs="?", default="latest", help="'latest' (default) or a step")
+    parsers["debug"].add_argument("--rank", type=int, default=None,
+                                  help="the rank whose last error to open (default: the rank that failed first)")
     for command in ("wait", "interrupt"):
         parsers[command].add_argument("name", nargs="?", default=None, metavar="NAME",
                                       help="the background run's --name (default: the latest run)")
@@ -125,7 +127,8 @@ class FSDP2Magics(Magics):
 
         Every rank has `rank`, `local_rank`, `world_size`, `device`, `mesh` (a 1-D DeviceMesh),
         `torch` and `dist` defined. Output is labelled by rank; a line every rank prints is shown
-        once as [all]. The stop button interrupts every rank.
+        once as [all]. The stop button interrupts every rank. input(), getpass and breakpoint()
+        on a rank prompt in the notebook's input box, named by rank (`[0] (Pdb) `).
 
         Background run: the cell returns a handle at once and its output streams into it::
 
@@ -146,6 +149,7 @@ class FSDP2Magics(Magics):
             %fsdp2 load [STEP|latest]               # restore model, optimizer, RNG and step
             %fsdp2 dashboard                        # show the live dashboard (again)
             df = %fsdp2 metrics                     # what fsdp2nb.log recorded, as a table
+            %fsdp2 debug [--rank R]                 # post-mortem of the last failed cell (pdb, as %debug)
             %fsdp2 restart [--cpu 2]                # fresh pool, rank state is lost
             %fsdp2 stop
 
@@ -155,8 +159,7 @@ class FSDP2Magics(Magics):
         """
         try:
             line = self._expand_variables(line)
-            if self.session.background is not None:  # only once a background run was started
-                self._wait_for_background_run(line, cell)
+            self._wait_for_background_run(line, cell)
             if cell is not None:
                 return self._run_cell(line, cell)
             return self._run_command(line)
@@ -199,6 +202,7 @@ class FSDP2Magics(Magics):
     def _run_in_background(self, options, cell: str):
         """`%%fsdp2 --bg`: start the run and return its handle (bound to --name if given)."""
         from fsdp2nb.frontend.background import BackgroundRun, check_run_name, start_background_run
+        from fsdp2nb.frontend.notebook_input import refuse_in_background
 
         if not options.bg:
             raise UsageError("--name names a background run; use it with --bg")
@@ -210,8 +214,10 @@ class FSDP2Magics(Magics):
         count = notebook_execution_count()
         run = BackgroundRun(ranks=ranks, execution_count=count, name=options.name)
         scheme = notebook_color_scheme()
-        start_background_run(self.session, pool, ranks, lambda cell_id: RunCell(
-            cell_id=cell_id, code=code, transformed=transformed, execution_count=count, color_scheme=scheme), run)
+        wait = self.session.request_wait(pool, ranks, ask_input=refuse_in_background, stop_presses=run.stops,
+                                         on_rank_finished=run.rank_finished)
+        start_background_run(self.session.background, wait, RunCell(
+            cell_id=wait.cell_id, code=code, transformed=transformed, execution_count=count, color_scheme=scheme), run)
         if options.name:
             self.shell.user_ns[options.name] = run
         return run
@@ -330,9 +336,10 @@ class FSDP2Magics(Magics):
         print(f"interrupt sent to {run.label}")
 
     def _background_runs(self):  # noqa: ANN202 - BackgroundRuns
-        from fsdp2nb.frontend.background import runs_of
+        return self.session.background
 
-        return runs_of(self.session)
+    def _command_debug(self, options) -> None:
+        self.session.debug(self._running_pool(), options.rank)
 
     def _command_dashboard(self, options) -> None:
         self._dashboard().show()

@@ -155,7 +155,7 @@ class StreamMerger:
         return True
 
 
-NOT_RAISED = {"RankDied", "RankStuck", "RankStopped"}
+NOT_RAISED = {"RankDied", "RankStuck", "RankStopped", "BdbQuit", "NothingToDebug"}
 """What befell a rank rather than an exception it raised: said as a sentence, not as "raised"."""
 
 
@@ -217,6 +217,11 @@ def _without_cell_numbers(traceback_lines: tuple[str, ...]) -> tuple[str, ...]:
     import re
 
     return tuple(re.sub(r"In\[\d+\]", "In[]", line) for line in traceback_lines)
+
+
+def alarm(text: str) -> str:
+    """`text` in bold red, as IPython shows what went wrong; for notes under a cell's error."""
+    return f"\x1b[1;31m{text}\x1b[0m"
 
 
 def write_to_kernel(stream: str, text: str) -> None:
@@ -284,9 +289,13 @@ class WaitingLine:
         self._text = ""
 
     def show(self, elapsed_s: float, ranks: tuple[int, ...], activity: dict[int, RankActivity],
-             finished: set[int], timeout_s: float | None = None, stopped: dict[int, int] | None = None) -> None:
-        text = f"waiting {elapsed_s:.0f} s: " + "; ".join(self._describe(ranks, activity, finished, stopped or {}))
-        if timeout_s is not None and any(a.collective for r, a in activity.items() if r not in finished):
+             finished: set[int], timeout_s: float | None = None, stopped: dict[int, int] | None = None,
+             waiting_for_input: set[int] | None = None) -> None:
+        waiting_for_input = waiting_for_input or set()
+        text = f"waiting {elapsed_s:.0f} s: " + "; ".join(
+            self._describe(ranks, activity, finished, stopped or {}, waiting_for_input))
+        if timeout_s is not None and any(a.collective for r, a in activity.items()
+                                         if r not in finished and r not in waiting_for_input):
             text += (f" (a collective times out after {timeout_s:g} s, `--timeout` sets it; "
                      "the stop button ends the wait)")
         if text == self._text:
@@ -301,11 +310,15 @@ class WaitingLine:
             self._handle.update(bundle, raw=True)
 
     def _describe(self, ranks: tuple[int, ...], activity: dict[int, RankActivity], finished: set[int],
-                  stopped: dict[int, int]) -> list[str]:
+                  stopped: dict[int, int], waiting_for_input: set[int]) -> list[str]:
         groups: dict[str, list[int]] = {}
         for rank in ranks:
-            what = (f"stopped by a signal (`kill -CONT {stopped[rank]}` resumes it; the stop button restarts the pool)"
-                    if rank in stopped else self._one_rank(rank, activity.get(rank), finished))
+            if rank in stopped:
+                what = f"stopped by a signal (`kill -CONT {stopped[rank]}` resumes it; the stop button restarts the pool)"
+            elif rank in waiting_for_input and rank not in finished:
+                what = "waiting for input"
+            else:
+                what = self._one_rank(rank, activity.get(rank), finished)
             groups.setdefault(what, []).append(rank)
         left_out = [rank for rank in range(self._world_size) if rank not in ranks]
         if left_out:  # `--ranks`: a collective there waits for ranks that never enter it

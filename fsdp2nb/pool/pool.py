@@ -31,6 +31,7 @@ from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
 from fsdp2nb.wire.protocol import (
+    AnswerInput,
     ControlMessage,
     EventMessage,
     Interrupt,
@@ -140,8 +141,8 @@ class WorkerPool:
         self.ranks: dict[int, RankReady] = {}
         self.snapshots: dict[int, RankSnapshot] = {}
         self.exited: dict[int, RankExited] = {}
-        self.busy_ranks: set[int] = set()
-        """Ranks running a request from this kernel (kept by the session)."""
+        self._busy_ranks: frozenset[int] = frozenset()
+        self._busy_lock = threading.Lock()
         self.snapshot_listeners: list[Callable[[RankSnapshot | TaskProgress], None]] = []
         """Called on the receiving thread with every snapshot and every progress event."""
         self.held_output = HeldOutput()
@@ -172,6 +173,41 @@ class WorkerPool:
     @property
     def world_size(self) -> int:
         return self.spec.world_size
+
+    @property
+    def busy_ranks(self) -> frozenset[int]:
+        """Ranks running a request from this kernel: a cell, or a background run."""
+        return self._busy_ranks
+
+    def mark_busy(self, ranks: tuple[int, ...]) -> None:
+        """Called before a request is sent (a Save or Stop click meanwhile sees it running)."""
+        with self._busy_lock:  # cells, background runners and the dashboard's threads all write
+            self._busy_ranks = self._busy_ranks | frozenset(ranks)
+
+    def mark_idle(self, ranks: tuple[int, ...]) -> None:
+        with self._busy_lock:
+            self._busy_ranks = self._busy_ranks - frozenset(ranks)
+
+    def mark_broken(self, reason: str) -> None:
+        """The pool can run no more cells (its process group is unusable); `reason` says why."""
+        self.state = "broken"
+        self.broken_reason = reason
+
+    def wait_for_exit_cause(self, grace_s: float) -> bool:
+        """After a rank could not be reached: wait up to `grace_s` for what ended it to be
+        known (its host agent's exit, or the agent's report of the rank's exit). A rank that
+        ends at once after it took a request breaks its connection before the agent's exit
+        can be seen; the cause, not the broken pipe, is what the cell must name."""
+        deadline = time.monotonic() + grace_s
+        while self.check_agent() and not self.exited:
+            if time.monotonic() >= deadline:
+                return False
+            channels = self._channels
+            if channels is not None and channels.reads_here():  # no other thread reads meanwhile
+                channels.receive_here(20, self._dispatch_safely)
+            else:
+                time.sleep(0.02)
+        return True
 
     @property
     def start_notes(self) -> list[str]:
@@ -359,7 +395,7 @@ class WorkerPool:
     def send(self, ranks: int | tuple[int, ...], message: ControlMessage, connect_timeout_s: float = 5.0) -> None:
         """Send `message` to one rank or to several."""
         assert self._channels is not None, "the pool is not running"
-        control = isinstance(message, (Interrupt, RequestSave, ResetPeak, ReportActivity))
+        control = isinstance(message, (Interrupt, RequestSave, ResetPeak, ReportActivity, AnswerInput))
         cell_id = getattr(message, "cell_id", None)
         if cell_id is not None:
             for rank in (ranks,) if isinstance(ranks, int) else ranks:

@@ -110,8 +110,30 @@ class JoinRendezvous:
     port: int
 
 
+@dataclass(frozen=True)
+class PostMortem:
+    """Open the debugger at the frame where the rank's last failed cell raised (`%fsdp2 debug`)."""
+
+    cell_id: int
+
+
+@dataclass(frozen=True)
+class AnswerInput:
+    """The notebook's answer to a rank's `InputRequested` (control channel: the rank's main thread
+    is blocked in input() meanwhile)."""
+
+    cell_id: int
+    prompt_id: int
+    """The `InputRequested.prompt_id` answered; a late answer to an abandoned prompt is dropped."""
+    text: str = ""
+    eof: bool = False
+    """The user ended input (Ctrl-D): input() raises EOFError, as it would in a terminal."""
+    refusal: str = ""
+    """Why nothing can answer (a frontend without stdin, a background run); raised on the rank."""
+
+
 ControlMessage = (RunCell | PushValues | PullValue | Interrupt | RequestSave | ResetPeak | ReportActivity
-                  | Shutdown | JoinRendezvous)
+                  | Shutdown | JoinRendezvous | PostMortem | AnswerInput)
 
 
 # --- rank -> kernel (event channel) -----------------------------------------------------------
@@ -292,12 +314,25 @@ class RendezvousOpened:
     port: int
 
 
+@dataclass(frozen=True)
+class InputRequested:
+    """A rank's main thread called input(), getpass or a debugger prompt and waits for a line."""
+
+    rank: int
+    cell_id: int
+    prompt_id: int
+    """Counts the rank's prompts, so an answer is matched to the prompt it was typed for."""
+    prompt: str
+    password: bool = False
+
+
 EventMessage = (RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited | TaskProgress
-                | RankActivity | RendezvousOpened)
+                | RankActivity | RendezvousOpened | InputRequested)
 
 WIRE_TYPES = (ChannelHello, RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
               RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak,
-              TaskProgress, ReportActivity, RankActivity, JoinRendezvous, RendezvousOpened)
+              TaskProgress, ReportActivity, RankActivity, JoinRendezvous, RendezvousOpened,
+              PostMortem, AnswerInput, InputRequested)
 """Messages that travel as (index in this tuple, field values): see transport.Signer."""
 
 

@@ -127,3 +127,19 @@ def _deliver_sigint(handler) -> None:  # noqa: ANN001 - what signal.signal retur
         handler(signal.SIGINT, None)
     elif handler == signal.SIG_DFL:
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigint_raises():
+    """Inside a `sigint_noted` block: while this block runs, the stop button raises
+    KeyboardInterrupt again (ipykernel's wait for an input reply ends only so), then is noted."""
+    notes = _active_notes
+    if notes is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = notes.previous if callable(notes.previous) else signal.default_int_handler
+    _set_sigint_handler(previous)
+    try:
+        yield
+    finally:
+        _set_sigint_handler(notes)

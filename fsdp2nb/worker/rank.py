@@ -25,10 +25,12 @@ from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.protocol import (
+    AnswerInput,
     CellFinished,
     ErrorInfo,
     Interrupt,
     LaunchPlan,
+    PostMortem,
     PullValue,
     PushValues,
     RankActivity,
@@ -48,6 +50,7 @@ from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import FdCapture, OutputSync, line_buffered_streams
 from fsdp2nb.worker.rendezvous import network_environment, open_store
 from fsdp2nb.worker.sampler import ResourceSampler
+from fsdp2nb.worker.stdin import NotebookStdin
 
 _BLOCK = -1
 """Wait for a message without a timeout: a rank whose loops woke to poll would steal a core
@@ -86,6 +89,7 @@ class Rank:
             "stderr": FdCapture(2, lambda text: self._send_stream("stderr", text), self._log, pipes.get(2)),
         }
         self._output_sync = OutputSync(self._captures.values(), line_buffered_streams())
+        self._stdin = NotebookStdin(self.rank, self._channels.send_event, lambda: self._cell_id, self._output_sync.sync)
         signal.signal(signal.SIGINT, SigintGate(self._on_sigint))
 
     # --- start-up -----------------------------------------------------------------------------
@@ -95,6 +99,7 @@ class Rank:
         from fsdp2nb.worker.shell import make_shell, run_cell
 
         self.shell = make_shell(namespace, self._send_rich)
+        self._stdin.install()  # after IPython's import, which reads sys.stdin's encoding
         self._run_cell = run_cell  # imported once: the shell module needs IPython, loaded only now
         self._sampler = ResourceSampler(self.rank, self.device, self._channels.send_event,
                                         is_busy=lambda: self._cell_id is not None)
@@ -158,7 +163,7 @@ class Rank:
                 self._channels.send_event(finished)
             self._sampler.refresh_tracked_sizes()  # here, not on the sampler's thread: see TrackedSizes
 
-    def _run_request(self, request: RunCell | PushValues | PullValue) -> CellFinished:
+    def _run_request(self, request: RunCell | PushValues | PullValue | PostMortem) -> CellFinished:
         """Run one request; KeyboardInterrupt is raised only while this runs (see _on_sigint)."""
         self._cell_id = request.cell_id
         try:
@@ -186,10 +191,15 @@ class Rank:
         except Exception as error:  # the save failed; say so in the rank's log, then exit anyway
             print(f"rank {self.rank}: the last checkpoint save failed: {error}", file=sys.stderr)
 
-    def _handle(self, request: RunCell | PushValues | PullValue) -> CellFinished:
+    def _handle(self, request: RunCell | PushValues | PullValue | PostMortem) -> CellFinished:
         if isinstance(request, RunCell):
             error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count,
                                    request.color_scheme)
+            return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
+        if isinstance(request, PostMortem):
+            from fsdp2nb.worker.shell import post_mortem
+
+            error = post_mortem(self.shell, self.rank)
             return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
         if isinstance(request, PushValues):
             return self._push(request)
@@ -252,6 +262,8 @@ class Rank:
             self._sampler.reset_peak()
         elif isinstance(message, ReportActivity):
             self._report_activity()
+        elif isinstance(message, AnswerInput):
+            self._stdin.deliver(message)
 
     def _report_activity(self) -> None:
         from fsdp2nb.worker.activity import main_thread_activity
@@ -262,7 +274,7 @@ class Rank:
 
     def _interrupt(self, cell_id: int) -> None:
         self._interrupted_cell_id = cell_id
-        if self._cell_id == cell_id:
+        if self._cell_id == cell_id and not self._stdin.interrupt(cell_id):  # at a prompt it ends there
             signal.pthread_kill(self._main_thread_id, signal.SIGINT)
 
     def _on_sigint(self, signum, frame) -> None:

@@ -7,6 +7,7 @@ last expression is displayed, `display()` publishes rich output, and tracebacks 
 from __future__ import annotations
 
 import ast
+import bdb
 import sys
 import types
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from traitlets.config import Config
 
 from fsdp2nb.wire.protocol import ErrorInfo, RichKind
 from fsdp2nb.wire.sigint import SigintGate
+from fsdp2nb.worker.stdin import InputUnavailable, InterruptedAtPrompt
 
 RichSink = Callable[[RichKind, dict, dict], None]
 
@@ -105,22 +107,26 @@ class RankShell(InteractiveShell):
         while isinstance(error, BaseException) and id(error) not in seen:
             seen.add(id(error))
             if isinstance(error, KeyboardInterrupt):
-                _cut_at_sigint_handler(error.__traceback__)
+                _cut_traceback(error.__traceback__, lambda code: code in _SIGINT_HANDLER_CODES)
+            elif isinstance(error, (InterruptedAtPrompt, InputUnavailable)):  # from a prompt inside pdb
+                _cut_traceback(error.__traceback__, lambda code: code.co_filename == bdb.__file__)
             error = error.__cause__ or error.__context__
         super().showtraceback(exc_tuple, *args, **kwargs)
 
     def _showtraceback(self, etype, evalue, stb: list[str]) -> None:
-        self.last_error = ErrorInfo(
-            ename=getattr(etype, "__name__", str(etype)), evalue=str(evalue), traceback=tuple(stb)
-        )
+        ename = getattr(etype, "__name__", str(etype))
+        if ename == "InterruptedAtPrompt":  # the stop button, as any other cell's
+            ename = "KeyboardInterrupt"
+        self.last_error = ErrorInfo(ename=ename, evalue=str(evalue), traceback=tuple(stb))
 
 
-def _cut_at_sigint_handler(traceback: types.TracebackType | None) -> None:
-    """Drop the entries of `traceback` from where the rank's SIGINT handler begins (entries run
-    outermost first; the handler's frames sit on top of the frame it interrupted)."""
+def _cut_traceback(traceback: types.TracebackType | None, internal: Callable[[types.CodeType], bool]) -> None:
+    """Drop the entries of `traceback` from the first `internal` frame on: the rank's SIGINT
+    handler, or the debugger a prompt was in. Entries run outermost first, and those frames sit
+    on top of the user's frame they stopped, where a plain cell's traceback ends."""
     entry = traceback
     while entry is not None and entry.tb_next is not None:
-        if entry.tb_next.tb_frame.f_code in _SIGINT_HANDLER_CODES:
+        if internal(entry.tb_next.tb_frame.f_code):
             entry.tb_next = None
             return
         entry = entry.tb_next
@@ -168,7 +174,23 @@ def run_cell(shell: RankShell, code: str, transformed: str | None = None,
         result = _run_transformed(shell, code, transformed)
     if result.success:
         return None
+    if isinstance(result.error_in_exec, bdb.BdbQuit):  # IPython ends the cell quietly; so does the rank
+        return ErrorInfo(ename="BdbQuit", evalue="quit the debugger (q), which ends the cell", traceback=())
     return shell.last_error or ErrorInfo(ename="Error", evalue="the cell failed", traceback=())
+
+
+def post_mortem(shell: RankShell, rank: int) -> ErrorInfo | None:
+    """IPython's debugger at the frame where the rank's last failed cell raised, as `%debug`
+    opens it; the error to report if there is nothing to debug."""
+    if getattr(sys, "last_traceback", None) is None:
+        return ErrorInfo(ename="NothingToDebug", traceback=(),
+                         evalue=f"rank {rank} has no error to debug: no cell has failed on it")
+    shell.last_error = None
+    try:
+        shell.debugger(force=True)
+    except bdb.BdbQuit:
+        pass
+    return shell.last_error
 
 
 def _use_color_scheme(shell: RankShell, scheme: str) -> None:

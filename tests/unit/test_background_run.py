@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -101,12 +102,14 @@ def test_a_queued_request_waits_for_the_run_and_says_for_which():
 
 
 def test_finished_ranks_are_counted_by_the_handle():
-    from fsdp2nb.frontend.background import _progress_for
+    from fsdp2nb.frontend.request_wait import RequestWait
 
     run = _run()
-    progress = _progress_for(run)
-    progress.finished[1] = CellFinished(cell_id=1, rank=1, status="error", error=ErrorInfo("ValueError", "x", ()))
-    assert progress.running == [0] and run.rank_states == {0: "running", 1: "failed"}
+    pool = SimpleNamespace(world_size=2, ranks={})
+    wait = RequestWait(pool, 1, run.ranks, recover=lambda spec, what: "", ask_input=lambda prompt, password: "",
+                       on_rank_finished=run.rank_finished)
+    wait._handle(CellFinished(cell_id=1, rank=1, status="error", error=ErrorInfo("ValueError", "x", ())))
+    assert wait.progress.running == [0] and run.rank_states == {0: "running", 1: "failed"}
 
 
 def test_find_names_the_known_runs():

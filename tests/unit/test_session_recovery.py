@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from fsdp2nb.frontend.render import RankError, StreamMerger
-from fsdp2nb.frontend.session import INTERRUPT_GRACE_S, CellProgress, NotebookSession
+from fsdp2nb.frontend.render import RankError
+from fsdp2nb.frontend.request_wait import INTERRUPT_GRACE_S
+from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.pool import HeldOutput, PoolStartError
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, RankExited, RankReady, RichOutput, StreamOutput
@@ -26,7 +27,7 @@ class ScriptedPool:
         self.world_size = spec.world_size
         self.ranks = {r: RankReady(rank=r, pid=1000 + r, create_time=0.0, device="cpu", hostname="host",
                                    log_path=f"/logs/rank-{r}.log") for r in range(spec.world_size)}
-        self.busy_ranks: set[int] = set()
+        self.busy_ranks: frozenset[int] = frozenset()
         self.exited: dict = {}
         self.state = "ready"
         self.sent: list = []
@@ -47,6 +48,12 @@ class ScriptedPool:
     def check_agent(self) -> bool:
         return True
 
+    def mark_busy(self, ranks) -> None:
+        self.busy_ranks |= frozenset(ranks)
+
+    def mark_idle(self, ranks) -> None:
+        self.busy_ranks -= frozenset(ranks)
+
     def send(self, ranks, message, connect_timeout_s: float = 5.0) -> None:
         self.sent.append(message)
 
@@ -58,14 +65,19 @@ class ScriptedPool:
 
 
 def test_a_rank_returning_as_the_interrupt_deadline_passes_ends_the_cell_normally():
-    pool = ScriptedPool(SPEC, events=[CellFinished(rank=1, cell_id=7, status="ok")])
+    pool = ScriptedPool(SPEC)
     session = NotebookSession(pool_factory=lambda spec: pytest.fail("the pool must not be replaced"))
     session.pool = pool
     error = ErrorInfo("ValueError", "bad", ("ValueError: bad",))
-    progress = CellProgress(ranks=(0, 1), finished={0: CellFinished(0, 7, "error", error)}, errors=[(0, error)],
-                             results=[], first_error_at=time.monotonic() - 10,
-                             interrupted_at=time.monotonic() - INTERRUPT_GRACE_S - 1)
-    session.wait(pool, 7, progress, StreamMerger((0, 1), 2, lambda stream, text: None), None)
+    wait = session.request_wait(pool, (0, 1))
+    progress = wait.progress
+    progress.finished[0] = CellFinished(0, wait.cell_id, "error", error)
+    progress.errors.append((0, error))
+    progress.first_error_at = time.monotonic() - 10
+    progress.interrupted_at = time.monotonic() - INTERRUPT_GRACE_S - 1
+    pool._events.append(CellFinished(rank=1, cell_id=wait.cell_id, status="ok"))
+    with pytest.raises(RankError):  # rank 0's error, once rank 1 returned
+        wait.wait_for_replies()
     assert not pool.stopped and progress.running == []
 
 

@@ -1,0 +1,441 @@
+"""The wait for one request's replies: the loop every request to the ranks goes through.
+
+A blocking cell runs it on the kernel's main thread, where the stop button is only noted
+(`sigint_noted`) and acted on between steps; a background run runs it on its runner thread, where
+its Stop presses stand in for the button. Until every rank has replied it streams the ranks'
+output, relays their prompts for input to the notebook one at a time, interrupts the others
+after a rank failed, and when ranks are dead or stuck hands the pool to `recover` (the session
+restarts it) and ends with the error to show. `wait_for_replies()` ends every wait the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from fsdp2nb.frontend.render import (
+    RankError,
+    StreamMerger,
+    WaitingLine,
+    alarm,
+    rank_exit_error,
+    rank_label,
+    show_display,
+    show_held_output,
+    show_results,
+    write_to_kernel,
+)
+from fsdp2nb.wire.protocol import (
+    AnswerInput,
+    CellFinished,
+    ControlMessage,
+    ErrorInfo,
+    EventMessage,
+    InputRequested,
+    Interrupt,
+    RankActivity,
+    RankExited,
+    ReportActivity,
+    RichOutput,
+    StreamOutput,
+    TaskProgress,
+)
+
+if TYPE_CHECKING:
+    from fsdp2nb.pool.pool import WorkerPool
+    from fsdp2nb.pool.spec import PoolSpec
+
+ERROR_GRACE_S = 3.0
+"""After a rank fails, how long the others may go on before they are interrupted."""
+INTERRUPT_GRACE_S = 5.0
+"""After an interrupt, how long ranks may take to return before the pool is restarted."""
+WAITING_REPORT_S = 3.0
+"""After this long without output from a cell, the ranks are asked where they are; a collective
+that not every rank entered would otherwise wait silently for the whole collective timeout."""
+PROMPT_FOCUS_S = 0.5
+"""After answering a rank's prompt, how long its next prompt is waited for before another rank's
+is shown: a debugger session on one rank is not cut by the prompts of the others."""
+EXIT_CAUSE_GRACE_S = 2.0
+"""How long a request that could not reach a rank waits to learn why (see wait_for_exit_cause)."""
+_ACTIVITY_INTERVAL_S = 2.0
+_POLL_S = 0.1
+
+
+class StopPresses(Protocol):
+    """The stop button's notes (`SigintNotes`) or a background run's Stop presses."""
+
+    def take(self) -> bool: ...
+
+
+Recover = Callable[["PoolSpec", str], str]
+"""Replaces a pool whose ranks are dead or stuck; given what happened, returns the note to show."""
+AskInput = Callable[[str, bool], str]
+"""Asks the notebook for a line: (prompt, password) -> the line; raises KeyboardInterrupt when the
+stop button is pressed meanwhile, EOFError at end of input, another error where none can answer."""
+
+
+@dataclass
+class CellProgress:
+    """What the kernel knows about one request while it runs."""
+
+    ranks: tuple[int, ...]
+    finished: dict[int, CellFinished] = field(default_factory=dict)
+    errors: list[tuple[int, ErrorInfo]] = field(default_factory=list)
+    results: list[tuple[int, RichOutput]] = field(default_factory=list)
+    first_error_at: float | None = None
+    interrupted_at: float | None = None
+    task_bar: object | None = None
+    """The cell's progress bar (frontend.progress_view), made when the ranks first report progress."""
+    started_at: float = field(default_factory=time.monotonic)
+    last_output_at: float = field(default_factory=time.monotonic)
+    activity_asked_at: float = 0.0
+    activity: dict[int, RankActivity] = field(default_factory=dict)
+    """Where each rank was when last asked (RankActivity), while the cell waited."""
+    waiting_line: WaitingLine | None = None
+    stopped: dict[int, int] = field(default_factory=dict)
+    """Ranks that did not answer because a signal stopped them (rank -> pid), as last seen."""
+    diverged_at: float | None = None
+    """When the ranks were first seen at diverging points (see _ranks_diverge)."""
+    prompts: dict[int, InputRequested] = field(default_factory=dict)
+    """Ranks waiting for a line of input, answered one at a time in rank order."""
+    prompting_rank: int | None = None
+    """The rank whose prompt was answered last, and when (see PROMPT_FOCUS_S)."""
+    answered_at: float = 0.0
+
+    @property
+    def running(self) -> list[int]:
+        return [r for r in self.ranks if r not in self.finished]
+
+
+class RequestWait:
+    """Sends one request to `ranks` and takes their events until each replied."""
+
+    def __init__(self, pool: WorkerPool, cell_id: int, ranks: tuple[int, ...], *, recover: Recover,
+                 ask_input: AskInput, stop_presses: StopPresses | None = None,
+                 on_rank_finished: Callable[[int, bool], None] | None = None) -> None:
+        self.pool = pool
+        self.cell_id = cell_id
+        self.progress = CellProgress(ranks=ranks)
+        self._recover_pool = recover
+        self._ask_input = ask_input
+        self._stop_presses = stop_presses
+        self._on_rank_finished = on_rank_finished
+        self._merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
+                                    {r: info.log_path for r, info in pool.ranks.items()})
+
+    def send(self, request: ControlMessage) -> None:
+        """Mark the ranks busy, then send; a rank found gone ends the request with the cause."""
+        self.pool.mark_busy(self.progress.ranks)
+        try:
+            self.pool.send(self.progress.ranks, request)
+        except ConnectionError as error:  # a rank gone between cells, or ended by the request itself
+            self.pool.mark_idle(self.progress.ranks)
+            self._after_unreachable_rank(error)
+
+    def wait_for_replies(self) -> CellProgress:
+        """Wait until every rank replied, show what they left (values, errors), raise RankError
+        if any rank failed. Output the ranks printed between cells comes first."""
+        try:
+            show_held_output(self.pool)
+            self._wait()
+            self._merger.flush()  # the request's own output first
+            show_held_output(self.pool)  # then what was still on its way when it began
+        finally:
+            self._close()
+        show_results(self.progress.results, self.pool.world_size)
+        if self.progress.errors:
+            raise RankError(self.progress.errors, self.pool.world_size, notes=self.after_collective_timeout())
+        return self.progress
+
+    def _close(self) -> None:
+        self.pool.mark_idle(self.progress.ranks)
+        self._merger.flush()  # ipykernel flushes its streams itself before a display or an error
+        if self.progress.task_bar is not None:
+            self.progress.task_bar.close()
+        if self.progress.waiting_line is not None:
+            self.progress.waiting_line.close()
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _wait(self) -> None:
+        """A rank that failed while others wait is interrupted after ERROR_GRACE_S; ranks that do
+        not return INTERRUPT_GRACE_S after an interrupt (or a second press) get a new pool."""
+        progress = self.progress
+        while progress.running:
+            event = self.pool.next_event(_POLL_S)  # a press during the wait is acted on within _POLL_S
+            if event is not None:
+                self._handle(event)
+            elif not self.pool.check_agent():
+                self._after_agent_death()
+            self._merger.poll()
+            if progress.prompts and self._may_prompt_now():
+                self._answer_prompt()
+            self._enforce_deadlines()
+            self._ask_quiet_ranks()
+            if self._stop_presses is not None and self._stop_presses.take() and progress.running:
+                self._stop_pressed()
+
+    def _stop_pressed(self) -> None:
+        if self.progress.interrupted_at is None:
+            self._interrupt()
+        else:  # a second press while waiting means: do not wait any longer
+            self._recover("the ranks did not return after a second interrupt")
+
+    def _handle(self, event: EventMessage) -> None:
+        progress = self.progress
+        if isinstance(event, RankExited):
+            self._merger.flush()
+            note = self._recover_pool(self.pool.spec, f"rank {event.rank} died")
+            raise RankError([(event.rank, rank_exit_error(event))], self.pool.world_size, notes=(note,))
+        if getattr(event, "cell_id", self.cell_id) != self.cell_id:
+            return  # late output of an earlier, abandoned request
+        if not isinstance(event, (CellFinished, RankActivity)):
+            progress.last_output_at = time.monotonic()
+        if isinstance(event, StreamOutput):
+            self._merger.feed(event.rank, event.stream, event.text)
+        elif isinstance(event, RichOutput):
+            if event.kind == "result":  # shown once the cell ends, alike values once
+                progress.results.append((event.rank, event))
+            else:
+                show_display(event, self._merger, self.pool.world_size)
+        elif isinstance(event, TaskProgress):
+            self._show_task_progress(event)
+        elif isinstance(event, RankActivity):
+            progress.activity[event.rank] = event
+            self._show_waiting_line()
+        elif isinstance(event, InputRequested):
+            progress.prompts[event.rank] = event
+        elif isinstance(event, CellFinished):
+            self._rank_finished(event)
+
+    def _show_task_progress(self, event: TaskProgress) -> None:
+        if self.progress.task_bar is None:
+            from fsdp2nb.frontend.progress_view import CellTaskBar
+
+            self._merger.flush()  # what the ranks printed before the work began comes first
+            self.progress.task_bar = CellTaskBar(self.pool.world_size)
+        self.progress.task_bar.update(event)
+
+    def _rank_finished(self, event: CellFinished) -> None:
+        progress = self.progress
+        progress.finished[event.rank] = event
+        progress.prompts.pop(event.rank, None)
+        self._merger.rank_done(event.rank)
+        if event.error is not None:
+            progress.errors.append((event.rank, event.error))
+            progress.first_error_at = progress.first_error_at or time.monotonic()
+        if self._on_rank_finished is not None:
+            self._on_rank_finished(event.rank, event.error is not None)
+
+    # --- input --------------------------------------------------------------------------------
+
+    def _may_prompt_now(self) -> bool:
+        """Whether to show a prompt now: the rank being debugged asks again, or has had its moment."""
+        progress = self.progress
+        focus = progress.prompting_rank
+        return (focus is None or focus in progress.prompts or focus in progress.finished
+                or time.monotonic() - progress.answered_at > PROMPT_FOCUS_S)
+
+    def _answer_prompt(self) -> None:
+        """Ask the notebook for a waiting rank's line (the rank being debugged first, then in rank
+        order) and send it to that rank only."""
+        progress = self.progress
+        focus = progress.prompting_rank
+        prompt = progress.prompts.pop(focus if focus in progress.prompts else min(progress.prompts))
+        progress.prompting_rank = prompt.rank
+        self._merger.flush()  # what the rank printed before its prompt (pdb's "> file(line)") first
+        self._say_who_waits(prompt.rank)
+        label = rank_label([prompt.rank], self.pool.world_size) or "[0]"
+        if progress.interrupted_at is not None:  # asked again after the interrupt: the cell is ending
+            self._send_answer(prompt, AnswerInput(cell_id=self.cell_id, prompt_id=prompt.prompt_id,
+                                                  refusal="the cell was interrupted"))
+            return
+        try:
+            text = self._ask_input(f"{label} {prompt.prompt}", prompt.password)
+            answer = AnswerInput(cell_id=self.cell_id, prompt_id=prompt.prompt_id, text=text)
+        except KeyboardInterrupt:  # the stop button at the prompt: as for any running cell
+            progress.prompts.clear()
+            self._stop_pressed()
+            return
+        except EOFError:
+            answer = AnswerInput(cell_id=self.cell_id, prompt_id=prompt.prompt_id, eof=True)
+        except Exception as error:  # no frontend can answer (nbclient, a background run)
+            answer = AnswerInput(cell_id=self.cell_id, prompt_id=prompt.prompt_id,
+                                 refusal=_refusal(prompt, error))
+        progress.last_output_at = progress.answered_at = time.monotonic()  # a prompt is not time gone quiet
+        self._send_answer(prompt, answer)
+
+    def _send_answer(self, prompt: InputRequested, answer: AnswerInput) -> None:
+        try:
+            self.pool.send(prompt.rank, answer, connect_timeout_s=0)
+        except ConnectionError:
+            pass  # its end is reported as an exit of its own
+
+    def _say_who_waits(self, answering: int) -> None:
+        """Where several ranks wait for input, say which, before the first prompt of a round."""
+        waiting = sorted({answering, *self.progress.prompts})
+        if len(waiting) > 1:
+            write_to_kernel("stderr", f"ranks {', '.join(map(str, waiting))} wait for input; "
+                                      f"answering rank {answering} first\n")
+            self._show_waiting_line()
+
+    # --- deadlines and quiet ranks --------------------------------------------------------------
+
+    def _enforce_deadlines(self) -> None:
+        """A rank failed while others wait (likely in a collective): interrupt, then restart."""
+        progress = self.progress
+        if not progress.running:  # the last rank returned in this very pass
+            return
+        now = time.monotonic()
+        if progress.interrupted_at is None and progress.first_error_at is not None:
+            if now - progress.first_error_at > ERROR_GRACE_S:
+                self._interrupt()
+        elif progress.interrupted_at is not None and now - progress.interrupted_at > INTERRUPT_GRACE_S:
+            stuck = ", ".join(map(str, progress.running))
+            self._recover(f"rank(s) {stuck} did not return within {INTERRUPT_GRACE_S:g} s of the interrupt")
+
+    def _interrupt(self) -> None:
+        self.progress.interrupted_at = time.monotonic()
+        for rank in self.progress.running:
+            try:
+                self.pool.send(rank, Interrupt(cell_id=self.cell_id), connect_timeout_s=0)
+                # Where it was, in case it does not return: the error then names its line.
+                self.pool.send(rank, ReportActivity(cell_id=self.cell_id), connect_timeout_s=0)
+            except ConnectionError:
+                pass
+
+    def _ask_quiet_ranks(self) -> None:
+        """After WAITING_REPORT_S without output, ask the running ranks where they are, now and then."""
+        progress, pool = self.progress, self.pool
+        now = time.monotonic()
+        if now - progress.last_output_at < WAITING_REPORT_S or now - progress.activity_asked_at < _ACTIVITY_INTERVAL_S:
+            return
+        progress.activity_asked_at = now
+        for rank in progress.running:
+            if pool.rank_process_state(rank) in ("", "zombie"):  # ended, and no agent told (it is stopped)
+                self._after_unreachable_rank(ConnectionError(f"rank {rank}'s process ended and nothing reported it"),
+                                             rank)
+        for rank in progress.running:
+            try:
+                pool.send(rank, ReportActivity(cell_id=self.cell_id), connect_timeout_s=0)
+            except ConnectionError:
+                pass
+
+    def _show_waiting_line(self) -> None:
+        """Shown once the ranks' positions diverge in two samples running: some finished while others
+        go on, or a rank waits in a collective that others are not in (ranks left out by `--ranks`
+        included), or for input. Ranks computing quietly, or all in the same collective, show nothing."""
+        progress, pool = self.progress, self.pool
+        running = progress.running
+        if not running:
+            return
+        progress.stopped = {rank: pool.ranks[rank].pid for rank in running if rank not in progress.activity
+                            and rank in pool.ranks and pool.rank_process_state(rank) == "stopped"}
+        if not _ranks_diverge(progress, pool.world_size):
+            progress.diverged_at = None
+            return
+        now = time.monotonic()
+        progress.diverged_at = progress.diverged_at or now
+        if (progress.waiting_line is None and not progress.stopped and not progress.prompts
+                and now - progress.diverged_at < _ACTIVITY_INTERVAL_S):
+            return  # one sample can catch ranks of a healthy loop at different points; wait for the next
+        if progress.waiting_line is None:
+            self._merger.flush()  # what the ranks printed comes before the line
+            progress.waiting_line = WaitingLine(pool.world_size)
+        progress.waiting_line.show(now - progress.started_at, progress.ranks, progress.activity,
+                                   finished=set(progress.finished), timeout_s=pool.spec.collective_timeout_s,
+                                   stopped=progress.stopped, waiting_for_input=set(progress.prompts))
+
+    # --- ranks dead or stuck ----------------------------------------------------------------------
+
+    def _recover(self, why: str) -> None:
+        """Replace a pool whose ranks are stuck, then end the request saying that state was lost."""
+        self._merger.flush()
+        progress = self.progress
+        not_returned = [(rank, self._not_returned(rank)) for rank in progress.running]
+        stopped = [str(rank) for rank, error in not_returned if error.ename == "RankStopped"]
+        stuck = [str(rank) for rank, error in not_returned if error.ename != "RankStopped"]
+        what = "; ".join(f"{kind}: rank(s) {', '.join(ranks)}" for kind, ranks in
+                         (("stopped", stopped), ("stuck", stuck)) if ranks)
+        note = self._recover_pool(self.pool.spec, f"{why} ({what})")
+        raise RankError(progress.errors + not_returned, self.pool.world_size, notes=(note,))
+
+    def _not_returned(self, rank: int) -> ErrorInfo:
+        """What to say of a rank that did not return: stopped by a signal, or stuck at a line."""
+        info = self.pool.ranks.get(rank)
+        if self.pool.rank_process_state(rank) == "stopped":
+            pid = info.pid if info else "?"
+            return ErrorInfo("RankStopped", f"is stopped by a signal (SIGSTOP or SIGTSTP) and cannot run; "
+                                            f"`kill -CONT {pid}` would have resumed it", ())
+        activity = self.progress.activity.get(rank)
+        where = f" (at {activity.where})" if activity is not None and activity.where else ""
+        return ErrorInfo("RankStuck", f"did not return after the interrupt{where}: it ignored it or "
+                                      "is inside code that cannot be interrupted", ())
+
+    def _after_agent_death(self) -> None:
+        """The host agent died mid-request; its ranks died with it: end the request, start afresh."""
+        self._merger.flush()
+        reason = self.pool.broken_reason or "the host agent died"
+        errors = [(rank, ErrorInfo("RankDied", f"ended with its host agent: {reason}", ()))
+                  for rank in self.progress.running]
+        note = self._recover_pool(self.pool.spec, reason)
+        raise RankError(self.progress.errors + errors, self.pool.world_size, notes=(note,))
+
+    def _after_unreachable_rank(self, error: ConnectionError, rank: int | None = None) -> None:
+        """A rank could not be reached: its process is gone. Its cause wins over the broken pipe
+        whatever the order they are seen in: a dead agent ends the request as such, a rank's exit
+        report as that rank's death."""
+        pool = self.pool
+        if pool.wait_for_exit_cause(EXIT_CAUSE_GRACE_S):
+            if not pool.check_agent():
+                self._after_agent_death()
+            if pool.exited:
+                self._handle(next(iter(pool.exited.values())))
+        reason = pool.broken_reason or str(error)
+        note = self._recover_pool(pool.spec, f"the cell could not reach its ranks ({reason})")
+        first = self.progress.ranks[0] if rank is None else rank
+        raise RankError([(first, ErrorInfo("RankDied", f"could not be reached: {reason}", ()))],
+                        pool.world_size, notes=(note,))
+
+    def after_collective_timeout(self) -> tuple[str, ...]:
+        """A collective that timed out leaves the process group unusable: mark the pool broken;
+        the notes for the request's error (none if no collective timed out)."""
+        timed_out = sorted(rank for rank, error in self.progress.errors if _is_collective_timeout(error))
+        if not timed_out:
+            return ()
+        ranks = ", ".join(map(str, timed_out))
+        timeout_s = self.pool.spec.collective_timeout_s
+        self.pool.mark_broken(f"a collective timed out on rank(s) {ranks} after {timeout_s:g} s")
+        return (alarm(f"a collective timed out on rank(s) {ranks} after {timeout_s:g} s: the pool's process "
+                      "group is unusable now") + "\n`%fsdp2 restart` starts a fresh pool (rank state is lost); "
+                "`--timeout SECONDS` there sets the collective timeout",)
+
+
+def _refusal(prompt: InputRequested, error: Exception) -> str:
+    """One line for the rank's error when no one can answer its prompt."""
+    from IPython.core.error import StdinNotImplementedError
+
+    asked = f"rank {prompt.rank} asked for input ({prompt.prompt.strip() or 'input()'})"
+    if isinstance(error, StdinNotImplementedError):
+        return (f"{asked}, but this frontend cannot answer input (it runs cells without stdin, as nbclient "
+                "does); run the notebook in JupyterLab or Notebook to use input() or pdb on ranks")
+    return f"{asked}, but {error}"
+
+
+def _is_collective_timeout(error: ErrorInfo) -> bool:
+    """A process-group timeout as gloo and torch.distributed word it."""
+    text = error.evalue.lower()
+    return (error.ename.startswith("Dist") or error.ename == "RuntimeError") and ("timed out" in text
+                                                                                 or "timeout" in text)
+
+
+def _ranks_diverge(progress: CellProgress, world_size: int) -> bool:
+    """Whether the ranks are where a collective not every rank entered leaves them."""
+    if progress.finished or progress.stopped or progress.prompts:
+        return True
+    collectives = {progress.activity[r].collective if r in progress.activity else None for r in progress.running}
+    if collectives == {None}:
+        return False
+    return len(collectives) > 1 or len(progress.ranks) < world_size
