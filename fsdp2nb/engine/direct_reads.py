@@ -2,8 +2,8 @@
 
 FSDP2 shards dim 0, so a rank's block of a row-major tensor is one contiguous byte range of the
 file. Reading it through the page cache (mmap slicing or plain pread) costs the kernel a page
-allocation and copy per 4 KiB, which on a small VM cuts the disk's throughput (the README's
-measured table has the figures). Direct reads go from the disk into reused,
+allocation and copy per 4 KiB, which on a small VM cuts the disk's throughput (docs/benchmarks.md
+has the figures). Direct reads go from the disk into reused,
 page-aligned bounce buffers; each chunk is then cast into the rank's shard.
 
 When most of a file is already in the page cache (asked of mincore), buffered reads are faster

@@ -10,7 +10,7 @@ Units, innermost first:
     tensor is managed by exactly one unit).
 
 LoRA (peft) adapters are not wrapped on their own: their lora_A/lora_B sit inside the block that owns
-the adapted Linear and are sharded with it. Measured on torch 2.13 (tests/distributed/test_engine_training.py):
+the adapted Linear and are sharded with it. Checked by tests/distributed/test_engine_training.py:
 fully_shard accepts frozen base weights and trainable adapters in one unit, and frozen bf16 base
 weights next to fp32 adapters when the policy's param_dtype is bf16 (FSDP only requires one
 original dtype among the *trainable* parameters of a unit), so no extra per-block adapter unit is needed.

@@ -40,7 +40,7 @@ def _check_syntax(source: str) -> None:
 
 def is_plain_python(shell, code: str) -> bool:  # noqa: ANN001 - an IPython shell
     """Whether IPython's input transformations would leave `code` as it is, so they can be
-    skipped (they cost about a tenth of an empty cell): none of the characters its syntax uses
+    skipped (a visible part of an empty cell's cost): none of the characters its syntax uses
     (`%`, `!`, `?`), no leading blank line, indent or prompt, and only IPython's own transformers."""
     if not code or code[0].isspace() or code.startswith((">>>", "...", "In [")):
         return False

@@ -4,7 +4,7 @@
 come from an engine that runs `python -m fsdp2nb.worker.agent` once per host with the same launch
 plan: `ray_launcher` (through a Ray driver of its own) and `slurm_launcher` (one srun step).
 
-A restart should not pay for importing torch again (about 1 s of a 1.2 s start here): once a
+A restart should not pay for importing torch again (most of a cold start): once a
 pool is up, `LocalLauncher.start_standby()` starts the next agent ahead of time. It imports
 torch and IPython, then blocks reading its launch plan from stdin; the next launch writes the
 plan there instead of starting a process. A standby that is never used ends when the launcher

@@ -152,7 +152,7 @@ class WorkerPool:
         self.agent_died = False
         self.log_dir = ""
         self._launcher = launcher or launcher_for(spec)
-        self._events: queue.SimpleQueue[EventMessage] = queue.SimpleQueue()  # C: a tenth of Queue's cost
+        self._events: queue.SimpleQueue[EventMessage] = queue.SimpleQueue()  # C: far cheaper than Queue
         self._all_ready = threading.Event()
         self._stop_receiving = threading.Event()
         self._channels: KernelChannels | None = None

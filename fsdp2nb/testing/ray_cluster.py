@@ -11,7 +11,7 @@ as its children, so the cluster is stopped by the processes started here, never 
 cluster, one subdirectory per node, so Unix socket paths stay well under 107 characters), and have
 a small object store. Their ports are fixed (each namespace has a port space of its own). A
 raylet aborts when its Python agents have not written their port files within a fixed 15 s, which
-a loaded 2-core machine exceeds; the values are known beforehand, so they are written ahead of the
+a loaded machine can exceed; the values are known beforehand, so they are written ahead of the
 agents (see _write_agent_port_files), and a node whose raylet or GCS aborts all the same is
 started again (at most START_ATTEMPTS times). RAY_AUTH_MODE and every other setting of the caller's
 environment pass through unchanged.
@@ -276,8 +276,8 @@ class RayCluster:
         SIGTERM goes to each `ray start` and the processes under it at once; what has not exited
         after `grace_s` is killed, and then so is anything else still running in the namespaces,
         Ray's or started through it. The grace is short because it is seldom enough: a `ray start`
-        drains its node for up to 30 s first, and on a loaded 2-core machine a GCS and raylets
-        were all still running 8 s after their SIGTERM. SIGKILL leaves nothing behind in /dev/shm.
+        drains its node for up to 30 s first, and on a loaded machine a GCS and raylets were
+        seen still running long after their SIGTERM. SIGKILL leaves nothing behind in /dev/shm.
         """
         if self._stopped:
             return
@@ -301,8 +301,8 @@ def _write_agent_port_files(ray_start_pid: int) -> bool:
     """Write the agents' port files for the raylet under `ray_start_pid`, unless they exist yet.
 
     A raylet reads two ports from files its Python agents write once they are up, and aborts if a
-    file is missing after a fixed 15 s, which the dashboard agent's start exceeds on a loaded
-    2-core machine. Both values are known before the agents start: the runtime env agent's port is
+    file is missing after a fixed 15 s, which the dashboard agent's start can exceed on a loaded
+    machine. Both values are known before the agents start: the runtime env agent's port is
     the fixed one it was given, and the dashboard agent of Ray's minimal install (what the `ray`
     extra installs) serves no HTTP, which it records as -1. Writing them first lets the raylet go
     on; the agents overwrite them with the same values. Returns whether the raylet was found.

@@ -15,7 +15,7 @@ of a frame holds up no other rank, and is reported once it stays so for `STALLED
 
 Frames are laid out by `framing` and signed by `signing`. Plain sockets wake the reader
 directly, where a ZeroMQ socket hands every message through an extra I/O thread on each side
-(the README's measured table compares the round trips).
+(docs/benchmarks.md compares the round trips).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ class Signer:
 
     A message of `WIRE_TYPES` is pickled as (its type's index, its field values): plain tuples
     take pickle's quickest path, where a dataclass is looked up by module and name on both
-    sides. With the HMAC state of the key computed once, this halves the cost of a message
+    sides. With the HMAC state of the key computed once, this makes a message markedly cheaper
     when the caches are cold, as they are for a cell after the notebook sat idle.
     """
 

@@ -326,7 +326,7 @@ def _forget_standby_log(standby_log: str | None) -> None:
 
 
 def _exit(code: int) -> None:
-    """Exit without Python's shutdown, which takes 0.5 s with torch imported: every stop and
+    """Exit without Python's shutdown, which is slow with torch imported: every stop and
     restart of a pool waits for the agent's exit. The agent holds nothing that needs it."""
     sys.stdout.flush()
     sys.stderr.flush()

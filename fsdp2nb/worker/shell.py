@@ -223,7 +223,7 @@ def _may_await(shell: RankShell, code: str, transformed: str) -> bool:
 
 def _run_transformed(shell: RankShell, code: str, transformed: str) -> ExecutionResult:
     """IPython's cell semantics without its per-cell bookkeeping (history, async machinery,
-    traits), which cost a rank about a millisecond per cell in a busy notebook.
+    traits), which a rank would otherwise pay for on every cell.
 
     Kept: the pre/post events, user AST transformers, source cached for tracebacks, the last
     expression shown through the display hook (installed for good by make_shell, with the

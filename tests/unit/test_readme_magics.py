@@ -1,5 +1,6 @@
-"""Every `%%fsdp2` / `%fsdp2` line in the README's code blocks is one the magic accepts: parsed
-by the extension's own argument parsers, as the magic parses it, without starting a pool."""
+"""Every `%%fsdp2` / `%fsdp2` line in the code blocks of the README and docs/ is one the magic
+accepts: parsed by the extension's own argument parsers, as the magic parses it, without starting
+a pool."""
 
 import re
 from pathlib import Path
@@ -8,7 +9,9 @@ import pytest
 
 from fsdp2nb.frontend.magics import _COMMANDS, _cell_parser, _line_parsers, split_magic_line
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))
 _MAGIC_LINE = re.compile(r"^\s*(?:[\w, ]+=\s*)?(%%?fsdp2)\b(.*)$")
 
 
@@ -16,10 +19,10 @@ def _code_blocks(markdown: str) -> list[str]:
     return re.findall(r"^```[^\n]*\n(.*?)^```", markdown, flags=re.MULTILINE | re.DOTALL)
 
 
-def readme_magic_lines() -> list[tuple[str, str, str]]:
+def readme_magic_lines(pages: tuple[Path, ...] = PAGES) -> list[tuple[str, str, str]]:
     """(the line as written, magic, the text after it) for each magic line in a code block."""
     found = []
-    for block in _code_blocks(README.read_text()):
+    for block in (block for page in pages for block in _code_blocks(page.read_text())):
         for line in block.splitlines():
             match = _MAGIC_LINE.match(line)
             if match:
@@ -28,7 +31,7 @@ def readme_magic_lines() -> list[tuple[str, str, str]]:
 
 
 def test_the_readme_has_magic_examples():
-    assert sum(magic == "%%fsdp2" for _, magic, _ in readme_magic_lines()) >= 3
+    assert sum(magic == "%%fsdp2" for _, magic, _ in readme_magic_lines((README,))) >= 3
 
 
 @pytest.mark.parametrize(("line", "magic", "arguments"), readme_magic_lines(),
