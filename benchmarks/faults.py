@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 
 from fsdp2nb.checkpoint import layout
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, CellRun, Kernel
+from tests.support.kernel_client import WITHOUT_GPUS, CellRun, Kernel
 
 FAULT_KINDS = ("kill_rank", "kill_agent", "kill_kernel", "stop_rank", "stop_rank_forever",
                "raise_in_collective", "interrupt_twice", "enospc",

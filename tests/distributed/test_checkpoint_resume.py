@@ -10,7 +10,6 @@ import torch
 from fsdp2nb.checkpoint import Checkpointer
 from fsdp2nb.checkpoint.requests import post_save_request, process_requests
 from fsdp2nb.checkpoint.tracking import tracked_checkpointer
-from fsdp2nb.testing.gloo_harness import run_ranks
 from tests.distributed.checkpoint_helpers import (
     assert_same,
     build,
@@ -18,6 +17,7 @@ from tests.distributed.checkpoint_helpers import (
     full_optim_state,
     train_step,
 )
+from tests.support.gloo_harness import run_ranks
 
 NUM_STEPS = 6
 SAVE_AT = 2

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
 from tests.kernel.test_dashboard import SETUP, Iopub, _click
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 
 @pytest.fixture(scope="module")

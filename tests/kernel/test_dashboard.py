@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 SETUP = """%%fsdp2
 import time, fsdp2nb

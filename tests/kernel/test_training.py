@@ -11,7 +11,7 @@ import pytest
 
 SETUP = """%%fsdp2
 import fsdp2nb
-from fsdp2nb.testing import save_tiny_checkpoint
+from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
 if rank == 0:
     save_tiny_checkpoint(model_dir, "llama")
 dist.barrier()

@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
 from tests.kernel.test_training import SETUP, _losses
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 pytestmark = pytest.mark.timeout(900)  # the session's Ray cluster starts inside the first test
 
