@@ -5,7 +5,7 @@ Trains a small sharded MLP in a real kernel on CPU ranks while a seeded schedule
 twice; ENOSPC during a save; damaged checkpoints), recovers from each as a user would, and prints
 one table. It ends non-zero when a fault was not recovered from, a checkpoint was lost, LATEST
 named an incomplete checkpoint, a process or file of a pool outlived the campaign, or the final
-model and optimizer state differ from a fault-free run's. `benchmarks/faults.py` says how.
+model and optimizer state differ from a fault-free run's. `tests/support/fault_campaign.py` says how.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.faults import FAULT_KINDS, Campaign, summary_table
+from tests.support.fault_campaign import FAULT_KINDS, Campaign, summary_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.faults import FAULT_KINDS, Campaign, CampaignResult, summary_table
+from tests.support.fault_campaign import FAULT_KINDS, Campaign, CampaignResult, summary_table
 
 SEED = 20261201
 NUM_FAULTS = 15

@@ -4,7 +4,8 @@
 - `gloo_harness`: run a function on N CPU ranks joined by gloo;
 - `netns`: hosts made of network namespaces on one machine (root only);
 - `ray_cluster`: a Ray head and workers across those hosts;
-- `fake_srun`: a stand-in for Slurm's `srun` that starts one task per host.
+- `fake_srun`: a stand-in for Slurm's `srun` that starts one task per host;
+- `fault_campaign`: the seeded fault campaign of tests/faults, which checks recovery itself.
 
 The tiny models that tests train are user-facing: `fsdp2nb.examples.tiny_models`.
 """
