@@ -8,7 +8,7 @@ own, a setup cell builds the model again and `%fsdp2 load latest` restores it. T
 seeded per step and every op is deterministic, so the final model and optimizer state must equal,
 bit for bit, those of a fault-free run to the same step.
 
-`benchmarks/soak.py` runs a long campaign; `tests/faults/` a short one.
+`make soak` runs a long campaign and `tests/faults/` a short one (tests/faults/test_fault_campaign.py).
 """
 
 from __future__ import annotations
