@@ -9,30 +9,7 @@ import re
 
 import pytest
 
-SETUP = """%%fsdp2
-import fsdp2nb
-from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
-if rank == 0:
-    save_tiny_checkpoint(model_dir, "llama")
-dist.barrier()
-model, tokenizer = fsdp2nb.load_model(model_dir, mixed_precision="fp32")
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ckpt = fsdp2nb.Checkpointer(ckpt_dir, keep=2).track(model=model, optimizer=optimizer)
-
-def train_step(step):
-    generator = torch.Generator().manual_seed(1000 * step + rank)
-    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    fsdp2nb.clip_grad_norm_(model, 1.0)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
-"""
-
-
-def _losses(text: str) -> list[str]:
-    return re.findall(r"loss ([0-9.]+)", text)
+from tests.support.training_cells import SETUP, losses
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +42,7 @@ def test_save_and_load_magics_resume_exactly(trained):
     loaded = trained.execute("%fsdp2 load 3")
     assert loaded.status == "ok" and "loaded step 3" in loaded.stdout, loaded.traceback_text
     second = trained.execute(code)
-    assert _losses(first.stdout) == _losses(second.stdout) and len(_losses(first.stdout)) == 2
+    assert losses(first.stdout) == losses(second.stdout) and len(losses(first.stdout)) == 2
 
 
 def test_save_requested_while_a_cell_runs_happens_at_one_step_on_all_ranks(trained):
