@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from fsdp2nb.checkpoint import Checkpointer
 from fsdp2nb.checkpoint.layout import rank_file_name, read_latest, step_dir_name
-from tests.distributed.checkpoint_helpers import build, full_model_state, train_step
+from tests.support.checkpoint_helpers import build, full_model_state, train_step
 from tests.support.gloo_harness import run_ranks
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from fsdp2nb.checkpoint import Checkpointer, CheckpointSaveError
 from fsdp2nb.checkpoint.faults import FAULT_ENV
 from fsdp2nb.checkpoint.layout import read_latest, step_dir_name
-from tests.distributed.checkpoint_helpers import build, full_model_state, full_optim_state, train_step
+from tests.support.checkpoint_helpers import build, full_model_state, full_optim_state, train_step
 from tests.support.gloo_harness import run_ranks
 
 

@@ -10,7 +10,7 @@ import torch
 from fsdp2nb.checkpoint import Checkpointer
 from fsdp2nb.checkpoint.requests import post_save_request, process_requests
 from fsdp2nb.checkpoint.tracking import tracked_checkpointer
-from tests.distributed.checkpoint_helpers import (
+from tests.support.checkpoint_helpers import (
     assert_same,
     build,
     full_model_state,

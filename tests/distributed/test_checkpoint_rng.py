@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2nb.checkpoint import Checkpointer
-from tests.distributed.checkpoint_helpers import build
+from tests.support.checkpoint_helpers import build
 from tests.support.gloo_harness import run_ranks
 
 STEP = 4

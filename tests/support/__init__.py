@@ -13,7 +13,8 @@ Test helpers, with checks of their own (benchmarks import none of them):
 - `dashboard_comms`: the dashboard's comms as a front end sees them, and clicks on its buttons;
 - `lab_page`: a notebook open in JupyterLab or Notebook 7, and the training cells put in it;
 - `channels`: a log kept in a list and waits, for tests of the pool's channels;
-- `host_processes`: fsdp2nb's processes on test hosts, killing a host's agent mid-cell.
+- `host_processes`: fsdp2nb's processes on test hosts, killing a host's agent mid-cell;
+- `checkpoint_helpers`: the checkpoint tests' sharded tiny model, training step and full states.
 
 The tiny models that tests train are user-facing: `fsdp2nb.examples.tiny_models`.
 """
