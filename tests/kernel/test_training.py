@@ -45,7 +45,16 @@ def test_save_and_load_magics_resume_exactly(trained):
     assert losses(first.stdout) == losses(second.stdout) and len(losses(first.stdout)) == 2
 
 
-def test_save_requested_while_a_cell_runs_happens_at_one_step_on_all_ranks(trained):
+@pytest.mark.timeout(900)  # three steps that each had 300 s as tests of their own
+def test_a_save_requested_mid_cell_resumes_after_a_restart_and_stopping_lets_a_save_finish(trained):
+    """One scenario, each step on the state the one before left: a save requested from the kernel
+    while a cell trains, a pool restart that resumes from it, then a stop during an async save."""
+    step = _save_requested_while_a_cell_runs_happens_at_one_step_on_all_ranks(trained)
+    _resume_after_pool_restart(trained, step)
+    _stopping_the_pool_lets_an_async_save_finish(trained)
+
+
+def _save_requested_while_a_cell_runs_happens_at_one_step_on_all_ranks(trained) -> int:
     request = trained.execute("import threading, fsdp2nb\n"
                               "threading.Timer(1.0, fsdp2nb._session.pool.request_save).start()")
     assert request.status == "ok"
@@ -56,13 +65,10 @@ def test_save_requested_while_a_cell_runs_happens_at_one_step_on_all_ranks(train
     assert run.status == "ok", run.traceback_text
     match = re.fullmatch(r"\[all\] saved at (\d+)\n", run.stdout)
     assert match, run.stdout
-    trained.saved_step = int(match.group(1))
+    return int(match.group(1))
 
 
-def test_resume_after_pool_restart(trained):
-    step = getattr(trained, "saved_step", None)
-    if step is None:
-        pytest.skip("needs the mid-cell save of the previous test")
+def _resume_after_pool_restart(trained, step: int) -> None:
     assert trained.execute("%fsdp2 restart").status == "ok"
     assert trained.execute("%fsdp2 push model_dir ckpt_dir").status == "ok"
     run = trained.execute(SETUP.replace("if rank == 0:\n    save_tiny_checkpoint(model_dir, \"llama\")\n", ""),
@@ -72,9 +78,7 @@ def test_resume_after_pool_restart(trained):
     assert run.stdout == f"[all] resumed at {step}\n", run.traceback_text
 
 
-def test_stopping_the_pool_lets_an_async_save_finish(trained, tmp_path_factory):
-    if getattr(trained, "saved_step", None) is None:
-        pytest.skip("needs the model set up again by the previous test")
+def _stopping_the_pool_lets_an_async_save_finish(trained) -> None:
     run = trained.execute("%%fsdp2\nckpt.save(5000)  # asynchronous: returns while files are written\n"
                           "print(ckpt.status().saving_step is not None or ckpt.latest() == 5000)")
     assert run.status == "ok", run.traceback_text
