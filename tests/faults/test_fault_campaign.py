@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.fault_campaign import FAULT_KINDS, Campaign, CampaignResult, summary_table
+from tests.support.fault_campaign import Campaign
+from tests.support.fault_report import FAULT_KINDS, CampaignResult, summary_table
 
 SEED = 20261201
 NUM_FAULTS = 15

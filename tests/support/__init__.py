@@ -9,6 +9,7 @@ Harnesses, which benchmarks may use too (they assert nothing of their own):
 
 Test helpers, with checks of their own (benchmarks import none of them):
 - `fault_campaign`: the seeded fault campaign of tests/faults, which checks recovery itself;
+  `fault_cells`, the notebook it trains; `fault_report`, its records and table;
 - `training_cells`: the tiny Llama set-up cell of the kernel and multi-host training tests;
 - `dashboard_comms`: the dashboard's comms as a front end sees them, and clicks on its buttons;
 - `lab_page`: a notebook open in JupyterLab or Notebook 7, and the training cells put in it;
