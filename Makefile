@@ -44,6 +44,7 @@ gpu-check: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# make soak: the long fault campaign (200 seeded faults on 4 CPU ranks; SOAK_ARGS="--faults 30 --seed 7").
+# make soak: the long fault campaign (200 seeded faults on 4 CPU ranks), a test marked soak that the
+# suite deselects; SOAK_ARGS="--soak-faults 30 --soak-seed 7" (also --soak-ranks, --soak-timeout, --soak-kinds).
 soak: $(STAMP)
-	$(PY) -m benchmarks.soak $(SOAK_ARGS)
+	$(PY) -m pytest -m soak -s tests/faults $(SOAK_ARGS)

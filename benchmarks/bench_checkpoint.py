@@ -41,8 +41,8 @@ import torch.distributed as dist
 from fsdp2nb.checkpoint import Checkpointer, export_hf_model
 from fsdp2nb.checkpoint.config import ASYNC_WRITERS
 from fsdp2nb.checkpoint.layout import dir_size
-from fsdp2nb.testing.gloo_harness import run_ranks
-from fsdp2nb.testing.tiny_models import make_tiny_model
+from fsdp2nb.examples.tiny_models import make_tiny_model
+from tests.support.gloo_harness import run_ranks
 
 logger = logging.getLogger("bench_checkpoint")
 _CHUNK = 16 * 1024**2

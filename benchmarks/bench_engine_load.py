@@ -49,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp2nb.testing.gloo_harness import run_ranks  # noqa: E402
+from tests.support.gloo_harness import run_ranks  # noqa: E402
 
 logger = logging.getLogger("bench_engine_load")
 

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import traceback
 
-from fsdp2nb.testing.kernel_client import Kernel
+from tests.support.kernel_client import Kernel
 
 HALF_BILLION = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096)
@@ -192,7 +192,7 @@ def under_torchrun(code: str) -> dict:
 
 def make_checkpoint(kernel: Kernel, model_dir: str, tiny: bool) -> None:
     dims = TINY if tiny else HALF_BILLION
-    code = ("from fsdp2nb.testing import save_tiny_checkpoint\n"
+    code = ("from fsdp2nb.examples.tiny_models import save_tiny_checkpoint\n"
             f"if rank == 0: save_tiny_checkpoint({model_dir!r}, 'qwen2', tie_word_embeddings=True, "
             f"with_tokenizer=False, **{dims!r})\ndist.barrier()\nprint('RESULT {{}}')")
     in_cell(kernel, code)

@@ -1,6 +1,6 @@
 """A pool across two hosts against the same pool on one host, measured side by side in one run.
 
-The hosts are network namespaces joined by a veth pair (fsdp2nb/testing/netns.py, root only);
+The hosts are network namespaces joined by a veth pair (tests/support/netns.py, root only);
 one kernel runs on host 0 and alternates between the two pools:
 - two hosts x 1 CPU rank, through a real Ray cluster (`--ray`) and through a stand-in srun
   (`--slurm`): ranks reach the kernel over TCP with TLS and meet through rank 0's TCPStore;
@@ -20,9 +20,9 @@ import tempfile
 import time
 
 from benchmarks.bench_pool import cell_ms, paired_cell_ms
-from fsdp2nb.testing.fake_srun import write_srun
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
-from fsdp2nb.testing.netns import TestHosts
+from tests.support.fake_srun import write_srun
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
+from tests.support.netns import TestHosts
 
 
 def started_in_s(kernel: Kernel, options: str) -> float:
@@ -63,7 +63,7 @@ def main() -> None:
                  "2 hosts x 1 rank (srun)": f"--slurm --cpu-per-node 1 --listen {hosts[0].address}"}
         cluster = None
         if not args.no_ray:
-            from fsdp2nb.testing.ray_cluster import RayCluster
+            from tests.support.ray_cluster import RayCluster
 
             cluster = RayCluster(hosts, python=sys.executable)
             cluster.wait_until_nodes(2)

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp2nb.testing.kernel_client import Kernel  # noqa: E402
+from tests.support.kernel_client import Kernel  # noqa: E402
 
 TORCHRUN_SCRIPT = """
 import torch, torch.distributed as dist

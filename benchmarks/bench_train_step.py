@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp2nb.testing.kernel_client import Kernel  # noqa: E402
+from tests.support.kernel_client import Kernel  # noqa: E402
 
 NUM_RANKS = 2
 DIMS = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -160,7 +160,7 @@ def _print_ratios(first: list, second: list, first_name: str, second_name: str) 
 def main() -> None:
     import argparse
 
-    from fsdp2nb.testing import save_tiny_checkpoint
+    from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5, help="alternating runs per comparison")

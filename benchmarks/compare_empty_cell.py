@@ -20,7 +20,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp2nb.testing.kernel_client import Kernel  # noqa: E402
+from tests.support.kernel_client import Kernel  # noqa: E402
 
 
 def kernel_on_tree(source_root: str) -> Kernel:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_pool import torchrun_cold_start_s  # noqa: E402
 from benchmarks.peer_drivers import DRIVERS, Driver, JupyterDistributed  # noqa: E402
-from fsdp2nb.testing.kernel_client import CellRun, Kernel  # noqa: E402
+from tests.support.kernel_client import CellRun, Kernel  # noqa: E402
 
 OUTPUT_LINES = 100_000
 """Lines of 100 bytes each rank prints: 10 MB."""

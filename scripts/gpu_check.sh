@@ -38,7 +38,7 @@ model=/tmp/fsdp2nb-notebook-qwen2-0.5b
 import sys
 from benchmarks.bench_gpu import HALF_BILLION
 from fsdp2nb.examples import char_tokenizer
-from fsdp2nb.testing import save_tiny_checkpoint
+from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
 save_tiny_checkpoint(sys.argv[1], 'qwen2', tie_word_embeddings=True, with_tokenizer=False, **HALF_BILLION)
 char_tokenizer().save_pretrained(sys.argv[1])" "$model" 2>&1 | tee "$out/finetune_gpu_model.txt"
 gpus=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 0,1 || echo 1)

@@ -41,7 +41,7 @@ def char_tokenizer() -> Any:
     <pad>, <s> and </s>), so any English text can be trained on and generated without a download."""
     from tokenizers import decoders
 
-    from fsdp2nb.testing.tiny_models import make_tiny_tokenizer
+    from fsdp2nb.examples.tiny_models import make_tiny_tokenizer
 
     tokenizer = make_tiny_tokenizer(vocab_size=3 + 95)  # ' ' to '~'
     tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # decode "Th" as "Th", not "T h"

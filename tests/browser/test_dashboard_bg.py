@@ -8,7 +8,7 @@ import re
 import nbformat
 import pytest
 
-from tests.browser.test_dashboard_lab import SETUP, TRAIN_LOOP, Page
+from tests.support.lab_page import SETUP, TRAIN_LOOP, Page
 
 TRAIN_BG = ("%%fsdp2 --bg --name train\n" + TRAIN_LOOP +
             'if rank == 0: print("run ended by the flag" if os.path.exists(FLAG) else "no flag", '

@@ -10,35 +10,7 @@ import time
 
 import nbformat
 
-SETUP = """%%fsdp2 --cpu 2
-import time, fsdp2nb
-from torch.distributed.fsdp import fully_shard
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
-for layer in model:
-    if isinstance(layer, torch.nn.Linear):
-        fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ckpt = fsdp2nb.Checkpointer(CKPT, keep=None).track(model=model, optimizer=optimizer)
-target = torch.randn(64, 1, generator=torch.Generator().manual_seed(0))
-"""
-
-TRAIN_LOOP = """import os
-saved_at = None
-for step in range(1, 100_000):
-    x = torch.randn(32, 64)
-    loss = (model(x) - x @ target).pow(2).mean()
-    loss.backward(); optimizer.step(); optimizer.zero_grad()
-    fsdp2nb.log(step, loss=loss.item())
-    if ckpt.maybe_save(step):
-        saved_at = step
-    if rank == 0 and step % 25 == 0: print(f"step {step} loss {loss.item():.4f}", flush=True)
-    if os.path.exists(FLAG) or step > 6000:  # the test makes FLAG once it has seen what it checks
-        break
-    time.sleep(0.01)
-ckpt.wait()
-"""
-"""A training loop with maybe_save and fsdp2nb.log that ends when the test makes FLAG."""
+from tests.support.lab_page import SETUP, TRAIN_LOOP, Page
 
 TRAIN = ("%%fsdp2\n" + TRAIN_LOOP +
          'print("panel saw the step during the cell" if os.path.exists(FLAG) else "no flag", "saved at", saved_at)\n')
@@ -52,61 +24,6 @@ def _notebook(path, ckpt: str, flag: str) -> None:
     notebook = nbformat.v4.new_notebook(cells=cells)
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(notebook, path)
-
-
-def _bytes(frame: str | bytes) -> bytes:
-    return frame if isinstance(frame, bytes) else frame.encode()
-
-
-class Page:
-    """The open notebook: run cells, read outputs, find the dashboard."""
-
-    def __init__(self, page) -> None:
-        self.page = page
-
-    def open(self, url: str) -> None:
-        """Open the notebook and wait until its kernel answered kernel_info (an idle indicator
-        alone shows before the kernel's channels are connected, and a cell run then is lost)."""
-        replies = []
-        self.page.on("websocket", lambda ws: ws.on("framereceived", lambda frame: replies.append(1)
-                                                   if b"kernel_info_reply" in _bytes(frame) else None))
-        self.page.goto(url)
-        self.page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=180_000)
-        select = self.page.locator(".jp-Dialog button:has-text('Select')")
-        if select.count():
-            select.first.click()
-        news = self.page.locator(".jp-toast-container button:has-text('No')")
-        if news.count():
-            news.first.click()
-        if "/lab/" in url:  # Notebook 7 has no such indicator: the kernel_info_reply below suffices
-            self.page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) "
-                                        ".jp-Notebook-ExecutionIndicator[data-status=idle]", timeout=180_000)
-        for _ in range(600):
-            if replies:
-                break
-            self.page.wait_for_timeout(100)
-
-    def _prompt(self, index: int) -> str:
-        return f"document.querySelectorAll('.jp-CodeCell')[{index}].querySelector('.jp-InputArea-prompt').innerText"
-
-    def run(self, index: int) -> None:
-        """Run cell `index` and wait until the kernel took it (its prompt is `[*]` or numbered)."""
-        self.page.locator(".jp-CodeCell").nth(index).locator(".jp-InputPrompt").click()
-        self.page.keyboard.press("Shift+Enter")
-        self.page.wait_for_function(f"/\\[(\\*|\\d+)\\]/.test({self._prompt(index)})", timeout=120_000)
-
-    def wait_done(self, index: int, timeout_ms: int = 150_000) -> None:
-        self.page.wait_for_function(f"/\\[\\d+\\]/.test({self._prompt(index)})", timeout=timeout_ms)
-
-    def output(self, index: int) -> str:
-        return self.page.locator(".jp-CodeCell").nth(index).locator(".jp-OutputArea").inner_text()
-
-    def shoot(self, path) -> None:
-        news = self.page.locator(".jp-toast-container button:has-text('No')")
-        if news.count():  # the news toast would cover the dashboard
-            news.first.click()
-        self.page.locator(".fsdp2nb-dashboard").first.scroll_into_view_if_needed()
-        self.page.screenshot(path=str(path), full_page=False)
 
 
 def test_save_during_training_then_load(lab, browser, shots):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import nbformat
 
-from tests.browser.test_dashboard_lab import Page
+from tests.support.lab_page import Page
 
 FAILING = "values = {'key': [1, 2]}\nresult = values['missing'] + len(values)"
 PLAIN_CELL, RANK_CELL = 2, 3

@@ -6,8 +6,8 @@ import torch.distributed as dist
 
 from fsdp2nb.checkpoint import Checkpointer
 from fsdp2nb.checkpoint.layout import rank_file_name, read_latest, step_dir_name
-from fsdp2nb.testing.gloo_harness import run_ranks
-from tests.distributed.checkpoint_helpers import build, full_model_state, train_step
+from tests.support.checkpoint_helpers import build, full_model_state, train_step
+from tests.support.gloo_harness import run_ranks
 
 
 def _save_different_steps(directory: str) -> dict:

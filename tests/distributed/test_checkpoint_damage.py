@@ -11,8 +11,8 @@ import torch.distributed as dist
 from fsdp2nb.checkpoint import Checkpointer, CheckpointSaveError
 from fsdp2nb.checkpoint.faults import FAULT_ENV
 from fsdp2nb.checkpoint.layout import read_latest, step_dir_name
-from fsdp2nb.testing.gloo_harness import run_ranks
-from tests.distributed.checkpoint_helpers import build, full_model_state, full_optim_state, train_step
+from tests.support.checkpoint_helpers import build, full_model_state, full_optim_state, train_step
+from tests.support.gloo_harness import run_ranks
 
 
 def _full_state(model, optimizer) -> dict:

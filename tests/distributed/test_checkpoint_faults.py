@@ -18,7 +18,7 @@ import torch
 
 from fsdp2nb.checkpoint import Checkpointer
 from fsdp2nb.checkpoint.faults import FAULT_ENV
-from tests.distributed.checkpoint_helpers import assert_same, build, full_model_state, train_step
+from tests.support.checkpoint_helpers import assert_same, build, full_model_state, train_step
 
 WORLD_SIZE = 2
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fsdp2nb.checkpoint import export_hf_model
-from fsdp2nb.testing.gloo_harness import run_ranks
-from fsdp2nb.testing.tiny_models import make_tiny_model, make_tiny_tokenizer
-from tests.distributed.checkpoint_helpers import assert_same, build, full_model_state, train_step
+from fsdp2nb.examples.tiny_models import make_tiny_model, make_tiny_tokenizer
+from tests.support.checkpoint_helpers import assert_same, build, full_model_state, train_step
+from tests.support.gloo_harness import run_ranks
 
 
 def _export_all(root: str) -> dict:
@@ -57,7 +57,7 @@ def test_lora_adapter_loads_with_peft_and_merged_model_matches(exported):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tests.distributed.checkpoint_helpers import make_lora
+    from tests.support.checkpoint_helpers import make_lora
 
     root, states = exported
     trained = states["lora"]

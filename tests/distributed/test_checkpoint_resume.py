@@ -10,14 +10,14 @@ import torch
 from fsdp2nb.checkpoint import Checkpointer
 from fsdp2nb.checkpoint.requests import post_save_request, process_requests
 from fsdp2nb.checkpoint.tracking import tracked_checkpointer
-from fsdp2nb.testing.gloo_harness import run_ranks
-from tests.distributed.checkpoint_helpers import (
+from tests.support.checkpoint_helpers import (
     assert_same,
     build,
     full_model_state,
     full_optim_state,
     train_step,
 )
+from tests.support.gloo_harness import run_ranks
 
 NUM_STEPS = 6
 SAVE_AT = 2

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp2nb.checkpoint import Checkpointer
-from fsdp2nb.testing.gloo_harness import run_ranks
-from tests.distributed.checkpoint_helpers import build
+from tests.support.checkpoint_helpers import build
+from tests.support.gloo_harness import run_ranks
 
 STEP = 4
 

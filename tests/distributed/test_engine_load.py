@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fsdp2nb.testing.gloo_harness import run_ranks
-from fsdp2nb.testing.tiny_models import save_tiny_checkpoint
+from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
+from tests.support.gloo_harness import run_ranks
 
 INIT_MODES = ("meta", "rank0", "default")
 

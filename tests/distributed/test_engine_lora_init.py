@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fsdp2nb.testing.gloo_harness import run_ranks
-from fsdp2nb.testing.tiny_models import save_tiny_checkpoint
+from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
+from tests.support.gloo_harness import run_ranks
 
 
 def _full(model) -> dict[str, torch.Tensor]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp2nb.testing.gloo_harness import run_ranks
-from fsdp2nb.testing.tiny_models import save_tiny_checkpoint
+from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
+from tests.support.gloo_harness import run_ranks
 
 NUM_STEPS = 10
 WORLD_SIZE = 2

@@ -1,7 +1,7 @@
 import torch
 import torch.distributed as dist
 
-from fsdp2nb.testing.gloo_harness import run_ranks
+from tests.support.gloo_harness import run_ranks
 
 
 def _sum_of_ranks() -> float:

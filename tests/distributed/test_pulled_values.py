@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from fsdp2nb.testing.gloo_harness import run_ranks
 from fsdp2nb.worker.pulled_values import value_for_notebook
+from tests.support.gloo_harness import run_ranks
 
 
 def _full(shape: tuple[int, ...]) -> torch.Tensor:

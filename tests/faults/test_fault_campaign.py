@@ -1,16 +1,19 @@
-"""A short seeded fault campaign: 15 faults against a real kernel training on 2 CPU ranks.
+"""Seeded fault campaigns against a real kernel training on CPU ranks.
 
-It fails on any fault not recovered from, a checkpoint lost, LATEST naming an incomplete
-checkpoint, a pool's process, private directory, socket or shared memory outliving the kernel,
-or final model and optimizer state that differ from a fault-free run's. `make soak` runs the
-long campaign (benchmarks/soak.py); both print the same table.
+A short one, 15 faults on 2 ranks, runs with the suite; the long one (marked `soak`, deselected
+unless `-m soak`) is `make soak`: 200 faults on 4 ranks by default, changed with `--soak-faults`,
+`--soak-ranks`, `--soak-seed`, `--soak-timeout` and `--soak-kinds` (tests/conftest.py). Each fails
+on any fault not recovered from, a checkpoint lost, LATEST naming an incomplete checkpoint, a
+pool's process, private directory, socket or shared memory outliving the kernel, or final model
+and optimizer state that differ from a fault-free run's; both print the same table.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.faults import FAULT_KINDS, Campaign, CampaignResult, summary_table
+from tests.support.fault_campaign import Campaign
+from tests.support.fault_report import FAULT_KINDS, CampaignResult, summary_table
 
 SEED = 20261201
 NUM_FAULTS = 15
@@ -49,3 +52,15 @@ def test_a_known_defect_kind_alone(kind, tmp_path):
         _check(result)
     except AssertionError:
         pytest.xfail(f"{kind} (seed {SEED}): {KNOWN_DEFECTS[kind]}")
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(0)  # 200 faults take about 40 minutes; every cell has a timeout of its own
+def test_the_long_campaign_loses_nothing_and_leaves_nothing(pytestconfig):
+    option = pytestconfig.getoption
+    kinds = tuple(kind for kind in option("--soak-kinds").split(",") if kind) or FAULT_KINDS
+    num_faults = option("--soak-faults")
+    result = Campaign(seed=option("--soak-seed"), num_faults=num_faults, num_ranks=option("--soak-ranks"),
+                      kinds=kinds, collective_timeout_s=option("--soak-timeout")).run()
+    assert len(result.records) == num_faults
+    _check(result)

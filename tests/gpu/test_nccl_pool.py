@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fsdp2nb.testing.kernel_client import Kernel
+from tests.support.kernel_client import Kernel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,7 +63,7 @@ def test_status_shows_the_device_memory_each_rank_allocated(gpu_kernel):
 
 def test_engine_bf16_and_offload_on_gpus(gpu_kernel, tmp_path):
     gpu_kernel.execute(f"path = {str(tmp_path / 'tiny')!r}\n%fsdp2 push path")
-    run = gpu_kernel.execute("%%fsdp2\nimport fsdp2nb\nfrom fsdp2nb.testing import save_tiny_checkpoint\n"
+    run = gpu_kernel.execute("%%fsdp2\nimport fsdp2nb\nfrom fsdp2nb.examples.tiny_models import save_tiny_checkpoint\n"
                              "if rank == 0: save_tiny_checkpoint(path, 'qwen2', tie_word_embeddings=True)\n"
                              "dist.barrier()\n"
                              "for offload in (False, True):\n"
@@ -87,7 +87,7 @@ def test_cold_checkpoint_loads_with_direct_reads_and_async_save_restores_on_gpus
     gpu_kernel.execute(f"path = {str(tmp_path / 'cold')!r}\nckpt_dir = {str(tmp_path / 'ckpt')!r}\n"
                        "%fsdp2 push path ckpt_dir")
     run = gpu_kernel.execute(
-        "%%fsdp2\nimport os, fsdp2nb\nfrom fsdp2nb.testing import save_tiny_checkpoint\n"
+        "%%fsdp2\nimport os, fsdp2nb\nfrom fsdp2nb.examples.tiny_models import save_tiny_checkpoint\n"
         # Larger than the disk's read-ahead, then evicted: the load must take the direct path.
         "if rank == 0:\n"
         "    save_tiny_checkpoint(path, 'llama', vocab_size=40_000, intermediate_size=30_000)\n"

@@ -166,7 +166,7 @@ def test_a_rank_dying_is_reported_in_the_runs_cell(kernel):
 def test_kernel_shutdown_during_a_run_leaves_no_process():
     import psutil
 
-    from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+    from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
     own = Kernel(env=WITHOUT_GPUS)
     try:

@@ -6,7 +6,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS
+from tests.support.kernel_client import WITHOUT_GPUS
 
 _TRAIN = "import time\nfor step in range(3):\n    x += step\n    time.sleep(0.1)\n"
 

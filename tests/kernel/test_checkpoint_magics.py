@@ -8,7 +8,7 @@ SETUP = """%%fsdp2
 from pathlib import Path
 from torch.distributed.fsdp import fully_shard
 from fsdp2nb.checkpoint import Checkpointer
-from fsdp2nb.testing.tiny_models import make_tiny_model
+from fsdp2nb.examples.tiny_models import make_tiny_model
 
 model = make_tiny_model("llama", seed=0)
 for layer in model.model.layers:

@@ -4,78 +4,11 @@ subshell (as JupyterLab sends it) served during a `%%fsdp2` training cell."""
 from __future__ import annotations
 
 import os
-import queue
-import time
 
 import pytest
 
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
-
-SETUP = """%%fsdp2
-import time, fsdp2nb
-from torch.distributed.fsdp import fully_shard
-model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
-fully_shard(model, mesh=mesh)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-ckpt = fsdp2nb.Checkpointer(ckpt_dir, keep=None).track(model=model, optimizer=optimizer)
-
-def train_step(step):
-    x = torch.randn(4, 16)
-    loss = model(x).pow(2).mean()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    fsdp2nb.log(step, loss=loss.item())
-    return loss.item()
-"""
-
-
-class Iopub:
-    """Every iopub message, whatever its parent (the dashboard's thread has none of ours)."""
-
-    def __init__(self, kernel: Kernel) -> None:
-        self.kernel = kernel
-        self.comms: dict[str, dict] = {}  # comm id -> last known state
-        self.updates: list[tuple[str, dict]] = []  # every state update, in order
-
-    def run(self, code: str, on_message=None, timeout: float = 180) -> list[dict]:
-        msg_id = self.kernel.client.execute(code)
-        seen, deadline = [], time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                message = self.kernel.client.get_iopub_msg(timeout=1.0)
-            except queue.Empty:
-                continue
-            seen.append(message)
-            self._track(message)
-            if on_message is not None:
-                on_message(message)
-            if (message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "status"
-                    and message["content"]["execution_state"] == "idle"):
-                return seen
-        raise TimeoutError(f"no idle status within {timeout} s for {code[:60]!r}")
-
-    def _track(self, message: dict) -> None:
-        content = message["content"]
-        if message["msg_type"] == "comm_open":
-            self.comms[content["comm_id"]] = dict(content["data"].get("state", {}))
-        elif message["msg_type"] == "comm_msg" and content["data"].get("method") == "update":
-            self.comms.setdefault(content["comm_id"], {}).update(content["data"]["state"])
-            self.updates.append((content["comm_id"], content["data"]["state"]))
-
-    def wait_for(self, comm_id: str, key: str, wanted: str, timeout: float = 60) -> str:
-        """The comm's `key` once it contains `wanted`: the dashboard's thread may still be sending
-        updates after the cell's idle status (its samples are not tied to the cell)."""
-        deadline = time.monotonic() + timeout
-        while wanted not in self.comms[comm_id].get(key, "") and time.monotonic() < deadline:
-            try:
-                self._track(self.kernel.client.get_iopub_msg(timeout=0.5))
-            except queue.Empty:
-                continue
-        return self.comms[comm_id].get(key, "")
-
-    def comm_of(self, **state) -> str:
-        return next(cid for cid, known in self.comms.items() if all(known.get(k) == v for k, v in state.items()))
+from tests.support.dashboard_comms import SETUP, Iopub, click, create_subshell
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 
 @pytest.fixture(scope="module")
@@ -121,32 +54,15 @@ def test_rank_rows_update_while_a_cell_runs(dash):
     assert messages.index(busy_seen[0]) < len(messages) - 1
 
 
-def _subshell(kernel: Kernel) -> str:
-    request = kernel.client.session.msg("create_subshell_request", {})
-    kernel.client.control_channel.send(request)
-    while True:
-        reply = kernel.client.get_control_msg(timeout=10)
-        if reply["parent_header"].get("msg_id") == request["header"]["msg_id"]:
-            return reply["content"]["subshell_id"]
-
-
-def _click(kernel: Kernel, comm_id: str, subshell_id: str) -> None:
-    """What JupyterLab sends for a button click under its default commsOverSubshells setting."""
-    message = kernel.client.session.msg("comm_msg", {"comm_id": comm_id,
-                                                     "data": {"method": "custom", "content": {"event": "click"}}})
-    message["header"]["subshell_id"] = subshell_id
-    kernel.client.shell_channel.send(message)
-
-
 def test_save_clicked_on_a_subshell_lands_at_the_next_maybe_save(dash):
     save = dash.comm_of(_model_name="ButtonModel", description="Save now")
-    subshell = _subshell(dash.kernel)
+    subshell = create_subshell(dash.kernel)
     clicked = []
 
     def on_message(message):
         if message["msg_type"] == "stream" and "step 1 " in message["content"]["text"] and not clicked:
             clicked.append(True)
-            _click(dash.kernel, save, subshell)
+            click(dash.kernel, save, subshell)
 
     code = ("%%fsdp2\nfor step in range(1, 3000):\n    loss = train_step(step)\n"
             "    if rank == 0 and step == 1: print(f'step {step} trained', flush=True)\n"
@@ -194,14 +110,14 @@ def test_terminal_ipython_prints_the_text_tables(tmp_path):
 def test_reset_peak_and_stop_act_during_a_cell(dash):
     """Reset peak, then Stop, clicked on a subshell while a cell runs: the cell ends interrupted."""
     buttons = {name: dash.comm_of(_model_name="ButtonModel", description=name) for name in ("Reset peak", "Stop")}
-    subshell = _subshell(dash.kernel)
+    subshell = create_subshell(dash.kernel)
     clicked, first_update = [], len(dash.updates)
 
     def on_message(message):
         if message["msg_type"] == "stream" and "waiting" in message["content"]["text"] and not clicked:
             clicked.append(True)
-            _click(dash.kernel, buttons["Reset peak"], subshell)
-            _click(dash.kernel, buttons["Stop"], subshell)
+            click(dash.kernel, buttons["Reset peak"], subshell)
+            click(dash.kernel, buttons["Stop"], subshell)
 
     messages = dash.run("%%fsdp2\nimport time\nprint('waiting', flush=True)\nfor _ in range(1200):\n"
                         "    time.sleep(0.05)\nprint('not stopped')", on_message=on_message)
@@ -246,13 +162,13 @@ def test_bad_input_gets_one_line_and_changes_nothing(dash):
 def test_a_save_no_maybe_save_reached_is_made_when_the_cell_ends(dash):
     save = dash.comm_of(_model_name="ButtonModel", description="Save now")
     message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
-    subshell = _subshell(dash.kernel)
+    subshell = create_subshell(dash.kernel)
     clicked = []
 
     def on_message(message):
         if message["msg_type"] == "stream" and "waiting" in message["content"]["text"] and not clicked:
             clicked.append(True)
-            _click(dash.kernel, save, subshell)
+            click(dash.kernel, save, subshell)
         state = message["content"].get("data", {}).get("state", {}) if message["msg_type"] == "comm_msg" else {}
         if message["content"].get("comm_id") == message_widget and "requested" in state.get("value", ""):
             open(dash.root / "flag", "w").close()  # the click was taken: let the cell end

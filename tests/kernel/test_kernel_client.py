@@ -1,9 +1,9 @@
-"""The kernel client that kernel tests and benchmarks share (fsdp2nb/testing/kernel_client.py)."""
+"""The kernel client that kernel tests and benchmarks share (tests/support/kernel_client.py)."""
 
 import os
 import stat
 
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 
 def test_the_kernels_channels_are_unix_sockets_in_a_private_directory():

@@ -6,7 +6,7 @@ import signal
 import psutil
 import pytest
 
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 BAD_INPUTS = [
     ("%%fsdp2 --frobnicate\n1", "unrecognized arguments"),

@@ -248,7 +248,7 @@ def test_pulling_an_unpicklable_value_says_why_in_one_line(kernel):
 
 def test_kernel_shutdown_leaves_no_rank_process_and_no_registry_entry():
     from fsdp2nb.pool import reaper
-    from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+    from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
     own = Kernel(env=WITHOUT_GPUS)
     try:

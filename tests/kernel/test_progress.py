@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 WORK = """%%fsdp2
 import fsdp2nb
-from fsdp2nb.testing import save_tiny_checkpoint
+from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
 if rank == 0:
     save_tiny_checkpoint(model_dir, "llama")
 dist.barrier()
@@ -55,7 +55,7 @@ def test_a_load_through_from_pretrained_shows_its_start_and_end(kernel, tmp_path
     """init="rank0": rank 0 reads the whole checkpoint, the others receive it; the bar counts
     rank 0's bytes, shown when the load starts and when it is done."""
     model_dir = str(tmp_path / "model")
-    code = (f"%%fsdp2\nimport fsdp2nb\nfrom fsdp2nb.testing import save_tiny_checkpoint\n"
+    code = (f"%%fsdp2\nimport fsdp2nb\nfrom fsdp2nb.examples.tiny_models import save_tiny_checkpoint\n"
             f"if rank == 0:\n    save_tiny_checkpoint({model_dir!r}, 'llama')\ndist.barrier()\n"
             f"model, _ = fsdp2nb.load_model({model_dir!r}, init='rank0', mixed_precision='fp32')\n")
     run = kernel.execute(code, timeout=300)

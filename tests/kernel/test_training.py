@@ -9,30 +9,7 @@ import re
 
 import pytest
 
-SETUP = """%%fsdp2
-import fsdp2nb
-from fsdp2nb.testing import save_tiny_checkpoint
-if rank == 0:
-    save_tiny_checkpoint(model_dir, "llama")
-dist.barrier()
-model, tokenizer = fsdp2nb.load_model(model_dir, mixed_precision="fp32")
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ckpt = fsdp2nb.Checkpointer(ckpt_dir, keep=2).track(model=model, optimizer=optimizer)
-
-def train_step(step):
-    generator = torch.Generator().manual_seed(1000 * step + rank)
-    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    fsdp2nb.clip_grad_norm_(model, 1.0)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
-"""
-
-
-def _losses(text: str) -> list[str]:
-    return re.findall(r"loss ([0-9.]+)", text)
+from tests.support.training_cells import SETUP, losses
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +42,19 @@ def test_save_and_load_magics_resume_exactly(trained):
     loaded = trained.execute("%fsdp2 load 3")
     assert loaded.status == "ok" and "loaded step 3" in loaded.stdout, loaded.traceback_text
     second = trained.execute(code)
-    assert _losses(first.stdout) == _losses(second.stdout) and len(_losses(first.stdout)) == 2
+    assert losses(first.stdout) == losses(second.stdout) and len(losses(first.stdout)) == 2
 
 
-def test_save_requested_while_a_cell_runs_happens_at_one_step_on_all_ranks(trained):
+@pytest.mark.timeout(900)  # three steps that each had 300 s as tests of their own
+def test_a_save_requested_mid_cell_resumes_after_a_restart_and_stopping_lets_a_save_finish(trained):
+    """One scenario, each step on the state the one before left: a save requested from the kernel
+    while a cell trains, a pool restart that resumes from it, then a stop during an async save."""
+    step = _save_requested_while_a_cell_runs_happens_at_one_step_on_all_ranks(trained)
+    _resume_after_pool_restart(trained, step)
+    _stopping_the_pool_lets_an_async_save_finish(trained)
+
+
+def _save_requested_while_a_cell_runs_happens_at_one_step_on_all_ranks(trained) -> int:
     request = trained.execute("import threading, fsdp2nb\n"
                               "threading.Timer(1.0, fsdp2nb._session.pool.request_save).start()")
     assert request.status == "ok"
@@ -79,13 +65,10 @@ def test_save_requested_while_a_cell_runs_happens_at_one_step_on_all_ranks(train
     assert run.status == "ok", run.traceback_text
     match = re.fullmatch(r"\[all\] saved at (\d+)\n", run.stdout)
     assert match, run.stdout
-    trained.saved_step = int(match.group(1))
+    return int(match.group(1))
 
 
-def test_resume_after_pool_restart(trained):
-    step = getattr(trained, "saved_step", None)
-    if step is None:
-        pytest.skip("needs the mid-cell save of the previous test")
+def _resume_after_pool_restart(trained, step: int) -> None:
     assert trained.execute("%fsdp2 restart").status == "ok"
     assert trained.execute("%fsdp2 push model_dir ckpt_dir").status == "ok"
     run = trained.execute(SETUP.replace("if rank == 0:\n    save_tiny_checkpoint(model_dir, \"llama\")\n", ""),
@@ -95,9 +78,7 @@ def test_resume_after_pool_restart(trained):
     assert run.stdout == f"[all] resumed at {step}\n", run.traceback_text
 
 
-def test_stopping_the_pool_lets_an_async_save_finish(trained, tmp_path_factory):
-    if getattr(trained, "saved_step", None) is None:
-        pytest.skip("needs the model set up again by the previous test")
+def _stopping_the_pool_lets_an_async_save_finish(trained) -> None:
     run = trained.execute("%%fsdp2\nckpt.save(5000)  # asynchronous: returns while files are written\n"
                           "print(ckpt.status().saving_step is not None or ckpt.latest() == 5000)")
     assert run.status == "ok", run.traceback_text

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from fsdp2nb.pool import reaper
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 _AGENTS = ("from fsdp2nb import _session\nimport json\n"
            "print(json.dumps([_session.pool._launched.process_ids()[0], _session.launcher.standby_pid(),"

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from fsdp2nb.testing.netns import TestHosts
-from fsdp2nb.testing.ray_cluster import RayCluster
+from tests.support.netns import TestHosts
+from tests.support.ray_cluster import RayCluster
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,8 @@ import time
 import psutil
 import pytest
 
-from fsdp2nb.testing.fake_srun import write_srun
-from fsdp2nb.testing.netns import TestHost, TestHosts, list_namespaces
+from tests.support.fake_srun import write_srun
+from tests.support.netns import TestHost, TestHosts, list_namespaces
 
 # Listens on (argv[1], any port), prints the port, answers one connection with its peer's address
 # followed by what it received.

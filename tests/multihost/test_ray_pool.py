@@ -6,68 +6,24 @@ a notebook on a cluster's head node would; Ray places one host agent on each hos
 """
 
 import re
-import signal
-import time
 
 import psutil
 import pytest
 
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
-from tests.kernel.test_training import SETUP, _losses
+from tests.support.host_processes import (
+    kill_host_one_agent_mid_cell,
+    pool_processes,
+    runs_module,
+    wait_for_no_pool_processes,
+)
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
+from tests.support.training_cells import SETUP, losses
 
 pytestmark = pytest.mark.timeout(900)  # the session's Ray cluster starts inside the first test
 
 START = "%fsdp2 start --ray {address} --nodes 2 --cpu-per-node 1 --no-dashboard"
 TRAIN = ("%%fsdp2\nfor step in range(3):\n    loss = train_step(step)\n"
          "    if rank == 0: print(f'step {step} loss {loss:.6f}')")
-
-
-def runs_module(process: psutil.Process, module: str) -> bool:
-    """Whether `process` is `python -m module` (or forked from one: a rank is its agent's fork)."""
-    try:
-        command = process.cmdline()
-    except psutil.Error:
-        return False
-    return command[1:3] == ["-m", module]
-
-
-def pool_processes(hosts) -> list[psutil.Process]:
-    """fsdp2nb's own processes (driver, agents and ranks forked from them) in the hosts' namespaces."""
-    found = []
-    for host in hosts:
-        for pid in host.pids():
-            try:
-                process = psutil.Process(pid)
-                if (runs_module(process, "fsdp2nb.worker.agent") or runs_module(process, "fsdp2nb.pool.ray_driver")) \
-                        and process.status() != psutil.STATUS_ZOMBIE:
-                    found.append(process)
-            except psutil.Error:
-                pass
-    return found
-
-
-def host_agents(hosts) -> list[psutil.Process]:
-    """The agents among `pool_processes`: not forked from another agent, as ranks are."""
-    return [process for process in pool_processes(hosts) if runs_module(process, "fsdp2nb.worker.agent")
-            and not runs_module(process.parent(), "fsdp2nb.worker.agent")]
-
-
-def kill_host_one_agent_mid_cell(kernel, hosts):
-    """SIGKILL host 1's agent 3 s into a cell of all_reduces; the cell's run."""
-    agents = host_agents(hosts[1:])
-    assert len(agents) == 1
-    submitted = kernel.submit("%%fsdp2\nimport time\nfor i in range(600):\n"
-                              "    x = torch.ones(1)\n    dist.all_reduce(x)\n    time.sleep(0.05)")
-    time.sleep(3)
-    agents[0].send_signal(signal.SIGKILL)
-    return kernel.collect(submitted, timeout=180)
-
-
-def wait_for_no_pool_processes(hosts, timeout_s: float = 30.0) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout_s
-    while (left := pool_processes(hosts)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +99,7 @@ def test_training_matches_one_host_and_the_checkpoint_loads_on_one_rank(ray_kern
     assert ray_kernel.execute(paths + "%fsdp2 push model_dir ckpt_dir").status == "ok"
     assert ray_kernel.execute(SETUP.replace("keep=2", "keep=5"), timeout=300).status == "ok"
     one_host = ray_kernel.execute(TRAIN.replace("range(3)", "range(3)"), timeout=300)
-    assert _losses(one_host.stdout) == _losses(two_hosts.stdout) != []
+    assert losses(one_host.stdout) == losses(two_hosts.stdout) != []
 
     assert ray_kernel.execute("%fsdp2 restart --cpu 1", timeout=300).status == "ok"
     assert ray_kernel.execute(paths + "%fsdp2 push model_dir ckpt_dir").status == "ok"

@@ -1,12 +1,12 @@
 """A pool across two hosts inside a Slurm allocation, through a stand-in `srun` that starts one
-task per test host as srun does (fsdp2nb/testing/fake_srun.py). The kernel runs on host 0."""
+task per test host as srun does (tests/support/fake_srun.py). The kernel runs on host 0."""
 
 
 import pytest
 
-from fsdp2nb.testing.fake_srun import write_srun
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel
-from tests.multihost.test_ray_pool import kill_host_one_agent_mid_cell, wait_for_no_pool_processes
+from tests.support.fake_srun import write_srun
+from tests.support.host_processes import kill_host_one_agent_mid_cell, wait_for_no_pool_processes
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 START = "%fsdp2 start --slurm --cpu-per-node 1 --listen {listen} --no-dashboard"
 

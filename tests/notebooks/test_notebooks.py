@@ -9,9 +9,9 @@ import nbformat
 import pytest
 
 from fsdp2nb.examples import save_tiny_llama
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS
 from scripts.make_notebooks import NOTEBOOKS, build
 from scripts.run_demo import execute, main, quickstart_facts, tagged_text
+from tests.support.kernel_client import WITHOUT_GPUS
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 

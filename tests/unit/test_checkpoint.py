@@ -24,7 +24,7 @@ from fsdp2nb.checkpoint.requests import SaveRequests
 from fsdp2nb.checkpoint.staging import ReusedBufferStager
 from fsdp2nb.checkpoint.state import read_dcp_metadata
 from fsdp2nb.checkpoint.tracking import tracked_checkpointer
-from fsdp2nb.testing.tiny_models import make_tiny_model
+from fsdp2nb.examples.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

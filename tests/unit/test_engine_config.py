@@ -13,7 +13,7 @@ from fsdp2nb.engine.engine import drives_gpus, gpu_index
 from fsdp2nb.engine.hub import resolve_model_dir
 from fsdp2nb.engine.key_mapping import checkpoint_to_model_keys, hf_key
 from fsdp2nb.engine.wrapping import embedding_and_head, find_blocks
-from fsdp2nb.testing.tiny_models import tiny_config
+from fsdp2nb.examples.tiny_models import tiny_config
 
 
 def _meta_model(family: str = "llama", tied: bool = False):

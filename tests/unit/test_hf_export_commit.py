@@ -10,7 +10,7 @@ import torch
 
 from fsdp2nb.checkpoint import export_hf_model
 from fsdp2nb.checkpoint.directory_swap import staging_paths
-from fsdp2nb.testing.tiny_models import make_tiny_model
+from fsdp2nb.examples.tiny_models import make_tiny_model
 
 
 class _FailingProcessor:

@@ -10,8 +10,8 @@ import torch
 from fsdp2nb import progress
 from fsdp2nb.checkpoint import Checkpointer, export_hf_model
 from fsdp2nb.checkpoint.direct_writes import DirectWriteStream
+from fsdp2nb.examples.tiny_models import make_tiny_model
 from fsdp2nb.frontend.progress_view import CellTaskBar
-from fsdp2nb.testing.tiny_models import make_tiny_model
 from fsdp2nb.widgets import render
 from fsdp2nb.widgets.model import TaskBoard
 from fsdp2nb.wire.protocol import TaskProgress

@@ -8,7 +8,7 @@ import pytest
 
 from fsdp2nb.wire.protocol import ChannelHello, RunCell, StreamOutput
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
-from tests.unit.test_transport import _ListLog, _read_until, _wait_until
+from tests.support.channels import ListLog, read_until, wait_until
 
 pytest.importorskip("cryptography", reason="multi-host pools need `pip install cryptography`")
 
@@ -18,7 +18,7 @@ def tls_kernel(tmp_path):
     from fsdp2nb.wire.channels import KernelChannels
     from fsdp2nb.wire.tls import make_pool_certificate
 
-    log = _ListLog()
+    log = ListLog()
     signer = Signer(b"k" * KEY_BYTES, log=log.logger)
     certificate = make_pool_certificate(str(tmp_path))
     kernel = KernelChannels(signer, "tcp://127.0.0.1:0", log=log.logger, certificate=certificate)
@@ -40,7 +40,7 @@ def test_events_and_requests_cross_a_tls_link_in_order(tls_kernel):
         texts = [f"line {i}" for i in range(200)] + ["x" * 300_000]  # many records, one past 16 KiB ones
         for text in texts:
             rank.send_event(_stream(0, text))
-        received = _read_until(kernel, lambda r: len(r) == len(texts))
+        received = read_until(kernel, lambda r: len(r) == len(texts))
         assert [m.text for m in received] == texts
         big = RunCell(cell_id=7, code="y" * 100_000)
         kernel.send(0, RunCell(cell_id=6, code="small"))
@@ -69,7 +69,7 @@ def test_a_plain_tcp_client_gets_no_challenge_and_is_refused(tls_kernel):
     with socket.create_connection((host, int(port)), timeout=10) as plain:
         hello = signer.pack(ChannelHello(role="events", rank=0, challenge=b"x" * 32))
         plain.sendall(struct.pack("!Q", len(hello)) + hello)
-        assert _wait_until(lambda: log.matching("TLS handshake failed"))
+        assert wait_until(lambda: log.matching("TLS handshake failed"))
     assert not kernel._links
 
 
@@ -87,15 +87,15 @@ def test_a_forged_or_replayed_hello_over_tls_gets_nothing(tls_kernel):
     forger, challenge = connect()
     forged = Signer(b"f" * KEY_BYTES).pack(ChannelHello(role="events", rank=0, challenge=challenge))
     forger.sendall(struct.pack("!Q", len(forged)) + forged)
-    assert _wait_until(lambda: log.matching("failed signature verification"))
+    assert wait_until(lambda: log.matching("failed signature verification"))
     first, challenge = connect()
     hello = signer.pack(ChannelHello(role="events", rank=0, challenge=challenge))
     first.sendall(struct.pack("!Q", len(hello)) + hello)
     first.close()
     replayer, _ = connect()
     replayer.sendall(struct.pack("!Q", len(hello)) + hello)
-    assert _wait_until(lambda: log.matching("replayed hello"))
-    assert _read_until(kernel, lambda r: r, timeout_s=0.3) == []
+    assert wait_until(lambda: log.matching("replayed hello"))
+    assert read_until(kernel, lambda r: r, timeout_s=0.3) == []
     forger.close()
     replayer.close()
 

@@ -1,4 +1,3 @@
-import logging
 import os
 import pickle
 import struct
@@ -7,6 +6,7 @@ import pytest
 
 from fsdp2nb.wire.protocol import RunCell
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
+from tests.support.channels import ListLog, read_until, wait_until
 
 UNPICKLED = []
 
@@ -121,15 +121,6 @@ class _Channels:
         self.kernel.close()
 
 
-def _wait_until(condition, timeout_s: float = 10.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return condition()
-
-
 def test_a_thread_reading_events_itself_takes_over_in_order_and_the_background_reader_sleeps(tmp_path):
     import time
 
@@ -142,13 +133,13 @@ def test_a_thread_reading_events_itself_takes_over_in_order_and_the_background_r
             read_before = len(channels.background)
             channels.send("d")
             channels.send("e")
-            _wait_until(lambda: channels.kernel.receive_here(100, lambda m: here.append(m.text))
+            wait_until(lambda: channels.kernel.receive_here(100, lambda m: here.append(m.text))
                         or len(channels.background) + len(here) >= 5)
             time.sleep(0.1)  # the background reader had its chance to read something and did not
             assert len(channels.background) == read_before
         assert channels.background + here == ["a", "b", "c", "d", "e"]
         channels.send("f")
-        _wait_until(lambda: len(channels.background) > read_before)
+        wait_until(lambda: len(channels.background) > read_before)
         assert channels.background[-1] == "f"  # reading went back to the background thread
     finally:
         channels.close()
@@ -174,7 +165,7 @@ def test_a_connection_made_while_another_thread_reads_does_not_wake_the_backgrou
 
     channels = _Channels(tmp_path)
     try:
-        assert _wait_until(lambda: channels.background_passes > 0)
+        assert wait_until(lambda: channels.background_passes > 0)
         with channels.kernel.reading_here():
             newcomer = RankChannels(channels.signer, channels.address, rank=1)  # wakes the background
             passes = channels.background_passes
@@ -183,7 +174,7 @@ def test_a_connection_made_while_another_thread_reads_does_not_wake_the_backgrou
             assert channels.background_passes - passes < 100
             newcomer.send_event(StreamOutput(rank=1, cell_id=1, stream="stdout", text="new"))
             here: list[str] = []
-            assert _wait_until(lambda: channels.kernel.receive_here(100, lambda m: here.append(m.text)) or here)
+            assert wait_until(lambda: channels.kernel.receive_here(100, lambda m: here.append(m.text)) or here)
             assert here == ["new"]
         newcomer.close()
     finally:
@@ -209,13 +200,13 @@ def test_a_background_wait_that_spans_a_handoff_does_not_read_a_link_emptied_mea
 
     channels = _Channels(tmp_path, SlowToResume)
     try:
-        assert _wait_until(lambda: channels.background_passes > 0)
+        assert wait_until(lambda: channels.background_passes > 0)
         channels.kernel.delay_s = 0.3
         channels.send("a")
         time.sleep(0.05)  # the background reader saw it ready and is held up
         here: list[str] = []
         with channels.kernel.reading_here():
-            assert _wait_until(lambda: channels.kernel.receive_here(100, lambda m: here.append(m.text)) or here)
+            assert wait_until(lambda: channels.kernel.receive_here(100, lambda m: here.append(m.text)) or here)
         time.sleep(0.4)  # the background reader resumes with what it saw before the handoff
         entered = threading.Event()
 
@@ -246,26 +237,10 @@ class _Present:
 # --- connections the kernel must survive ------------------------------------------------------------
 
 
-class _ListLog(logging.Handler):
-    """A log injected into the kernel's channels: its lines, kept in a list."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-        self.logger = logging.Logger("test-pool-log")
-        self.logger.addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def matching(self, text: str) -> list[str]:
-        return [line for line in self.lines if text in line]
-
-
 def _kernel_end(directory, **options):
     from fsdp2nb.wire.channels import KernelChannels
 
-    log = _ListLog()
+    log = ListLog()
     signer = Signer(b"k" * KEY_BYTES, log=log.logger)
     address = str(directory / "pool.sock")
     return KernelChannels(signer, address, log=log.logger, **options), signer, address, log
@@ -299,18 +274,6 @@ def _stream(rank: int, text: str):
     return StreamOutput(rank=rank, cell_id=1, stream="stdout", text=text)
 
 
-def _read_until(kernel, condition, timeout_s: float = 10.0) -> list:
-    """Messages the kernel end delivers (read here, as a waiting request does) until `condition`."""
-    import time
-
-    received: list = []
-    deadline = time.monotonic() + timeout_s
-    with kernel.reading_here():
-        while not condition(received) and time.monotonic() < deadline:
-            kernel.receive_here(50, received.append)
-    return received
-
-
 def _send_raw(link, data: bytes) -> None:
     import contextlib
 
@@ -338,13 +301,13 @@ def test_a_hostile_first_message_gets_one_log_line_and_nothing_else(tmp_path, ki
         _send_raw(hostile, HOSTILE_FIRST_MESSAGES[kind](signer))
         if kind == "a truncated frame":
             hostile.close()  # half a hello, then gone
-        assert _wait_until(lambda: log.matching("refused a connection"))
+        assert wait_until(lambda: log.matching("refused a connection"))
         _, peak_bytes = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         assert peak_bytes < 1024 * 1024, "memory was allocated by a claimed length"
         genuine, _ = _introduce(address, signer, rank=0)
         genuine.send(signer.pack(_stream(0, "genuine")))
-        received = _read_until(kernel, lambda r: r)
+        received = read_until(kernel, lambda r: r)
         assert [m.text for m in received] == ["genuine"]
         assert len(log.lines) == 1, log.lines
         assert UNPICKLED == []
@@ -360,15 +323,15 @@ def test_a_replayed_hello_gets_nothing(tmp_path):
         first, recorded_hello = _introduce(address, signer, rank=1)
         recorded_event = signer.pack(_stream(1, "once"))
         first.send(recorded_event)
-        assert [m.text for m in _read_until(kernel, lambda r: r)] == ["once"]
+        assert [m.text for m in read_until(kernel, lambda r: r)] == ["once"]
         first.close()
-        _read_until(kernel, lambda r: ("events", 1) not in kernel._links)  # reading sees it closed
+        read_until(kernel, lambda r: ("events", 1) not in kernel._links)  # reading sees it closed
         assert ("events", 1) not in kernel._links  # so only the challenge can refuse the replay
         replayer = _connect_raw(address)  # the same user, without the key, resending what it saw
         _send_raw(replayer, struct.pack("!Q", len(recorded_hello)) + recorded_hello)
         _send_raw(replayer, struct.pack("!Q", len(recorded_event)) + recorded_event)
-        assert _wait_until(lambda: log.matching("replayed hello"))
-        assert _read_until(kernel, lambda r: r, timeout_s=0.5) == []
+        assert wait_until(lambda: log.matching("replayed hello"))
+        assert read_until(kernel, lambda r: r, timeout_s=0.5) == []
         assert len(log.lines) == 1, log.lines
         replayer.close()
     finally:
@@ -384,7 +347,7 @@ def test_a_second_connection_for_a_connected_rank_is_refused_and_the_first_kept(
         kernel.send(0, RunCell(cell_id=1, code="first"))
         assert first.receive_request(10_000) == RunCell(cell_id=1, code="first")
         second = RankChannels(signer, address, rank=0)
-        assert _wait_until(lambda: len(log.matching("already has a")) == 3), log.lines
+        assert wait_until(lambda: len(log.matching("already has a")) == 3), log.lines
         kernel.send(0, RunCell(cell_id=2, code="still the first"))
         assert first.receive_request(10_000) == RunCell(cell_id=2, code="still the first")
         with pytest.raises(EOFError):  # the kernel closed the second one's connections
@@ -402,10 +365,10 @@ def test_a_connection_whose_peer_is_gone_can_be_replaced(tmp_path):
     kernel, signer, address, log = _kernel_end(tmp_path)
     try:
         RankChannels(signer, address, rank=0).close()
-        assert _wait_until(lambda: ("requests", 0) in kernel._links)
+        assert wait_until(lambda: ("requests", 0) in kernel._links)
         gone = kernel._links[("requests", 0)]
         again = RankChannels(signer, address, rank=0)
-        assert _wait_until(lambda: kernel._links[("requests", 0)] is not gone)
+        assert wait_until(lambda: kernel._links[("requests", 0)] is not gone)
         kernel.send(0, RunCell(cell_id=1, code="again"), connect_timeout_s=10)
         assert again.receive_request(10_000) == RunCell(cell_id=1, code="again")
         assert not log.matching("already has a requests connection")
@@ -424,15 +387,15 @@ def test_a_sender_stopped_mid_frame_holds_up_no_other_and_is_reported_by_rank(tm
         frame = signer.pack(_stream(1, "finally whole"))
         packed = struct.pack("!Q", len(frame)) + frame
         stopped.sock.sendall(packed[:len(packed) // 2])  # then it stops, as a SIGSTOP would leave it
-        received = _read_until(kernel, lambda r: False, timeout_s=0.2)  # the half frame is read meanwhile
+        received = read_until(kernel, lambda r: False, timeout_s=0.2)  # the half frame is read meanwhile
         healthy.send(signer.pack(_stream(0, "still heard")))
-        received += _read_until(kernel, lambda r: any(m.text == "still heard" for m in r))
+        received += read_until(kernel, lambda r: any(m.text == "still heard" for m in r))
         assert [m.text for m in received] == ["still heard"]
-        _read_until(kernel, lambda r: stalled, timeout_s=10)
+        read_until(kernel, lambda r: stalled, timeout_s=10)
         assert [rank for rank, _ in stalled] == [1] and stalled[0][1] >= 0.3
         assert log.matching("rank 1 stopped in the middle of a message")
         stopped.sock.sendall(packed[len(packed) // 2:])
-        assert [m.text for m in _read_until(kernel, lambda r: r)] == ["finally whole"]
+        assert [m.text for m in read_until(kernel, lambda r: r)] == ["finally whole"]
         assert log.matching("rank 1 resumed")
     finally:
         healthy.close()
@@ -495,7 +458,7 @@ def _admission(directory, **options):
 
     from fsdp2nb.wire.admission import Admission
 
-    log = _ListLog()
+    log = ListLog()
     signer = Signer(b"k" * KEY_BYTES)
     address = str(directory / "pool.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -513,7 +476,7 @@ def test_a_connection_without_a_hello_is_closed_at_its_deadline(tmp_path):
         assert len(bytes(idle.receive(max_bytes=64))) == 32  # its challenge, then nothing from it
         with pytest.raises(EOFError):
             idle.receive()  # closed by the kernel
-        assert _wait_until(lambda: log.matching("sent no hello within 0.3 s")) and admission.num_pending == 0
+        assert wait_until(lambda: log.matching("sent no hello within 0.3 s")) and admission.num_pending == 0
         idle.close()
     finally:
         admission.close()
@@ -531,9 +494,9 @@ def test_waiting_connections_are_bounded_and_the_oldest_goes_first(tmp_path):
         for link in idle[:6]:
             with pytest.raises(EOFError):
                 link.receive()
-        assert _wait_until(lambda: len(log.matching("sent no hello before 4 newer connections came")) == 6)
+        assert wait_until(lambda: len(log.matching("sent no hello before 4 newer connections came")) == 6)
         genuine, _ = _introduce(address, signer, rank=0)  # a rank still gets in
-        assert _wait_until(lambda: admitted) and admitted[0][0].rank == 0
+        assert wait_until(lambda: admitted) and admitted[0][0].rank == 0
         genuine.close()
     finally:
         for link in idle:

@@ -8,7 +8,7 @@ own, a setup cell builds the model again and `%fsdp2 load latest` restores it. T
 seeded per step and every op is deterministic, so the final model and optimizer state must equal,
 bit for bit, those of a fault-free run to the same step.
 
-`benchmarks/soak.py` runs a long campaign; `tests/faults/` a short one.
+`make soak` runs a long campaign and `tests/faults/` a short one (tests/faults/test_fault_campaign.py).
 """
 
 from __future__ import annotations
@@ -19,24 +19,31 @@ import random
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from fsdp2nb.checkpoint import layout
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, CellRun, Kernel
-
-FAULT_KINDS = ("kill_rank", "kill_agent", "kill_kernel", "stop_rank", "stop_rank_forever",
-               "raise_in_collective", "interrupt_twice", "enospc",
-               "truncated_shard", "deleted_metadata", "latest_missing_step")
-"""Every kind the scheduler draws from."""
+from tests.support.fault_cells import (
+    ARMED_LOAD_CELL,
+    BATCH,
+    CHUNK,
+    DEPTH,
+    DIGEST_CELL,
+    PACE_S,
+    PROBE_CELL,
+    SAVE_EVERY,
+    SETUP_CELL,
+    TRAIN_CELL,
+    WIDTH,
+)
+from tests.support.fault_report import FAULT_KINDS, CampaignResult, FaultRecord, record_line
+from tests.support.kernel_client import WITHOUT_GPUS, CellRun, Kernel
 
 DAMAGE_KINDS = ("truncated_shard", "deleted_metadata", "latest_missing_step")
 """Kinds that damage the checkpoint directory before a load (LATEST is broken on purpose)."""
@@ -60,180 +67,8 @@ MOMENTS = {
 """When each kind may strike: during the training loop, while an async save writes, while
 `%fsdp2 load latest` runs, or on the disk before a load."""
 
-WIDTH, DEPTH, BATCH = 192, 4, 16
-SAVE_EVERY = 3
-CHUNK = 9
-PACE_S = 0.1
-"""Seconds each step sleeps: output reaches the driver a little late, and a fault meant for the
-middle of a cell must not land after its end."""
-"""Steps per training cell; a fault strikes inside one."""
-
 TMPFS_BYTES = 48 << 20
 """Room for keep=3 checkpoints (about 1.8 MiB each), one in flight and one being replaced."""
-
-SETUP_CELL = """%%fsdp2
-import hashlib, os, signal, time
-import fsdp2nb
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-if "ckpt" in globals():  # a pool that survived the fault: release the old checkpointer's save
-    try:
-        ckpt.close()
-    except Exception as error:
-        print("the previous checkpointer's save failed:", type(error).__name__)
-torch.use_deterministic_algorithms(True)
-torch.manual_seed(0)
-model = nn.Sequential(*[nn.Sequential(nn.Linear({width}, {width}), nn.Tanh()) for _ in range({depth})],
-                      nn.Linear({width}, 1))
-for block in model[:-1]:
-    fully_shard(block)
-fully_shard(model)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-ckpt = fsdp2nb.Checkpointer({ckpt_dir!r}, keep=3, async_save=True).track(model=model, optimizer=optimizer)
-
-fault_armed = False  # set only while a cell of the campaign runs: a user's code raises, not the idle rank
-
-def _injected_fault(signum, frame):
-    if fault_armed:
-        raise RuntimeError(f"injected fault on rank {{rank}}")
-
-signal.signal(signal.SIGUSR1, _injected_fault)
-
-def train_step(step):
-    generator = torch.Generator().manual_seed(1000 * step + rank)  # the data depend on the step only
-    x = torch.randn({batch}, {width}, generator=generator)          # [batch, width]
-    loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).tanh())
-    loss.backward()
-    fsdp2nb.clip_grad_norm_(model, 1.0)
-    optimizer.step()
-    optimizer.zero_grad()
-    fsdp2nb.log(step, loss=loss.item())
-    time.sleep({pace_s})  # paces the loop like a bigger model's step, so faults land inside it
-
-def state_digest():
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    digests = []
-    for tree in (get_model_state_dict(model, options=options),
-                 get_optimizer_state_dict(model, optimizer, options=options)):
-        digest = hashlib.sha256()
-        _hash_into(digest, tree)
-        digests.append(digest.hexdigest()[:16])
-    return digests
-
-def _hash_into(digest, value):
-    if isinstance(value, dict):
-        for key in sorted(value, key=str):
-            digest.update(str(key).encode())
-            _hash_into(digest, value[key])
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _hash_into(digest, item)
-    elif isinstance(value, torch.Tensor):
-        digest.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    else:
-        digest.update(repr(value).encode())
-"""
-
-TRAIN_CELL = """%%fsdp2
-fault_armed = True
-try:
-    for step in range({first}, {end}):
-        train_step(step)
-        if rank == 0:
-            print(f"step {{step}}", flush=True)
-        if step % {save_every} == 0:
-            ckpt.save(step)
-            if rank == 0:
-                print(f"saving {{step}}", flush=True)
-        else:
-            ckpt.maybe_save(step)
-    ckpt.wait()
-finally:
-    fault_armed = False
-"""
-
-ARMED_LOAD_CELL = """%%fsdp2
-fault_armed = True
-try:
-    loaded = ckpt.load("latest")
-finally:
-    fault_armed = False
-if rank == 0:
-    print(f"loaded step {loaded}")
-"""
-"""What a user's own cell does to resume; the exception fault strikes here rather than in the magic."""
-
-PROBE_CELL = """%%fsdp2
-probe = torch.ones(1)
-dist.all_reduce(probe)
-if rank == 0:
-    print(f"sum {probe.item():g}")
-"""
-
-DIGEST_CELL = """%%fsdp2
-digests = state_digest()
-if rank == 0:
-    print("digest", *digests)
-"""
-
-
-@dataclass
-class FaultRecord:
-    """What one injected fault did and what recovering from it took."""
-
-    number: int
-    kind: str
-    moment: str
-    detail: str = ""
-    skipped: str = ""
-    """Why the fault could not be injected here (empty when it was)."""
-    struck: bool = False
-    """The fault hit while its moment's work was still running."""
-    cell_outcome: str = ""
-    recovered: bool = False
-    """Training went on through the automatic restart, a setup cell and `%fsdp2 load latest`."""
-    recovery_path: str = ""
-    recover_s: float = 0.0
-    steps_redone: int = 0
-    latest_before: int | None = None
-    restored_step: int | None = None
-    checkpoint_lost: bool = False
-    latest_ok: bool = True
-    """After the fault, LATEST named a complete checkpoint (damage kinds excepted)."""
-    problems: list[str] = field(default_factory=list)
-    """What went wrong: each one fails the campaign."""
-    notes: list[str] = field(default_factory=list)
-    """What happened on the way that a user also meets (a setup cell run twice)."""
-    restart_told: bool = False
-    """A cell said the pool is broken and to `%fsdp2 restart`, and the campaign did."""
-    retried_after_restart: bool = False
-
-
-@dataclass
-class CampaignResult:
-    seed: int
-    num_ranks: int
-    records: list[FaultRecord]
-    final_step: int
-    digests: tuple[str, ...]
-    reference_digests: tuple[str, ...]
-    orphans: list[str]
-    foreign_shm: list[str]
-    wall_s: float
-
-    @property
-    def injected(self) -> list[FaultRecord]:
-        return [r for r in self.records if not r.skipped]
-
-    @property
-    def state_matches(self) -> bool:
-        return bool(self.digests) and self.digests == self.reference_digests
-
-    def failures(self) -> list[FaultRecord]:
-        return [r for r in self.injected if not r.recovered or r.checkpoint_lost or not r.latest_ok or r.problems]
-
 
 class _Triggered(Exception):
     """Raised from a message callback to stop reading a cell's output at the fault's moment."""
@@ -285,7 +120,7 @@ class Campaign:
             for number, kind in enumerate(schedule, 1):
                 record = self._one_fault(number, kind)
                 records.append(record)
-                self.log(_record_line(record))
+                self.log(record_line(record))
             final_step = self.position + CHUNK - 1
             self._train_until(final_step + 1)
             digests = self._digests()
@@ -763,7 +598,7 @@ class Campaign:
         (self.ckpt_dir / ".soak-filler").unlink(missing_ok=True)
 
 
-# ---- helpers and the table ---------------------------------------------------------------------
+# ---- helpers -----------------------------------------------------------------------------------
 
 def _signal(process: psutil.Process | None, signum: int) -> bool:
     if process is None:
@@ -803,48 +638,3 @@ def _outcome(run) -> str:  # noqa: ANN001
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[0][:200] if lines else ""
-
-
-def _record_line(record: FaultRecord) -> str:
-    if record.skipped:
-        return f"#{record.number:<3} {record.kind:<20} skipped: {record.skipped}"
-    state = "recovered" if record.recovered else f"NOT recovered ({record.recovery_path})"
-    problems = f" PROBLEMS: {'; '.join(record.problems)}" if record.problems else ""
-    problems += f" notes: {'; '.join(record.notes)}" if record.notes else ""
-    return (f"#{record.number:<3} {record.kind:<20} {record.moment:<11} {state}, restored step "
-            f"{record.restored_step} in {record.recover_s:.1f} s, {record.steps_redone} redone "
-            f"[{record.detail}] cell: {record.cell_outcome}{problems}")
-
-
-def summary_table(result: CampaignResult) -> str:
-    """One table: faults by kind, recovered, time to recover, steps redone, losses, orphans."""
-    rows = [("kind", "injected", "struck mid-work", "recovered", "recover median s", "recover max s", "steps redone",
-             "ckpt lost", "LATEST bad", "failed")]
-    by_kind: dict[str, list[FaultRecord]] = {}
-    for record in result.records:
-        by_kind.setdefault(record.kind, []).append(record)
-    for kind in [*FAULT_KINDS, "all"]:
-        records = [r for r in result.injected if kind in ("all", r.kind)]
-        skipped = [r for r in by_kind.get(kind, []) if r.skipped]
-        if not records and not skipped:
-            continue
-        times = [r.recover_s for r in records if r.recovered]
-        rows.append((kind, str(len(records)) + (f" ({len(skipped)} skipped)" if skipped else ""),
-                     str(sum(r.struck for r in records)),
-                     str(sum(r.recovered for r in records)),
-                     f"{statistics.median(times):.1f}" if times else "-", f"{max(times):.1f}" if times else "-",
-                     str(sum(r.steps_redone for r in records)), str(sum(r.checkpoint_lost for r in records)),
-                     str(sum(not r.latest_ok for r in records)),
-                     str(sum(r in result.failures() for r in records))))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    lines.append("")
-    lines.append(f"seed {result.seed}, {result.num_ranks} ranks, final step {result.final_step}, "
-                 f"{result.wall_s:.0f} s; model and optimizer equal the fault-free run bitwise: "
-                 f"{result.state_matches} ({' '.join(result.digests)} vs {' '.join(result.reference_digests)}); "
-                 f"orphans: {len(result.orphans)}")
-    lines.extend(f"  orphan: {orphan}" for orphan in result.orphans)
-    if result.foreign_shm:
-        lines.append(f"  /dev/shm entries of other processes, not counted: {len(result.foreign_shm)}")
-    return "\n".join(lines)

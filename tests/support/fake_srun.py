@@ -1,6 +1,6 @@
 """A stand-in for Slurm's `srun` that starts one task per test host (network namespace).
 
-    FSDP2NB_FAKE_SLURM_HOSTS=ns0,ns1 python -m fsdp2nb.testing.fake_srun \\
+    FSDP2NB_FAKE_SLURM_HOSTS=ns0,ns1 python tests/support/fake_srun.py \\
         --nodes 2 --ntasks-per-node 1 --kill-on-bad-exit=1 --input all CMD ARG...
 
 Task (node i, local task j) runs CMD inside namespace i with SLURM_NODEID=i, SLURM_PROCID,
@@ -12,8 +12,9 @@ SLURMD_NODENAME (the namespace's name), each in a session of its own. As srun do
 - the exit status is the first non-zero task status (128 + signal for a task killed by one), else 0.
 Task output goes straight to this process's stdout and stderr.
 
-`write_srun(directory, hosts)` writes an executable `srun` that runs this module, for a test
-to put first on PATH.
+`write_srun(directory, hosts)` writes an executable `srun` that runs this file by its path (it
+imports only the standard library, so any working directory will do), for a test to put first
+on PATH.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def write_srun(directory: str | os.PathLike, hosts: Sequence[str] | None = None,
     lines = ["#!/bin/sh"]
     if hosts is not None:
         lines.append(f"{HOSTS_ENV}={shlex.quote(','.join(hosts))}; export {HOSTS_ENV}")
-    lines.append(f'exec {shlex.quote(python)} -m fsdp2nb.testing.fake_srun "$@"')
+    lines.append(f'exec {shlex.quote(python)} {shlex.quote(str(Path(__file__).resolve()))} "$@"')
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
     return path

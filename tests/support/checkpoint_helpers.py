@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
-from fsdp2nb.testing.tiny_models import make_tiny_model
+from fsdp2nb.examples.tiny_models import make_tiny_model
 
 SEQ_LEN = 8
 BATCH = 2

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import psutil
 
-from fsdp2nb.testing.netns import TestHost, TestHosts, kill_namespace_processes
+from tests.support.netns import TestHost, TestHosts, kill_namespace_processes
 
 logger = logging.getLogger(__name__)
 

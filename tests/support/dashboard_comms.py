@@ -1,0 +1,93 @@
+"""The dashboard as a front end sees it: every iopub message of a real kernel, the widgets'
+states they carry, and button clicks sent as JupyterLab sends them."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+from tests.support.kernel_client import Kernel
+
+SETUP = """%%fsdp2
+import time, fsdp2nb
+from torch.distributed.fsdp import fully_shard
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+ckpt = fsdp2nb.Checkpointer(ckpt_dir, keep=None).track(model=model, optimizer=optimizer)
+
+def train_step(step):
+    x = torch.randn(4, 16)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    fsdp2nb.log(step, loss=loss.item())
+    return loss.item()
+"""
+
+
+class Iopub:
+    """Every iopub message, whatever its parent (the dashboard's thread has none of ours)."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self.comms: dict[str, dict] = {}  # comm id -> last known state
+        self.updates: list[tuple[str, dict]] = []  # every state update, in order
+
+    def run(self, code: str, on_message=None, timeout: float = 180) -> list[dict]:
+        msg_id = self.kernel.client.execute(code)
+        seen, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                message = self.kernel.client.get_iopub_msg(timeout=1.0)
+            except queue.Empty:
+                continue
+            seen.append(message)
+            self._track(message)
+            if on_message is not None:
+                on_message(message)
+            if (message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "status"
+                    and message["content"]["execution_state"] == "idle"):
+                return seen
+        raise TimeoutError(f"no idle status within {timeout} s for {code[:60]!r}")
+
+    def _track(self, message: dict) -> None:
+        content = message["content"]
+        if message["msg_type"] == "comm_open":
+            self.comms[content["comm_id"]] = dict(content["data"].get("state", {}))
+        elif message["msg_type"] == "comm_msg" and content["data"].get("method") == "update":
+            self.comms.setdefault(content["comm_id"], {}).update(content["data"]["state"])
+            self.updates.append((content["comm_id"], content["data"]["state"]))
+
+    def wait_for(self, comm_id: str, key: str, wanted: str, timeout: float = 60) -> str:
+        """The comm's `key` once it contains `wanted`: the dashboard's thread may still be sending
+        updates after the cell's idle status (its samples are not tied to the cell)."""
+        deadline = time.monotonic() + timeout
+        while wanted not in self.comms[comm_id].get(key, "") and time.monotonic() < deadline:
+            try:
+                self._track(self.kernel.client.get_iopub_msg(timeout=0.5))
+            except queue.Empty:
+                continue
+        return self.comms[comm_id].get(key, "")
+
+    def comm_of(self, **state) -> str:
+        return next(cid for cid, known in self.comms.items() if all(known.get(k) == v for k, v in state.items()))
+
+
+def create_subshell(kernel: Kernel) -> str:
+    """A new subshell of `kernel`, as JupyterLab asks for one to send comm messages on."""
+    request = kernel.client.session.msg("create_subshell_request", {})
+    kernel.client.control_channel.send(request)
+    while True:
+        reply = kernel.client.get_control_msg(timeout=10)
+        if reply["parent_header"].get("msg_id") == request["header"]["msg_id"]:
+            return reply["content"]["subshell_id"]
+
+
+def click(kernel: Kernel, comm_id: str, subshell_id: str) -> None:
+    """What JupyterLab sends for a button click under its default commsOverSubshells setting."""
+    message = kernel.client.session.msg("comm_msg", {"comm_id": comm_id,
+                                                     "data": {"method": "custom", "content": {"event": "click"}}})
+    message["header"]["subshell_id"] = subshell_id
+    kernel.client.shell_channel.send(message)
