@@ -16,7 +16,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp2nb.testing.kernel_client import WITHOUT_GPUS, Kernel  # noqa: E402
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel  # noqa: E402
 
 RANK_CELL = "%%fsdp2 --ranks 0\nimport time\nstarted = time.monotonic()\nbreakpoint()\npass"
 PLAIN_CELL = "import time\nstarted = time.monotonic()\nbreakpoint()\npass"
@@ -57,7 +57,7 @@ def main() -> None:
     try:
         kernel.execute("%load_ext fsdp2nb")
         kernel.execute("%fsdp2 start --cpu 2 --no-dashboard")
-        for where, cell in (("rank", RANK_CELL), ("plain", PLAIN_CELL)):  # warm pdb's imports on both
+        for _where, cell in (("rank", RANK_CELL), ("plain", PLAIN_CELL)):  # warm pdb's imports on both
             debugger_session(kernel, cell, 1)
         for _ in range(args.sessions):
             for where, cell in (("rank", RANK_CELL), ("plain", PLAIN_CELL)):

@@ -290,10 +290,11 @@ class WaitingLine:
 
     def show(self, elapsed_s: float, ranks: tuple[int, ...], activity: dict[int, RankActivity],
              finished: set[int], timeout_s: float | None = None, stopped: dict[int, int] | None = None,
-             waiting_for_input: set[int] | None = None) -> None:
+             waiting_for_input: set[int] | None = None, time_left: dict[int, float] | None = None) -> None:
+        """`time_left`: per rank in a collective, about how long until its timeout ends the wait."""
         waiting_for_input = waiting_for_input or set()
         text = f"waiting {elapsed_s:.0f} s: " + "; ".join(
-            self._describe(ranks, activity, finished, stopped or {}, waiting_for_input))
+            self._describe(ranks, activity, finished, stopped or {}, waiting_for_input, time_left or {}))
         if timeout_s is not None and any(a.collective for r, a in activity.items()
                                          if r not in finished and r not in waiting_for_input):
             text += (f" (a collective times out after {timeout_s:g} s, `--timeout` sets it; "
@@ -310,7 +311,7 @@ class WaitingLine:
             self._handle.update(bundle, raw=True)
 
     def _describe(self, ranks: tuple[int, ...], activity: dict[int, RankActivity], finished: set[int],
-                  stopped: dict[int, int], waiting_for_input: set[int]) -> list[str]:
+                  stopped: dict[int, int], waiting_for_input: set[int], time_left: dict[int, float]) -> list[str]:
         groups: dict[str, list[int]] = {}
         for rank in ranks:
             if rank in stopped:
@@ -318,7 +319,7 @@ class WaitingLine:
             elif rank in waiting_for_input and rank not in finished:
                 what = "waiting for input"
             else:
-                what = self._one_rank(rank, activity.get(rank), finished)
+                what = self._one_rank(rank, activity.get(rank), finished, time_left.get(rank))
             groups.setdefault(what, []).append(rank)
         left_out = [rank for rank in range(self._world_size) if rank not in ranks]
         if left_out:  # `--ranks`: a collective there waits for ranks that never enter it
@@ -326,13 +327,16 @@ class WaitingLine:
         return [f"{rank_label(members, self._world_size) or '[rank 0]'} {what}" for what, members in groups.items()]
 
     @staticmethod
-    def _one_rank(rank: int, activity: RankActivity | None, finished: set[int]) -> str:
+    def _one_rank(rank: int, activity: RankActivity | None, finished: set[int], time_left: float | None) -> str:
         if rank in finished:
             return "finished"
         if activity is None:
             return "running"
         where = activity.where or "outside the cell's code"
-        return f"in {activity.collective} at {where}" if activity.collective else f"at {where}"
+        if not activity.collective:
+            return f"at {where}"
+        left = f" (times out in about {max(0, time_left):.0f} s)" if time_left is not None else ""
+        return f"in {activity.collective} at {where}{left}"
 
     def close(self) -> None:
         """Blank the line: the cell has ended, so where its ranks waited is past."""

@@ -57,6 +57,9 @@ that not every rank entered would otherwise wait silently for the whole collecti
 PROMPT_FOCUS_S = 0.5
 """After answering a rank's prompt, how long its next prompt is waited for before another rank's
 is shown: a debugger session on one rank is not cut by the prompts of the others."""
+ACTIVITY_BEFORE_PROMPT_S = 0.03
+"""Before a prompt, how long the other running ranks may take to say where they are (a rank in a
+collective meanwhile is shown with the time left of its timeout above the prompt)."""
 EXIT_CAUSE_GRACE_S = 2.0
 """How long a request that could not reach a rank waits to learn why (see wait_for_exit_cause)."""
 _ACTIVITY_INTERVAL_S = 2.0
@@ -93,6 +96,8 @@ class CellProgress:
     activity_asked_at: float = 0.0
     activity: dict[int, RankActivity] = field(default_factory=dict)
     """Where each rank was when last asked (RankActivity), while the cell waited."""
+    collective_since: dict[int, float] = field(default_factory=dict)
+    """When each rank was first seen in the collective it is in now (for the time left of its timeout)."""
     waiting_line: WaitingLine | None = None
     stopped: dict[int, int] = field(default_factory=dict)
     """Ranks that did not answer because a signal stopped them (rank -> pid), as last seen."""
@@ -203,12 +208,21 @@ class RequestWait:
         elif isinstance(event, TaskProgress):
             self._show_task_progress(event)
         elif isinstance(event, RankActivity):
-            progress.activity[event.rank] = event
+            self._note_activity(event)
             self._show_waiting_line()
         elif isinstance(event, InputRequested):
             progress.prompts[event.rank] = event
         elif isinstance(event, CellFinished):
             self._rank_finished(event)
+
+    def _note_activity(self, event: RankActivity) -> None:
+        progress = self.progress
+        before = progress.activity.get(event.rank)
+        if event.collective is None:
+            progress.collective_since.pop(event.rank, None)
+        elif before is None or (before.collective, before.where) != (event.collective, event.where):
+            progress.collective_since[event.rank] = time.monotonic()
+        progress.activity[event.rank] = event
 
     def _show_task_progress(self, event: TaskProgress) -> None:
         if self.progress.task_bar is None:
@@ -243,10 +257,13 @@ class RequestWait:
         order) and send it to that rank only."""
         progress = self.progress
         focus = progress.prompting_rank
-        prompt = progress.prompts.pop(focus if focus in progress.prompts else min(progress.prompts))
+        prompt = progress.prompts[focus if focus in progress.prompts else min(progress.prompts)]
+        if prompt.rank != focus:  # a new rank's session: say where the others are, once
+            self._ask_others_where_they_are(prompt.rank)
         progress.prompting_rank = prompt.rank
         self._merger.flush()  # what the rank printed before its prompt (pdb's "> file(line)") first
         self._say_who_waits(prompt.rank)
+        del progress.prompts[prompt.rank]
         label = rank_label([prompt.rank], self.pool.world_size) or "[0]"
         if progress.interrupted_at is not None:  # asked again after the interrupt: the cell is ending
             self._send_answer(prompt, AnswerInput(cell_id=self.cell_id, prompt_id=prompt.prompt_id,
@@ -273,12 +290,38 @@ class RequestWait:
         except ConnectionError:
             pass  # its end is reported as an exit of its own
 
+    def _ask_others_where_they_are(self, prompting: int) -> None:
+        """The kernel's thread blocks at the prompt: first learn where the other running ranks
+        are (briefly), so the waiting line above the prompt shows them, e.g. in a collective."""
+        progress = self.progress
+        others = {rank for rank in progress.running if rank != prompting and rank not in progress.prompts}
+        for rank in others:
+            try:
+                self.pool.send(rank, ReportActivity(cell_id=self.cell_id), connect_timeout_s=0)
+            except ConnectionError:
+                pass
+        deadline = time.monotonic() + ACTIVITY_BEFORE_PROMPT_S
+        while others and time.monotonic() < deadline:
+            event = self.pool.next_event(0.005)
+            if event is None:
+                continue
+            if isinstance(event, RankActivity):
+                others.discard(event.rank)
+                self._note_activity(event)
+            else:
+                self._handle(event)
+        progress.activity_asked_at = time.monotonic()
+
     def _say_who_waits(self, answering: int) -> None:
-        """Where several ranks wait for input, say which, before the first prompt of a round."""
-        waiting = sorted({answering, *self.progress.prompts})
+        """Before a prompt where other ranks still run: which ranks wait for input, and where the
+        others are (the waiting line, shown at once: the prompt blocks this thread)."""
+        progress = self.progress
+        waiting = sorted(progress.prompts)
         if len(waiting) > 1:
             write_to_kernel("stderr", f"ranks {', '.join(map(str, waiting))} wait for input; "
                                       f"answering rank {answering} first\n")
+        if len(progress.running) > 1:
+            progress.diverged_at = progress.diverged_at or time.monotonic() - _ACTIVITY_INTERVAL_S
             self._show_waiting_line()
 
     # --- deadlines and quiet ranks --------------------------------------------------------------
@@ -344,9 +387,11 @@ class RequestWait:
         if progress.waiting_line is None:
             self._merger.flush()  # what the ranks printed comes before the line
             progress.waiting_line = WaitingLine(pool.world_size)
+        timeout_s = pool.spec.collective_timeout_s
+        time_left = {rank: timeout_s - (now - since) for rank, since in progress.collective_since.items()}
         progress.waiting_line.show(now - progress.started_at, progress.ranks, progress.activity,
-                                   finished=set(progress.finished), timeout_s=pool.spec.collective_timeout_s,
-                                   stopped=progress.stopped, waiting_for_input=set(progress.prompts))
+                                   finished=set(progress.finished), timeout_s=timeout_s, stopped=progress.stopped,
+                                   waiting_for_input=set(progress.prompts), time_left=time_left)
 
     # --- ranks dead or stuck ----------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from fsdp2nb.testing.kernel_client import CellRun, Kernel
+from tests.support.kernel_client import CellRun, Kernel
 
 
 class StdinAnswers:
@@ -76,6 +76,20 @@ def test_breakpoint_on_every_rank_prompts_one_rank_at_a_time_and_keeps_what_was_
     assert answers.prompts in (["[0] (Pdb) "] * 3 + ["[1] (Pdb) "], ["[1] (Pdb) "] + ["[0] (Pdb) "] * 3), first
     assert "[0] 100\n" in run.stdout  # pdb's answer, labelled by rank as other output
     assert "[0] result 70\n" in run.stdout and "[1] result 10\n" in run.stdout, run.stdout
+
+
+def test_a_rank_in_a_collective_meanwhile_is_shown_with_its_timeout_above_the_prompt(kernel):
+    answers = StdinAnswers(kernel, {0: ["c"]})
+    code = ("%%fsdp2\nt = torch.ones(1)\nif rank == 0:\n    import time\n    time.sleep(0.5)\n    breakpoint()\n"
+            "dist.all_reduce(t)\nprint(int(t.item()))")
+    run = answers.run(code)
+    assert run.status == "ok", run.traceback_text
+    assert answers.prompts == ["[0] (Pdb) "] and run.stdout.endswith("[all] 2\n"), run.stdout
+    lines = [m["content"]["data"].get("text/plain", "") for m in run.messages
+             if m["msg_type"] in ("display_data", "update_display_data")]
+    shown = next((line for line in lines if "waiting for input" in line), "")
+    assert "[0] waiting for input" in shown and "[1] in all_reduce at In[" in shown, lines
+    assert "times out in about" in shown, shown
 
 
 def test_quitting_the_debugger_ends_the_cell_as_in_a_plain_cell(kernel, assert_pool_usable):
