@@ -584,6 +584,16 @@ class Checkpointer:
 
     # ---- inspection --------------------------------------------------------------------------
 
+    @property
+    def last_step(self) -> int | None:
+        """The step of the last save, `maybe_save` or load; None before any (what `save()` saves)."""
+        return self._last_step
+
+    @property
+    def tracked_model(self) -> nn.Module:
+        """The model `track()` named; raises RuntimeError before `track()`."""
+        return self._require_tracked().model
+
     def list(self) -> tuple[CheckpointEntry, ...]:
         """Every step directory, oldest first, with `valid` telling which can be loaded."""
         self._raise_background_error()

@@ -52,7 +52,7 @@ def export_hf(path: str) -> None:
     from fsdp2nb.checkpoint.hf_export import export_hf_model
     from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
-    export_hf_model(tracked_checkpointer()._require_tracked().model, path)
+    export_hf_model(tracked_checkpointer().tracked_model, path)
 
 
 def save_if_requested() -> None:
@@ -61,7 +61,7 @@ def save_if_requested() -> None:
     from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
     checkpointer = tracked_checkpointer()
-    step = checkpointer._last_step
+    step = checkpointer.last_step
     if step is None:
         if _is_rank0():
             print("the save asked for from the dashboard was dropped: the checkpointer has seen no step yet")
