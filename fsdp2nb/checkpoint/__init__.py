@@ -19,7 +19,7 @@ _LAZY_NAMES = {
     "CheckpointMetadata": "fsdp2nb.checkpoint.layout",
     "CheckpointMismatchError": "fsdp2nb.checkpoint.state",
     "CheckpointSaveError": "fsdp2nb.checkpoint.manager",
-    "CheckpointStatus": "fsdp2nb.checkpoint.manager",
+    "CheckpointStatus": "fsdp2nb.checkpoint.tracking",
     "Checkpointer": "fsdp2nb.checkpoint.manager",
     "export_hf_model": "fsdp2nb.checkpoint.hf_export",
 }

@@ -60,6 +60,7 @@ from fsdp2nb.checkpoint.state import (
     read_dcp_metadata,
     set_training_state,
 )
+from fsdp2nb.checkpoint.tracking import CheckpointStatus
 from fsdp2nb.collectives import (
     FailedElsewhere,
     all_ranks_succeeded,
@@ -86,24 +87,6 @@ class CheckpointSaveError(RuntimeError):
 class CheckpointLoadError(ValueError):
     """A load was refused before it changed anything: no such step, or a damaged one. Every rank
     raises it with the same message."""
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointStatus:
-    """A snapshot of a checkpointer for the dashboard; picklable, safe to send between processes."""
-
-    directory: str
-    """Absolute checkpoint directory."""
-    latest_step: int | None
-    """Step LATEST names (or the newest valid one); None when there is no checkpoint."""
-    saving_step: int | None
-    """Step of the save still being written, or None."""
-    last_error: str | None
-    """Text of the most recent failed save, or None."""
-    entries: tuple[CheckpointEntry, ...]
-    """Every step directory, oldest first."""
-    blocked_s: float = 0.0
-    """Seconds this rank's training has waited on saves (see Checkpointer.blocked_s)."""
 
 
 @dataclass(frozen=True, slots=True)
