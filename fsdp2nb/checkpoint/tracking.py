@@ -9,11 +9,12 @@ a rank that never made a checkpointer pays nothing for it. The status it reports
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from fsdp2nb.checkpoint.layout import CheckpointEntry
-    from fsdp2nb.checkpoint.manager import Checkpointer
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,23 +35,46 @@ class CheckpointStatus:
     """Seconds this rank's training has waited on saves (see Checkpointer.blocked_s)."""
 
 
-_tracked: Checkpointer | None = None
+class TrackedCheckpointer(Protocol):
+    """What the ranks use of the tracked `Checkpointer` (the sampler, shutdown, `%fsdp2 save`/`load`
+    and the dashboard's commands); declared here so that this module needs no checkpoint code."""
+
+    directory: Path
+
+    @property
+    def last_step(self) -> int | None: ...
+
+    @property
+    def tracked_model(self) -> Any: ...  # torch.nn.Module
+
+    def save(self, step: int | None = None) -> None: ...
+
+    def maybe_save(self, step: int) -> bool: ...
+
+    def wait(self) -> None: ...
+
+    def load(self, target: int | str = "latest") -> int: ...
+
+    def status(self) -> CheckpointStatus: ...
 
 
-def set_tracked(checkpointer: Checkpointer) -> None:
+_tracked: TrackedCheckpointer | None = None
+
+
+def set_tracked(checkpointer: TrackedCheckpointer) -> None:
     """Make `checkpointer` the one `%fsdp2 save` and the dashboard act on."""
     global _tracked
     _tracked = checkpointer
 
 
-def clear_tracked(checkpointer: Checkpointer) -> None:
+def clear_tracked(checkpointer: TrackedCheckpointer) -> None:
     """Forget `checkpointer` if it is the tracked one; another one stays tracked."""
     global _tracked
     if _tracked is checkpointer:
         _tracked = None
 
 
-def current_checkpointer() -> Checkpointer | None:
+def current_checkpointer() -> TrackedCheckpointer | None:
     """The Checkpointer that most recently called `track()` in this process, or None."""
     return _tracked
 
@@ -60,7 +84,7 @@ class NoTrackedCheckpointer(RuntimeError):
     this error's message alone, as a usage mistake."""
 
 
-def tracked_checkpointer() -> Checkpointer:
+def tracked_checkpointer() -> TrackedCheckpointer:
     """The Checkpointer that most recently called `track()` in this process."""
     if _tracked is None:
         raise NoTrackedCheckpointer(
