@@ -1,6 +1,31 @@
-"""What `%fsdp2 save` and `%fsdp2 load` run on every rank while the pool is idle."""
+"""What `%fsdp2 save`/`load` and the dashboard's buttons run on every rank (a `RunCommand`).
+
+Each command of `wire.protocol.RankCommand` has one handler in `HANDLERS`; the kernel sends
+typed commands, never Python source, so a renamed command fails where it is imported.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fsdp2nb.wire.protocol import (
+    DeleteCheckpoint,
+    ExportHF,
+    LoadCheckpoint,
+    RankCommand,
+    SaveCheckpoint,
+    SaveIfRequested,
+)
+
+
+def run_command(command: RankCommand) -> None:
+    """Run `command` on this rank (every rank of the pool runs it: most are collective)."""
+    handler = HANDLERS.get(type(command))
+    if handler is None:
+        raise TypeError(f"{type(command).__name__} is not a command this rank knows; "
+                        f"it knows {', '.join(cls.__name__ for cls in HANDLERS)}")
+    handler(command)
 
 
 def save_checkpoint(step: int | None) -> None:
@@ -70,3 +95,13 @@ def save_if_requested() -> None:
         checkpointer.wait()
         if _is_rank0():
             print(f"saved step {step} at the end of the cell: the save was asked for after its last maybe_save")
+
+
+HANDLERS: dict[type, Callable[[Any], None]] = {
+    SaveCheckpoint: lambda command: save_checkpoint(command.step),
+    LoadCheckpoint: lambda command: load_checkpoint(command.target),
+    DeleteCheckpoint: lambda command: delete_checkpoint(command.step),
+    ExportHF: lambda command: export_hf(command.path),
+    SaveIfRequested: lambda command: save_if_requested(),
+}
+"""The handler of each command the kernel can send (`RankCommand`)."""
