@@ -15,14 +15,13 @@ flight never interleaves its collectives with `maybe_save`'s or the training ste
 
 The module is one class on purpose: save, commit, load and close share the two groups, the lock
 and the pending save, and read best in one place. What does not need that state lives beside it
-(layout, direct_writes, staging, state, collectives).
+(layout, loadable_steps, direct_writes, staging, state, collectives).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import io
 import logging
 import os
@@ -49,6 +48,7 @@ from fsdp2nb.checkpoint.config import AsyncWriter, CheckpointerConfig
 from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
+from fsdp2nb.checkpoint.loadable_steps import CheckpointLoadError, LoadableSteps
 from fsdp2nb.checkpoint.progress_hooks import ProgressLoadPlanner, start_state_task
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
 from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state, rng_streams_not_restored
@@ -60,6 +60,7 @@ from fsdp2nb.checkpoint.state import (
     read_dcp_metadata,
     set_training_state,
 )
+from fsdp2nb.checkpoint.tracking import CheckpointStatus
 from fsdp2nb.collectives import (
     FailedElsewhere,
     all_ranks_succeeded,
@@ -81,29 +82,6 @@ _NOTHING_LOST = "the checkpoints committed before are untouched; fix the cause a
 
 class CheckpointSaveError(RuntimeError):
     """A save failed (possibly in the background); raised at the next call of the checkpointer."""
-
-
-class CheckpointLoadError(ValueError):
-    """A load was refused before it changed anything: no such step, or a damaged one. Every rank
-    raises it with the same message."""
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointStatus:
-    """A snapshot of a checkpointer for the dashboard; picklable, safe to send between processes."""
-
-    directory: str
-    """Absolute checkpoint directory."""
-    latest_step: int | None
-    """Step LATEST names (or the newest valid one); None when there is no checkpoint."""
-    saving_step: int | None
-    """Step of the save still being written, or None."""
-    last_error: str | None
-    """Text of the most recent failed save, or None."""
-    entries: tuple[CheckpointEntry, ...]
-    """Every step directory, oldest first."""
-    blocked_s: float = 0.0
-    """Seconds this rank's training has waited on saves (see Checkpointer.blocked_s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +141,8 @@ class Checkpointer:
         self._tracked: _Tracked | None = None
         self._last_step: int | None = None
         self._lock = threading.Lock()
-        self._listing_cache: tuple[tuple, tuple] | None = None  # see _listing
-        # Steps a load found damaged where sizes cannot tell (a same-size overwrite): step ->
-        # (identity of its directory, what is damaged). A new save of the step is a new directory.
-        self._damaged: dict[int, tuple[tuple[int, int], str]] = {}
+        self._steps = LoadableSteps(self.directory, checksums=self.config.checksums, rank=self._rank,
+                                    world_size=self._world_size, distributed=self._distributed)
         self._pending: tuple[int, Future] | None = None
         self._error: BaseException | None = None
         self._last_error_text: str | None = None
@@ -429,7 +405,7 @@ class Checkpointer:
         """
         self.wait()
         tracked = self._require_tracked()
-        step_dir, metadata = self._intact_step_collectively(target)
+        step_dir, metadata = self._steps.intact_step_collectively(target, self._fg_group)
         rank_state = self._read_rank_state_collectively(step_dir, metadata)
         state = checked_training_state(tracked.model, tracked.optimizer, read_dcp_metadata(step_dir), step_dir)
         task = start_state_task("load", f"loading step {metadata.step}", state)
@@ -450,103 +426,6 @@ class Checkpointer:
         self._last_step = metadata.step
         logger.info("loaded checkpoint step %d from %s", metadata.step, step_dir)
         return metadata.step
-
-    def _intact_step_collectively(self, target: int | str | os.PathLike) -> tuple[Path, CheckpointMetadata]:
-        """The step directory to load and its metadata, once every rank found its files intact."""
-        candidates = self._resolve_collectively(target)
-        for number, step_dir in enumerate(candidates):
-            metadata = layout.read_metadata(step_dir)
-            damage = self._damage_collectively(step_dir, metadata)
-            if damage is None:
-                assert metadata is not None  # a missing one is damage
-                return step_dir, metadata
-            step = layout.parse_step_dir(step_dir.name)
-            self._remember_damage(step_dir, damage)
-            if number + 1 == len(candidates):
-                older = " and no older step is intact" if number else ""
-                raise CheckpointLoadError(f"checkpoint step {step} is damaged: {damage}{older}; "
-                                          "nothing was loaded. Load another step (see list())")
-            if self._rank == 0:
-                logger.warning("checkpoint step %s is damaged (%s); loading step %s, the newest intact one",
-                               step, damage, layout.parse_step_dir(candidates[number + 1].name))
-        raise AssertionError("_resolve_collectively returns at least one directory")
-
-    def _remember_damage(self, step_dir: Path, damage: str) -> None:
-        """list(), latest() and the dashboard call the step invalid from now on."""
-        identity = _dir_identity(step_dir)
-        step = layout.parse_step_dir(step_dir.name)
-        if identity is not None and step is not None:
-            self._damaged[step] = (identity, damage)
-            self._listing_cache = None
-
-    def _known_damage(self, step: int) -> str | None:
-        """What a load found damaged in `step`'s directory as it is now, or None."""
-        known = self._damaged.get(step)
-        if known is None or known[0] != _dir_identity(self.directory / layout.step_dir_name(step)):
-            return None
-        return known[1]
-
-    def _entries(self) -> list[CheckpointEntry]:
-        """The step directories, with those a load found damaged marked invalid."""
-        return [dataclasses.replace(entry, valid=False) if entry.valid and self._known_damage(entry.step) else entry
-                for entry in layout.list_entries(self.directory)]
-
-    def _damage_collectively(self, step_dir: Path, metadata: CheckpointMetadata | None) -> str | None:
-        """What is damaged in `step_dir`, the same words on every rank; None when every file is
-        whole. Sizes are checked by every rank, the checksums' reading is shared out."""
-        damage = layout.why_incomplete(step_dir, metadata)
-        if damage is None and self.config.checksums:
-            assert metadata is not None
-            share = sorted(metadata.files)[self._rank::self._world_size]
-            damage = layout.checksum_damage(step_dir, metadata, share)
-        reports = [damage]
-        if self._distributed:
-            reports = [None] * self._world_size
-            dist.all_gather_object(reports, damage, group=self._fg_group)
-        return next((report for report in reports if report is not None), None)
-
-    def _resolve_collectively(self, target: int | str | os.PathLike) -> list[Path]:
-        """Rank 0 picks the directories to try, best first, and every rank gets the same answer
-        (or the same error): "latest" may fall back to older steps, anything else names one."""
-        if isinstance(target, bool) or not isinstance(target, (int, str, os.PathLike)):
-            raise ValueError(f"target={target!r} must be 'latest', a step (int >= 0) or a step directory path")
-        if isinstance(target, int):
-            self._check_step(target)
-        answer: list[Any] = [None]
-        if self._rank == 0:
-            try:
-                answer = [[str(path) for path in self._resolve(target)]]
-            except ValueError as exc:
-                answer = [str(exc)]
-        if self._distributed:
-            dist.broadcast_object_list(answer, src=0, group=self._fg_group)
-        if isinstance(answer[0], str):
-            raise CheckpointLoadError(answer[0])
-        return [Path(path) for path in answer[0]]
-
-    def _resolve(self, target: int | str | os.PathLike) -> list[Path]:
-        if target == "latest":
-            step = self._latest_valid_step()
-            if step is None:
-                raise ValueError(f"no complete checkpoint in {self.directory}")
-            complete = [e for e in self._entries() if e.valid and e.step <= step]
-            return [Path(e.path) for e in reversed(complete)]
-        if isinstance(target, str) and target.isdigit():
-            target = int(target)
-        if isinstance(target, int):
-            step_dir = self.directory / layout.step_dir_name(target)
-            reason = layout.why_incomplete(step_dir, layout.read_metadata(step_dir))
-            if reason is not None:
-                steps = [e.step for e in self._entries() if e.valid]
-                why = f" ({reason})" if step_dir.is_dir() else ""
-                raise ValueError(f"step={target} has no complete checkpoint in {self.directory}{why}; "
-                                 f"available: {steps}")
-            return [step_dir]
-        step_dir = Path(target).absolute()
-        reason = layout.why_incomplete(step_dir, layout.read_metadata(step_dir))
-        if reason is not None:
-            raise ValueError(f"path={str(target)!r} is not a complete checkpoint directory ({reason})")
-        return [step_dir]
 
     def _read_rank_state_collectively(self, step_dir: Path, metadata: CheckpointMetadata) -> dict[str, Any]:
         """This rank's file of the step; a rank that cannot read its file fails the load on every
@@ -584,15 +463,25 @@ class Checkpointer:
 
     # ---- inspection --------------------------------------------------------------------------
 
+    @property
+    def last_step(self) -> int | None:
+        """The step of the last save, `maybe_save` or load; None before any (what `save()` saves)."""
+        return self._last_step
+
+    @property
+    def tracked_model(self) -> nn.Module:
+        """The model `track()` named; raises RuntimeError before `track()`."""
+        return self._require_tracked().model
+
     def list(self) -> tuple[CheckpointEntry, ...]:
         """Every step directory, oldest first, with `valid` telling which can be loaded."""
         self._raise_background_error()
-        return tuple(self._entries())
+        return tuple(self._steps.entries())
 
     def latest(self) -> int | None:
         """The step `load("latest")` would restore, or None."""
         self._raise_background_error()
-        return self._latest_valid_step()
+        return self._steps.latest_valid_step()
 
     def status(self) -> CheckpointStatus:
         """A snapshot for the dashboard; never raises a background error (it reports it)."""
@@ -600,38 +489,11 @@ class Checkpointer:
         with self._lock:
             saving = self._pending[0] if self._pending is not None else None
             error_text = self._last_error_text
-        latest_step, entries = self._listing()
+        latest_step, entries = self._steps.listing()
         return CheckpointStatus(
             directory=str(self.directory), latest_step=latest_step, saving_step=saving,
             last_error=error_text, entries=entries, blocked_s=self.blocked_s,
         )
-
-    def _listing(self) -> tuple[int | None, tuple[layout.CheckpointEntry, ...]]:
-        """(latest valid step, step directories), read again only when the directory changed:
-        the dashboard asks twice a second, and listing reads every step's metadata and sizes."""
-        key = layout.change_key(self.directory)
-        cached = self._listing_cache
-        if key is not None and cached is not None and cached[0] == key:
-            return cached[1]
-        listing = (self._latest_valid_step(warn=False), tuple(self._entries()))
-        self._listing_cache = (key, listing) if key is not None else None
-        return listing
-
-    def _latest_valid_step(self, warn: bool = True) -> int | None:
-        """LATEST's step, or the newest complete one when LATEST names none; `warn` says so in a
-        line (not for the dashboard's polling, which would repeat it outside the cell)."""
-        step = layout.read_latest(self.directory)
-        reason = "LATEST is missing or garbled"
-        if step is not None:
-            step_dir = self.directory / layout.step_dir_name(step)
-            damage = layout.why_incomplete(step_dir, layout.read_metadata(step_dir)) or self._known_damage(step)
-            if damage is None:
-                return step
-            reason = f"LATEST names step {step}, which cannot be loaded ({damage})"
-        valid = [e.step for e in self._entries() if e.valid]
-        if valid and warn:
-            logger.warning("%s; using step %d, the newest complete one", reason, valid[-1])
-        return valid[-1] if valid else None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -726,15 +588,6 @@ def _sweep(directory: Path) -> None:
         layout.recover_and_clean(directory, keep_names=live)
     except OSError as exc:
         logger.warning("could not clean abandoned temporary directories in %s: %s", directory, exc)
-
-
-def _dir_identity(path: Path) -> tuple[int, int] | None:
-    """What changes when a directory is replaced (a new save of its step), or None if it is gone."""
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return info.st_ino, info.st_ctime_ns  # a renamed-in directory has a new ctime, even on a reused inode
 
 
 def _unwritable_error(directory: Path, rank: int) -> OSError | None:

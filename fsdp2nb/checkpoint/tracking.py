@@ -2,33 +2,79 @@
 
 `Checkpointer.track()` records itself here and `close()` clears it. The ranks' sampler and
 shutdown read the slot through `current_checkpointer()`, which never loads the checkpoint code:
-a rank that never made a checkpointer pays nothing for it.
+a rank that never made a checkpointer pays nothing for it. The status it reports
+(`CheckpointStatus`) is defined here for the same reason.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from fsdp2nb.checkpoint.manager import Checkpointer
+    from pathlib import Path
 
-_tracked: Checkpointer | None = None
+    from fsdp2nb.checkpoint.layout import CheckpointEntry
 
 
-def set_tracked(checkpointer: Checkpointer) -> None:
+@dataclass(frozen=True, slots=True)
+class CheckpointStatus:
+    """A snapshot of a checkpointer for the dashboard; picklable, safe to send between processes."""
+
+    directory: str
+    """Absolute checkpoint directory."""
+    latest_step: int | None
+    """Step LATEST names (or the newest valid one); None when there is no checkpoint."""
+    saving_step: int | None
+    """Step of the save still being written, or None."""
+    last_error: str | None
+    """Text of the most recent failed save, or None."""
+    entries: tuple[CheckpointEntry, ...]
+    """Every step directory, oldest first."""
+    blocked_s: float = 0.0
+    """Seconds this rank's training has waited on saves (see Checkpointer.blocked_s)."""
+
+
+class TrackedCheckpointer(Protocol):
+    """What the ranks use of the tracked `Checkpointer` (the sampler, shutdown, `%fsdp2 save`/`load`
+    and the dashboard's commands); declared here so that this module needs no checkpoint code."""
+
+    directory: Path
+
+    @property
+    def last_step(self) -> int | None: ...
+
+    @property
+    def tracked_model(self) -> Any: ...  # torch.nn.Module
+
+    def save(self, step: int | None = None) -> None: ...
+
+    def maybe_save(self, step: int) -> bool: ...
+
+    def wait(self) -> None: ...
+
+    def load(self, target: int | str = "latest") -> int: ...
+
+    def status(self) -> CheckpointStatus: ...
+
+
+_tracked: TrackedCheckpointer | None = None
+
+
+def set_tracked(checkpointer: TrackedCheckpointer) -> None:
     """Make `checkpointer` the one `%fsdp2 save` and the dashboard act on."""
     global _tracked
     _tracked = checkpointer
 
 
-def clear_tracked(checkpointer: Checkpointer) -> None:
+def clear_tracked(checkpointer: TrackedCheckpointer) -> None:
     """Forget `checkpointer` if it is the tracked one; another one stays tracked."""
     global _tracked
     if _tracked is checkpointer:
         _tracked = None
 
 
-def current_checkpointer() -> Checkpointer | None:
+def current_checkpointer() -> TrackedCheckpointer | None:
     """The Checkpointer that most recently called `track()` in this process, or None."""
     return _tracked
 
@@ -38,7 +84,7 @@ class NoTrackedCheckpointer(RuntimeError):
     this error's message alone, as a usage mistake."""
 
 
-def tracked_checkpointer() -> Checkpointer:
+def tracked_checkpointer() -> TrackedCheckpointer:
     """The Checkpointer that most recently called `track()` in this process."""
     if _tracked is None:
         raise NoTrackedCheckpointer(

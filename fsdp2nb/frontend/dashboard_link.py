@@ -19,7 +19,16 @@ from typing import TYPE_CHECKING
 
 from fsdp2nb.pool.pool import WorkerPool, describe_exit
 from fsdp2nb.widgets.model import DashboardModel, PoolFacts
-from fsdp2nb.wire.protocol import CheckpointView, ResetPeak
+from fsdp2nb.wire.protocol import (
+    CheckpointView,
+    DeleteCheckpoint,
+    ExportHF,
+    LoadCheckpoint,
+    RankCommand,
+    ResetPeak,
+    RunCommand,
+    SaveCheckpoint,
+)
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.session import NotebookSession
@@ -27,7 +36,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 REFRESH_S = 0.5
-_COMMANDS = "__import__('fsdp2nb.worker.commands', fromlist=['_'])"
 _HOW_TO_TRACK = ("no tracked checkpointer: run `ckpt = fsdp2nb.Checkpointer(dir).track(model=..., optimizer=...)` "
                  "on the ranks first")
 
@@ -179,7 +187,7 @@ class DashboardLink:
                 return f"{self.model.save_text} (asked once already)"
             self.model.save_requested(pool.request_save())
             return self.model.save_text
-        self._run_on_ranks(pool, "save_checkpoint(None)")
+        self._run_on_ranks(pool, SaveCheckpoint())
         self.model.save_requested(0)  # served already: the next snapshot names the step
         return "saved; the list shows the new step"
 
@@ -189,7 +197,7 @@ class DashboardLink:
         if not any(e.step == step and e.valid for e in view.entries):
             raise _refused(f"step {step} is not a complete checkpoint in {view.directory} "
                            f"(complete: {', '.join(str(e.step) for e in view.entries if e.valid) or 'none'})")
-        self._run_on_ranks(pool, f"load_checkpoint({step})")
+        self._run_on_ranks(pool, LoadCheckpoint(target=step))
         return f"loaded step {step}: model, optimizer, RNG and step restored on every rank"
 
     def delete(self, step: int, latest_confirmed: bool = False) -> str:
@@ -199,7 +207,7 @@ class DashboardLink:
             raise _refused(f"step {step} is LATEST, the one a resume loads: confirm twice to delete it")
         if step == view.saving_step or not any(e.step == step for e in view.entries):
             raise _refused(f"step {step} is not a finished checkpoint in {view.directory}: not deleted")
-        self._run_on_ranks(pool, f"delete_checkpoint({step})")
+        self._run_on_ranks(pool, DeleteCheckpoint(step=step))
         if step != view.latest_step:
             return f"deleted step {step}"
         latest = self.model.checkpoint.latest_step if self.model.checkpoint else None
@@ -212,7 +220,7 @@ class DashboardLink:
         problem = _unwritable(path)
         if problem:
             raise _refused(problem)
-        self._run_on_ranks(pool, f"export_hf({path!r})")
+        self._run_on_ranks(pool, ExportHF(path=path))
         return f"exported the model in Hugging Face format to {path}"
 
     def take_unserved_request(self) -> bool:
@@ -245,12 +253,14 @@ class DashboardLink:
             raise _refused(_HOW_TO_TRACK)
         return view
 
-    def _run_on_ranks(self, pool: WorkerPool, call: str) -> None:
-        """One fsdp2nb.worker.commands call on every rank; a rank's error becomes the panel's line."""
+    def _run_on_ranks(self, pool: WorkerPool, command: RankCommand) -> None:
+        """One of fsdp2nb's commands (worker/commands.py) on every rank; a rank's error becomes
+        the panel's line."""
         from fsdp2nb.frontend.render import RankError
 
         try:
-            self.session.run_cell(pool, f"{_COMMANDS}.{call}", tuple(range(pool.world_size)))
+            self.session.run_request(pool, tuple(range(pool.world_size)),
+                                     lambda cell_id: RunCommand(cell_id=cell_id, command=command))
         except RankError as error:
             raise _refused(_first_error(error)) from None
         self.tick()

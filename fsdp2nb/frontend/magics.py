@@ -19,7 +19,14 @@ from fsdp2nb.frontend.render import notebook_color_scheme
 from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, parse_rank_list, spec_from_options
-from fsdp2nb.wire.protocol import RunCell
+from fsdp2nb.wire.protocol import (
+    LoadCheckpoint,
+    RankCommand,
+    RunCell,
+    RunCommand,
+    SaveCheckpoint,
+    SaveIfRequested,
+)
 
 _COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
              "wait", "interrupt", "debug")
@@ -235,7 +242,7 @@ class FSDP2Magics(Magics):
         dashboard_link = sys.modules.get("fsdp2nb.frontend.dashboard_link")  # none shown: not imported
         link = dashboard_link.existing_link(self.session) if dashboard_link is not None else None
         if link is not None and link.take_unserved_request():
-            self._run_on_ranks("save_if_requested()")
+            self._run_on_ranks(SaveIfRequested())
 
     # --- %fsdp2 COMMAND -----------------------------------------------------------------------
 
@@ -303,21 +310,21 @@ class FSDP2Magics(Magics):
         return values if every_rank else values[reply_ranks[0]]
 
     def _command_save(self, options) -> None:
-        self._run_checkpoint_command(f"save_checkpoint({options.step!r})")
+        self._run_checkpoint_command(SaveCheckpoint(step=options.step))
 
     def _command_load(self, options) -> None:
         target = options.target
         if target != "latest" and not (target.isascii() and target.isdigit()):
             raise UsageError(f"%fsdp2 load takes 'latest' or a step number, got {target!r}")
-        self._run_checkpoint_command(f"load_checkpoint({int(target) if target.isdigit() else repr(target)})")
+        self._run_checkpoint_command(LoadCheckpoint(target=int(target) if target.isdigit() else "latest"))
 
-    def _run_checkpoint_command(self, call: str) -> None:
+    def _run_checkpoint_command(self, command: RankCommand) -> None:
         """Save or load on the ranks. No tracked checkpointer, or a step that cannot be loaded
         (loading changed nothing), is shown as one line, without the ranks' tracebacks."""
         from fsdp2nb.frontend.render import RankError
 
         try:
-            self._run_on_ranks(call)
+            self._run_on_ranks(command)
         except RankError as error:
             refused = [info for _, info in error.errors if info.ename in _REFUSALS_IN_ONE_LINE]
             if refused:
@@ -352,11 +359,12 @@ class FSDP2Magics(Magics):
 
         return link_for(self.session)
 
-    def _run_on_ranks(self, call: str) -> None:
-        """Run one fsdp2nb.worker.commands call on every rank, without touching the user's names."""
+    def _run_on_ranks(self, command: RankCommand) -> None:
+        """Run one of fsdp2nb's commands (worker/commands.py) on every rank, without touching the
+        user's names."""
         pool = self._running_pool()
-        code = f"__import__('fsdp2nb.worker.commands', fromlist=['_']).{call}"
-        self.session.run_cell(pool, code, tuple(range(pool.world_size)))
+        self.session.run_request(pool, tuple(range(pool.world_size)),
+                                 lambda cell_id: RunCommand(cell_id=cell_id, command=command))
 
     def _running_pool(self) -> WorkerPool:
         pool = self.session.pool

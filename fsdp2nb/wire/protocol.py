@@ -132,8 +132,58 @@ class AnswerInput:
     """Why nothing can answer (a frontend without stdin, a background run); raised on the rank."""
 
 
+# --- fsdp2nb's own commands (kernel -> rank, requests channel) -----------------------------------
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint:
+    """`%fsdp2 save [STEP]` and the dashboard's Save: the tracked checkpointer saves and waits."""
+
+    step: int | None = None
+    """None: the last step the checkpointer saw."""
+
+
+@dataclass(frozen=True)
+class LoadCheckpoint:
+    """`%fsdp2 load` and the dashboard's Load: restore a step of the tracked checkpointer."""
+
+    target: int | Literal["latest"]
+
+
+@dataclass(frozen=True)
+class DeleteCheckpoint:
+    """The dashboard's Delete: remove one step directory (LATEST then names the newest left)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class ExportHF:
+    """The dashboard's Export: write the tracked model in Hugging Face format to `path`."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class SaveIfRequested:
+    """At the end of a cell: make the save the dashboard asked for that no `maybe_save` reached."""
+
+
+RankCommand = SaveCheckpoint | LoadCheckpoint | DeleteCheckpoint | ExportHF | SaveIfRequested
+"""Every command the kernel can send; `fsdp2nb.worker.commands.HANDLERS` has one handler for each."""
+
+
+@dataclass(frozen=True)
+class RunCommand:
+    """Run one of fsdp2nb's commands on the rank, outside the user's namespace; its output, its
+    errors and interrupts reach the notebook as a cell's do."""
+
+    cell_id: int
+    command: RankCommand
+
+
 ControlMessage = (RunCell | PushValues | PullValue | Interrupt | RequestSave | ResetPeak | ReportActivity
-                  | Shutdown | JoinRendezvous | PostMortem | AnswerInput)
+                  | Shutdown | JoinRendezvous | PostMortem | AnswerInput | RunCommand)
 
 
 # --- rank -> kernel (event channel) -----------------------------------------------------------
@@ -332,7 +382,7 @@ EventMessage = (RankReady | StreamOutput | RichOutput | CellFinished | RankSnaps
 WIRE_TYPES = (ChannelHello, RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
               RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak,
               TaskProgress, ReportActivity, RankActivity, JoinRendezvous, RendezvousOpened,
-              PostMortem, AnswerInput, InputRequested)
+              PostMortem, AnswerInput, InputRequested, RunCommand)
 """Messages that travel as (index in this tuple, field values): see transport.Signer."""
 
 

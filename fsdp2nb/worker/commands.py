@@ -1,6 +1,31 @@
-"""What `%fsdp2 save` and `%fsdp2 load` run on every rank while the pool is idle."""
+"""What `%fsdp2 save`/`load` and the dashboard's buttons run on every rank (a `RunCommand`).
+
+Each command of `wire.protocol.RankCommand` has one handler in `HANDLERS`; the kernel sends
+typed commands, never Python source, so a renamed command fails where it is imported.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fsdp2nb.wire.protocol import (
+    DeleteCheckpoint,
+    ExportHF,
+    LoadCheckpoint,
+    RankCommand,
+    SaveCheckpoint,
+    SaveIfRequested,
+)
+
+
+def run_command(command: RankCommand) -> None:
+    """Run `command` on this rank (every rank of the pool runs it: most are collective)."""
+    handler = HANDLERS.get(type(command))
+    if handler is None:
+        raise TypeError(f"{type(command).__name__} is not a command this rank knows; "
+                        f"it knows {', '.join(cls.__name__ for cls in HANDLERS)}")
+    handler(command)
 
 
 def save_checkpoint(step: int | None) -> None:
@@ -52,7 +77,7 @@ def export_hf(path: str) -> None:
     from fsdp2nb.checkpoint.hf_export import export_hf_model
     from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
-    export_hf_model(tracked_checkpointer()._require_tracked().model, path)
+    export_hf_model(tracked_checkpointer().tracked_model, path)
 
 
 def save_if_requested() -> None:
@@ -61,7 +86,7 @@ def save_if_requested() -> None:
     from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
     checkpointer = tracked_checkpointer()
-    step = checkpointer._last_step
+    step = checkpointer.last_step
     if step is None:
         if _is_rank0():
             print("the save asked for from the dashboard was dropped: the checkpointer has seen no step yet")
@@ -70,3 +95,13 @@ def save_if_requested() -> None:
         checkpointer.wait()
         if _is_rank0():
             print(f"saved step {step} at the end of the cell: the save was asked for after its last maybe_save")
+
+
+HANDLERS: dict[type, Callable[[Any], None]] = {
+    SaveCheckpoint: lambda command: save_checkpoint(command.step),
+    LoadCheckpoint: lambda command: load_checkpoint(command.target),
+    DeleteCheckpoint: lambda command: delete_checkpoint(command.step),
+    ExportHF: lambda command: export_hf(command.path),
+    SaveIfRequested: lambda command: save_if_requested(),
+}
+"""The handler of each command the kernel can send (`RankCommand`)."""

@@ -42,6 +42,7 @@ from fsdp2nb.wire.protocol import (
     RichKind,
     RichOutput,
     RunCell,
+    RunCommand,
     Shutdown,
     StreamOutput,
 )
@@ -163,7 +164,7 @@ class Rank:
                 self._channels.send_event(finished)
             self._sampler.refresh_tracked_sizes()  # here, not on the sampler's thread: see TrackedSizes
 
-    def _run_request(self, request: RunCell | PushValues | PullValue | PostMortem) -> CellFinished:
+    def _run_request(self, request: RunCell | PushValues | PullValue | RunCommand | PostMortem) -> CellFinished:
         """Run one request; KeyboardInterrupt is raised only while this runs (see _on_sigint)."""
         self._cell_id = request.cell_id
         try:
@@ -191,7 +192,7 @@ class Rank:
         except Exception as error:  # the save failed; say so in the rank's log, then exit anyway
             print(f"rank {self.rank}: the last checkpoint save failed: {error}", file=sys.stderr)
 
-    def _handle(self, request: RunCell | PushValues | PullValue | PostMortem) -> CellFinished:
+    def _handle(self, request: RunCell | PushValues | PullValue | RunCommand | PostMortem) -> CellFinished:
         if isinstance(request, RunCell):
             error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count,
                                    request.color_scheme)
@@ -203,7 +204,23 @@ class Rank:
             return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
         if isinstance(request, PushValues):
             return self._push(request)
+        if isinstance(request, RunCommand):
+            return self._run_command(request)
         return self._pull(request)
+
+    def _run_command(self, request: RunCommand) -> CellFinished:
+        """One of fsdp2nb's commands; an error (an interrupt included) comes with IPython's
+        traceback, as a cell's does."""
+        from fsdp2nb.worker.commands import run_command
+
+        try:
+            run_command(request.command)
+        except (Exception, KeyboardInterrupt):
+            self.shell.last_error = None
+            self.shell.showtraceback()
+            error = self.shell.last_error or ErrorInfo(ename="Error", evalue="the command failed", traceback=())
+            return self._failure(request.cell_id, error)
+        return self._success(request.cell_id)
 
     def _push(self, request: PushValues) -> CellFinished:
         self.shell.user_ns.update(pickle.loads(request.payload))  # verified by the transport already
