@@ -1,7 +1,8 @@
 """pdb on a rank against pdb in a plain cell, through one real kernel on 2 CPU ranks.
 
-- Prompt: from `breakpoint()` (the monotonic clock read just before it, on the rank or in the
-  kernel) to the `input_request` reaching the client: what a user waits for the `(Pdb)` box.
+- Prompt: from `breakpoint()` on the rank, or `pdb.set_trace()` in the plain cell (the monotonic
+  clock read just before it) to the `input_request` reaching the client: what a user waits for
+  the `(Pdb)` box.
 - Round trip: from sending `p 1` to the next `input_request`: one debugger command.
 Both are measured for a `%%fsdp2 --ranks 0` cell and for a plain cell, alternating, in one run.
 Run: .venv/bin/python -m benchmarks.bench_debugger [--sessions 15] [--commands 10]
@@ -18,8 +19,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.support.kernel_client import WITHOUT_GPUS, Kernel  # noqa: E402
 
-RANK_CELL = "%%fsdp2 --ranks 0\nimport time\nstarted = time.monotonic()\nbreakpoint()\npass"
-PLAIN_CELL = "import time\nstarted = time.monotonic()\nbreakpoint()\npass"
+RANK_CELL = "%%fsdp2 --ranks 0\nimport time\nstarted = time.monotonic()\nbreakpoint()\nprint(repr(started))"
+# In a plain ipykernel cell breakpoint() calls debugpy's hook (it waits for a debug client, no
+# prompt): the baseline is what a user types there instead.
+PLAIN_CELL = "import pdb, time\nstarted = time.monotonic()\npdb.set_trace()\nprint(repr(started))"
 
 
 def debugger_session(kernel: Kernel, cell: str, commands: int) -> tuple[float, list[float]]:
@@ -35,15 +38,10 @@ def debugger_session(kernel: Kernel, cell: str, commands: int) -> tuple[float, l
         client.get_stdin_msg(timeout=60)
         round_trips.append((time.monotonic() - sent) * 1000)
     client.input("c")
-    assert kernel.collect(msg_id, cell).status == "ok"
-    return (prompted - _started(kernel, cell)) * 1000, round_trips
-
-
-def _started(kernel: Kernel, cell: str) -> float:
-    """When the cell's `breakpoint()` was called (the monotonic clock is one for all processes)."""
-    if cell.startswith("%%fsdp2"):
-        return float(kernel.execute("on_rank = %fsdp2 pull started --rank 0\nprint(repr(on_rank))").stdout)
-    return float(kernel.execute("print(repr(started))").stdout)
+    run = kernel.collect(msg_id, cell)
+    assert run.status == "ok", run.traceback_text
+    started = float(run.stdout.splitlines()[-1].removeprefix("[0] "))  # one monotonic clock for all processes
+    return (prompted - started) * 1000, round_trips
 
 
 def main() -> None:
