@@ -462,7 +462,7 @@ def _refusal(prompt: InputRequested, error: Exception) -> str:
     """One line for the rank's error when no one can answer its prompt."""
     from IPython.core.error import StdinNotImplementedError
 
-    asked = f"rank {prompt.rank} asked for input ({prompt.prompt.strip() or 'input()'})"
+    asked = f"rank {prompt.rank} asked for input at the prompt {prompt.prompt.strip()!r}"
     if isinstance(error, StdinNotImplementedError):
         return (f"{asked}, but this frontend cannot answer input (it runs cells without stdin, as nbclient "
                 "does); run the notebook in JupyterLab or Notebook to use input() or pdb on ranks")

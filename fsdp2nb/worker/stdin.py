@@ -108,8 +108,16 @@ class _PromptedFile(io.TextIOBase):
     def __init__(self, stdin: NotebookStdin) -> None:
         self._stdin = stdin
 
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
     def readable(self) -> bool:
         return True
+
+    def read(self, size: int | None = -1) -> str:
+        """One line: a rank cannot know when the user means to end input (Ctrl-D ends it)."""
+        return self.readline()
 
     def isatty(self) -> bool:
         return False
