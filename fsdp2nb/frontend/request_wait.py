@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from fsdp2nb.frontend.render import (
+from fsdp2nb.frontend.output import (
     RankError,
     StreamMerger,
     WaitingLine,
