@@ -256,7 +256,7 @@ class DashboardLink:
     def _run_on_ranks(self, pool: WorkerPool, command: RankCommand) -> None:
         """One of fsdp2nb's commands (worker/commands.py) on every rank; a rank's error becomes
         the panel's line."""
-        from fsdp2nb.frontend.output import RankError
+        from fsdp2nb.frontend.errors import RankError
 
         try:
             self.session.run_request(pool, tuple(range(pool.world_size)),

@@ -321,7 +321,7 @@ class FSDP2Magics(Magics):
     def _run_checkpoint_command(self, command: RankCommand) -> None:
         """Save or load on the ranks. No tracked checkpointer, or a step that cannot be loaded
         (loading changed nothing), is shown as one line, without the ranks' tracebacks."""
-        from fsdp2nb.frontend.output import RankError
+        from fsdp2nb.frontend.errors import RankError
 
         try:
             self._run_on_ranks(command)

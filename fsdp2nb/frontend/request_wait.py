@@ -15,12 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from fsdp2nb.frontend.errors import RankError, alarm, rank_exit_error
 from fsdp2nb.frontend.output import (
-    RankError,
     StreamMerger,
     WaitingLine,
-    alarm,
-    rank_exit_error,
     rank_label,
     show_display,
     show_held_output,
