@@ -108,7 +108,7 @@ class DashboardLink:
     # --- showing --------------------------------------------------------------------------------
 
     def text(self) -> str:
-        from fsdp2nb.widgets.render import task_text, text_tables
+        from fsdp2nb.widgets.markup import task_text, text_tables
 
         self.tick()
         text = text_tables(self.model.rows(), self.model.checkpoint, f"fsdp2nb pool: {self.pool_line()}")

@@ -58,7 +58,7 @@ class CellTaskBar:
             print(f"{_text(task)} ({note})")
 
     def _show_in_kernel(self, task: TaskView, note: str = "", force: bool = False) -> None:
-        from fsdp2nb.widgets.render import task_html
+        from fsdp2nb.widgets.markup import task_html
 
         now = self._clock()
         if self._widget is None:
@@ -97,7 +97,7 @@ class CellTaskBar:
 
 
 def _text(task: TaskView) -> str:
-    from fsdp2nb.widgets.render import task_text
+    from fsdp2nb.widgets.markup import task_text
 
     return task_text(task)
 

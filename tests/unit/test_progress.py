@@ -12,7 +12,7 @@ from fsdp2nb.checkpoint import Checkpointer, export_hf_model
 from fsdp2nb.checkpoint.direct_writes import DirectWriteStream
 from fsdp2nb.examples.tiny_models import make_tiny_model
 from fsdp2nb.frontend.progress_view import CellTaskBar
-from fsdp2nb.widgets import render
+from fsdp2nb.widgets import markup
 from fsdp2nb.widgets.model import TaskBoard
 from fsdp2nb.wire.protocol import TaskProgress
 from fsdp2nb.worker.progress_events import ProgressSender
@@ -128,15 +128,15 @@ def test_an_error_on_one_rank_ends_the_task_and_names_the_rank():
     board.observe(_event(0, 5))
     board.observe(_event(1, 5, finished=True, error="disk full"))
     task = board.latest(2)
-    assert task.finished and "failed: rank 1: disk full" in render.task_text(task)
+    assert task.finished and "failed: rank 1: disk full" in markup.task_text(task)
 
 
 def test_progress_text_has_bytes_tensors_rate_and_time_left():
     board = TaskBoard()
     board.observe(_event(0, 25 * MiB, items=(5, 20)))
-    text = render.task_text(board.latest(1))
+    text = markup.task_text(board.latest(1))
     assert text == "saving step 5: 25 MiB of 100 MiB (25%) · 5 of 20 tensors · 12.5 MiB/s · 6 s left"
-    assert 'data-finished="false"' in render.task_html(board.latest(1))
+    assert 'data-finished="false"' in markup.task_html(board.latest(1))
 
 
 def test_terminal_bar_prints_a_few_lines_for_hundreds_of_updates(capsys):
