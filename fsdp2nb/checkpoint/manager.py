@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp2nb import collectives, progress
-from fsdp2nb.checkpoint import layout, tracking
+from fsdp2nb.checkpoint import layout, provenance, tracking
 from fsdp2nb.checkpoint.config import AsyncWriter, CheckpointerConfig
 from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
@@ -389,8 +389,8 @@ class Checkpointer:
         trainable_only = has_frozen_params(model)
         return CheckpointMetadata(
             step=job.step, world_size=self._world_size, wall_time=job.wall_time,
-            trainable_only=trainable_only, versions=layout.library_versions(),
-            rebuild=layout.rebuild_info(model) if trainable_only else {}, files=files,
+            trainable_only=trainable_only, versions=provenance.library_versions(),
+            rebuild=provenance.rebuild_info(model) if trainable_only else {}, files=files,
         )
 
     # ---- load ----------------------------------------------------------------------------------
