@@ -49,7 +49,6 @@ from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
 from fsdp2nb.checkpoint.loadable_steps import CheckpointLoadError, LoadableSteps
-from fsdp2nb.checkpoint.progress_hooks import ProgressLoadPlanner, start_state_task
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
 from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state, rng_streams_not_restored
 from fsdp2nb.checkpoint.staging import StagedSavePlanner, make_stager
@@ -60,6 +59,7 @@ from fsdp2nb.checkpoint.state import (
     read_dcp_metadata,
     set_training_state,
 )
+from fsdp2nb.checkpoint.state_progress import ProgressLoadPlanner, start_state_task
 from fsdp2nb.checkpoint.tracking import CheckpointStatus
 from fsdp2nb.collectives import (
     FailedElsewhere,

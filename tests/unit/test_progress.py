@@ -11,11 +11,11 @@ from fsdp2nb import progress
 from fsdp2nb.checkpoint import Checkpointer, export_hf_model
 from fsdp2nb.checkpoint.direct_writes import DirectWriteStream
 from fsdp2nb.examples.tiny_models import make_tiny_model
-from fsdp2nb.frontend.progress_view import CellTaskBar
+from fsdp2nb.frontend.progress_bar import CellTaskBar
 from fsdp2nb.widgets import markup
 from fsdp2nb.widgets.model import TaskBoard
 from fsdp2nb.wire.protocol import TaskProgress
-from fsdp2nb.worker.progress_events import ProgressSender
+from fsdp2nb.worker.progress_sender import ProgressSender
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 MiB = 2**20
