@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from fsdp2nb.pool import reaper
-from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import LaunchPlan
 
 logger = logging.getLogger(__name__)
@@ -81,19 +80,6 @@ class Launcher(Protocol):
         address the ranks' hosts reach this one by."""
 
     def launch(self, plan: LaunchPlan, key: bytes) -> LaunchedRanks: ...
-
-
-def launcher_for(spec: PoolSpec) -> Launcher:
-    """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
-    if spec.placement is None:
-        return LocalLauncher()
-    if spec.placement.engine == "ray":
-        from fsdp2nb.pool.ray_launcher import RayLauncher
-
-        return RayLauncher(spec)
-    from fsdp2nb.pool.slurm_launcher import SlurmLauncher
-
-    return SlurmLauncher(spec)
 
 
 class AgentProcess:
