@@ -14,7 +14,6 @@ is closed, or on its own when the kernel goes away (it sleeps on stdin and a pid
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import select
@@ -22,7 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 from fsdp2nb.pool import reaper
@@ -198,7 +197,7 @@ class LocalLauncher:
         return os.path.join(runtime_dir, "pool.sock")
 
     def launch(self, plan: LaunchPlan, key: bytes) -> AgentProcess:
-        request = json.dumps({"plan": asdict(plan), "key": key.hex()}).encode()
+        request = plan.encode(key)
         standby, self._standby = self._standby, None
         if standby is not None:
             if standby.usable(_rank_environment()):

@@ -8,13 +8,11 @@ ends every task, as Slurm does for any step.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-from dataclasses import asdict
 
 from fsdp2nb.pool.launcher import AgentExit, AgentProcess, LaunchError, describe_exit_code
 from fsdp2nb.pool.spec import PoolSpec
@@ -58,7 +56,7 @@ class SlurmLauncher:
         with open(os.path.join(self._log_dir, "srun.log"), "ab") as log:
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=log,
                                        start_new_session=True, env=env)
-        process.stdin.write(json.dumps({"plan": asdict(plan), "key": key.hex()}).encode())
+        process.stdin.write(plan.encode(key))
         process.stdin.close()
         return SrunStep(process)
 

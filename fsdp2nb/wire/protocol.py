@@ -9,7 +9,8 @@ message and are unpickled only after the message's signature has been verified.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 StreamName = Literal["stdout", "stderr"]
@@ -428,3 +429,16 @@ class LaunchPlan:
 
     def ranks_of_node(self, node: int) -> tuple[RankPlan, ...]:
         return tuple(rank for rank in self.ranks if rank.node == node)
+
+    def encode(self, key: bytes) -> bytes:
+        """The launch request an agent reads on its stdin: this plan and the pool key, as JSON
+        (an agent may run before it can verify anything, so no pickle)."""
+        return json.dumps({"plan": asdict(self), "key": key.hex()}).encode()
+
+    @classmethod
+    def decode(cls, request: bytes) -> tuple[LaunchPlan, bytes]:
+        """The plan and pool key of a launch request made by `encode`."""
+        fields = json.loads(request)
+        plan = dict(fields["plan"])
+        plan["ranks"] = tuple(RankPlan(**entry) for entry in plan["ranks"])
+        return cls(**plan), bytes.fromhex(fields["key"])
