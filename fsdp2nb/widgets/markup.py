@@ -11,8 +11,8 @@ import html
 import math
 import time
 
-from fsdp2nb.widgets.model import MemoryReading, RankRow, TaskView
-from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView
+from fsdp2nb.widgets.model import MemoryReading, RankRow
+from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView, ProgressUpdate
 
 _OK, _WARN, _PEAK, _RESERVED = "#3b82f6", "#dc2626", "#111827", "#bfdbfe"
 _STATE_COLOURS = {"idle": "#15803d", "busy": "#b45309", "dead": "#dc2626", "starting": "#6b7280",
@@ -184,7 +184,7 @@ def checkpoint_header(view: CheckpointView | None) -> str:
 # --- progress of long work ----------------------------------------------------------------------
 
 
-def task_text(task: TaskView) -> str:
+def task_text(task: ProgressUpdate) -> str:
     """`saving step 40: 1.2 GiB of 3 GiB (40%) · 12 of 30 tensors · 210 MiB/s · 9 s left`."""
     if task.error:
         return f"{task.label} failed: {task.error}"
@@ -202,7 +202,7 @@ def task_text(task: TaskView) -> str:
     return f"{task.label}: {' · '.join(parts)}"
 
 
-def task_html(task: TaskView | None, width: int = 220, height: int = 12) -> str:
+def task_html(task: ProgressUpdate | None, width: int = 220, height: int = 12) -> str:
     """A bar and `task_text`; empty when there is no task."""
     if task is None:
         return ""

@@ -337,23 +337,53 @@ class RankActivity:
 
 
 @dataclass(frozen=True)
-class TaskProgress:
-    """How far a rank is with a long piece of work (fsdp2nb.progress), at most a few times a second."""
+class ProgressUpdate:
+    """One reading of a long piece of work (`fsdp2nb.progress`): a rank's, or the pool's summed
+    over its ranks (`widgets.model.TaskBoard`)."""
 
-    rank: int
-    cell_id: int | None
-    """The request that started the task (an async save may end after it)."""
     task_id: int
     """Counts the rank's tasks; collective work has the same id on every rank."""
     kind: str
+    """"load_model", "save", "load" or "export"."""
     label: str
     done_bytes: int
     total_bytes: int
     done_items: int
+    """Summed over ranks: the items every rank has done (collective work has the same items on each)."""
     total_items: int
     elapsed_s: float
     finished: bool = False
+    """Summed over ranks: every rank of the pool reported its end, or one failed."""
     error: str | None = None
+
+    @property
+    def fraction(self) -> float:
+        if self.finished and not self.error:
+            return 1.0
+        if self.total_bytes:
+            return min(1.0, self.done_bytes / self.total_bytes)
+        return min(1.0, self.done_items / self.total_items) if self.total_items else 0.0
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second since the task started."""
+        return self.done_bytes / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def seconds_left(self) -> float | None:
+        if self.finished or not self.rate or not self.total_bytes:
+            return None
+        return max(0.0, self.total_bytes - self.done_bytes) / self.rate
+
+
+@dataclass(frozen=True)
+class TaskProgress:
+    """How far a rank is with a long piece of work, at most a few times a second."""
+
+    rank: int
+    cell_id: int | None
+    """The request that started the task (an async save may end after it)."""
+    update: ProgressUpdate
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,14 @@ import pytest
 from fsdp2nb.widgets import markup
 from fsdp2nb.widgets.dashboard import ActionRefused, DashboardView
 from fsdp2nb.widgets.model import MAX_HISTORY_POINTS, DashboardModel, MetricsHistory, PoolFacts
-from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView, MetricPoint, RankSnapshot, TaskProgress
+from fsdp2nb.wire.protocol import (
+    CheckpointStep,
+    CheckpointView,
+    MetricPoint,
+    ProgressUpdate,
+    RankSnapshot,
+    TaskProgress,
+)
 
 GiB = 2**30
 
@@ -121,9 +128,9 @@ def test_save_request_is_followed_to_its_outcome():
 
 
 def _save_progress(rank: int, done_mib: int, finished: bool = False) -> TaskProgress:
-    return TaskProgress(rank=rank, cell_id=3, task_id=2, kind="save", label="saving step 7",
-                        done_bytes=done_mib * 2**20, total_bytes=40 * 2**20, done_items=0, total_items=0,
-                        elapsed_s=2.5 if finished else 1.0, finished=finished)
+    return TaskProgress(rank=rank, cell_id=3, update=ProgressUpdate(
+        task_id=2, kind="save", label="saving step 7", done_bytes=done_mib * 2**20, total_bytes=40 * 2**20,
+        done_items=0, total_items=0, elapsed_s=2.5 if finished else 1.0, finished=finished))
 
 
 def test_save_line_says_bytes_written_then_how_long_it_took():
