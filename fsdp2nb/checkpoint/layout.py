@@ -25,6 +25,8 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsdp2nb.wire.protocol import CheckpointEntry
+
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "LATEST"
@@ -61,25 +63,6 @@ class CheckpointMetadata:
     files: dict[str, list[int | None]] = field(default_factory=dict)
     """Every other file of the step: name -> [size in bytes, CRC32 or None when not computed].
     Empty in checkpoints written before sizes and checksums were recorded."""
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointEntry:
-    """One step directory as listed by `Checkpointer.list()`."""
-
-    step: int
-    """Training step."""
-    path: str
-    """Absolute path of the step directory."""
-    wall_time: float | None
-    """Seconds since the epoch when it was saved; None when the metadata is missing."""
-    size_bytes: int
-    """Total size of its files."""
-    world_size: int | None
-    """Ranks that wrote it; None when the metadata is missing."""
-    valid: bool
-    """True when metadata, DCP metadata and every rank file are present, each file at the size
-    written (and, through `Checkpointer.list()`, none found damaged by a load)."""
 
 
 def step_dir_name(step: int) -> str:

@@ -12,7 +12,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from fsdp2nb.wire.protocol import CheckpointView, MetricPoint, ProgressUpdate, RankSnapshot, TaskProgress
+from fsdp2nb.wire.protocol import (
+    CheckpointStatus,
+    CheckpointView,
+    MetricPoint,
+    ProgressUpdate,
+    RankSnapshot,
+    TaskProgress,
+)
 
 HISTORY_S = 300.0
 """How far back the memory sparklines reach."""
@@ -253,19 +260,19 @@ class DashboardModel:
                                   "the checkpointer saw")
 
     def _follow_save(self, view: CheckpointView) -> None:
-        request = self._save
+        request, status = self._save, view.status
         if request is None or view.requests_served < request.request_id:
             return
-        if view.last_error:
-            self.save_text, self._save = f"save failed: {view.last_error}", None
-        elif view.saving_step is not None:
-            self.save_text = self._saving_text(view.saving_step)
-        elif view.latest_step != request.latest_before:
-            task = self.tasks.find("save", f"saving step {view.latest_step}", self.facts.world_size)
+        if status.last_error:
+            self.save_text, self._save = f"save failed: {status.last_error}", None
+        elif status.saving_step is not None:
+            self.save_text = self._saving_text(status.saving_step)
+        elif status.latest_step != request.latest_before:
+            task = self.tasks.find("save", f"saving step {status.latest_step}", self.facts.world_size)
             if task is not None and not task.finished:  # committed; its last progress event is on its way
-                self.save_text = self._saving_text(view.latest_step)
+                self.save_text = self._saving_text(status.latest_step)
                 return
-            self.save_text, self._save = self._saved_text(view.latest_step), None
+            self.save_text, self._save = self._saved_text(status.latest_step), None
 
     def _saving_text(self, step: int) -> str:
         """`saving step N: X of Y MiB` once the ranks report bytes written."""
@@ -281,15 +288,16 @@ class DashboardModel:
         return f"saved step {step} in {task.elapsed_s:.1f} s"
 
     def _checkpoint_latest(self) -> int | None:
-        view = self.checkpoint
-        return view.latest_step if view is not None else None
+        status = self.checkpoint
+        return status.latest_step if status is not None else None
 
     # --- reading ------------------------------------------------------------------------------
 
     @property
-    def checkpoint(self) -> CheckpointView | None:
+    def checkpoint(self) -> CheckpointStatus | None:
+        """Rank 0's tracked checkpointer, once one tracks a model."""
         snapshot = self.snapshots.get(0)
-        return snapshot.checkpoint if snapshot is not None else None
+        return snapshot.checkpoint.status if snapshot is not None and snapshot.checkpoint is not None else None
 
     def rows(self, now: float | None = None) -> list[RankRow]:
         now = time.time() if now is None else now

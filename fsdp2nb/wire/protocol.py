@@ -250,29 +250,48 @@ class CellFinished:
 
 
 @dataclass(frozen=True)
-class CheckpointStep:
-    """One step directory of the tracked checkpointer, as the dashboard lists it."""
+class CheckpointEntry:
+    """One step directory as listed by `Checkpointer.list()` and the dashboard."""
 
     step: int
+    """Training step."""
+    path: str
+    """Absolute path of the step directory."""
     wall_time: float | None
+    """Seconds since the epoch when it was saved; None when the metadata is missing."""
     size_bytes: int
+    """Total size of its files."""
     world_size: int | None
+    """Ranks that wrote it; None when the metadata is missing."""
     valid: bool
+    """True when metadata, DCP metadata and every rank file are present, each file at the size
+    written (and, through `Checkpointer.list()`, none found damaged by a load)."""
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """A snapshot of a checkpointer (`Checkpointer.status()`), as the dashboard shows it."""
+
+    directory: str
+    """Absolute checkpoint directory."""
+    latest_step: int | None
+    """Step LATEST names (or the newest valid one); None when there is no checkpoint."""
+    saving_step: int | None
+    """Step of the save still being written, or None."""
+    last_error: str | None
+    """Text of the most recent failed save, or None."""
+    entries: tuple[CheckpointEntry, ...]
+    """Every step directory, oldest first."""
+    blocked_s: float = 0.0
+    """Seconds this rank's training has waited on saves (see Checkpointer.blocked_s)."""
 
 
 @dataclass(frozen=True)
 class CheckpointView:
-    """What the dashboard shows of a rank's tracked checkpointer (plain types: no torch needed)."""
+    """What rank 0's sampler reports of its tracked checkpointer: its status, and how far it has
+    served the dashboard's save requests."""
 
-    directory: str
-    latest_step: int | None
-    saving_step: int | None
-    last_error: str | None
-    steps: tuple[int, ...]
-    blocked_s: float = 0.0
-    """Seconds the rank's training has waited on saves."""
-    entries: tuple[CheckpointStep, ...] = ()
-    """Every step directory, oldest first, complete or not."""
+    status: CheckpointStatus
     requests_served: int = 0
     """The highest save request id (`RequestSave`) this rank has served."""
 

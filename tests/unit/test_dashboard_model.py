@@ -8,7 +8,8 @@ from fsdp2nb.widgets import markup
 from fsdp2nb.widgets.dashboard import ActionRefused, DashboardView
 from fsdp2nb.widgets.model import MAX_HISTORY_POINTS, DashboardModel, MetricsHistory, PoolFacts
 from fsdp2nb.wire.protocol import (
-    CheckpointStep,
+    CheckpointEntry,
+    CheckpointStatus,
     CheckpointView,
     MetricPoint,
     ProgressUpdate,
@@ -26,10 +27,11 @@ def _gpu(rank: int, allocated: float, t: float = 1000.0, **extra) -> RankSnapsho
 
 
 def _view(latest: int | None, served: int = 0, saving: int | None = None, steps=(2, 4)) -> CheckpointView:
-    entries = tuple(CheckpointStep(step=s, wall_time=1.7e9, size_bytes=5 * 2**20, world_size=2, valid=True)
-                    for s in steps)
-    return CheckpointView(directory="/ckpt/run1", latest_step=latest, saving_step=saving, last_error=None,
-                          steps=steps, entries=entries, requests_served=served)
+    entries = tuple(CheckpointEntry(step=s, path=f"/ckpt/run1/step-{s:06d}", wall_time=1.7e9, size_bytes=5 * 2**20,
+                                    world_size=2, valid=True) for s in steps)
+    status = CheckpointStatus(directory="/ckpt/run1", latest_step=latest, saving_step=saving, last_error=None,
+                              entries=entries)
+    return CheckpointView(status=status, requests_served=served)
 
 
 def _model(world_size: int = 2, **facts) -> DashboardModel:
