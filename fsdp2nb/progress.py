@@ -6,7 +6,8 @@ do nothing, so code used without a notebook pays one global read per task. A ran
 installs a listener (`install`) that turns updates into events for the notebook. A listener's
 failure is logged once and never reaches the code doing the work.
 
-No torch and no notebook code here: both sides may import it.
+No torch and no notebook code here: both sides may import it. `ProgressUpdate`, the reading a
+listener gets, is the wire's record (it travels to the kernel inside `TaskProgress`).
 """
 
 from __future__ import annotations
@@ -16,26 +17,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from fsdp2nb.wire.protocol import ProgressUpdate
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ProgressUpdate:
-    """One reading of a task; a listener gets one per `advance` and one at the end."""
-
-    task_id: int
-    kind: str
-    """"load_model", "save", "load" or "export"."""
-    label: str
-    done_bytes: int
-    total_bytes: int
-    done_items: int
-    total_items: int
-    elapsed_s: float
-    finished: bool = False
-    error: str | None = None
 
 
 Listener = Callable[[ProgressUpdate], None]

@@ -14,12 +14,12 @@ import importlib
 from typing import Any
 
 _LAZY_NAMES = {
-    "CheckpointEntry": "fsdp2nb.checkpoint.layout",
+    "CheckpointEntry": "fsdp2nb.wire.protocol",
     "CheckpointLoadError": "fsdp2nb.checkpoint.loadable_steps",
     "CheckpointMetadata": "fsdp2nb.checkpoint.layout",
     "CheckpointMismatchError": "fsdp2nb.checkpoint.state",
     "CheckpointSaveError": "fsdp2nb.checkpoint.manager",
-    "CheckpointStatus": "fsdp2nb.checkpoint.tracking",
+    "CheckpointStatus": "fsdp2nb.wire.protocol",
     "Checkpointer": "fsdp2nb.checkpoint.manager",
     "export_hf_model": "fsdp2nb.checkpoint.hf_export",
 }

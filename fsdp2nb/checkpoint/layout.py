@@ -24,10 +24,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from torch import nn
+from fsdp2nb.wire.protocol import CheckpointEntry
 
 logger = logging.getLogger(__name__)
 
@@ -65,25 +63,6 @@ class CheckpointMetadata:
     files: dict[str, list[int | None]] = field(default_factory=dict)
     """Every other file of the step: name -> [size in bytes, CRC32 or None when not computed].
     Empty in checkpoints written before sizes and checksums were recorded."""
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointEntry:
-    """One step directory as listed by `Checkpointer.list()`."""
-
-    step: int
-    """Training step."""
-    path: str
-    """Absolute path of the step directory."""
-    wall_time: float | None
-    """Seconds since the epoch when it was saved; None when the metadata is missing."""
-    size_bytes: int
-    """Total size of its files."""
-    world_size: int | None
-    """Ranks that wrote it; None when the metadata is missing."""
-    valid: bool
-    """True when metadata, DCP metadata and every rank file are present, each file at the size
-    written (and, through `Checkpointer.list()`, none found damaged by a load)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -365,43 +344,6 @@ def apply_retention(directory: Path, keep: int | None, newest: int, protected: f
         deleted.append(entry.step)
         excess -= 1
     return deleted
-
-
-def library_versions() -> dict[str, str]:
-    """The versions of the libraries that wrote a checkpoint, for its metadata."""
-    from importlib import metadata
-
-    versions = {}
-    for name in ("torch", "transformers", "peft", "fsdp2nb"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return versions
-
-
-def rebuild_info(model: nn.Module) -> dict[str, object]:
-    """What a trainable-only checkpoint needs besides itself: the base model and adapter configs."""
-    info: dict[str, object] = {}
-    config = getattr(model, "config", None)
-    if config is not None:
-        info["base_model_name_or_path"] = getattr(config, "_name_or_path", "")
-        info["model_type"] = getattr(config, "model_type", "")
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, dict):
-        info["peft_config"] = {name: _jsonable(cfg.to_dict()) for name, cfg in peft_config.items()}
-    return info
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = [_jsonable(v) for v in value]
-        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 def remove_step_dir(directory: Path, step: int) -> None:

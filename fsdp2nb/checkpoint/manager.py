@@ -43,13 +43,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp2nb import collectives, progress
-from fsdp2nb.checkpoint import layout, tracking
+from fsdp2nb.checkpoint import layout, provenance, tracking
 from fsdp2nb.checkpoint.config import AsyncWriter, CheckpointerConfig
 from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
 from fsdp2nb.checkpoint.loadable_steps import CheckpointLoadError, LoadableSteps
-from fsdp2nb.checkpoint.progress_hooks import ProgressLoadPlanner, start_state_task
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
 from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state, rng_streams_not_restored
 from fsdp2nb.checkpoint.staging import StagedSavePlanner, make_stager
@@ -60,6 +59,7 @@ from fsdp2nb.checkpoint.state import (
     read_dcp_metadata,
     set_training_state,
 )
+from fsdp2nb.checkpoint.state_progress import ProgressLoadPlanner, start_state_task
 from fsdp2nb.checkpoint.tracking import CheckpointStatus
 from fsdp2nb.collectives import (
     FailedElsewhere,
@@ -389,8 +389,8 @@ class Checkpointer:
         trainable_only = has_frozen_params(model)
         return CheckpointMetadata(
             step=job.step, world_size=self._world_size, wall_time=job.wall_time,
-            trainable_only=trainable_only, versions=layout.library_versions(),
-            rebuild=layout.rebuild_info(model) if trainable_only else {}, files=files,
+            trainable_only=trainable_only, versions=provenance.library_versions(),
+            rebuild=provenance.rebuild_info(model) if trainable_only else {}, files=files,
         )
 
     # ---- load ----------------------------------------------------------------------------------

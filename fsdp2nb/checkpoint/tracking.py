@@ -3,36 +3,17 @@
 `Checkpointer.track()` records itself here and `close()` clears it. The ranks' sampler and
 shutdown read the slot through `current_checkpointer()`, which never loads the checkpoint code:
 a rank that never made a checkpointer pays nothing for it. The status it reports
-(`CheckpointStatus`) is defined here for the same reason.
+(`CheckpointStatus`) is the wire's record, which the sampler sends on as it is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+from fsdp2nb.wire.protocol import CheckpointStatus
 
 if TYPE_CHECKING:
     from pathlib import Path
-
-    from fsdp2nb.checkpoint.layout import CheckpointEntry
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointStatus:
-    """A snapshot of a checkpointer for the dashboard; picklable, safe to send between processes."""
-
-    directory: str
-    """Absolute checkpoint directory."""
-    latest_step: int | None
-    """Step LATEST names (or the newest valid one); None when there is no checkpoint."""
-    saving_step: int | None
-    """Step of the save still being written, or None."""
-    last_error: str | None
-    """Text of the most recent failed save, or None."""
-    entries: tuple[CheckpointEntry, ...]
-    """Every step directory, oldest first."""
-    blocked_s: float = 0.0
-    """Seconds this rank's training has waited on saves (see Checkpointer.blocked_s)."""
 
 
 class TrackedCheckpointer(Protocol):

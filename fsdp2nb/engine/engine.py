@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp2nb.collectives import is_distributed
 from fsdp2nb.engine import grad, wrapping
 from fsdp2nb.engine.buffers import recompute_non_persistent_buffers
-from fsdp2nb.engine.checkpoint_files import find_checkpoint_files
 from fsdp2nb.engine.config import EngineConfig, check_offload_supported
+from fsdp2nb.engine.hf_files import find_checkpoint_files
 from fsdp2nb.engine.sharded_load import LoadReport, load_sharded
 
 logger = logging.getLogger(__name__)

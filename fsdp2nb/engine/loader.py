@@ -14,9 +14,9 @@ from torch import nn
 
 from fsdp2nb import progress
 from fsdp2nb.config_checks import check_bool, check_choice
-from fsdp2nb.engine.checkpoint_files import find_checkpoint_files, refuse_quantized
 from fsdp2nb.engine.config import INIT_CHOICES
 from fsdp2nb.engine.engine import FSDP2Engine
+from fsdp2nb.engine.hf_files import find_checkpoint_files, refuse_quantized
 from fsdp2nb.engine.hub import resolve_model_dir
 from fsdp2nb.engine.lora import apply_lora, materialize_adapter_init, shared_seed
 from fsdp2nb.engine.wrapping import cast_frozen_parameters

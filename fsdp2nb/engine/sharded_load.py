@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp2nb import progress
-from fsdp2nb.engine.checkpoint_files import Block, CheckpointFiles, open_reader
 from fsdp2nb.engine.direct_reads import release_spare_buffers
+from fsdp2nb.engine.hf_files import Block, CheckpointFiles, open_reader
 from fsdp2nb.engine.key_mapping import checkpoint_to_model_keys, hf_key, unwrap_peft
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
-from fsdp2nb.frontend.render import RankError, alarm
+from fsdp2nb.frontend.errors import RankError, alarm
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.request_wait import RequestWait

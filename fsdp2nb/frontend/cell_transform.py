@@ -12,7 +12,7 @@ import functools
 
 from IPython.core.getipython import get_ipython
 
-from fsdp2nb.frontend.render import CellSyntaxError
+from fsdp2nb.frontend.errors import CellSyntaxError
 
 
 def transform_and_check(code: str) -> str:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from fsdp2nb.pool.pool import WorkerPool, describe_exit
 from fsdp2nb.widgets.model import DashboardModel, PoolFacts
 from fsdp2nb.wire.protocol import (
-    CheckpointView,
+    CheckpointStatus,
     DeleteCheckpoint,
     ExportHF,
     LoadCheckpoint,
@@ -108,7 +108,7 @@ class DashboardLink:
     # --- showing --------------------------------------------------------------------------------
 
     def text(self) -> str:
-        from fsdp2nb.widgets.render import task_text, text_tables
+        from fsdp2nb.widgets.markup import task_text, text_tables
 
         self.tick()
         text = text_tables(self.model.rows(), self.model.checkpoint, f"fsdp2nb pool: {self.pool_line()}")
@@ -181,7 +181,7 @@ class DashboardLink:
 
     def save(self) -> str:
         pool = self._ready_pool()
-        self._checkpoint_view()
+        self._checkpoint_status()
         if pool.busy_ranks:
             if self.model.save_pending:  # a double click is one save
                 return f"{self.model.save_text} (asked once already)"
@@ -193,7 +193,7 @@ class DashboardLink:
 
     def load(self, step: int) -> str:
         pool = self._idle_pool("Load")
-        view = self._checkpoint_view()
+        view = self._checkpoint_status()
         if not any(e.step == step and e.valid for e in view.entries):
             raise _refused(f"step {step} is not a complete checkpoint in {view.directory} "
                            f"(complete: {', '.join(str(e.step) for e in view.entries if e.valid) or 'none'})")
@@ -202,7 +202,7 @@ class DashboardLink:
 
     def delete(self, step: int, latest_confirmed: bool = False) -> str:
         pool = self._idle_pool("Delete")
-        view = self._checkpoint_view()
+        view = self._checkpoint_status()
         if step == view.latest_step and not latest_confirmed:
             raise _refused(f"step {step} is LATEST, the one a resume loads: confirm twice to delete it")
         if step == view.saving_step or not any(e.step == step for e in view.entries):
@@ -215,7 +215,7 @@ class DashboardLink:
 
     def export(self, path: str) -> str:
         pool = self._idle_pool("Export")
-        self._checkpoint_view()
+        self._checkpoint_status()
         path = os.path.abspath(os.path.expanduser(path.strip())) if path.strip() else ""
         problem = _unwritable(path)
         if problem:
@@ -246,7 +246,7 @@ class DashboardLink:
             raise _refused(f"{what} acts while the pool is idle: a cell is running")
         return pool
 
-    def _checkpoint_view(self) -> CheckpointView:
+    def _checkpoint_status(self) -> CheckpointStatus:
         self.tick()
         view = self.model.checkpoint
         if view is None:
@@ -256,7 +256,7 @@ class DashboardLink:
     def _run_on_ranks(self, pool: WorkerPool, command: RankCommand) -> None:
         """One of fsdp2nb's commands (worker/commands.py) on every rank; a rank's error becomes
         the panel's line."""
-        from fsdp2nb.frontend.render import RankError
+        from fsdp2nb.frontend.errors import RankError
 
         try:
             self.session.run_request(pool, tuple(range(pool.world_size)),

@@ -15,7 +15,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_exp
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
-from fsdp2nb.frontend.render import notebook_color_scheme
+from fsdp2nb.frontend.output import notebook_color_scheme
 from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, parse_rank_list, spec_from_options
@@ -321,7 +321,7 @@ class FSDP2Magics(Magics):
     def _run_checkpoint_command(self, command: RankCommand) -> None:
         """Save or load on the ranks. No tracked checkpointer, or a step that cannot be loaded
         (loading changed nothing), is shown as one line, without the ranks' tracebacks."""
-        from fsdp2nb.frontend.render import RankError
+        from fsdp2nb.frontend.errors import RankError
 
         try:
             self._run_on_ranks(command)

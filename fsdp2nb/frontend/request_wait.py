@@ -15,12 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from fsdp2nb.frontend.render import (
-    RankError,
+from fsdp2nb.frontend.errors import RankError, alarm, rank_exit_error
+from fsdp2nb.frontend.output import (
     StreamMerger,
     WaitingLine,
-    alarm,
-    rank_exit_error,
     rank_label,
     show_display,
     show_held_output,
@@ -90,7 +88,7 @@ class CellProgress:
     first_error_at: float | None = None
     interrupted_at: float | None = None
     task_bar: object | None = None
-    """The cell's progress bar (frontend.progress_view), made when the ranks first report progress."""
+    """The cell's progress bar (frontend.progress_bar), made when the ranks first report progress."""
     started_at: float = field(default_factory=time.monotonic)
     last_output_at: float = field(default_factory=time.monotonic)
     activity_asked_at: float = 0.0
@@ -226,7 +224,7 @@ class RequestWait:
 
     def _show_task_progress(self, event: TaskProgress) -> None:
         if self.progress.task_bar is None:
-            from fsdp2nb.frontend.progress_view import CellTaskBar
+            from fsdp2nb.frontend.progress_bar import CellTaskBar
 
             self._merger.flush()  # what the ranks printed before the work began comes first
             self.progress.task_bar = CellTaskBar(self.pool.world_size)

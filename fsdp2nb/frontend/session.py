@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 from fsdp2nb.frontend.background import BackgroundRuns
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
+from fsdp2nb.frontend.errors import RankError, alarm
 from fsdp2nb.frontend.notebook_input import ask_notebook
-from fsdp2nb.frontend.render import RankError, alarm, notebook_color_scheme, write_to_kernel
+from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
 from fsdp2nb.pool.launcher import LocalLauncher
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool, describe_exit

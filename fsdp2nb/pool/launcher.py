@@ -14,7 +14,6 @@ is closed, or on its own when the kernel goes away (it sleeps on stdin and a pid
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import select
@@ -22,11 +21,10 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 from fsdp2nb.pool import reaper
-from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import LaunchPlan
 
 logger = logging.getLogger(__name__)
@@ -83,21 +81,9 @@ class Launcher(Protocol):
     def launch(self, plan: LaunchPlan, key: bytes) -> LaunchedRanks: ...
 
 
-def launcher_for(spec: PoolSpec) -> Launcher:
-    """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
-    if spec.placement is None:
-        return LocalLauncher()
-    if spec.placement.engine == "ray":
-        from fsdp2nb.pool.ray_launcher import RayLauncher
-
-        return RayLauncher(spec)
-    from fsdp2nb.pool.slurm_launcher import SlurmLauncher
-
-    return SlurmLauncher(spec)
-
-
-class LocalAgent:
-    """The host agent process started by `LocalLauncher`."""
+class AgentProcess:
+    """A child process of the kernel that carries host agents: `LocalLauncher`'s agent, or the
+    srun step that carries every host's (`slurm_launcher.SrunStep`). Ending it ends its ranks."""
 
     def __init__(self, process: subprocess.Popen) -> None:
         self.process = process
@@ -170,7 +156,7 @@ class StandbyAgent:
     def usable(self, environment: dict[str, str]) -> bool:
         return self.process.poll() is None and environment == self.environment and os.getcwd() == self.cwd
 
-    def hand_over(self, request: bytes) -> LocalAgent:
+    def hand_over(self, request: bytes) -> AgentProcess:
         """Give the standby its plan; from here on it is the pool's agent, and no longer a standby.
 
         The agent moves what it wrote so far into the pool's log and removes `log_dir` itself."""
@@ -178,7 +164,7 @@ class StandbyAgent:
         self.process.stdin.write(request)
         self.process.stdin.close()  # a plan is one write: what the agent reads ends here
         reaper.forget_pool(self.standby_id)
-        return LocalAgent(self.process)
+        return AgentProcess(self.process)
 
     def close(self) -> None:
         """End the unused standby at once: it holds nothing but imported modules."""
@@ -210,8 +196,8 @@ class LocalLauncher:
     def listen_address(self, runtime_dir: str, log_dir: str) -> str:
         return os.path.join(runtime_dir, "pool.sock")
 
-    def launch(self, plan: LaunchPlan, key: bytes) -> LocalAgent:
-        request = json.dumps({"plan": asdict(plan), "key": key.hex()}).encode()
+    def launch(self, plan: LaunchPlan, key: bytes) -> AgentProcess:
+        request = plan.encode(key)
         standby, self._standby = self._standby, None
         if standby is not None:
             if standby.usable(_rank_environment()):
@@ -225,7 +211,7 @@ class LocalLauncher:
             standby.close()
         return self._launch_cold(plan, request)
 
-    def _launch_cold(self, plan: LaunchPlan, request: bytes) -> LocalAgent:
+    def _launch_cold(self, plan: LaunchPlan, request: bytes) -> AgentProcess:
         agent_log = open(os.path.join(plan.log_dir, "agent.log"), "ab")  # noqa: SIM115
         with agent_log:
             process = subprocess.Popen(
@@ -235,7 +221,7 @@ class LocalLauncher:
         assert process.stdin is not None
         process.stdin.write(request)
         process.stdin.close()
-        return LocalAgent(process)
+        return AgentProcess(process)
 
     def start_standby(self) -> None:
         """Start the next launch's agent now, if none waits; call once the pool is up, so that

@@ -26,7 +26,7 @@ from typing import Literal
 import psutil
 
 from fsdp2nb.pool import reaper
-from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, Launcher, LaunchError, launcher_for
+from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, Launcher, LaunchError, LocalLauncher
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
@@ -531,3 +531,16 @@ def _unused_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def launcher_for(spec: PoolSpec) -> Launcher:
+    """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
+    if spec.placement is None:
+        return LocalLauncher()
+    if spec.placement.engine == "ray":
+        from fsdp2nb.pool.ray_launcher import RayLauncher
+
+        return RayLauncher(spec)
+    from fsdp2nb.pool.slurm_launcher import SlurmLauncher
+
+    return SlurmLauncher(spec)

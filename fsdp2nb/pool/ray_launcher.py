@@ -85,10 +85,8 @@ class RayLauncher:
         return tcp_address(self.spec.placement.listen or reply["node_ip"], 0)
 
     def launch(self, plan: LaunchPlan, key: bytes) -> RayAgents:
-        from dataclasses import asdict
-
         assert self._driver is not None, "listen_address() starts the driver first"
-        request = json.dumps({"plan": asdict(plan), "key": key.hex()})
+        request = plan.encode(key).decode()  # JSON: travels inside the driver's JSON lines
         reply = self._driver.ask({"launch": request})
         return RayAgents(self._driver, reply["started"])
 

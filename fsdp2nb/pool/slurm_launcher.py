@@ -8,15 +8,13 @@ ends every task, as Slurm does for any step.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-from dataclasses import asdict
 
-from fsdp2nb.pool.launcher import AgentExit, LaunchError, LocalAgent, describe_exit_code
+from fsdp2nb.pool.launcher import AgentExit, AgentProcess, LaunchError, describe_exit_code
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.endpoints import tcp_address
 from fsdp2nb.wire.protocol import LaunchPlan
@@ -26,9 +24,9 @@ class SlurmLaunchError(LaunchError):
     """The step could not be started; one line says why."""
 
 
-class SrunStep(LocalAgent):
-    """The srun process that carries every host's agent: held as a local agent is (SIGTERM
-    reaches every task through srun), described as a step."""
+class SrunStep(AgentProcess):
+    """The srun process that carries every host's agent: held as a local agent's process is
+    (SIGTERM reaches every task through srun), described as a step."""
 
     def agent_exit(self) -> AgentExit | None:
         code = self.process.poll()
@@ -58,7 +56,7 @@ class SlurmLauncher:
         with open(os.path.join(self._log_dir, "srun.log"), "ab") as log:
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=log,
                                        start_new_session=True, env=env)
-        process.stdin.write(json.dumps({"plan": asdict(plan), "key": key.hex()}).encode())
+        process.stdin.write(plan.encode(key))
         process.stdin.close()
         return SrunStep(process)
 

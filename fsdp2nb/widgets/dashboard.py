@@ -18,7 +18,7 @@ from typing import Protocol
 
 import ipywidgets as widgets
 
-from fsdp2nb.widgets import render
+from fsdp2nb.widgets import markup
 from fsdp2nb.widgets.model import DashboardModel
 
 logger = logging.getLogger(__name__)
@@ -220,13 +220,13 @@ class DashboardView:
     def refresh(self, pool_line: str) -> None:
         """Bring every widget up to date with the model; unchanged values are not sent."""
         model = self._model
-        _set(self.header, "value", f"{render.STYLE}<b>fsdp2nb</b> · pool {html.escape(pool_line)}")
+        _set(self.header, "value", f"{markup.STYLE}<b>fsdp2nb</b> · pool {html.escape(pool_line)}")
         self._refresh_ranks(model)
         self._refresh_plot(model)
         view = model.checkpoint
-        _set(self.checkpoint_header, "value", render.checkpoint_header(view))
-        self._refresh_steps(render.checkpoint_options(view))
-        _set(self.progress, "value", render.task_html(model.tasks.latest(model.facts.world_size)))
+        _set(self.checkpoint_header, "value", markup.checkpoint_header(view))
+        self._refresh_steps(markup.checkpoint_options(view))
+        _set(self.progress, "value", markup.task_html(model.tasks.latest(model.facts.world_size)))
         if model.save_text and model.save_text != self._shown_save_text:
             self._shown_save_text = model.save_text
             self.message.value = _line(model.save_text, "#dc2626" if "failed" in model.save_text else "#15803d")
@@ -244,10 +244,10 @@ class DashboardView:
         drawn = (model.metrics.version, name, self.metric_view.value)
         if drawn != self._drawn:  # a plot is the dearest part of a refresh: redrawn only when new
             self._drawn = drawn
-            _set(self.plot, "value", render.metric_plot(model.metrics.series(name, self.metric_view.value), name))
+            _set(self.plot, "value", markup.metric_plot(model.metrics.series(name, self.metric_view.value), name))
 
     def _refresh_ranks(self, model: DashboardModel) -> None:
-        rows = [render.rank_row_html(row) for row in model.rows()]
+        rows = [markup.rank_row_html(row) for row in model.rows()]
         for index, widget in enumerate(self._rank_rows):
             _set(widget, "value", rows[index] if index < len(rows) else "")
         _set(self._more_ranks, "value", "".join(rows[len(self._rank_rows):]))

@@ -12,7 +12,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from fsdp2nb.wire.protocol import CheckpointView, MetricPoint, RankSnapshot, TaskProgress
+from fsdp2nb.wire.protocol import (
+    CheckpointStatus,
+    CheckpointView,
+    MetricPoint,
+    ProgressUpdate,
+    RankSnapshot,
+    TaskProgress,
+)
 
 HISTORY_S = 300.0
 """How far back the memory sparklines reach."""
@@ -130,48 +137,12 @@ class MetricsHistory:
                 for rank, points in sorted(self._points.items()) for p in points]
 
 
-@dataclass(frozen=True)
-class TaskView:
-    """One piece of long work (a load, a save, an export) summed over the ranks that reported it."""
-
-    kind: str
-    label: str
-    done_bytes: int
-    total_bytes: int
-    done_items: int
-    """Items every rank has done (collective work has the same items on every rank)."""
-    total_items: int
-    elapsed_s: float
-    finished: bool
-    """Every rank of the pool reported its end."""
-    error: str | None
-    num_ranks: int
-
-    @property
-    def fraction(self) -> float:
-        if self.finished and not self.error:
-            return 1.0
-        if self.total_bytes:
-            return min(1.0, self.done_bytes / self.total_bytes)
-        return min(1.0, self.done_items / self.total_items) if self.total_items else 0.0
-
-    @property
-    def rate(self) -> float:
-        """Bytes per second since the task started."""
-        return self.done_bytes / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    @property
-    def seconds_left(self) -> float | None:
-        if self.finished or not self.rate or not self.total_bytes:
-            return None
-        return max(0.0, self.total_bytes - self.done_bytes) / self.rate
-
-
 MAX_TASKS = 8
 
 
 class TaskBoard:
-    """The latest progress event of each rank for the last few tasks; thread-safe."""
+    """The latest progress event of each rank for the last few tasks, read summed over the ranks
+    as one `ProgressUpdate`; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -179,7 +150,7 @@ class TaskBoard:
         self.version = 0
 
     def observe(self, event: TaskProgress) -> None:
-        key = (event.task_id, event.kind, event.label)
+        key = (event.update.task_id, event.update.kind, event.update.label)
         with self._lock:
             self.version += 1
             self._tasks.setdefault(key, {})[event.rank] = event
@@ -187,13 +158,13 @@ class TaskBoard:
             while len(self._tasks) > MAX_TASKS:
                 del self._tasks[next(iter(self._tasks))]
 
-    def latest(self, world_size: int) -> TaskView | None:
+    def latest(self, world_size: int) -> ProgressUpdate | None:
         with self._lock:
             if not self._tasks:
                 return None
             return _summed(next(reversed(self._tasks.values())), world_size)
 
-    def find(self, kind: str, label: str, world_size: int) -> TaskView | None:
+    def find(self, kind: str, label: str, world_size: int) -> ProgressUpdate | None:
         """The newest task of `kind` with `label`, or None."""
         with self._lock:
             for (_, task_kind, task_label), by_rank in reversed(self._tasks.items()):
@@ -207,17 +178,21 @@ class TaskBoard:
             self.version += 1
 
 
-def _summed(by_rank: dict[int, TaskProgress], world_size: int) -> TaskView:
-    events = list(by_rank.values())
-    complete = len(events) >= world_size
-    errors = [f"rank {e.rank}: {e.error}" for e in sorted(events, key=lambda e: e.rank) if e.error]
-    return TaskView(
-        kind=events[0].kind, label=events[0].label,
-        done_bytes=sum(e.done_bytes for e in events), total_bytes=sum(e.total_bytes for e in events),
-        done_items=min(e.done_items for e in events) if complete else 0,
-        total_items=max(e.total_items for e in events), elapsed_s=max(e.elapsed_s for e in events),
-        finished=bool(errors) or (complete and all(e.finished for e in events)),
-        error=errors[0] if errors else None, num_ranks=len(events))
+def _summed(by_rank: dict[int, TaskProgress], world_size: int) -> ProgressUpdate:
+    """One task as the pool has done it: bytes summed, items done by every rank, finished when
+    every rank of the pool reported its end (or one failed: its error, naming the rank)."""
+    ranks = sorted(by_rank)
+    updates = [by_rank[rank].update for rank in ranks]
+    complete = len(updates) >= world_size
+    errors = [f"rank {rank}: {update.error}" for rank, update in zip(ranks, updates, strict=True) if update.error]
+    first = updates[0]
+    return ProgressUpdate(
+        task_id=first.task_id, kind=first.kind, label=first.label,
+        done_bytes=sum(u.done_bytes for u in updates), total_bytes=sum(u.total_bytes for u in updates),
+        done_items=min(u.done_items for u in updates) if complete else 0,
+        total_items=max(u.total_items for u in updates), elapsed_s=max(u.elapsed_s for u in updates),
+        finished=bool(errors) or (complete and all(u.finished for u in updates)),
+        error=errors[0] if errors else None)
 
 
 class DashboardModel:
@@ -285,19 +260,19 @@ class DashboardModel:
                                   "the checkpointer saw")
 
     def _follow_save(self, view: CheckpointView) -> None:
-        request = self._save
+        request, status = self._save, view.status
         if request is None or view.requests_served < request.request_id:
             return
-        if view.last_error:
-            self.save_text, self._save = f"save failed: {view.last_error}", None
-        elif view.saving_step is not None:
-            self.save_text = self._saving_text(view.saving_step)
-        elif view.latest_step != request.latest_before:
-            task = self.tasks.find("save", f"saving step {view.latest_step}", self.facts.world_size)
+        if status.last_error:
+            self.save_text, self._save = f"save failed: {status.last_error}", None
+        elif status.saving_step is not None:
+            self.save_text = self._saving_text(status.saving_step)
+        elif status.latest_step != request.latest_before:
+            task = self.tasks.find("save", f"saving step {status.latest_step}", self.facts.world_size)
             if task is not None and not task.finished:  # committed; its last progress event is on its way
-                self.save_text = self._saving_text(view.latest_step)
+                self.save_text = self._saving_text(status.latest_step)
                 return
-            self.save_text, self._save = self._saved_text(view.latest_step), None
+            self.save_text, self._save = self._saved_text(status.latest_step), None
 
     def _saving_text(self, step: int) -> str:
         """`saving step N: X of Y MiB` once the ranks report bytes written."""
@@ -313,15 +288,16 @@ class DashboardModel:
         return f"saved step {step} in {task.elapsed_s:.1f} s"
 
     def _checkpoint_latest(self) -> int | None:
-        view = self.checkpoint
-        return view.latest_step if view is not None else None
+        status = self.checkpoint
+        return status.latest_step if status is not None else None
 
     # --- reading ------------------------------------------------------------------------------
 
     @property
-    def checkpoint(self) -> CheckpointView | None:
+    def checkpoint(self) -> CheckpointStatus | None:
+        """Rank 0's tracked checkpointer, once one tracks a model."""
         snapshot = self.snapshots.get(0)
-        return snapshot.checkpoint if snapshot is not None else None
+        return snapshot.checkpoint.status if snapshot is not None and snapshot.checkpoint is not None else None
 
     def rows(self, now: float | None = None) -> list[RankRow]:
         now = time.time() if now is None else now

@@ -9,7 +9,8 @@ message and are unpickled only after the message's signature has been verified.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 StreamName = Literal["stdout", "stderr"]
@@ -249,29 +250,48 @@ class CellFinished:
 
 
 @dataclass(frozen=True)
-class CheckpointStep:
-    """One step directory of the tracked checkpointer, as the dashboard lists it."""
+class CheckpointEntry:
+    """One step directory as listed by `Checkpointer.list()` and the dashboard."""
 
     step: int
+    """Training step."""
+    path: str
+    """Absolute path of the step directory."""
     wall_time: float | None
+    """Seconds since the epoch when it was saved; None when the metadata is missing."""
     size_bytes: int
+    """Total size of its files."""
     world_size: int | None
+    """Ranks that wrote it; None when the metadata is missing."""
     valid: bool
+    """True when metadata, DCP metadata and every rank file are present, each file at the size
+    written (and, through `Checkpointer.list()`, none found damaged by a load)."""
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """A snapshot of a checkpointer (`Checkpointer.status()`), as the dashboard shows it."""
+
+    directory: str
+    """Absolute checkpoint directory."""
+    latest_step: int | None
+    """Step LATEST names (or the newest valid one); None when there is no checkpoint."""
+    saving_step: int | None
+    """Step of the save still being written, or None."""
+    last_error: str | None
+    """Text of the most recent failed save, or None."""
+    entries: tuple[CheckpointEntry, ...]
+    """Every step directory, oldest first."""
+    blocked_s: float = 0.0
+    """Seconds this rank's training has waited on saves (see Checkpointer.blocked_s)."""
 
 
 @dataclass(frozen=True)
 class CheckpointView:
-    """What the dashboard shows of a rank's tracked checkpointer (plain types: no torch needed)."""
+    """What rank 0's sampler reports of its tracked checkpointer: its status, and how far it has
+    served the dashboard's save requests."""
 
-    directory: str
-    latest_step: int | None
-    saving_step: int | None
-    last_error: str | None
-    steps: tuple[int, ...]
-    blocked_s: float = 0.0
-    """Seconds the rank's training has waited on saves."""
-    entries: tuple[CheckpointStep, ...] = ()
-    """Every step directory, oldest first, complete or not."""
+    status: CheckpointStatus
     requests_served: int = 0
     """The highest save request id (`RequestSave`) this rank has served."""
 
@@ -336,23 +356,53 @@ class RankActivity:
 
 
 @dataclass(frozen=True)
-class TaskProgress:
-    """How far a rank is with a long piece of work (fsdp2nb.progress), at most a few times a second."""
+class ProgressUpdate:
+    """One reading of a long piece of work (`fsdp2nb.progress`): a rank's, or the pool's summed
+    over its ranks (`widgets.model.TaskBoard`)."""
 
-    rank: int
-    cell_id: int | None
-    """The request that started the task (an async save may end after it)."""
     task_id: int
     """Counts the rank's tasks; collective work has the same id on every rank."""
     kind: str
+    """"load_model", "save", "load" or "export"."""
     label: str
     done_bytes: int
     total_bytes: int
     done_items: int
+    """Summed over ranks: the items every rank has done (collective work has the same items on each)."""
     total_items: int
     elapsed_s: float
     finished: bool = False
+    """Summed over ranks: every rank of the pool reported its end, or one failed."""
     error: str | None = None
+
+    @property
+    def fraction(self) -> float:
+        if self.finished and not self.error:
+            return 1.0
+        if self.total_bytes:
+            return min(1.0, self.done_bytes / self.total_bytes)
+        return min(1.0, self.done_items / self.total_items) if self.total_items else 0.0
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second since the task started."""
+        return self.done_bytes / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def seconds_left(self) -> float | None:
+        if self.finished or not self.rate or not self.total_bytes:
+            return None
+        return max(0.0, self.total_bytes - self.done_bytes) / self.rate
+
+
+@dataclass(frozen=True)
+class TaskProgress:
+    """How far a rank is with a long piece of work, at most a few times a second."""
+
+    rank: int
+    cell_id: int | None
+    """The request that started the task (an async save may end after it)."""
+    update: ProgressUpdate
 
 
 @dataclass(frozen=True)
@@ -428,3 +478,16 @@ class LaunchPlan:
 
     def ranks_of_node(self, node: int) -> tuple[RankPlan, ...]:
         return tuple(rank for rank in self.ranks if rank.node == node)
+
+    def encode(self, key: bytes) -> bytes:
+        """The launch request an agent reads on its stdin: this plan and the pool key, as JSON
+        (an agent may run before it can verify anything, so no pickle)."""
+        return json.dumps({"plan": asdict(self), "key": key.hex()}).encode()
+
+    @classmethod
+    def decode(cls, request: bytes) -> tuple[LaunchPlan, bytes]:
+        """The plan and pool key of a launch request made by `encode`."""
+        fields = json.loads(request)
+        plan = dict(fields["plan"])
+        plan["ranks"] = tuple(RankPlan(**entry) for entry in plan["ranks"])
+        return cls(**plan), bytes.fromhex(fields["key"])

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import io
-import json
 import os
 import select
 import shutil
@@ -42,13 +40,6 @@ _KERNEL_CHECK_S = 1.0
 _TERMINATE_GRACE_S = 3.0
 _STDERR_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
-
-
-def read_launch_request(stream) -> tuple[LaunchPlan, bytes]:
-    request = json.load(stream)
-    fields = dict(request["plan"])
-    fields["ranks"] = tuple(RankPlan(**entry) for entry in fields["ranks"])
-    return LaunchPlan(**fields), bytes.fromhex(request["key"])
 
 
 def node_index() -> int:
@@ -281,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     if not request:
         _forget_standby_log(standby_log)
         _exit(0)
-    plan, key = read_launch_request(io.BytesIO(request))
+    plan, key = LaunchPlan.decode(request)
     if standby_log is not None:
         _log_to(os.path.join(plan.log_dir, "agent.log"), standby_log)
     try:

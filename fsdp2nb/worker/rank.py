@@ -106,7 +106,7 @@ class Rank:
                                         is_busy=lambda: self._cell_id is not None)
         self._sampler.start()
         from fsdp2nb import progress
-        from fsdp2nb.worker.progress_events import ProgressSender
+        from fsdp2nb.worker.progress_sender import ProgressSender
 
         progress.install(ProgressSender(self.rank, self._channels.send_event, lambda: self._cell_id))
         threading.Thread(target=self._control_loop, daemon=True, name="fsdp2nb-control").start()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import psutil
 
 from fsdp2nb.checkpoint.tracking import current_checkpointer
-from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView, RankSnapshot
+from fsdp2nb.wire.protocol import CheckpointView, RankSnapshot
 from fsdp2nb.worker.metrics import process_metrics
 
 logger = logging.getLogger(__name__)
@@ -104,16 +104,9 @@ def _checkpoint_view() -> CheckpointView | None:
     tracked = current_checkpointer()
     if tracked is None:
         return None
-    status = tracked.status()
     from fsdp2nb.checkpoint.requests import process_requests
 
-    entries = tuple(CheckpointStep(step=e.step, wall_time=e.wall_time, size_bytes=e.size_bytes,
-                                   world_size=e.world_size, valid=e.valid) for e in status.entries)
-    return CheckpointView(directory=status.directory, latest_step=status.latest_step,
-                          saving_step=status.saving_step, last_error=status.last_error,
-                          steps=tuple(entry.step for entry in status.entries if entry.valid),
-                          blocked_s=status.blocked_s, entries=entries,
-                          requests_served=process_requests().served())
+    return CheckpointView(status=tracked.status(), requests_served=process_requests().served())
 
 
 class TrackedSizes:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, StopRequests, check_run_name
-from fsdp2nb.frontend.render import RankError
+from fsdp2nb.frontend.errors import RankError
 from fsdp2nb.wire.protocol import CellFinished, ErrorInfo
 
 

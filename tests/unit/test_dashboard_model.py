@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp2nb.widgets import render
+from fsdp2nb.widgets import markup
 from fsdp2nb.widgets.dashboard import ActionRefused, DashboardView
 from fsdp2nb.widgets.model import MAX_HISTORY_POINTS, DashboardModel, MetricsHistory, PoolFacts
-from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView, MetricPoint, RankSnapshot, TaskProgress
+from fsdp2nb.wire.protocol import (
+    CheckpointEntry,
+    CheckpointStatus,
+    CheckpointView,
+    MetricPoint,
+    ProgressUpdate,
+    RankSnapshot,
+    TaskProgress,
+)
 
 GiB = 2**30
 
@@ -19,10 +27,11 @@ def _gpu(rank: int, allocated: float, t: float = 1000.0, **extra) -> RankSnapsho
 
 
 def _view(latest: int | None, served: int = 0, saving: int | None = None, steps=(2, 4)) -> CheckpointView:
-    entries = tuple(CheckpointStep(step=s, wall_time=1.7e9, size_bytes=5 * 2**20, world_size=2, valid=True)
-                    for s in steps)
-    return CheckpointView(directory="/ckpt/run1", latest_step=latest, saving_step=saving, last_error=None,
-                          steps=steps, entries=entries, requests_served=served)
+    entries = tuple(CheckpointEntry(step=s, path=f"/ckpt/run1/step-{s:06d}", wall_time=1.7e9, size_bytes=5 * 2**20,
+                                    world_size=2, valid=True) for s in steps)
+    status = CheckpointStatus(directory="/ckpt/run1", latest_step=latest, saving_step=saving, last_error=None,
+                              entries=entries)
+    return CheckpointView(status=status, requests_served=served)
 
 
 def _model(world_size: int = 2, **facts) -> DashboardModel:
@@ -51,8 +60,8 @@ def test_memory_bar_turns_red_past_90_percent():
     model.observe(_gpu(1, allocated=75))
     low, high = model.rows()
     assert not low.memory.warning and high.memory.warning
-    assert "#dc2626" in render.memory_bar(high.memory) and "#dc2626" not in render.memory_bar(low.memory)
-    assert render.memory_text(low.memory).startswith("40 GiB / 80 GiB alloc")
+    assert "#dc2626" in markup.memory_bar(high.memory) and "#dc2626" not in markup.memory_bar(low.memory)
+    assert markup.memory_text(low.memory).startswith("40 GiB / 80 GiB alloc")
 
 
 def test_cpu_rank_shows_rss_and_tracked_bytes_against_host_memory():
@@ -61,9 +70,9 @@ def test_cpu_rank_shows_rss_and_tracked_bytes_against_host_memory():
                                rss_peak_bytes=3 * GiB, param_bytes=2**20, grad_bytes=2**20, optimizer_bytes=2**21))
     (row,) = model.rows()
     assert row.memory.kind == "cpu" and row.memory.total == 16 * GiB and row.memory.peak == 3 * GiB
-    assert render.tracked_text(row.memory) == "params 1 MiB · grads 1 MiB · optimizer 2 MiB"
+    assert markup.tracked_text(row.memory) == "params 1 MiB · grads 1 MiB · optimizer 2 MiB"
     # Read when a cell ends, not live: the row says so on hover.
-    assert 'title="as the last cell on this rank left them">params 1 MiB' in render.rank_row_html(row)
+    assert 'title="as the last cell on this rank left them">params 1 MiB' in markup.rank_row_html(row)
 
 
 def test_dead_and_busy_ranks_are_told_apart():
@@ -98,7 +107,7 @@ def test_memory_history_is_bounded_and_shows_a_leak():
     (row,) = model.rows(now=1000.0 + MAX_HISTORY_POINTS * 0.01)
     assert len(row.history) == MAX_HISTORY_POINTS
     assert row.history[-1] > row.history[0]
-    assert "<polyline" in render.sparkline(row.history)
+    assert "<polyline" in markup.sparkline(row.history)
 
 
 def test_metric_history_keeps_a_flat_memory():
@@ -121,9 +130,9 @@ def test_save_request_is_followed_to_its_outcome():
 
 
 def _save_progress(rank: int, done_mib: int, finished: bool = False) -> TaskProgress:
-    return TaskProgress(rank=rank, cell_id=3, task_id=2, kind="save", label="saving step 7",
-                        done_bytes=done_mib * 2**20, total_bytes=40 * 2**20, done_items=0, total_items=0,
-                        elapsed_s=2.5 if finished else 1.0, finished=finished)
+    return TaskProgress(rank=rank, cell_id=3, update=ProgressUpdate(
+        task_id=2, kind="save", label="saving step 7", done_bytes=done_mib * 2**20, total_bytes=40 * 2**20,
+        done_items=0, total_items=0, elapsed_s=2.5 if finished else 1.0, finished=finished))
 
 
 def test_save_line_says_bytes_written_then_how_long_it_took():
@@ -289,11 +298,11 @@ def test_mean_and_every_rank_curves():
 def test_text_tables_carry_the_same_facts():
     model = _model()
     model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
-    text = render.text_tables(model.rows(), model.checkpoint, "pool cpu 2 (ready)")
+    text = markup.text_tables(model.rows(), model.checkpoint, "pool cpu 2 (ready)")
     assert "rank  state" in text and "cuda:0" in text and "4 LATEST" in text
     assert text.splitlines()[0] == "pool cpu 2 (ready)"
 
 
 @pytest.mark.parametrize("num_bytes, text", [(512, "512 B"), (1536 * 2**20, "1.5 GiB"), (200 * 2**20, "200 MiB")])
 def test_sizes_read_well(num_bytes, text):
-    assert render.size(num_bytes) == text
+    assert markup.size(num_bytes) == text

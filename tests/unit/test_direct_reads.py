@@ -83,7 +83,7 @@ def test_cached_fraction_sees_the_page_cache_without_filling_it(tmp_path):
 
 
 def test_a_checkpoint_file_serves_row_column_and_scalar_blocks(tmp_path) -> None:
-    from fsdp2nb.engine.checkpoint_files import Block, find_checkpoint_files, open_reader
+    from fsdp2nb.engine.hf_files import Block, find_checkpoint_files, open_reader
 
     tensors = {"matrix": torch.randn(6, 10), "scalar": torch.tensor(3.5)}
     save_file(tensors, str(tmp_path / "model.safetensors"))

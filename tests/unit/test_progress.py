@@ -11,11 +11,11 @@ from fsdp2nb import progress
 from fsdp2nb.checkpoint import Checkpointer, export_hf_model
 from fsdp2nb.checkpoint.direct_writes import DirectWriteStream
 from fsdp2nb.examples.tiny_models import make_tiny_model
-from fsdp2nb.frontend.progress_view import CellTaskBar
-from fsdp2nb.widgets import render
+from fsdp2nb.frontend.progress_bar import CellTaskBar
+from fsdp2nb.widgets import markup
 from fsdp2nb.widgets.model import TaskBoard
-from fsdp2nb.wire.protocol import TaskProgress
-from fsdp2nb.worker.progress_events import ProgressSender
+from fsdp2nb.wire.protocol import ProgressUpdate, TaskProgress
+from fsdp2nb.worker.progress_sender import ProgressSender
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 MiB = 2**20
@@ -32,9 +32,9 @@ def updates():
 
 def _event(rank: int, done: int, total: int = 100 * MiB, *, finished=False, items=(0, 0), error=None,
            task_id: int = 1, elapsed: float = 2.0) -> TaskProgress:
-    return TaskProgress(rank=rank, cell_id=7, task_id=task_id, kind="save", label="saving step 5",
-                        done_bytes=done, total_bytes=total, done_items=items[0], total_items=items[1],
-                        elapsed_s=elapsed, finished=finished, error=error)
+    return TaskProgress(rank=rank, cell_id=7, update=ProgressUpdate(
+        task_id=task_id, kind="save", label="saving step 5", done_bytes=done, total_bytes=total,
+        done_items=items[0], total_items=items[1], elapsed_s=elapsed, finished=finished, error=error))
 
 
 def test_nobody_listening_costs_a_shared_task_that_does_nothing():
@@ -81,7 +81,7 @@ def test_sender_throttles_but_always_sends_start_and_end():
     cell[0] = None  # the cell ended before the async save did
     sender(progress.ProgressUpdate(**{**update.__dict__, "done_bytes": 1000, "finished": True}))
     assert 4 <= len(sent) <= 6
-    assert sent[0].done_bytes == 0 and sent[-1].finished and sent[-1].done_bytes == 1000
+    assert sent[0].update.done_bytes == 0 and sent[-1].update.finished and sent[-1].update.done_bytes == 1000
     assert {event.cell_id for event in sent} == {4}  # the cell that started the task
 
 
@@ -128,15 +128,15 @@ def test_an_error_on_one_rank_ends_the_task_and_names_the_rank():
     board.observe(_event(0, 5))
     board.observe(_event(1, 5, finished=True, error="disk full"))
     task = board.latest(2)
-    assert task.finished and "failed: rank 1: disk full" in render.task_text(task)
+    assert task.finished and "failed: rank 1: disk full" in markup.task_text(task)
 
 
 def test_progress_text_has_bytes_tensors_rate_and_time_left():
     board = TaskBoard()
     board.observe(_event(0, 25 * MiB, items=(5, 20)))
-    text = render.task_text(board.latest(1))
+    text = markup.task_text(board.latest(1))
     assert text == "saving step 5: 25 MiB of 100 MiB (25%) · 5 of 20 tensors · 12.5 MiB/s · 6 s left"
-    assert 'data-finished="false"' in render.task_html(board.latest(1))
+    assert 'data-finished="false"' in markup.task_html(board.latest(1))
 
 
 def test_terminal_bar_prints_a_few_lines_for_hundreds_of_updates(capsys):

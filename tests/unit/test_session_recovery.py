@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fsdp2nb.frontend.render import RankError
+from fsdp2nb.frontend.errors import RankError
 from fsdp2nb.frontend.request_wait import INTERRUPT_GRACE_S
 from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.pool import HeldOutput, PoolStartError

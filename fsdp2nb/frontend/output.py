@@ -1,4 +1,4 @@
-"""How rank output looks in the notebook: labelled lines, repeated lines shown once, tracebacks,
+"""How rank output looks in the notebook: labelled lines, repeated lines shown once,
 displays, last-expression values and what ranks printed between cells.
 
 Lines are held back for a short window so that a line every rank prints (a loss, a banner) can
@@ -16,8 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fsdp2nb.pool.pool import describe_exit
-from fsdp2nb.wire.protocol import ErrorInfo, RankActivity, RankExited, RichOutput, StreamOutput
+from fsdp2nb.wire.protocol import RankActivity, RichOutput, StreamOutput
 
 if TYPE_CHECKING:
     from fsdp2nb.pool.pool import WorkerPool
@@ -155,73 +154,12 @@ class StreamMerger:
         return True
 
 
-NOT_RAISED = {"RankDied", "RankStuck", "RankStopped", "BdbQuit", "NothingToDebug"}
-"""What befell a rank rather than an exception it raised: said as a sentence, not as "raised"."""
-
-
-class RankError(Exception):
-    """One or more ranks raised; IPython shows each distinct traceback once, root cause first."""
-
-    def __init__(self, errors: list[tuple[int, ErrorInfo]], world_size: int, notes: tuple[str, ...] = ()) -> None:
-        self.errors = errors
-        self.world_size = world_size
-        self.notes = notes
-        first_rank, first = errors[0]
-        super().__init__(f"rank {first_rank} raised {first.ename}: {first.evalue}")
-
-    def grouped(self) -> list[tuple[list[int], ErrorInfo]]:
-        """Distinct tracebacks in the order they were first reported, with the ranks that raised each."""
-        groups: dict[tuple, tuple[list[int], ErrorInfo]] = {}
-        for rank, error in self.errors:
-            key = (error.ename, error.evalue, _without_cell_numbers(error.traceback))
-            groups.setdefault(key, ([], error))[0].append(rank)
-        return list(groups.values())
-
-    def _render_traceback_(self) -> list[str]:
-        lines: list[str] = []
-        for ranks, error in self.grouped():
-            label = rank_label(ranks, self.world_size) or "[rank 0]"
-            noun = "rank" if len(ranks) == 1 else "ranks"
-            what = f": {error.evalue}" if error.ename in NOT_RAISED else f" raised {error.ename}"
-            lines.append(f"\x1b[1m{label} {noun} {', '.join(map(str, sorted(ranks)))}{what}\x1b[0m")
-            if error.traceback or error.ename not in NOT_RAISED:  # else the line above said it all
-                lines.extend(error.traceback or (f"{error.ename}: {error.evalue}",))
-        lines.extend(self.notes)
-        return lines
-
-
-class CellSyntaxError(Exception):
-    """A cell that does not parse: reported once, in the notebook, and run on no rank."""
-
-    def __init__(self, error: SyntaxError) -> None:
-        super().__init__(f"{error.msg} (line {error.lineno})")
-        self.error = error
-
-    def _render_traceback_(self) -> list[str]:
-        import traceback
-
-        lines = traceback.format_exception_only(SyntaxError, self.error)
-        return [line.rstrip("\n") for line in lines] + ["(the cell ran on no rank)"]
-
-
 def notebook_color_scheme() -> str | None:
     """The kernel's IPython colour scheme (`%colors`), for the ranks to colour tracebacks alike:
     a scheme meant for a dark terminal ("linux") prints names near-white on a light theme."""
     from IPython.core.getipython import get_ipython
 
     return getattr(get_ipython(), "colors", None)
-
-
-def _without_cell_numbers(traceback_lines: tuple[str, ...]) -> tuple[str, ...]:
-    # Ranks number their cells alike, but a rank that joined later would differ: ignore `In[n]`.
-    import re
-
-    return tuple(re.sub(r"In\[\d+\]", "In[]", line) for line in traceback_lines)
-
-
-def alarm(text: str) -> str:
-    """`text` in bold red, as IPython shows what went wrong; for notes under a cell's error."""
-    return f"\x1b[1;31m{text}\x1b[0m"
 
 
 def write_to_kernel(stream: str, text: str) -> None:
@@ -342,21 +280,6 @@ class WaitingLine:
         """Blank the line: the cell has ended, so where its ranks waited is past."""
         if self._handle is not None:
             self._handle.update({"text/plain": ""}, raw=True)
-
-
-def rank_exit_error(event: RankExited) -> ErrorInfo:
-    lines = (f"rank {event.rank} (pid {event.pid}) died: {describe_exit(event)}",
-             *(("last output lines:", *tail) if (tail := _last_words(event.stderr_tail)) else ()))
-    return ErrorInfo(ename="RankDied", evalue=describe_exit(event), traceback=tuple(lines))
-
-
-def _last_words(tail: tuple[str, ...]) -> tuple[str, ...]:
-    """The last 10 lines; for a crash in C code, its Python stack from the top (where it crashed)."""
-    crash = next((i for i, line in enumerate(tail) if line.startswith("Fatal Python error")), None)
-    if crash is None:
-        return tail[-10:]
-    stack = [line for line in tail[crash:] if not line.startswith("Extension modules")]
-    return tuple(stack[:16])
 
 
 def show_results(results: list[tuple[int, RichOutput]], world_size: int) -> None:

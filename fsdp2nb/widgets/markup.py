@@ -11,8 +11,8 @@ import html
 import math
 import time
 
-from fsdp2nb.widgets.model import MemoryReading, RankRow, TaskView
-from fsdp2nb.wire.protocol import CheckpointStep, CheckpointView
+from fsdp2nb.widgets.model import MemoryReading, RankRow
+from fsdp2nb.wire.protocol import CheckpointEntry, CheckpointStatus, ProgressUpdate
 
 _OK, _WARN, _PEAK, _RESERVED = "#3b82f6", "#dc2626", "#111827", "#bfdbfe"
 _STATE_COLOURS = {"idle": "#15803d", "busy": "#b45309", "dead": "#dc2626", "starting": "#6b7280",
@@ -157,21 +157,21 @@ def _thin(line: list[tuple[int, float]], most: int) -> list[tuple[int, float]]:
 # --- checkpoints --------------------------------------------------------------------------------
 
 
-def checkpoint_label(entry: CheckpointStep, latest: int | None) -> str:
+def checkpoint_label(entry: CheckpointEntry, latest: int | None) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(entry.wall_time)) if entry.wall_time else "--:--:--"
     world = f"{entry.world_size} ranks" if entry.world_size else "? ranks"
     flags = (" · LATEST" if entry.step == latest else "") + ("" if entry.valid else " · incomplete")
     return f"step {entry.step:>7} · {when} · {size(entry.size_bytes):>9} · {world}{flags}".replace(" ", "\u00a0")
 
 
-def checkpoint_options(view: CheckpointView | None) -> list[tuple[str, int]]:
+def checkpoint_options(view: CheckpointStatus | None) -> list[tuple[str, int]]:
     """(label, step) pairs, newest first, for the selection list."""
     if view is None:
         return []
     return [(checkpoint_label(e, view.latest_step), e.step) for e in reversed(view.entries)]
 
 
-def checkpoint_header(view: CheckpointView | None) -> str:
+def checkpoint_header(view: CheckpointStatus | None) -> str:
     if view is None:
         return ('<span style="color:#6b7280">no tracked checkpointer: run '
                 '<code>fsdp2nb.Checkpointer(dir).track(model=..., optimizer=...)</code> on the ranks</span>')
@@ -184,7 +184,7 @@ def checkpoint_header(view: CheckpointView | None) -> str:
 # --- progress of long work ----------------------------------------------------------------------
 
 
-def task_text(task: TaskView) -> str:
+def task_text(task: ProgressUpdate) -> str:
     """`saving step 40: 1.2 GiB of 3 GiB (40%) · 12 of 30 tensors · 210 MiB/s · 9 s left`."""
     if task.error:
         return f"{task.label} failed: {task.error}"
@@ -202,7 +202,7 @@ def task_text(task: TaskView) -> str:
     return f"{task.label}: {' · '.join(parts)}"
 
 
-def task_html(task: TaskView | None, width: int = 220, height: int = 12) -> str:
+def task_html(task: ProgressUpdate | None, width: int = 220, height: int = 12) -> str:
     """A bar and `task_text`; empty when there is no task."""
     if task is None:
         return ""
@@ -218,7 +218,7 @@ def task_html(task: TaskView | None, width: int = 220, height: int = 12) -> str:
 # --- text, where widgets cannot render ------------------------------------------------------------
 
 
-def text_tables(rows: list[RankRow], view: CheckpointView | None, pool_line: str) -> str:
+def text_tables(rows: list[RankRow], view: CheckpointStatus | None, pool_line: str) -> str:
     lines = [pool_line, _table([("rank", "state", "device", "pid", "memory", "tracked")] + [
         (str(r.rank), r.state_text, r.device, str(r.pid or "-"), memory_text(r.memory), tracked_text(r.memory) or "-")
         for r in rows])]

@@ -11,8 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from fsdp2nb.progress import ProgressUpdate
-from fsdp2nb.wire.protocol import TaskProgress
+from fsdp2nb.wire.protocol import ProgressUpdate, TaskProgress
 
 MIN_INTERVAL_S = 0.25
 
@@ -33,11 +32,7 @@ class ProgressSender:
     def __call__(self, update: ProgressUpdate) -> None:
         cell_id = self._due(update)
         if cell_id is not False:
-            self._send(TaskProgress(
-                rank=self._rank, cell_id=cell_id, task_id=update.task_id, kind=update.kind, label=update.label,
-                done_bytes=update.done_bytes, total_bytes=update.total_bytes, done_items=update.done_items,
-                total_items=update.total_items, elapsed_s=update.elapsed_s, finished=update.finished,
-                error=update.error))
+            self._send(TaskProgress(rank=self._rank, cell_id=cell_id, update=update))
 
     def _due(self, update: ProgressUpdate) -> int | None | bool:
         """The cell to send the update for, or False when it is too soon after the last one."""

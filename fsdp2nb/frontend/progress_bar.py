@@ -14,8 +14,8 @@ import threading
 import time
 import uuid
 
-from fsdp2nb.widgets.model import TaskBoard, TaskView
-from fsdp2nb.wire.protocol import TaskProgress
+from fsdp2nb.widgets.model import TaskBoard
+from fsdp2nb.wire.protocol import ProgressUpdate, TaskProgress
 
 MIN_REDRAW_S = 0.25
 PRINT_EVERY_S = 10.0
@@ -57,8 +57,8 @@ class CellTaskBar:
         else:
             print(f"{_text(task)} ({note})")
 
-    def _show_in_kernel(self, task: TaskView, note: str = "", force: bool = False) -> None:
-        from fsdp2nb.widgets.render import task_html
+    def _show_in_kernel(self, task: ProgressUpdate, note: str = "", force: bool = False) -> None:
+        from fsdp2nb.widgets.markup import task_html
 
         now = self._clock()
         if self._widget is None:
@@ -75,7 +75,7 @@ class CellTaskBar:
         if key != self._shown or note:  # the text form changes when a task starts or ends
             self._publish(task, "update_display_data", note)
 
-    def _publish(self, task: TaskView, msg_type: str, note: str = "") -> None:
+    def _publish(self, task: ProgressUpdate, msg_type: str, note: str = "") -> None:
         from IPython.core.getipython import get_ipython
 
         lines = self._finished_lines + [_text(task) + (f" ({note})" if note else "")]
@@ -88,7 +88,7 @@ class CellTaskBar:
         publisher.publish(data=data, metadata={}, transient={"display_id": self._display_id},
                           update=msg_type == "update_display_data")
 
-    def _print(self, task: TaskView) -> None:
+    def _print(self, task: ProgressUpdate) -> None:
         now = self._clock()
         key = (task.kind, task.label, task.finished)
         if key != self._shown or now - self._printed_at >= PRINT_EVERY_S:
@@ -96,8 +96,8 @@ class CellTaskBar:
             print(_text(task))
 
 
-def _text(task: TaskView) -> str:
-    from fsdp2nb.widgets.render import task_text
+def _text(task: ProgressUpdate) -> str:
+    from fsdp2nb.widgets.markup import task_text
 
     return task_text(task)
 
