@@ -1,7 +1,7 @@
 """fsdp2nb: persistent FSDP2 ranks behind a %%fsdp2 cell magic.
 
 `%load_ext fsdp2nb` registers the magics and imports no torch: the engine and checkpoint names
-below are resolved on first use, so loading the extension costs milliseconds.
+below (and `TrainerCallback`, for a Hugging Face Trainer) are resolved on first use, so loading the extension costs milliseconds.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "Checkpointer",
     "FSDP2Engine",
+    "TrainerCallback",
     "clip_grad_norm_",
     "load_ipython_extension",
     "load_model",
@@ -25,6 +26,7 @@ _LAZY_NAMES = {
     "load_model": "fsdp2nb.engine",
     "clip_grad_norm_": "fsdp2nb.engine",
     "Checkpointer": "fsdp2nb.checkpoint",
+    "TrainerCallback": "fsdp2nb.engine.trainer_callback",
     "log": "fsdp2nb.worker.metrics",
 }
 _session = None

@@ -59,3 +59,46 @@ def process_requests() -> SaveRequests:
 def post_save_request(request_id: int | None = None) -> int:
     """Ask the tracked checkpointer to save at its next `maybe_save`; safe from any thread."""
     return _PROCESS_REQUESTS.post(request_id)
+
+
+class StopRequests:
+    """A stop asked for from the notebook (the dashboard's Stop, the stop button) that a training
+    loop honours at its next step instead of a KeyboardInterrupt; only while a loop listens."""
+
+    __slots__ = ("_lock", "_listeners", "_posted")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._listeners = 0
+        self._posted = False
+
+    def listen(self) -> None:
+        with self._lock:
+            self._listeners += 1
+            self._posted = False
+
+    def unlisten(self) -> None:
+        with self._lock:
+            self._listeners = max(0, self._listeners - 1)
+            self._posted = False
+
+    def post(self) -> bool:
+        """Ask for a stop; False when no loop listens (the caller interrupts instead) or a stop
+        was already asked for (a second press: the loop did not stop, so interrupt it)."""
+        with self._lock:
+            if not self._listeners or self._posted:
+                return False
+            self._posted = True
+            return True
+
+    def pending(self) -> bool:
+        with self._lock:
+            return self._posted
+
+
+_PROCESS_STOPS = StopRequests()
+
+
+def process_stops() -> StopRequests:
+    """The stop record shared by this process's control thread and its training loop."""
+    return _PROCESS_STOPS

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fsdp2nb.frontend.line_updates import LiveLines, collapsed, counted_chars
 from fsdp2nb.wire.protocol import RankActivity, RichOutput, StreamOutput
 
 if TYPE_CHECKING:
@@ -58,7 +59,8 @@ class StreamMerger:
     """Buffers each rank's stdout/stderr into lines and writes them, merged across ranks."""
 
     def __init__(self, ranks: tuple[int, ...], world_size: int, write: Write,
-                 log_paths: dict[int, str] | None = None, max_chars_per_rank: int = MAX_CHARS_PER_RANK) -> None:
+                 log_paths: dict[int, str] | None = None, max_chars_per_rank: int = MAX_CHARS_PER_RANK,
+                 live_lines: Callable[..., LiveLines] = LiveLines) -> None:
         self._ranks = ranks
         self._world_size = world_size
         self._write = write
@@ -67,35 +69,40 @@ class StreamMerger:
         self._streams = {name: {r: _RankStream() for r in ranks} for name in ("stdout", "stderr")}
         self._holding = False
         """Whether any text may be held back; most cells print nothing, and skip all the rest."""
+        self._live = live_lines(lambda rank: rank_label([rank], world_size), before_show=self._write_held_lines)
+        """Lines redrawn with `\\r` (progress bars): a display per rank, updated in place."""
 
     def feed(self, rank: int, stream: str, text: str, now: float | None = None) -> None:
         state = self._streams[stream].get(rank)
         if state is None or state.truncated:
             return
         now = time.monotonic() if now is None else now
-        if state.shown_chars + len(text) > self._max_chars:
+        chars = counted_chars(text)
+        if state.shown_chars + chars > self._max_chars:
             text = text[: max(0, self._max_chars - state.shown_chars)]
             self._truncate(rank, stream, state, text, now)
             return
-        state.shown_chars += len(text)
+        state.shown_chars += chars
         self._holding = True
-        self._split_lines(state, text, now)
+        self._split_lines(rank, stream, state, text, now)
 
-    def _split_lines(self, state: _RankStream, text: str, now: float) -> None:
+    def _split_lines(self, rank: int, stream: str, state: _RankStream, text: str, now: float) -> None:
         pieces = (state.partial + text).split("\n")
         if len(pieces) > 1 and not state.partial:
             state.partial_since = now
         for line in pieces[:-1]:
-            state.lines.append((line + "\n", now))
+            line = self._live.end(rank, stream, line)  # None: it ended in its display
+            if line is not None:
+                state.lines.append((line + "\n", now))
         if pieces[-1] and (len(pieces) > 1 or not state.partial):
             state.partial_since = now
-        state.partial = pieces[-1]
+        state.partial = collapsed(pieces[-1])
 
     def _truncate(self, rank: int, stream: str, state: _RankStream, text: str, now: float) -> None:
         self._holding = True
-        self._split_lines(state, text, now)
+        self._split_lines(rank, stream, state, text, now)
         if state.partial:
-            state.lines.append((state.partial + "\n", now))
+            state.lines.append(((self._live.end(rank, stream, state.partial) or "") + "\n", now))
             state.partial = ""
         where = self._log_paths.get(rank, "the rank's log file")
         state.lines.append((f"... output truncated after {self._max_chars:,} characters; "
@@ -113,7 +120,7 @@ class StreamMerger:
             return
         now = time.monotonic() if now is None else now
         for name, streams in self._streams.items():
-            self._release_stale_partials(streams, now)
+            self._release_stale_partials(name, streams, now)
             while self._flush_heads(name, streams, now, force=False):
                 pass
 
@@ -122,18 +129,32 @@ class StreamMerger:
         if not self._holding:
             return
         self._holding = False
+        self._write_held_lines()
         for name, streams in self._streams.items():
-            for state in streams.values():
-                if state.partial:
-                    state.lines.append((state.partial, 0.0))
-                    state.partial = ""
+            for rank, state in streams.items():
+                if not state.partial:
+                    continue
+                if not state.done and self._live.hold(rank, name, state.partial):
+                    self._holding = True  # a progress bar still going: its display stays open
+                    continue
+                line = self._live.end(rank, name, state.partial)
+                if line:
+                    state.lines.append((line, 0.0))
+                state.partial = ""
+        self._write_held_lines()
+
+    def _write_held_lines(self) -> None:
+        for name, streams in self._streams.items():
             while self._flush_heads(name, streams, 0.0, force=True):
                 pass
 
-    def _release_stale_partials(self, streams: dict[int, _RankStream], now: float) -> None:
-        """A line without its newline (a progress bar) is shown after a while anyway."""
-        for state in streams.values():
+    def _release_stale_partials(self, stream: str, streams: dict[int, _RankStream], now: float) -> None:
+        """A line without its newline is shown after a while anyway; one redrawn with `\\r` (a
+        progress bar) in a display of its own, updated in place."""
+        for rank, state in streams.items():
             if state.partial and now - state.partial_since > PARTIAL_LINE_WINDOW_S:
+                if self._live.hold(rank, stream, state.partial):
+                    continue
                 state.lines.append((state.partial, state.partial_since))
                 state.partial = ""
 

@@ -188,6 +188,8 @@ def task_text(task: ProgressUpdate) -> str:
     """`saving step 40: 1.2 GiB of 3 GiB (40%) · 12 of 30 tensors · 210 MiB/s · 9 s left`."""
     if task.error:
         return f"{task.label} failed: {task.error}"
+    if task.kind == "train":
+        return _training_text(task)
     amount = f"{size(task.done_bytes)} of {size(task.total_bytes)}" if task.total_bytes else ""
     if task.finished:
         rate = f" ({size(int(task.rate))}/s)" if task.rate else ""
@@ -199,6 +201,18 @@ def task_text(task: ProgressUpdate) -> str:
         parts.append(f"{size(int(task.rate))}/s")
     if task.seconds_left is not None:
         parts.append(f"{task.seconds_left:.0f} s left")
+    return f"{task.label}: {' · '.join(parts)}"
+
+
+def _training_text(task: ProgressUpdate) -> str:
+    """`training: step 40 of 100 (40%) · 2.1 steps/s · 29 s left`, from a Trainer's progress."""
+    steps_per_s = task.done_items / task.elapsed_s if task.elapsed_s > 0 else 0.0
+    if task.finished:
+        return f"{task.label}: done, {task.done_items} steps in {task.elapsed_s:.1f} s"
+    parts = [f"step {task.done_items} of {task.total_items} ({task.fraction:.0%})"]
+    if steps_per_s:
+        parts.append(f"{steps_per_s:.2g} steps/s")
+        parts.append(f"{max(0, task.total_items - task.done_items) / steps_per_s:.0f} s left")
     return f"{task.label}: {' · '.join(parts)}"
 
 

@@ -290,8 +290,12 @@ class Rank:
         self._channels.send_event(RankActivity(rank=self.rank, cell_id=cell_id, where=where, collective=collective))
 
     def _interrupt(self, cell_id: int) -> None:
+        from fsdp2nb.checkpoint.requests import process_stops
+
         self._interrupted_cell_id = cell_id
-        if self._cell_id == cell_id and not self._stdin.interrupt(cell_id):  # at a prompt it ends there
+        if self._cell_id != cell_id or self._stdin.interrupt(cell_id):  # at a prompt it ends there
+            return
+        if not process_stops().post():  # a Trainer with fsdp2nb.TrainerCallback stops at its next step
             signal.pthread_kill(self._main_thread_id, signal.SIGINT)
 
     def _on_sigint(self, signum, frame) -> None:

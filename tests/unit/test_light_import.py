@@ -8,6 +8,7 @@ import sys
 from IPython.testing.globalipapp import start_ipython
 start_ipython().run_line_magic("load_ext", "fsdp2nb")
 import fsdp2nb.frontend.status, fsdp2nb.wire.channels
+assert "TrainerCallback" in fsdp2nb.__all__
 heavy = sorted(name for name in ("torch", "transformers", "fsdp2nb.engine", "fsdp2nb.checkpoint.manager")
                if name in sys.modules)
 assert not heavy, f"loading the extension imported {heavy}"

@@ -1,0 +1,114 @@
+"""`fsdp2nb.TrainerCallback()`: a Hugging Face `Trainer` (or TRL's) driven from the dashboard.
+
+Pass it in `callbacks=[fsdp2nb.TrainerCallback()]`. On the ranks of a pool:
+
+- what Trainer logs (`on_log`: loss, learning rate, grad norm) goes to `fsdp2nb.log`, so the
+  dashboard plots it and `%fsdp2 metrics` lists it;
+- the dashboard's Save makes Trainer save at the next step (`control.should_save`), and Stop (or
+  the notebook's stop button) ends training at the next step (`control.should_training_stop`)
+  instead of interrupting it; every rank agrees on both in one collective per step, as
+  `Checkpointer.maybe_save` does, so all ranks save or stop at the same step;
+- Trainer's progress (step of max_steps, steps per second, time left) is reported through
+  `fsdp2nb.progress`, which the cell's progress bar and the dashboard show.
+
+Outside a pool (plain Python) nobody listens: the callback logs into a buffer nobody reads and
+reports progress to nobody, so the same script runs unchanged under torchrun or alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import transformers
+
+from fsdp2nb import collectives, progress
+from fsdp2nb.checkpoint.requests import process_requests, process_stops
+from fsdp2nb.worker.metrics import log
+
+logger = logging.getLogger(__name__)
+
+NETWORK_REPORTERS = frozenset({"wandb", "comet_ml", "neptune", "clearml", "dagshub", "mlflow", "swanlab",
+                               "trackio", "azure_ml"})
+"""`report_to` integrations that send metrics over the network (tensorboard and codecarbon write files)."""
+
+
+class TrainerCallback(transformers.TrainerCallback):
+    """Feeds Trainer's logs, saves, stops and progress to and from fsdp2nb's dashboard.
+
+    Example: `Trainer(model, args, train_dataset=data, callbacks=[fsdp2nb.TrainerCallback()])`.
+    """
+
+    def __init__(self) -> None:
+        self._group = None
+        self._task: progress.AnyTask = progress.SILENT
+        self._listening = False
+
+    def on_init_end(self, args, state, control, **kwargs: Any):
+        _check_report_to(args)
+        return control
+
+    def on_train_begin(self, args, state, control, **kwargs: Any):
+        _check_world_size(args)
+        if collectives.is_distributed() and self._group is None:
+            self._group = collectives.new_gloo_group()  # CPU agreement, whatever the training backend
+        process_stops().listen()
+        self._listening = True
+        self._task = progress.start_task("train", "training", total_items=int(state.max_steps or 0))
+        self._task.advance(num_items=int(state.global_step))  # resumed: the bar starts where it left off
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        self._task.advance(num_items=1)
+        requests = process_requests()
+        wanted, stop = self._agree(requests.pending(), int(process_stops().pending()))
+        if wanted > requests.served():
+            requests.mark_served(wanted)
+            control.should_save = True
+        if stop:
+            control.should_training_stop = True
+            if state.is_world_process_zero:
+                logger.warning("fsdp2nb: training stopped at step %d, as asked from the notebook", state.global_step)
+        return control
+
+    def on_log(self, args, state, control, logs: dict | None = None, **kwargs: Any):
+        numbers = {name: value for name, value in (logs or {}).items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if numbers:
+            log(state.global_step, **numbers)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self._task.finish()
+        self._task = progress.SILENT
+        if self._listening:
+            process_stops().unlisten()
+            self._listening = False
+        return control
+
+    def _agree(self, wanted: int, stop: int) -> tuple[int, int]:
+        """The highest save request and whether any rank was asked to stop, the same on every rank."""
+        if self._group is None:
+            return wanted, stop
+        wanted, stop = collectives.all_max((wanted, stop), self._group)
+        return wanted, stop
+
+
+def _check_world_size(args) -> None:
+    world_size = collectives.get_world_size()
+    if args.world_size != world_size:
+        raise ValueError(f"TrainingArguments has world_size={args.world_size} but the process group has "
+                         f"{world_size} ranks: build TrainingArguments inside the %%fsdp2 cell, on every rank")
+
+
+def _check_report_to(args) -> None:
+    reporters = NETWORK_REPORTERS.intersection(args.report_to or ())
+    if not reporters:
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("TRANSFORMERS_OFFLINE") == "1"
+    line = (f"report_to={sorted(reporters)} sends metrics over the network from rank 0; the dashboard has them "
+            "already: pass report_to='none'")
+    if offline:
+        raise ValueError(line + " (HF_HUB_OFFLINE is set here)")
+    logger.warning("fsdp2nb: %s", line)
