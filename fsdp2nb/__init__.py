@@ -37,6 +37,11 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def __dir__() -> list[str]:
+    """Every public name, the lazy ones too, so tab completion offers them without importing torch."""
+    return sorted([*globals(), *_LAZY_NAMES])
+
+
 def load_ipython_extension(ipython) -> None:
     """Register %fsdp2 and %%fsdp2; loading twice keeps the one session."""
     global _session
