@@ -45,7 +45,7 @@ ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_s
 def train_step():
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    engine.clip_grad_norm_(model, 1.0)
+    fsdp2nb.clip_grad_norm_(model, 1.0)
     optimizer.step()
     optimizer.zero_grad()
 """

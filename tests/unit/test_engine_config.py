@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from fsdp2nb.engine.checkpoint_files import Block, find_checkpoint_files, open_reader
 from fsdp2nb.engine.config import EngineConfig, check_offload_supported
-from fsdp2nb.engine.engine import drives_gpus, gpu_index
+from fsdp2nb.engine.engine import FSDP2Engine, drives_gpus, gpu_index
 from fsdp2nb.engine.hub import resolve_model_dir
 from fsdp2nb.engine.key_mapping import checkpoint_to_model_keys, hf_key
 from fsdp2nb.engine.wrapping import embedding_and_head, find_blocks
@@ -39,6 +40,17 @@ def test_config_is_keyword_only():
     with pytest.raises(TypeError):
         EngineConfig("fp32")  # type: ignore[misc]
     assert EngineConfig(mixed_precision="fp32").mixed_precision == "fp32"
+
+
+@pytest.mark.parametrize(("removed", "replacement"), [
+    ("clip_grad_norm_", "fsdp2nb.clip_grad_norm_(model, max_norm)"),
+])
+def test_a_removed_engine_method_names_its_replacement(removed, replacement):
+    engine = object.__new__(FSDP2Engine)  # no process group needed to look a name up
+    with pytest.raises(AttributeError, match=re.escape(f"FSDP2Engine.{removed} was removed: call {replacement}")):
+        getattr(engine, removed)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        engine.no_such_name  # noqa: B018
 
 
 def test_offload_is_refused_on_cpu_and_without_a_cpu_backend():
