@@ -42,7 +42,7 @@ def debugger_session(kernel: Kernel, cell: str, commands: int) -> tuple[float, l
 def _started(kernel: Kernel, cell: str) -> float:
     """When the cell's `breakpoint()` was called (the monotonic clock is one for all processes)."""
     if cell.startswith("%%fsdp2"):
-        return float(kernel.execute("on_rank = %fsdp2 pull started --rank 0\nprint(repr(on_rank))").stdout)
+        return float(kernel.execute("on_rank = %fsdp2 pull started --rank 0 --value\nprint(repr(on_rank))").stdout)
     return float(kernel.execute("print(repr(started))").stdout)
 
 
