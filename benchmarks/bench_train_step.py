@@ -32,7 +32,7 @@ DIMS = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_att
 
 TRAIN = """
 import time, statistics, torch, fsdp2nb
-model, _ = fsdp2nb.load_model(MODEL_DIR, mixed_precision="fp32")
+model, _ = fsdp2nb.load_model(MODEL_DIR, engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32"))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 ids = torch.randint(0, 2048, (4, 128), generator=torch.Generator().manual_seed(0))
 times = []

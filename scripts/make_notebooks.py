@@ -310,7 +310,7 @@ from peft import LoraConfig
 
 precision = "bf16" if device.type == "cuda" else "fp32"
 lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-model, tokenizer = fsdp2nb.load_model(MODEL, lora=lora, mixed_precision=precision)
+model, tokenizer = fsdp2nb.load_model(MODEL, lora=lora, engine=fsdp2nb.FSDP2Engine(mixed_precision=precision))
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
 ckpt = fsdp2nb.Checkpointer(ckpt_dir / "lora", keep=2).track(model=model, optimizer=optimizer)
 train(STEPS)""", "lora"),

@@ -13,7 +13,7 @@ from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
 if rank == 0:
     save_tiny_checkpoint(model_dir, "llama")
 dist.barrier()
-model, tokenizer = fsdp2nb.load_model(model_dir, mixed_precision="fp32")
+model, tokenizer = fsdp2nb.load_model(model_dir, engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32"))
 ckpt = fsdp2nb.Checkpointer(ckpt_dir, async_save=True).track(model=model)
 ckpt.save(1)
 ckpt.wait()
@@ -57,7 +57,8 @@ def test_a_load_through_from_pretrained_shows_its_start_and_end(kernel, tmp_path
     model_dir = str(tmp_path / "model")
     code = (f"%%fsdp2\nimport fsdp2nb\nfrom fsdp2nb.examples.tiny_models import save_tiny_checkpoint\n"
             f"if rank == 0:\n    save_tiny_checkpoint({model_dir!r}, 'llama')\ndist.barrier()\n"
-            f"model, _ = fsdp2nb.load_model({model_dir!r}, init='rank0', mixed_precision='fp32')\n")
+            f"engine = fsdp2nb.FSDP2Engine(mixed_precision='fp32')\n"
+            f"model, _ = fsdp2nb.load_model({model_dir!r}, init='rank0', engine=engine)\n")
     run = kernel.execute(code, timeout=300)
     assert run.status == "ok", run.traceback_text + run.stderr
     bars = [m["content"]["data"]["text/plain"] for m in run.messages

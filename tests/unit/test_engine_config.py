@@ -69,6 +69,15 @@ def test_load_model_rejects_unknown_init_before_touching_the_process_group():
         load_model("unused", init="lazy")
 
 
+def test_load_model_says_where_mixed_precision_went():
+    from fsdp2nb.engine import load_model
+
+    with pytest.raises(TypeError, match=re.escape("pass engine=fsdp2nb.FSDP2Engine(mixed_precision='fp32')")):
+        load_model("unused", mixed_precision="fp32")
+    with pytest.raises(TypeError, match="unexpected keyword arguments: lroa"):
+        load_model("unused", lroa=None)
+
+
 def test_every_declared_block_class_is_found():
     model = _meta_model()
     blocks = find_blocks(model)
