@@ -14,6 +14,7 @@ __all__ = [
     "Checkpointer",
     "FSDP2Engine",
     "clip_grad_norm_",
+    "export_hf",
     "load_ipython_extension",
     "load_model",
     "log",
@@ -25,6 +26,7 @@ _LAZY_NAMES = {
     "load_model": "fsdp2nb.engine",
     "clip_grad_norm_": "fsdp2nb.engine",
     "Checkpointer": "fsdp2nb.checkpoint",
+    "export_hf": "fsdp2nb.checkpoint.hf_export",
     "log": "fsdp2nb.worker.metrics",
 }
 _session = None

@@ -185,15 +185,10 @@ class FSDP2Engine:
             raise AttributeError(f"FSDP2Engine.{name} was removed: call {_REMOVED_METHODS[name]} instead")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
-    def save_model(self, model: nn.Module, output_dir: str | os.PathLike, processor: Any = None) -> None:
-        """Write a Hugging Face checkpoint (weights in the compute dtype) plus `processor`, if given."""
-        from fsdp2nb.checkpoint.hf_export import export_hf_model
-
-        export_hf_model(model, output_dir, processor=processor, dtype=self.compute_dtype)
-
 
 _REMOVED_METHODS = {
     "clip_grad_norm_": "fsdp2nb.clip_grad_norm_(model, max_norm) (it needs no engine)",
+    "save_model": "fsdp2nb.export_hf(model, output_dir, processor=tokenizer, dtype=engine.compute_dtype)",
 }
 """Methods that moved to the top level: each is called one way."""
 

@@ -44,6 +44,7 @@ def test_config_is_keyword_only():
 
 @pytest.mark.parametrize(("removed", "replacement"), [
     ("clip_grad_norm_", "fsdp2nb.clip_grad_norm_(model, max_norm)"),
+    ("save_model", "fsdp2nb.export_hf(model, output_dir, processor=tokenizer"),
 ])
 def test_a_removed_engine_method_names_its_replacement(removed, replacement):
     engine = object.__new__(FSDP2Engine)  # no process group needed to look a name up
