@@ -17,7 +17,7 @@
 3. What checksums cost: a synchronous save with each shard's CRC32 computed while it is written,
    against the same save without, and a load that first reads every file to check its CRC32
    against one that checks sizes only; side by side, in alternating order, in one run.
-4. HF export peak memory on rank 0: export_hf_model (tensors gathered one at a time, each rank
+4. HF export peak memory on rank 0: export_hf (tensors gathered one at a time, each rank
    writes its own files) against a naive export that gathers the full state dict on rank 0 and
    calls save_pretrained. Peak resident memory above the level before the export.
 """
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp2nb.checkpoint import Checkpointer, export_hf_model
+from fsdp2nb import Checkpointer, export_hf
 from fsdp2nb.checkpoint.config import ASYNC_WRITERS
 from fsdp2nb.checkpoint.layout import dir_size
 from fsdp2nb.examples.tiny_models import make_tiny_model
@@ -252,7 +252,7 @@ def _export_memory(root: str, hidden: int, layers: int, method: str) -> dict:
     meter = _PeakRss()
     start = time.perf_counter()
     if method == "ours":
-        export_hf_model(model, out, max_shard_bytes=_EXPORT_SHARD_BYTES)
+        export_hf(model, out, max_shard_bytes=_EXPORT_SHARD_BYTES)
     else:
         _naive_export(model, out)
     elapsed = time.perf_counter() - start
@@ -316,9 +316,9 @@ def main() -> None:
     if not args.skip_export:
         rows += [
             ("model size (fp32)", _mib(ours["model_bytes"]), ""),
-            ("HF export peak RSS rise, rank 0: export_hf_model", f"{_mib(ours['peak'])}  {ours['seconds']:.2f} s", ""),
+            ("HF export peak RSS rise, rank 0: export_hf", f"{_mib(ours['peak'])}  {ours['seconds']:.2f} s", ""),
             ("HF export peak RSS rise, rank 0: gather to rank 0", f"{_mib(naive['peak'])}  {naive['seconds']:.2f} s", ""),
-            ("export_hf_model / gather-to-rank-0 peak", f"{ours['peak'] / max(naive['peak'], 1):.0%}", "lower is better"),
+            ("export_hf / gather-to-rank-0 peak", f"{ours['peak'] / max(naive['peak'], 1):.0%}", "lower is better"),
         ]
     _report(rows, shape)
 

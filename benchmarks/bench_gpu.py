@@ -45,7 +45,7 @@ ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_s
 def train_step():
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    engine.clip_grad_norm_(model, 1.0)
+    fsdp2nb.clip_grad_norm_(model, 1.0)
     optimizer.step()
     optimizer.zero_grad()
 """
@@ -109,7 +109,7 @@ import time, gc, fsdp2nb
 evict(MODEL_DIR); dist.barrier()
 sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 started = time.perf_counter()
-model, _ = fsdp2nb.load_model(MODEL_DIR, mixed_precision="bf16")
+model, _ = fsdp2nb.load_model(MODEL_DIR)  # bf16: the default engine
 sync(); elapsed = time.perf_counter() - started
 del model; gc.collect()
 if device.type == "cuda": torch.cuda.empty_cache()

@@ -32,8 +32,7 @@ DIMS = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_att
 
 TRAIN = """
 import time, statistics, torch, fsdp2nb
-model, _ = fsdp2nb.load_model(MODEL_DIR, mixed_precision="fp32")
-engine = fsdp2nb.FSDP2Engine(mixed_precision="fp32")
+model, _ = fsdp2nb.load_model(MODEL_DIR, engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32"))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 ids = torch.randint(0, 2048, (4, 128), generator=torch.Generator().manual_seed(0))
 times = []
@@ -41,7 +40,7 @@ for step in range(45):
     started = time.perf_counter()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    engine.clip_grad_norm_(model, 1.0)
+    fsdp2nb.clip_grad_norm_(model, 1.0)
     optimizer.step()
     optimizer.zero_grad()
     times.append(time.perf_counter() - started)

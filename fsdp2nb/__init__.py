@@ -15,6 +15,7 @@ __all__ = [
     "FSDP2Engine",
     "TrainerCallback",
     "clip_grad_norm_",
+    "export_hf",
     "load_ipython_extension",
     "load_model",
     "log",
@@ -27,6 +28,7 @@ _LAZY_NAMES = {
     "clip_grad_norm_": "fsdp2nb.engine",
     "Checkpointer": "fsdp2nb.checkpoint",
     "TrainerCallback": "fsdp2nb.engine.trainer_callback",
+    "export_hf": "fsdp2nb.checkpoint.hf_export",
     "log": "fsdp2nb.worker.metrics",
 }
 _session = None
@@ -37,6 +39,11 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'fsdp2nb' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    """Every public name, the lazy ones too, so tab completion offers them without importing torch."""
+    return sorted([*globals(), *_LAZY_NAMES])
 
 
 def load_ipython_extension(ipython) -> None:

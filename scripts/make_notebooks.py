@@ -111,11 +111,13 @@ if rank == 0:
     print(f"resumed from {ckpt_dir} at step {resumed_step}")""", "resume"),
     ("markdown", """## Export for Hugging Face
 
-`engine.save_model` writes the model in Hugging Face format, gathering one tensor at a time so no
+`fsdp2nb.export_hf` writes the model in Hugging Face format, gathering one tensor at a time so no
 rank holds the whole model. For a LoRA model that is the adapter (`adapter_model.safetensors`,
 `adapter_config.json`), which names the base model's directory."""),
     ("code", """%%fsdp2
-run.engine.save_model(run.model, export_dir, run.tokenizer)
+import fsdp2nb
+
+fsdp2nb.export_hf(run.model, export_dir, processor=run.tokenizer)
 if rank == 0:
     print("exported to", export_dir, sorted(p.name for p in export_dir.iterdir()))""", "export"),
     ("markdown", """## Generate, here in the notebook
@@ -228,15 +230,15 @@ loss = run.train_step(next(text_batches(run.tokenizer, sample_text(), device=dev
 print(f"resumed step {resumed_step} on {world_size} rank; one more step: loss {loss:.3f}")""", "fewer_ranks"),
     ("markdown", """## Export for Hugging Face
 
-`run.engine.save_model` writes the LoRA adapter in Hugging Face format (the dashboard's
-**Export HF** does the same for the tracked model). `export_hf_model(..., merge_lora=True)` writes
-the adapter too, and under `merged/` the model with the adapter merged into its weights, which
-`from_pretrained` loads without peft."""),
+`fsdp2nb.export_hf` writes the LoRA adapter in Hugging Face format (the dashboard's **Export HF**
+does the same for the tracked model). With `merge_lora=True` it writes the adapter too, and under
+`merged/` the model with the adapter merged into its weights, which `from_pretrained` loads
+without peft."""),
     ("code", """%%fsdp2
-from fsdp2nb.checkpoint import export_hf_model
+import fsdp2nb
 
-run.engine.save_model(run.model, export_dir, run.tokenizer)
-export_hf_model(run.model, merged_export_dir, merge_lora=True)
+fsdp2nb.export_hf(run.model, export_dir, processor=run.tokenizer)
+fsdp2nb.export_hf(run.model, merged_export_dir, merge_lora=True)
 print("adapter:", sorted(p.name for p in export_dir.iterdir()))
 print("merged:", sorted(p.name for p in (merged_export_dir / "merged").iterdir()))""", "export"),
     ("code", """from transformers import AutoModelForCausalLM
@@ -310,7 +312,7 @@ from peft import LoraConfig
 
 precision = "bf16" if device.type == "cuda" else "fp32"
 lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-model, tokenizer = fsdp2nb.load_model(MODEL, lora=lora, mixed_precision=precision)
+model, tokenizer = fsdp2nb.load_model(MODEL, lora=lora, engine=fsdp2nb.FSDP2Engine(mixed_precision=precision))
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
 ckpt = fsdp2nb.Checkpointer(ckpt_dir / "lora", keep=2).track(model=model, optimizer=optimizer)
 train(STEPS)""", "lora"),
@@ -336,7 +338,7 @@ ckpt = fsdp2nb.Checkpointer(ckpt_dir / "full", keep=2).track(model=model, optimi
 print(f"rank {rank} on {device}: parameters offloaded to CPU memory: {engine.config.offload_params}")
 train(STEPS)""", "full"),
     ("code", """%%fsdp2
-engine.save_model(model, export_dir, tokenizer)
+fsdp2nb.export_hf(model, export_dir, processor=tokenizer, dtype=engine.compute_dtype)
 if rank == 0:
     print("exported to", export_dir, sorted(p.name for p in export_dir.iterdir()))""", "export"),
     ("markdown", "The export loads anywhere `transformers` runs; here, in this kernel, on the CPU."),

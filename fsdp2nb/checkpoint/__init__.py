@@ -5,7 +5,8 @@
 
 The names below are the public API, resolved on first use, so `fsdp2nb.checkpoint.tracking`
 (which the ranks' sampler reads) can be imported without torch. The plumbing that the ranks
-use (`tracking`, `requests`) is imported from its own module.
+use (`tracking`, `requests`) is imported from its own module. The HF export is offered as
+`fsdp2nb.export_hf` (`hf_export.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ _LAZY_NAMES = {
     "CheckpointSaveError": "fsdp2nb.checkpoint.manager",
     "CheckpointStatus": "fsdp2nb.wire.protocol",
     "Checkpointer": "fsdp2nb.checkpoint.manager",
-    "export_hf_model": "fsdp2nb.checkpoint.hf_export",
 }
 
 __all__ = sorted(_LAZY_NAMES)

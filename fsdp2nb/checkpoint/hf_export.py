@@ -77,10 +77,16 @@ class _WrittenFile:
     num_bytes: int
 
 
-def export_hf_model(model: nn.Module, output_dir: str | os.PathLike, *, processor=None,
-                    dtype: torch.dtype | None = None, merge_lora: bool = False,
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Write `model` (plain or peft, sharded or not) to `output_dir`; collective, call on every rank."""
+def export_hf(model: nn.Module, output_dir: str | os.PathLike, *, processor=None,
+              dtype: torch.dtype | None = None, merge_lora: bool = False,
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write `model` (plain or peft, sharded or not) to `output_dir` for `from_pretrained`, as
+    `fsdp2nb.export_hf(model, output_dir, processor=tokenizer)`; collective, call on every rank.
+
+    `dtype`: of the written weights (default: the model's first floating parameter's; e.g.
+    `engine.compute_dtype` for bf16 weights from fp32 ones). `merge_lora=True` (peft models)
+    also writes the merged model under `output_dir/merged`. Returns the resolved `output_dir`.
+    """
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be >= 1")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -1,4 +1,4 @@
-"""FSDP2Engine: shard a transformers model with fully_shard, load it, clip, save."""
+"""FSDP2Engine: shard a transformers model with fully_shard and load it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp2nb.collectives import is_distributed
-from fsdp2nb.engine import grad, wrapping
+from fsdp2nb.engine import wrapping
 from fsdp2nb.engine.buffers import recompute_non_persistent_buffers
 from fsdp2nb.engine.config import EngineConfig, check_offload_supported
 from fsdp2nb.engine.hf_files import find_checkpoint_files
@@ -179,15 +179,18 @@ class FSDP2Engine:
         verify_tied_embeddings(model)
         return model
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
-        """`fsdp2nb.clip_grad_norm_` (it needs no engine); kept so `engine.clip_grad_norm_` reads as before."""
-        return grad.clip_grad_norm_(model, max_norm, norm_type)
+    def __getattr__(self, name: str) -> Any:
+        """Called only for a name the engine lacks: a removed method says what replaced it."""
+        if name in _REMOVED_METHODS:
+            raise AttributeError(f"FSDP2Engine.{name} was removed: call {_REMOVED_METHODS[name]} instead")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
-    def save_model(self, model: nn.Module, output_dir: str | os.PathLike, processor: Any = None) -> None:
-        """Write a Hugging Face checkpoint (weights in the compute dtype) plus `processor`, if given."""
-        from fsdp2nb.checkpoint.hf_export import export_hf_model
 
-        export_hf_model(model, output_dir, processor=processor, dtype=self.compute_dtype)
+_REMOVED_METHODS = {
+    "clip_grad_norm_": "fsdp2nb.clip_grad_norm_(model, max_norm) (it needs no engine)",
+    "save_model": "fsdp2nb.export_hf(model, output_dir, processor=tokenizer, dtype=engine.compute_dtype)",
+}
+"""Methods that moved to the top level: each is called one way."""
 
 
 @torch.no_grad()

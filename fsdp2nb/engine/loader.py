@@ -32,21 +32,23 @@ def load_model(
     *,
     init: str = "meta",
     lora: Any = None,
-    mixed_precision: str | None = None,
     activation_checkpointing: bool = False,
     engine: FSDP2Engine | None = None,
     allow_missing: Sequence[str] = (),
+    **removed: Any,
 ) -> tuple[nn.Module, Any]:
     """Load a causal LM sharded over all ranks, plus its tokenizer or processor (None if it has none).
 
     `init`: "meta" (each rank reads its own slices), "rank0" (rank 0 reads, the rest receive a
     broadcast) or "default" (every rank runs from_pretrained). `lora` is a peft.LoraConfig.
-    `mixed_precision` overrides the default engine's ("bf16"); with an explicit `engine` it must
-    match or be None. `allow_missing` lists fnmatch patterns of keys that may be absent (init="meta").
+    `engine` says how to shard: precision, offload, resharding (default: `FSDP2Engine()`, bf16
+    compute), e.g. `engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32")`. `allow_missing` lists
+    fnmatch patterns of keys that may be absent (init="meta").
     """
+    _refuse_removed_arguments(removed)
     check_choice("init", init, INIT_CHOICES)
     check_bool("activation_checkpointing", activation_checkpointing)
-    engine = _engine_for(engine, mixed_precision)
+    engine = engine or FSDP2Engine()
     directory = resolve_model_dir(name_or_path)
     refuse_quantized(Path(directory))  # from_pretrained would try to quantize or dequantize it
     task = _whole_load_progress(directory, init)
@@ -90,15 +92,14 @@ def _whole_load_progress(directory: str, init: str) -> progress.AnyTask:
     return progress.start_task("load_model", "loading model weights (from_pretrained)", total, 0)
 
 
-def _engine_for(engine: FSDP2Engine | None, mixed_precision: str | None) -> FSDP2Engine:
-    if engine is None:
-        return FSDP2Engine(mixed_precision=mixed_precision or "bf16")
-    if mixed_precision is not None and mixed_precision != engine.config.mixed_precision:
-        raise ValueError(
-            f"mixed_precision={mixed_precision!r} conflicts with the engine's "
-            f"{engine.config.mixed_precision!r}; allowed: None or {engine.config.mixed_precision!r}"
-        )
-    return engine
+def _refuse_removed_arguments(removed: dict[str, Any]) -> None:
+    """`mixed_precision=` was load_model's second way to set what the engine sets: say where it went."""
+    if "mixed_precision" in removed:
+        value = removed["mixed_precision"]
+        raise TypeError(f"load_model(mixed_precision={value!r}) was removed: precision is the engine's; pass "
+                        f"engine=fsdp2nb.FSDP2Engine(mixed_precision={value!r})")
+    if removed:
+        raise TypeError(f"load_model() got unexpected keyword arguments: {', '.join(sorted(removed))}")
 
 
 def _build(directory: str, init: str) -> nn.Module:

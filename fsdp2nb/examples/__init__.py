@@ -81,7 +81,7 @@ def lora_config(rank: int = 16) -> Any:
 
 @dataclass(slots=True)
 class Training:
-    """What a rank trains with; `engine.save_model` exports `model` in Hugging Face format."""
+    """What a rank trains with; `fsdp2nb.export_hf(model, path)` exports `model` in Hugging Face format."""
 
     engine: Any
     model: Any

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import dis
 import functools
 import pickle
 import shlex
 import sys
 
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import MagicArgumentParser
 
@@ -85,8 +83,9 @@ def _line_parsers() -> dict[str, MagicArgumentParser]:
     _add_pool_options(parsers["start"])
     _add_pool_options(parsers["restart"])
     parsers["push"].add_argument("names", nargs="+", metavar="NAME")
-    parsers["pull"].add_argument("names", nargs="+", metavar="NAME",
-                                 help="defined in the notebook; used as a value (y = %%fsdp2 pull x), returned")
+    parsers["pull"].add_argument("names", nargs="+", metavar="NAME", help="names on the ranks to pull")
+    parsers["pull"].add_argument("--value", action="store_true",
+                                 help="return the value (several names: a tuple) instead of defining the names")
     target = parsers["pull"].add_mutually_exclusive_group()
     target.add_argument("--rank", type=int, default=None, help="the rank to pull from (default 0)")
     target.add_argument("--all", action="store_true", help="pull from every rank: a dict rank -> value")
@@ -151,7 +150,7 @@ class FSDP2Magics(Magics):
             %fsdp2 pull loss step                   # define them in the notebook, from rank 0
             %fsdp2 pull w --rank 1                  # from rank 1 (a DTensor arrives whole)
             %fsdp2 pull loss --all                  # loss = {rank: value}
-            w1 = %fsdp2 pull w --rank 1             # a value: returned, no notebook name is set
+            w1 = %fsdp2 pull w --rank 1 --value     # returned: no notebook name is set
             %fsdp2 save [STEP]                      # save through the ranks' tracked Checkpointer
             %fsdp2 load [STEP|latest]               # restore model, optimizer, RNG and step
             %fsdp2 dashboard                        # show the live dashboard (again)
@@ -160,9 +159,9 @@ class FSDP2Magics(Magics):
             %fsdp2 restart [--cpu 2]                # fresh pool, rank state is lost
             %fsdp2 stop
 
-        `pull` on a line of its own defines the names in the notebook, as `push` does on the
-        ranks; used as a value (`y = %fsdp2 pull NAME`; several names give a tuple) it returns
-        the value and sets no name.
+        `pull` defines the names in the notebook, as `push` does on the ranks, and returns None
+        (so `y = %fsdp2 pull x` sets x, and y to None). With `--value` it defines no name and
+        returns the value instead (several names give a tuple, `--all` a dict rank -> value).
         """
         try:
             line = self._expand_variables(line)
@@ -288,8 +287,7 @@ class FSDP2Magics(Magics):
         self.session.push(pool, _pickle_for_ranks(values))
 
     def _command_pull(self, options):
-        """Names pulled as a statement are defined in the notebook; as a value, returned."""
-        defines_names = magic_result_is_discarded()
+        """The names are defined in the notebook; with --value, returned instead."""
         pool = self._running_pool()
         reply_ranks = tuple(range(pool.world_size)) if options.all else (options.rank or 0,)
         if not 0 <= reply_ranks[0] < pool.world_size:
@@ -299,10 +297,10 @@ class FSDP2Magics(Magics):
                 raise UsageError(f"cannot pull {name!r}: it is not a Python name")
         # Every value arrives before any name is set: a failed pull changes nothing.
         values = {name: self._pull_one(pool, name, reply_ranks, options.all) for name in options.names}
-        if defines_names:
-            self.shell.user_ns.update(values)
-            return None
-        return values[options.names[0]] if len(values) == 1 else tuple(values.values())
+        if options.value:
+            return values[options.names[0]] if len(values) == 1 else tuple(values.values())
+        self.shell.user_ns.update(values)
+        return None
 
     def _pull_one(self, pool: WorkerPool, name: str, reply_ranks: tuple[int, ...], every_rank: bool) -> object:
         payloads = self.session.pull(pool, name, reply_ranks)
@@ -371,28 +369,6 @@ class FSDP2Magics(Magics):
         if pool is None or pool.state != "ready":
             raise UsageError("no pool is running; start one with `%fsdp2 start --cpu N` or a %%fsdp2 cell")
         return pool
-
-
-def magic_result_is_discarded() -> bool:
-    """Whether the line magic running now stands as a statement of its own (`%fsdp2 pull x`)
-    rather than giving a value its caller uses (`y = %fsdp2 pull x`).
-
-    IPython turns both into a call of `run_line_magic`; the caller's bytecode right after that
-    call tells: a statement pops the result, or prints it when it ends the cell. Called other
-    than through `run_line_magic`, the value counts as used.
-    """
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not _RUN_LINE_MAGIC:
-        frame = frame.f_back
-    caller = frame.f_back if frame is not None else None
-    if caller is None:
-        return False
-    after = next((i for i in dis.get_instructions(caller.f_code) if i.offset > caller.f_lasti), None)
-    return after is not None and (after.opname in ("POP_TOP", "PRINT_EXPR")  # PRINT_EXPR: Python < 3.12
-                                  or (after.opname == "CALL_INTRINSIC_1" and after.argrepr == "INTRINSIC_PRINT"))
-
-
-_RUN_LINE_MAGIC = InteractiveShell.run_line_magic.__code__
 
 
 def _spec_or_none(options) -> PoolSpec | None:

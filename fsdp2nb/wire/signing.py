@@ -11,7 +11,6 @@ import hashlib
 import hmac
 import logging
 import pickle
-from collections.abc import Callable
 from typing import Any
 
 from fsdp2nb.wire.protocol import WIRE_TYPES
@@ -27,14 +26,13 @@ class Signer:
 
     A message of `WIRE_TYPES` is pickled as (its type's index, its field values): plain tuples
     take pickle's quickest path, where a dataclass is looked up by module and name on both
-    sides. With the HMAC state of the key computed once, this makes a message markedly cheaper
-    when the caches are cold, as they are for a cell after the notebook sat idle.
+    sides. The key is absorbed into an HMAC object once; each frame is signed by a copy of it.
     """
 
     def __init__(self, key: bytes, *, log: logging.Logger = logger) -> None:
         if len(key) < KEY_BYTES:
             raise ValueError(f"the pool key must have at least {KEY_BYTES} bytes, got {len(key)}")
-        self._mac = HmacSha256(key)
+        self._keyed_mac = hmac.new(key, digestmod="sha256")
         self._log = log
         """Where dropped frames are reported (the kernel's pool log: never a notebook cell)."""
         self.num_rejected = 0
@@ -44,7 +42,7 @@ class Signer:
         tag = _WIRE_TAGS.get(type(message))
         encoded = (tag, tuple(vars(message).values())) if tag is not None else (None, message)
         payload = pickle.dumps(encoded, protocol=pickle.HIGHEST_PROTOCOL)
-        return self._mac.sign(payload) + payload
+        return self._sign(payload) + payload
 
     def unpack(self, frame: bytes) -> Any | None:
         """The message, or None when the frame is malformed, its signature is wrong or it does
@@ -58,10 +56,15 @@ class Signer:
     def verify(self, frame: bytes) -> bytes | None:
         """The payload of a frame whose signature verifies; None (and counted) otherwise."""
         signature, payload = frame[:_SIGNATURE_BYTES], frame[_SIGNATURE_BYTES:]
-        if len(frame) <= _SIGNATURE_BYTES or not hmac.compare_digest(signature, self._mac.sign(payload)):
+        if len(frame) <= _SIGNATURE_BYTES or not hmac.compare_digest(signature, self._sign(payload)):
             self.num_rejected += 1
             return None
         return payload
+
+    def _sign(self, payload: bytes) -> bytes:
+        mac = self._keyed_mac.copy()
+        mac.update(payload)
+        return mac.digest()
 
     def decode(self, payload: bytes) -> Any | None:
         """The message in a verified payload; None when this end cannot rebuild it."""
@@ -72,42 +75,6 @@ class Signer:
             self.num_undecodable += 1  # (e.g. a display whose metadata holds a rank-only class)
             self._log.exception("dropped a signed message that could not be decoded")
             return None
-
-
-class HmacSha256:
-    """HMAC-SHA256 (RFC 2104) from the two keyed SHA-256 states, computed once per key.
-
-    Built on CPython's own SHA-256 where it has one: OpenSSL's HMAC gives the same signature,
-    but its layers cost several times more per message when the CPU caches are cold, as they
-    are at the start of a cell after the notebook sat idle (and every cell signs and verifies
-    at least four messages on its critical path).
-    """
-
-    _BLOCK_BYTES = 64
-
-    def __init__(self, key: bytes) -> None:
-        sha256 = _builtin_sha256()
-        if len(key) > self._BLOCK_BYTES:
-            key = sha256(key).digest()
-        key = key.ljust(self._BLOCK_BYTES, b"\0")
-        self._inner = sha256(bytes(byte ^ 0x36 for byte in key))
-        self._outer = sha256(bytes(byte ^ 0x5C for byte in key))
-
-    def sign(self, payload: bytes) -> bytes:
-        inner = self._inner.copy()
-        inner.update(payload)
-        outer = self._outer.copy()
-        outer.update(inner.digest())
-        return outer.digest()
-
-
-def _builtin_sha256() -> Callable[..., Any]:
-    for module in ("_sha2", "_sha256"):  # Python 3.12+, then 3.10-3.11
-        try:
-            return __import__(module).sha256
-        except (ImportError, AttributeError):
-            pass
-    return hashlib.sha256  # a Python built without its own hashes: OpenSSL's
 
 
 _WIRE_TAGS = {cls: tag for tag, cls in enumerate(WIRE_TYPES)}

@@ -74,10 +74,10 @@ def delete_checkpoint(step: int) -> None:
 
 def export_hf(path: str) -> None:
     """Write the tracked model in Hugging Face format to `path` (the dashboard's Export)."""
-    from fsdp2nb.checkpoint.hf_export import export_hf_model
+    from fsdp2nb.checkpoint import hf_export
     from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
-    export_hf_model(tracked_checkpointer().tracked_model, path)
+    hf_export.export_hf(tracked_checkpointer().tracked_model, path)
 
 
 def save_if_requested() -> None:

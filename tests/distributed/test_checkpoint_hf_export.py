@@ -1,4 +1,4 @@
-"""export_hf_model on 2 ranks: from_pretrained (and peft) load what it wrote, with equal tensors."""
+"""export_hf on 2 ranks: from_pretrained (and peft) load what it wrote, with equal tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from fsdp2nb.checkpoint import export_hf_model
+from fsdp2nb import export_hf
 from fsdp2nb.examples.tiny_models import make_tiny_model, make_tiny_tokenizer
 from tests.support.checkpoint_helpers import assert_same, build, full_model_state, train_step
 from tests.support.gloo_harness import run_ranks
@@ -21,12 +21,12 @@ def _export_all(root: str) -> dict:
     for tie in (False, True):
         model, optimizer, scheduler = build(seed=0, tie_word_embeddings=tie)
         train_step(model, optimizer, scheduler)
-        export_hf_model(model, f"{root}/plain-tied{int(tie)}", dtype=torch.bfloat16,
+        export_hf(model, f"{root}/plain-tied{int(tie)}", dtype=torch.bfloat16,
                         processor=make_tiny_tokenizer(), max_shard_bytes=20_000)
         results[f"plain-tied{int(tie)}"] = full_model_state(model)
     model, optimizer, scheduler = build(seed=0, lora=True)
     train_step(model, optimizer, scheduler)  # moves lora_B off zero, so the merge is not a no-op
-    export_hf_model(model, f"{root}/lora", merge_lora=True)
+    export_hf(model, f"{root}/lora", merge_lora=True)
     results["lora"] = full_model_state(model)
     return results
 
@@ -90,10 +90,10 @@ def _export_failing_on_one_rank(root: str) -> dict[str, str]:
 
     model, optimizer, scheduler = build(seed=0)
     out = f"{root}/export"
-    export_hf_model(model, out, max_shard_bytes=20_000)
+    export_hf(model, out, max_shard_bytes=20_000)
     seen = {}
     try:  # a step only rank 0 runs
-        export_hf_model(model, out, processor=_FailingProcessor() if dist.get_rank() == 0 else None)
+        export_hf(model, out, processor=_FailingProcessor() if dist.get_rank() == 0 else None)
     except Exception as error:  # noqa: BLE001
         seen["rank0_step"] = str(error)
     real_flush = hf_export._flush
@@ -105,7 +105,7 @@ def _export_failing_on_one_rank(root: str) -> dict[str, str]:
 
     hf_export._flush = full_disk_on_rank1
     try:  # a write on one rank while the others gather
-        export_hf_model(model, out, max_shard_bytes=20_000)
+        export_hf(model, out, max_shard_bytes=20_000)
     except Exception as error:  # noqa: BLE001
         seen["rank1_write"] = str(error)
     finally:

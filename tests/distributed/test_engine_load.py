@@ -127,10 +127,10 @@ def _load_formats_and_failures(paths: dict[str, str]) -> dict:
 
     out: dict = {}
     for name in ("sharded", "bin", "bare_prefix"):
-        model, _ = load_model(paths[name], mixed_precision="fp32")
+        model, _ = load_model(paths[name], engine=FSDP2Engine(mixed_precision="fp32"))
         out[name] = _full_state(model)
     try:
-        load_model(paths["missing"], mixed_precision="fp32")
+        load_model(paths["missing"], engine=FSDP2Engine(mixed_precision="fp32"))
         out["missing_error"] = None
     except KeyError as error:
         out["missing_error"] = str(error)

@@ -52,6 +52,7 @@ def _train_sharded(path: str, mixed_precision: str, lora: bool, activation_check
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
+    import fsdp2nb
     from fsdp2nb.engine import FSDP2Engine, load_model
 
     engine = FSDP2Engine(mixed_precision=mixed_precision)
@@ -69,7 +70,7 @@ def _train_sharded(path: str, mixed_precision: str, lora: bool, activation_check
     for _ in range(NUM_STEPS):
         loss = model(input_ids=local, labels=local).loss
         loss.backward()
-        norms.append(engine.clip_grad_norm_(model, MAX_NORM))
+        norms.append(fsdp2nb.clip_grad_norm_(model, MAX_NORM))
         optimizer.step()
         optimizer.zero_grad()
         global_loss = loss.detach().float().clone()

@@ -142,7 +142,7 @@ def test_a_rank_stopped_mid_frame_holds_up_no_other_rank_and_is_named():
         "    print('rank 0 goes on', flush=True)\n"
     )
     try:
-        stalling.busy_ranks.update((0, 1))  # as the session marks the ranks a cell runs on
+        stalling.mark_busy((0, 1))  # as the session marks the ranks a cell runs on
         stalling.send((0, 1), RunCell(cell_id=1, code=code))
         events = []
         while not (any(isinstance(e, CellFinished) and e.rank == 0 for e in events)

@@ -74,7 +74,7 @@ def test_engine_bf16_and_offload_on_gpus(gpu_kernel, tmp_path):
                              "    losses = []\n"
                              "    for _ in range(5):\n"
                              "        loss = model(input_ids=ids, labels=ids).loss; loss.backward()\n"
-                             "        engine.clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()\n"
+                             "        fsdp2nb.clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()\n"
                              "        losses.append(loss.item())\n"
                              "    print('offload', offload, 'falls', losses[-1] < losses[0])", timeout=600)
     assert run.status == "ok", run.traceback_text

@@ -18,7 +18,7 @@ def _notebook(bg: bool, train: str) -> nbformat.NotebookNode:
              f"{line}\n{train}",
              "y = 5\nprint('kernel side', y)",
              "%%fsdp2\nprint('x is', x)",
-             "values = %fsdp2 pull x --all\nprint(values)"]
+             "values = %fsdp2 pull x --all --value\nprint(values)"]
     return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
 
 

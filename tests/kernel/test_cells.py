@@ -62,7 +62,7 @@ def test_variables_in_the_magic_line_are_expanded(kernel):
                          "get_ipython().run_cell_magic('fsdp2', '--ranks $chosen', 'print(\"dollar\", rank)')\n"
                          "def helper(chosen=0):\n"
                          "    get_ipython().run_line_magic('fsdp2', 'pull rank --rank {chosen}')\n"
-                         "    return get_ipython().run_line_magic('fsdp2', 'pull rank --rank {chosen}')\n"
+                         "    return get_ipython().run_line_magic('fsdp2', 'pull rank --rank {chosen} --value')\n"
                          "print('pulled', helper())")
     assert run.status == "ok", run.traceback_text
     assert "[1] dollar 1\n" in run.stdout and "[0] dollar" not in run.stdout
@@ -139,9 +139,9 @@ def test_push_and_pull(kernel):
                          "sharded = distribute_tensor(full, mesh, [Shard(0)])\n"
                          "local_rows = sharded.to_local().shape[0]")
     assert run.status == "ok", run.traceback_text
-    run = kernel.execute("pulled = %fsdp2 pull sharded --rank 1\n"
+    run = kernel.execute("pulled = %fsdp2 pull sharded --rank 1 --value\n"
                          "print(type(pulled).__name__, pulled.shape, pulled.sum().item())\n"
-                         "rows = %fsdp2 pull local_rows --all\nprint(rows)")
+                         "rows = %fsdp2 pull local_rows --all --value\nprint(rows)")
     assert run.status == "ok", run.traceback_text
     assert "Tensor torch.Size([5, 2]) 45.0" in run.stdout
     assert "{0: 3, 1: 2}" in run.stdout

@@ -237,7 +237,7 @@ def test_huge_print_is_cut_and_the_kernel_stays_small(kernel):
 
 def test_pulling_an_unpicklable_value_says_why_in_one_line(kernel):
     assert kernel.execute("%%fsdp2\nimport threading\nlock = threading.Lock()").status == "ok"
-    run = kernel.execute("value = %fsdp2 pull lock")
+    run = kernel.execute("value = %fsdp2 pull lock --value")
     assert run.status == "error"
     assert "'lock' cannot be sent to the notebook" in run.traceback_text, run.traceback_text
     assert kernel.execute("%%fsdp2\nprint(lock.locked())").stdout == "[all] False\n"

@@ -13,13 +13,13 @@ from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
 if rank == 0:
     save_tiny_checkpoint(model_dir, "llama")
 dist.barrier()
-model, tokenizer = fsdp2nb.load_model(model_dir, mixed_precision="fp32")
+model, tokenizer = fsdp2nb.load_model(model_dir, engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32"))
 ckpt = fsdp2nb.Checkpointer(ckpt_dir, async_save=True).track(model=model)
 ckpt.save(1)
 ckpt.wait()
 ckpt.load(1)
-from fsdp2nb.checkpoint import export_hf_model
-export_hf_model(model, export_dir)
+from fsdp2nb import export_hf
+export_hf(model, export_dir)
 """
 
 
@@ -38,7 +38,7 @@ def test_a_cell_of_long_work_shows_one_bar_and_a_few_lines(kernel, tmp_path):
     assert kernel.execute(f"{setup}\n%fsdp2 push {' '.join(paths)}").status == "ok"
     run = kernel.execute(WORK, timeout=300)
     assert run.status == "ok", run.traceback_text + run.stderr
-    # Progress bars only: not the path export_hf_model returns, nor a line saying where ranks wait.
+    # Progress bars only: not the path export_hf returns, nor a line saying where ranks wait.
     bars = [m["content"] for m in run.messages if m["msg_type"] in ("display_data", "update_display_data")
             and m["content"].get("transient", {}).get("display_id", "").startswith("fsdp2nb-progress-")]
     display_ids = {bar["transient"]["display_id"] for bar in bars}
@@ -57,7 +57,8 @@ def test_a_load_through_from_pretrained_shows_its_start_and_end(kernel, tmp_path
     model_dir = str(tmp_path / "model")
     code = (f"%%fsdp2\nimport fsdp2nb\nfrom fsdp2nb.examples.tiny_models import save_tiny_checkpoint\n"
             f"if rank == 0:\n    save_tiny_checkpoint({model_dir!r}, 'llama')\ndist.barrier()\n"
-            f"model, _ = fsdp2nb.load_model({model_dir!r}, init='rank0', mixed_precision='fp32')\n")
+            f"engine = fsdp2nb.FSDP2Engine(mixed_precision='fp32')\n"
+            f"model, _ = fsdp2nb.load_model({model_dir!r}, init='rank0', engine=engine)\n")
     run = kernel.execute(code, timeout=300)
     assert run.status == "ok", run.traceback_text + run.stderr
     bars = [m["content"]["data"]["text/plain"] for m in run.messages

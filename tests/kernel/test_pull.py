@@ -1,8 +1,8 @@
-"""`%fsdp2 pull` mirrors push: as a statement it defines the names in the notebook; as a value
-(`y = %fsdp2 pull NAME`) it returns it and defines nothing."""
+"""`%fsdp2 pull` mirrors push: it defines the names in the notebook and returns None; with
+`--value` it returns the value and defines nothing."""
 
 
-def test_pull_as_a_statement_defines_the_names(kernel):
+def test_pull_defines_the_names(kernel):
     assert kernel.execute("%%fsdp2\nloss = 10 + rank\nstep = 7").status == "ok"
     run = kernel.execute("loss = step = None\n%fsdp2 pull loss step")
     assert run.status == "ok", run.traceback_text
@@ -11,14 +11,18 @@ def test_pull_as_a_statement_defines_the_names(kernel):
     assert kernel.execute("%fsdp2 pull loss --rank 1\nprint(loss)").stdout == "11\n"
     assert kernel.execute("%fsdp2 pull loss --all").status == "ok"
     assert kernel.execute("print(loss)").stdout == "{0: 10, 1: 11}\n"
+    run = kernel.execute("y = %fsdp2 pull step\nprint(y, step)")  # assigned without --value: still defines
+    assert run.stdout == "None 7\n", run.traceback_text
 
 
-def test_pull_as_a_value_returns_it_and_defines_nothing(kernel):
+def test_pull_value_returns_it_and_defines_nothing(kernel):
     assert kernel.execute("%%fsdp2\nremote = 20 + rank\nother = 'o'").status == "ok"
-    run = kernel.execute("remote = 'notebook'\ny = %fsdp2 pull remote --rank 1\n"
-                         "both = %fsdp2 pull remote other\nprint(y, both, remote)")
+    run = kernel.execute("remote = 'notebook'\ny = %fsdp2 pull remote --rank 1 --value\n"
+                         "both = %fsdp2 pull remote other --value\nprint(y, both, remote)")
     assert run.status == "ok", run.traceback_text
     assert run.stdout == "21 (20, 'o') notebook\n"
+    run = kernel.execute("%fsdp2 pull remote --all --value")  # the last line: shown as the cell's result
+    assert run.status == "ok" and "{0: 20, 1: 21}" in str(run.displays), run.displays
 
 
 def test_a_failed_pull_defines_no_name(kernel):

@@ -12,7 +12,7 @@ from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
 if rank == 0:
     save_tiny_checkpoint(model_dir, "llama")
 dist.barrier()
-model, tokenizer = fsdp2nb.load_model(model_dir, mixed_precision="fp32")
+model, tokenizer = fsdp2nb.load_model(model_dir, engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32"))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 ckpt = fsdp2nb.Checkpointer(ckpt_dir, keep=2).track(model=model, optimizer=optimizer)
 

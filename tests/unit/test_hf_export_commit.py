@@ -1,4 +1,4 @@
-"""export_hf_model swaps a finished export in whole: a failed or interrupted export leaves the
+"""export_hf swaps a finished export in whole: a failed or interrupted export leaves the
 previous one loadable and unchanged, and files the export does not own are carried over."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp2nb.checkpoint import export_hf_model
+from fsdp2nb import export_hf
 from fsdp2nb.checkpoint.directory_swap import staging_paths
 from fsdp2nb.examples.tiny_models import make_tiny_model
 
@@ -30,7 +30,7 @@ def _hidden_siblings(directory: Path) -> list[str]:
 @pytest.fixture
 def earlier_export(tmp_path):
     out = tmp_path / "export"
-    export_hf_model(make_tiny_model("llama", seed=0), out, max_shard_bytes=20_000)
+    export_hf(make_tiny_model("llama", seed=0), out, max_shard_bytes=20_000)
     (out / "README.md").write_text("my notes")
     return out
 
@@ -38,7 +38,7 @@ def earlier_export(tmp_path):
 def test_a_failed_export_leaves_the_previous_one_untouched(earlier_export):
     before = _snapshot(earlier_export)
     with pytest.raises(OSError, match="disk full"):
-        export_hf_model(make_tiny_model("llama", seed=1), earlier_export, processor=_FailingProcessor())
+        export_hf(make_tiny_model("llama", seed=1), earlier_export, processor=_FailingProcessor())
     assert _snapshot(earlier_export) == before
     assert _hidden_siblings(earlier_export) == []
 
@@ -50,7 +50,7 @@ def test_a_new_export_replaces_weights_and_keeps_user_files(earlier_export):
     (earlier_export / "notes").mkdir()
     (earlier_export / "notes" / "run.txt").write_text("lr 1e-4")
     model = make_tiny_model("llama", seed=1)
-    export_hf_model(model, earlier_export)
+    export_hf(model, earlier_export)
 
     assert (earlier_export / "README.md").read_text() == "my notes"
     assert (earlier_export / "notes" / "run.txt").read_text() == "lr 1e-4"
@@ -69,7 +69,7 @@ def test_an_export_stopped_mid_swap_is_restored_by_the_next(earlier_export):
     staging.mkdir()
     (staging / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(OSError, match="disk full"):
-        export_hf_model(make_tiny_model("llama", seed=1), earlier_export, processor=_FailingProcessor())
+        export_hf(make_tiny_model("llama", seed=1), earlier_export, processor=_FailingProcessor())
     assert _snapshot(earlier_export) == before
     assert _hidden_siblings(earlier_export) == []
 
@@ -78,14 +78,14 @@ def test_a_file_as_output_dir_is_refused(tmp_path):
     target = tmp_path / "weights.bin"
     target.write_bytes(b"keep")
     with pytest.raises(ValueError, match="is a file; pass a directory"):
-        export_hf_model(make_tiny_model("llama", seed=0), target)
+        export_hf(make_tiny_model("llama", seed=0), target)
     assert target.read_bytes() == b"keep"
 
 
 def test_an_export_through_a_symlink_replaces_its_target(earlier_export):
     link = earlier_export.with_name("latest-export")
     link.symlink_to(earlier_export, target_is_directory=True)
-    export_hf_model(make_tiny_model("llama", seed=1), link)
+    export_hf(make_tiny_model("llama", seed=1), link)
     assert link.is_symlink() and (earlier_export / "README.md").read_text() == "my notes"
     assert _hidden_siblings(earlier_export) == []
 
@@ -95,5 +95,5 @@ def test_the_replaced_directory_keeps_its_permissions(earlier_export):
     import stat
 
     os.chmod(earlier_export, 0o2770)
-    export_hf_model(make_tiny_model("llama", seed=1), earlier_export)
+    export_hf(make_tiny_model("llama", seed=1), earlier_export)
     assert stat.S_IMODE(os.stat(earlier_export).st_mode) == 0o2770

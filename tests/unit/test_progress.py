@@ -7,8 +7,7 @@ import pickle
 import pytest
 import torch
 
-from fsdp2nb import progress
-from fsdp2nb.checkpoint import Checkpointer, export_hf_model
+from fsdp2nb import Checkpointer, export_hf, progress
 from fsdp2nb.checkpoint.direct_writes import DirectWriteStream
 from fsdp2nb.examples.tiny_models import make_tiny_model
 from fsdp2nb.frontend.progress_bar import CellTaskBar
@@ -93,7 +92,7 @@ def test_save_load_and_export_report_bytes_of_their_totals(updates, tmp_path):
         checkpointer.save(1)
         checkpointer.wait()
         checkpointer.load(1)
-    export_hf_model(model, tmp_path / "hf")
+    export_hf(model, tmp_path / "hf")
     ends = {u.kind: u for u in updates if u.finished}
     assert set(ends) == {"save", "load", "export"} and not any(u.error for u in ends.values())
     for end in ends.values():

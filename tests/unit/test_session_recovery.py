@@ -12,7 +12,8 @@ import pytest
 from fsdp2nb.frontend.errors import RankError
 from fsdp2nb.frontend.request_wait import INTERRUPT_GRACE_S
 from fsdp2nb.frontend.session import NotebookSession
-from fsdp2nb.pool.pool import HeldOutput, PoolStartError
+from fsdp2nb.pool.held_output import HeldOutput
+from fsdp2nb.pool.pool import PoolStartError
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, RankExited, RankReady, RichOutput, StreamOutput
 
