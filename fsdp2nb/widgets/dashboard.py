@@ -104,7 +104,7 @@ class DashboardView:
         self._rank_rows = [widgets.HTML() for _ in range(model.facts.world_size)]
         self._more_ranks = widgets.HTML()
         self.ranks = widgets.VBox([*self._rank_rows, self._more_ranks])
-        self._shown_save_text = ""
+        self._shown_save_version = 0
         self._shown_notice = ""
         self._drawn: tuple | None = None
         self.plot = widgets.HTML()
@@ -227,9 +227,11 @@ class DashboardView:
         _set(self.checkpoint_header, "value", render.checkpoint_header(view))
         self._refresh_steps(render.checkpoint_options(view))
         _set(self.progress, "value", render.task_html(model.tasks.latest(model.facts.world_size)))
-        if model.save_text and model.save_text != self._shown_save_text:
-            self._shown_save_text = model.save_text
-            self.message.value = _line(model.save_text, "#dc2626" if "failed" in model.save_text else "#15803d")
+        version = model.save_text_version  # first: a change between the two reads is shown next time
+        text = model.save_text
+        if text and version != self._shown_save_version:
+            self._shown_save_version = version
+            self.message.value = _line(text, "#dc2626" if "failed" in text else "#15803d")
         if model.notice and model.notice != self._shown_notice:
             self._shown_notice = model.notice
             self.message.value = _line(model.notice, "#dc2626")

@@ -141,6 +141,8 @@ class SaveCheckpoint:
 
     step: int | None = None
     """None: the last step the checkpointer saw."""
+    request_id: int = 0
+    """The dashboard's Save: the save request (`RequestSave` ids) the panel follows; 0 for none."""
 
 
 @dataclass(frozen=True)
@@ -274,6 +276,12 @@ class CheckpointView:
     """Every step directory, oldest first, complete or not."""
     requests_served: int = 0
     """The highest save request id (`RequestSave`) this rank has served."""
+    request_step: int | None = None
+    """The step of the save that served `requests_served`."""
+    requests_committed: int = 0
+    """The highest save request id whose save was committed."""
+    request_error: str | None = None
+    """Why the save that served `requests_served` failed, or None."""
 
 
 @dataclass(frozen=True)

@@ -104,16 +104,18 @@ def _checkpoint_view() -> CheckpointView | None:
     tracked = current_checkpointer()
     if tracked is None:
         return None
-    status = tracked.status()
     from fsdp2nb.checkpoint.requests import process_requests
 
+    requests = process_requests().outcome()  # read first: a save committed for it is in the listing
+    status = tracked.status()
     entries = tuple(CheckpointStep(step=e.step, wall_time=e.wall_time, size_bytes=e.size_bytes,
                                    world_size=e.world_size, valid=e.valid) for e in status.entries)
     return CheckpointView(directory=status.directory, latest_step=status.latest_step,
                           saving_step=status.saving_step, last_error=status.last_error,
                           steps=tuple(entry.step for entry in status.entries if entry.valid),
                           blocked_s=status.blocked_s, entries=entries,
-                          requests_served=process_requests().served())
+                          requests_served=requests.served, request_step=requests.step,
+                          requests_committed=requests.committed, request_error=requests.error)
 
 
 class TrackedSizes:
