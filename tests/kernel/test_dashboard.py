@@ -221,3 +221,25 @@ def test_a_run_again_into_the_same_directory_says_saved(dash):
         dash.run("%%fsdp2\nfor checkpointer in again: checkpointer.close()\n"
                  "ckpt.track(model=model, optimizer=optimizer)")
     assert (dash.root / "again" / "step-007000").is_dir()
+
+
+def test_a_click_sent_to_the_main_shell_is_served_during_the_cell(dash):
+    """jupyter-distributed's proxy kernel forwards a click without its subshell id (the id names
+    a subshell of the proxy), as frontends without subshells send it: it must not wait for the
+    cell. The loop gives the save 10 s, then says it was not served."""
+    save = dash.comm_of(_model_name="ButtonModel", description="Save now")
+    clicked = []
+
+    def on_message(message):
+        if message["msg_type"] == "stream" and "waiting" in message["content"]["text"] and not clicked:
+            clicked.append(True)
+            click(dash.kernel, save, None)
+
+    code = ("%%fsdp2\ntrain_step(6000)\nprint('waiting', flush=True)\nserved = False\n"
+            "for _ in range(200):\n    served = ckpt.maybe_save(6000)\n    if served: break\n"
+            "    time.sleep(0.05)\nckpt.wait()\nprint('served during the cell' if served else 'not served')")
+    messages = dash.run(code, on_message=on_message)
+    outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    assert clicked and "[all] served during the cell" in outputs, outputs
+    notes = [state.get("value", "") for _, state in dash.updates if "main shell" in str(state.get("value", ""))]
+    assert not notes, notes
