@@ -207,15 +207,23 @@ class Checkpointer:
         state only through that optimizer, or call `wait()` first.
         """
         self._raise_background_error()
-        step = self._step_or_last(step)
-        tracked = self._require_tracked()
+        self._timed_save(self._step_or_last(step))
+
+    def _timed_save(self, step: int, request_id: int = 0) -> None:
+        """`request_id`: the notebook's save request this save serves (0: none); the request
+        record learns whether the save committed or failed."""
         started = time.perf_counter()
         try:
-            self._save(tracked, step)
+            self._raise_background_error()
+            self._save(self._require_tracked(), step, request_id)
+        except BaseException as error:
+            if request_id:  # failed before its background part
+                self._requests.mark_failed(request_id, describe(error))
+            raise
         finally:
             self.blocked_s += time.perf_counter() - started
 
-    def _save(self, tracked: _Tracked, step: int) -> None:
+    def _save(self, tracked: _Tracked, step: int, request_id: int) -> None:
         self.wait()
         job = self._begin(step)
         state = get_training_state(tracked.model, tracked.optimizer)
@@ -227,7 +235,7 @@ class Checkpointer:
             with self._abandoned_on_failure(job, task):
                 dcp.save(state, storage_writer=writer, process_group=self._bg_group,
                          no_dist=not self._distributed)
-            self._finish(job, rank_state, None, tracked.model, task)
+            self._finish(job, rank_state, None, tracked.model, task, request_id)
             return
         use_process = self.async_writer == "process" and self._distributed
         with self._abandoned_on_failure(job, task):
@@ -242,7 +250,7 @@ class Checkpointer:
             upload, self._staging = response.upload_completion, response.staging_completion
             if self._step_gate is None:  # no optimizer step to gate: copy before returning
                 self._wait_for_staging()
-        future = self._executor.submit(self._finish, job, rank_state, upload, tracked.model, task)
+        future = self._executor.submit(self._finish, job, rank_state, upload, tracked.model, task, request_id)
         with self._lock:
             self._pending = (step, future)
 
@@ -282,8 +290,8 @@ class Checkpointer:
                 f"{_NOTHING_LOST}")
         if wanted <= self._requests.served():
             return False
-        self._requests.mark_served(wanted)
-        self.save(step)
+        self._requests.mark_served(wanted, step)
+        self._timed_save(step, request_id=wanted)
         return True
 
     def wait(self) -> None:
@@ -329,13 +337,17 @@ class Checkpointer:
         }
 
     def _finish(self, job: _SaveJob, rank_state: dict[str, Any], upload: Future | None,
-                model: nn.Module, task: progress.AnyTask) -> None:
+                model: nn.Module, task: progress.AnyTask, request_id: int = 0) -> None:
         """Wait for the shards, add this rank's file, then commit once every rank succeeded."""
         try:
             self._finish_and_commit(job, rank_state, upload, model)
             task.finish()
+            if request_id:  # after the task's end: the panel says "saved" with the bar full
+                self._requests.mark_committed(request_id)
         except BaseException as error:
             task.finish(error)
+            if request_id:
+                self._requests.mark_failed(request_id, describe(error))
             raise
         finally:
             with _in_flight_lock:

@@ -3,24 +3,45 @@
 The rank's control thread posts a request while the main thread trains; `Checkpointer.maybe_save`
 reads the highest posted id and makes every rank agree on it collectively. Ids (rather than a flag)
 let a request that reaches one rank late be recognised as one that was already served.
+
+The record also keeps what became of the newest served request (the step it saves, whether that
+save committed or failed), which the dashboard follows: LATEST alone cannot tell, since a
+notebook run again into the same directory saves a step that LATEST named already.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """What became of the save requests, read at once (the dashboard's sampler sends it)."""
+
+    served: int
+    """The highest request id served (a save was started for it, or it failed)."""
+    step: int | None
+    """The step the save serving `served` saves."""
+    committed: int
+    """The highest request id whose save was committed."""
+    error: str | None
+    """Why the save serving `served` failed, or None."""
 
 
 class SaveRequests:
-    """Thread-safe record of the highest save request id posted and the highest one served."""
+    """Thread-safe record of the highest save request id posted, the highest one served, and the
+    outcome of the newest served one."""
 
-    __slots__ = ("_lock", "_posted", "_served", "_counter")
+    __slots__ = ("_lock", "_posted", "_served", "_step", "_committed", "_error")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._posted = 0
         self._served = 0
-        self._counter = itertools.count(1)
+        self._step: int | None = None
+        self._committed = 0
+        self._error: str | None = None
 
     def post(self, request_id: int | None = None) -> int:
         """Ask for a save; `request_id` (>= 1) should be the same on every rank for the same request."""
@@ -37,15 +58,32 @@ class SaveRequests:
         with self._lock:
             return self._posted if self._posted > self._served else 0
 
-    def mark_served(self, request_id: int) -> None:
-        """Record that every request up to `request_id` has been saved (agreed across ranks)."""
+    def mark_served(self, request_id: int, step: int | None = None) -> None:
+        """Record that every request up to `request_id` is served (agreed across ranks), by a save
+        of `step` that starts now."""
         with self._lock:
-            self._served = max(self._served, request_id)
+            if request_id > self._served:
+                self._served, self._step, self._error = request_id, step, None
+
+    def mark_committed(self, request_id: int) -> None:
+        """The save that served `request_id` is committed."""
+        with self._lock:
+            self._committed = max(self._committed, request_id)
+
+    def mark_failed(self, request_id: int, error: str) -> None:
+        """The save that served `request_id` failed."""
+        with self._lock:
+            if request_id == self._served and self._committed < request_id:
+                self._error = error
 
     def served(self) -> int:
         """The highest id served so far."""
         with self._lock:
             return self._served
+
+    def outcome(self) -> RequestOutcome:
+        with self._lock:
+            return RequestOutcome(served=self._served, step=self._step, committed=self._committed, error=self._error)
 
 
 _PROCESS_REQUESTS = SaveRequests()

@@ -187,9 +187,11 @@ class DashboardLink:
                 return f"{self.model.save_text} (asked once already)"
             self.model.save_requested(pool.request_save())
             return self.model.save_text
-        self._run_on_ranks(pool, SaveCheckpoint())
-        self.model.save_requested(0)  # served already: the next snapshot names the step
-        return "saved; the list shows the new step"
+        request_id = pool.new_save_request_id()
+        self._run_on_ranks(pool, SaveCheckpoint(request_id=request_id))
+        done = "saved; the list shows the new step"
+        self.model.save_requested(request_id, done)  # served already: the next snapshot names the step
+        return done
 
     def load(self, step: int) -> str:
         pool = self._idle_pool("Load")

@@ -10,6 +10,7 @@ is held, bounded, for the next cell.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -93,7 +94,7 @@ class WorkerPool:
         self._launched: LaunchedRanks | None = None
         self._receiver: threading.Thread | None = None
         self._runtime_dir = ""
-        self._save_requests = 0
+        self._save_request_ids = itertools.count(1)  # atomic: clicks arrive on any thread
         self._stalled_frame_s = stalled_frame_s
         self._log: logging.Logger | None = None
         """This pool's own log (pool.log in `log_dir`): what its connections went through."""
@@ -338,9 +339,13 @@ class WorkerPool:
 
     def request_save(self) -> int:
         """Ask every rank to save at its next `maybe_save`; works while a cell runs. Returns the id."""
-        self._save_requests += 1
-        self.send(tuple(range(self.world_size)), RequestSave(request_id=self._save_requests), connect_timeout_s=0)
-        return self._save_requests
+        request_id = self.new_save_request_id()
+        self.send(tuple(range(self.world_size)), RequestSave(request_id=request_id), connect_timeout_s=0)
+        return request_id
+
+    def new_save_request_id(self) -> int:
+        """A fresh id for a save request, higher than any before on this pool's ranks."""
+        return next(self._save_request_ids)
 
     def events_read_here(self) -> contextlib.AbstractContextManager:
         """While inside, `next_event` reads the ranks' events on the calling thread (see

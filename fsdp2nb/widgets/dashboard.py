@@ -43,22 +43,42 @@ class Actions(Protocol):
 
 
 def serve_clicks_on_subshell(widget: widgets.Widget) -> bool:
-    """Serve this widget's messages on the subshell the frontend sent them on.
+    """Serve this widget's messages on a subshell, never behind the running cell.
 
-    ipykernel 7.4 routes a comm message to the subshell of the last message the comm itself sent
-    (`BaseComm._reply_subshell_for`), which for a widget made in a cell is the main shell, behind
-    the running cell. JupyterLab and Notebook 7 send widget messages on a subshell of their own:
-    keeping the frontend's choice lets a click act during a cell. A private hook, so it is
-    checked here and the panel says when it is missing (tests/kernel pins the behaviour)."""
+    ipykernel 7.4 routes a comm message, on its shell-channel thread, to the subshell that the
+    comm's `_reply_subshell_for` names; by default the subshell of the last message the comm
+    itself sent, which for a widget made in a cell is the main shell. JupyterLab and Notebook 7
+    send widget messages on a subshell of their own: that choice is kept. A message sent to the
+    main shell goes to a subshell of fsdp2nb's own instead: frontends without subshells do so,
+    and so does a proxy kernel between the frontend and this one (jupyter-distributed strips
+    the subshell id, which names a subshell of the proxy). Private hooks, so they are checked
+    here and the panel says when they are missing (tests/kernel pins the behaviour)."""
     comm = getattr(widget, "comm", None)
     if comm is None or not callable(getattr(comm, "_reply_subshell_for", None)):
         return False
-    comm._reply_subshell_for = _frontend_choice
+    comm._reply_subshell_for = _subshell_for_click
     return True
 
 
-def _frontend_choice(data: object, default: str | None) -> str | None:
-    return default
+_own_subshell: str | None = None
+"""fsdp2nb's subshell in this kernel, made for the first click that came to the main shell."""
+
+
+def _subshell_for_click(data: object, default: str | None) -> str | None:
+    """Runs on ipykernel's shell-channel thread, the one that makes subshells."""
+    global _own_subshell
+    if default is not None:
+        return default
+    try:
+        from ipykernel.kernelbase import Kernel
+
+        manager = Kernel.instance().shell_channel_thread.manager
+        if _own_subshell not in manager.list_subshell():  # None, or deleted by a frontend
+            _own_subshell = manager._create_subshell()
+    except Exception:  # another ipykernel: the main shell serves it, after the running cell
+        logger.debug("fsdp2nb could not make a subshell for dashboard clicks", exc_info=True)
+        return default
+    return _own_subshell
 
 
 def kernel_has_subshells() -> bool:
@@ -67,13 +87,16 @@ def kernel_has_subshells() -> bool:
     return Kernel.initialized() and bool(getattr(Kernel.instance(), "_supports_kernel_subshells", False))
 
 
-def _click_came_on_subshell() -> bool | None:
+def _click_waits_for_cells() -> bool:
+    """Whether this click is served on the kernel's main thread, in turn with the cells."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
     try:
         from ipykernel.kernelbase import Kernel
 
-        return Kernel.instance().get_parent().get("header", {}).get("subshell_id") is not None
+        return Kernel.initialized() and bool(Kernel.instance().get_parent().get("header"))
     except Exception:  # not in a kernel (unit tests call handlers directly)
-        return None
+        return False
 
 
 def _button(description: str, style: str = "", tooltip: str = "") -> widgets.Button:
@@ -104,7 +127,7 @@ class DashboardView:
         self._rank_rows = [widgets.HTML() for _ in range(model.facts.world_size)]
         self._more_ranks = widgets.HTML()
         self.ranks = widgets.VBox([*self._rank_rows, self._more_ranks])
-        self._shown_save_text = ""
+        self._shown_save_version = 0
         self._shown_notice = ""
         self._drawn: tuple | None = None
         self.plot = widgets.HTML()
@@ -199,9 +222,9 @@ class DashboardView:
 
     def _act(self, action) -> None:  # noqa: ANN001 - a callable returning the panel's line
         """Run one action, putting its outcome (or why it was refused) on the message line."""
-        if _click_came_on_subshell() is False:
-            self.note.value = _note("this frontend sends clicks to the main shell: while a cell runs they "
-                                    "wait for it (JupyterLab and Notebook 7 serve them at once)")
+        if _click_waits_for_cells():
+            self.note.value = _note("clicks reach this kernel's main shell and it cannot move them to a "
+                                    "subshell (ipykernel 7.4 can): while a cell runs they wait for it")
         if not self._busy.acquire(blocking=False):
             self.message.value = _line("still working on the previous click", "#b45309")
             return
@@ -227,9 +250,11 @@ class DashboardView:
         _set(self.checkpoint_header, "value", markup.checkpoint_header(view))
         self._refresh_steps(markup.checkpoint_options(view))
         _set(self.progress, "value", markup.task_html(model.tasks.latest(model.facts.world_size)))
-        if model.save_text and model.save_text != self._shown_save_text:
-            self._shown_save_text = model.save_text
-            self.message.value = _line(model.save_text, "#dc2626" if "failed" in model.save_text else "#15803d")
+        version = model.save_text_version  # first: a change between the two reads is shown next time
+        text = model.save_text
+        if text and version != self._shown_save_version:
+            self._shown_save_version = version
+            self.message.value = _line(text, "#dc2626" if "failed" in text else "#15803d")
         if model.notice and model.notice != self._shown_notice:
             self._shown_notice = model.notice
             self.message.value = _line(model.notice, "#dc2626")

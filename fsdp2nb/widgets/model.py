@@ -83,11 +83,6 @@ class RankRow:
     """Used bytes over the last HISTORY_S, oldest first."""
 
 
-@dataclass
-class _SaveRequest:
-    request_id: int
-    latest_before: int | None
-
 
 class MetricsHistory:
     """Logged points per rank, bounded by halving the resolution of the oldest part."""
@@ -206,9 +201,12 @@ class DashboardModel:
         self.tasks = TaskBoard()
         self._history: dict[int, deque[tuple[float, int]]] = {}
         self._busy_since: dict[int, float] = {}
-        self._save: _SaveRequest | None = None
-        self.save_text = ""
-        """The outcome line of the last save asked for from the dashboard."""
+        self._save: int | None = None
+        """The id of the save request followed to its outcome."""
+        self._save_text = ""
+        self.save_text_version = 0
+        """Counts the changes of `save_text`: a view shows the line again when it changed back to
+        a text shown before (saved step 7, then a new request, then saved step 7 again)."""
         self.notice = ""
         """The last thing that happened to the pool itself (a rank died and the pool was replaced)."""
 
@@ -244,14 +242,25 @@ class DashboardModel:
     # --- saves asked for while a cell runs ------------------------------------------------------
 
     @property
+    def save_text(self) -> str:
+        """The outcome line of the last save asked for from the dashboard."""
+        return self._save_text
+
+    @save_text.setter
+    def save_text(self, text: str) -> None:
+        if text != self._save_text:
+            self._save_text, self.save_text_version = text, self.save_text_version + 1
+
+    @property
     def save_pending(self) -> bool:
         """Whether a save asked for from the dashboard has not reached its outcome yet."""
         return self._save is not None
 
-    def save_requested(self, request_id: int) -> None:
+    def save_requested(self, request_id: int,
+                       text: str = "save requested: it happens at the training loop's next maybe_save") -> None:
+        """Follow the save of request `request_id` (a `RequestSave` id) to its outcome."""
         with self._lock:
-            self._save = _SaveRequest(request_id, self._checkpoint_latest())
-            self.save_text = "save requested: it happens at the training loop's next maybe_save"
+            self._save, self.save_text = request_id, text
 
     def cell_ended_with_request(self) -> None:
         with self._lock:
@@ -260,19 +269,22 @@ class DashboardModel:
                                   "the checkpointer saw")
 
     def _follow_save(self, view: CheckpointView) -> None:
-        request, status = self._save, view.status
-        if request is None or view.requests_served < request.request_id:
+        """By the request's id alone: LATEST may name the saved step before the save (a notebook
+        run again into the same directory) and another step after it (a later save)."""
+        request_id = self._save
+        if request_id is None or view.requests_served < request_id:
             return
-        if status.last_error:
-            self.save_text, self._save = f"save failed: {status.last_error}", None
-        elif status.saving_step is not None:
-            self.save_text = self._saving_text(status.saving_step)
-        elif status.latest_step != request.latest_before:
-            task = self.tasks.find("save", f"saving step {status.latest_step}", self.facts.world_size)
+        step = view.request_step
+        if view.request_error:
+            self.save_text, self._save = f"save failed: {view.request_error}", None
+        elif view.requests_committed < request_id:
+            self.save_text = self._saving_text(step)
+        else:
+            task = self.tasks.find("save", f"saving step {step}", self.facts.world_size)
             if task is not None and not task.finished:  # committed; its last progress event is on its way
-                self.save_text = self._saving_text(status.latest_step)
+                self.save_text = self._saving_text(step)
                 return
-            self.save_text, self._save = self._saved_text(status.latest_step), None
+            self.save_text, self._save = self._saved_text(step), None
 
     def _saving_text(self, step: int) -> str:
         """`saving step N: X of Y MiB` once the ranks report bytes written."""
@@ -286,10 +298,6 @@ class DashboardModel:
         if task is None or not task.finished:
             return f"saved step {step}"
         return f"saved step {step} in {task.elapsed_s:.1f} s"
-
-    def _checkpoint_latest(self) -> int | None:
-        status = self.checkpoint
-        return status.latest_step if status is not None else None
 
     # --- reading ------------------------------------------------------------------------------
 

@@ -142,6 +142,8 @@ class SaveCheckpoint:
 
     step: int | None = None
     """None: the last step the checkpointer saw."""
+    request_id: int = 0
+    """The dashboard's Save: the save request (`RequestSave` ids) the panel follows; 0 for none."""
 
 
 @dataclass(frozen=True)
@@ -294,6 +296,12 @@ class CheckpointView:
     status: CheckpointStatus
     requests_served: int = 0
     """The highest save request id (`RequestSave`) this rank has served."""
+    request_step: int | None = None
+    """The step of the save that served `requests_served`."""
+    requests_committed: int = 0
+    """The highest save request id whose save was committed."""
+    request_error: str | None = None
+    """Why the save that served `requests_served` failed, or None."""
 
 
 @dataclass(frozen=True)

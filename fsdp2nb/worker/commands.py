@@ -28,12 +28,19 @@ def run_command(command: RankCommand) -> None:
     handler(command)
 
 
-def save_checkpoint(step: int | None) -> None:
-    """Save through the tracked checkpointer and wait until the save is committed."""
+def save_checkpoint(step: int | None, request_id: int = 0) -> None:
+    """Save through the tracked checkpointer and wait until the save is committed. With a
+    `request_id` the save serves that request, so the dashboard learns what became of it."""
+    from fsdp2nb.checkpoint.requests import post_save_request
     from fsdp2nb.checkpoint.tracking import tracked_checkpointer
 
     checkpointer = tracked_checkpointer()
-    checkpointer.save(step)
+    step = step if step is not None else checkpointer.last_step
+    if request_id and step is not None:
+        post_save_request(request_id)
+        checkpointer.maybe_save(step)  # every rank posted the same fresh id: it saves
+    else:
+        checkpointer.save(step)  # without a step seen, says how to give one
     checkpointer.wait()
     if _is_rank0():
         status = checkpointer.status()
@@ -98,7 +105,7 @@ def save_if_requested() -> None:
 
 
 HANDLERS: dict[type, Callable[[Any], None]] = {
-    SaveCheckpoint: lambda command: save_checkpoint(command.step),
+    SaveCheckpoint: lambda command: save_checkpoint(command.step, command.request_id),
     LoadCheckpoint: lambda command: load_checkpoint(command.target),
     DeleteCheckpoint: lambda command: delete_checkpoint(command.step),
     ExportHF: lambda command: export_hf(command.path),

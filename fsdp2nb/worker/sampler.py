@@ -106,7 +106,9 @@ def _checkpoint_view() -> CheckpointView | None:
         return None
     from fsdp2nb.checkpoint.requests import process_requests
 
-    return CheckpointView(status=tracked.status(), requests_served=process_requests().served())
+    requests = process_requests().outcome()  # read first: a save committed for it is in the listing
+    return CheckpointView(status=tracked.status(), requests_served=requests.served, request_step=requests.step,
+                          requests_committed=requests.committed, request_error=requests.error)
 
 
 class TrackedSizes:

@@ -59,7 +59,7 @@ def test_dashboard_stop_interrupts_a_background_run(dash):
              "for _ in range(1200):\n    time.sleep(0.05)\nprint('not stopped')")
     _read_until(dash, "looping", started)
     _until_header_says(dash, "(looper) running")  # the panel's pool line names the run
-    click(dash.kernel, stop, subshell_id=None)  # the kernel is idle: served on the main shell
+    click(dash.kernel, stop, subshell_id=None)  # sent to the main shell, as VS Code sends it
     waited = dash.run("%fsdp2 wait looper")
     errors = ["\n".join(m["content"]["traceback"]) for m in waited if m["msg_type"] == "error"]
     assert errors and "KeyboardInterrupt" in errors[-1]
@@ -75,7 +75,7 @@ def test_save_clicked_during_a_background_run_lands_at_the_next_maybe_save(dash)
              "    if ckpt.maybe_save(step):\n        print(f'saved at step {step}', flush=True)\n        break\n"
              "    time.sleep(0.02)\nckpt.wait()")
     seen = _read_until(dash, "step 1 trained", started)
-    click(dash.kernel, save, subshell_id=None)  # the kernel is idle: served on the main shell
+    click(dash.kernel, save, subshell_id=None)  # sent to the main shell, as VS Code sends it
     outputs = "".join(m["content"]["text"] for m in _read_until(dash, "saved at step", seen) if m["msg_type"] == "stream")
     waited = dash.run("%fsdp2 wait trainer")
     assert not [m for m in waited if m["msg_type"] == "error"]

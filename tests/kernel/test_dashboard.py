@@ -180,3 +180,66 @@ def test_a_save_no_maybe_save_reached_is_made_when_the_cell_ends(dash):
     outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
     assert clicked and "saved step 5000 at the end of the cell" in outputs, outputs
     assert (dash.root / "ckpt" / "step-005000").is_dir()
+
+
+RUN_AGAIN = """%%fsdp2
+again.append(fsdp2nb.Checkpointer(again_dir, keep=None).track(model=model, optimizer=optimizer))
+train_step(7000)
+if rank == 0: print('waiting', flush=True)
+for _ in range(1200):  # maybe_save is collective: every rank leaves at the same call
+    if again[-1].maybe_save(7000): break
+    time.sleep(0.05)
+again[-1].wait()
+"""
+
+
+def test_a_run_again_into_the_same_directory_says_saved(dash):
+    """A notebook run again from the top into the same directory saves the same step number:
+    LATEST names that step before and after the save, and the panel still says it was saved."""
+    save = dash.comm_of(_model_name="ButtonModel", description="Save now")
+    message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
+    subshell = create_subshell(dash.kernel)
+    dash.run(f"%%fsdp2\nagain, again_dir = [], {str(dash.root / 'again')!r}")
+    try:
+        for run in ("first", "second"):
+            clicked = []
+
+            def on_message(message, clicked=clicked):
+                if message["msg_type"] == "stream" and "waiting" in message["content"]["text"] and not clicked:
+                    clicked.append(True)
+                    click(dash.kernel, save, subshell)
+
+            messages = dash.run(RUN_AGAIN, on_message=on_message)
+            errors = [m["content"]["evalue"] for m in messages if m["msg_type"] == "error"]
+            assert clicked and not errors, (run, errors)
+            shown = dash.wait_for(message_widget, "value", "saved step 7000", timeout=30)
+            assert "saved step 7000" in shown, (run, shown)
+        click(dash.kernel, save, subshell)  # idle: saved at once, the same step a third time
+        assert "the list shows" in dash.wait_for(message_widget, "value", "the list shows", timeout=30)
+        assert "saved step 7000" in dash.wait_for(message_widget, "value", "saved step 7000", timeout=30)
+    finally:  # the other tests save through the fixture's checkpointer again
+        dash.run("%%fsdp2\nfor checkpointer in again: checkpointer.close()\n"
+                 "ckpt.track(model=model, optimizer=optimizer)")
+    assert (dash.root / "again" / "step-007000").is_dir()
+
+
+def test_a_click_sent_to_the_main_shell_is_served_during_the_cell(dash):
+    """jupyter-distributed's proxy kernel forwards a click without its subshell id (the id names
+    a subshell of the proxy), as frontends without subshells send it: it must not wait for the
+    cell. The loop gives the save 10 s, then says it was not served."""
+    save = dash.comm_of(_model_name="ButtonModel", description="Save now")
+    clicked = []
+
+    def on_message(message):
+        if message["msg_type"] == "stream" and "waiting" in message["content"]["text"] and not clicked:
+            clicked.append(True)
+            click(dash.kernel, save, None)
+
+    code = ("%%fsdp2\ntrain_step(6000)\nprint('waiting', flush=True)\nserved = False\n"
+            "for _ in range(200):\n    served = ckpt.maybe_save(6000)\n    if served: break\n"
+            "    time.sleep(0.05)\nckpt.wait()\nprint('served during the cell' if served else 'not served')")
+    messages = dash.run(code, on_message=on_message)
+    outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+    assert clicked and "[all] served during the cell" in outputs, outputs
+    notes = [state.get("value", "") for _, state in dash.updates if "main shell" in str(state.get("value", ""))]
+    assert not notes, notes

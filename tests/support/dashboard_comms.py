@@ -85,9 +85,12 @@ def create_subshell(kernel: Kernel) -> str:
             return reply["content"]["subshell_id"]
 
 
-def click(kernel: Kernel, comm_id: str, subshell_id: str) -> None:
-    """What JupyterLab sends for a button click under its default commsOverSubshells setting."""
+def click(kernel: Kernel, comm_id: str, subshell_id: str | None) -> None:
+    """What JupyterLab sends for a button click under its default commsOverSubshells setting;
+    with `subshell_id` None, what a frontend without subshells, or a proxy kernel in between
+    (jupyter-distributed), sends: a click for the main shell."""
     message = kernel.client.session.msg("comm_msg", {"comm_id": comm_id,
                                                      "data": {"method": "custom", "content": {"event": "click"}}})
-    message["header"]["subshell_id"] = subshell_id
+    if subshell_id is not None:
+        message["header"]["subshell_id"] = subshell_id
     kernel.client.shell_channel.send(message)

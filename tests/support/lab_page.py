@@ -26,12 +26,17 @@ for step in range(1, 100_000):
     if ckpt.maybe_save(step):
         saved_at = step
     if rank == 0 and step % 25 == 0: print(f"step {step} loss {loss.item():.4f}", flush=True)
-    if os.path.exists(FLAG) or step > 6000:  # the test makes FLAG once it has seen what it checks
+    stop = torch.tensor(float(os.path.exists(FLAG) or step > 6000))  # the test makes FLAG once it has seen what it checks
+    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+    if stop.item():
         break
     time.sleep(0.01)
 ckpt.wait()
 """
-"""A training loop with maybe_save and fsdp2nb.log that ends when the test makes FLAG."""
+"""A training loop with maybe_save and fsdp2nb.log that ends when the test makes FLAG. The ranks
+agree on seeing FLAG (all_reduce): a rank that left the loop a step before the other would leave
+it in FSDP's all-gather until the collective timeout (600 s), the cell running long after rank 0
+had finished (issue 24's defect C)."""
 
 
 def _bytes(frame: str | bytes) -> bytes:

@@ -20,7 +20,7 @@ from fsdp2nb.checkpoint import (
 )
 from fsdp2nb.checkpoint import manager as manager_module
 from fsdp2nb.checkpoint.layout import METADATA_FILE, file_crc32, read_latest, read_metadata
-from fsdp2nb.checkpoint.requests import SaveRequests
+from fsdp2nb.checkpoint.requests import RequestOutcome, SaveRequests
 from fsdp2nb.checkpoint.staging import ReusedBufferStager
 from fsdp2nb.checkpoint.state import read_dcp_metadata
 from fsdp2nb.checkpoint.tracking import tracked_checkpointer
@@ -292,6 +292,32 @@ def test_maybe_save_serves_each_request_once(tmp_path, trained):
         assert ckpt.latest() == 1
     with pytest.raises(ValueError, match="request_id=0"):
         requests.post(0)
+
+
+def test_a_request_records_its_step_and_whether_it_committed(tmp_path, trained):
+    """What the dashboard follows: not LATEST, which names step 1 before a second save of step 1."""
+    model, optimizer = trained
+    requests = SaveRequests()
+    with Checkpointer(tmp_path, requests=requests) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer).save(1)
+        ckpt.wait()
+        first = requests.post()
+        assert ckpt.maybe_save(1)
+        assert requests.outcome().served == first and requests.outcome().step == 1
+        ckpt.wait()
+        assert requests.outcome() == RequestOutcome(served=first, step=1, committed=first, error=None)
+        first_state = next(iter(optimizer.state.values()))
+        first_state["unwritable"] = lambda: 0  # DCP cannot pickle it: the next save fails
+        second = requests.post()
+        try:
+            with pytest.raises(CheckpointSaveError):
+                ckpt.maybe_save(2)
+                ckpt.wait()
+        finally:
+            del first_state["unwritable"]
+        outcome = requests.outcome()
+        assert (outcome.served, outcome.step, outcome.committed) == (second, 2, first)
+        assert "save of step 2 failed" in outcome.error
 
 
 def test_lora_saves_only_trainable_state_and_restores_it(tmp_path):

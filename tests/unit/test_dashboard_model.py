@@ -26,12 +26,18 @@ def _gpu(rank: int, allocated: float, t: float = 1000.0, **extra) -> RankSnapsho
                         device_peak_bytes=int(allocated * GiB), device_total_bytes=80 * GiB, **extra)
 
 
-def _view(latest: int | None, served: int = 0, saving: int | None = None, steps=(2, 4)) -> CheckpointView:
+def _view(latest: int | None, served: int = 0, saving: int | None = None, steps=(2, 4),
+          committed: int | None = None, error: str | None = None) -> CheckpointView:
+    """`served` > 0: request `served` saves step `saving`, or `latest` once `committed` (by
+    default: when no save is in flight)."""
     entries = tuple(CheckpointEntry(step=s, path=f"/ckpt/run1/step-{s:06d}", wall_time=1.7e9, size_bytes=5 * 2**20,
                                     world_size=2, valid=True) for s in steps)
     status = CheckpointStatus(directory="/ckpt/run1", latest_step=latest, saving_step=saving, last_error=None,
                               entries=entries)
-    return CheckpointView(status=status, requests_served=served)
+    committed = (served if saving is None else 0) if committed is None else committed
+    return CheckpointView(status=status, requests_served=served,
+                          request_step=saving if saving is not None else latest if served else None,
+                          requests_committed=committed, request_error=error)
 
 
 def _model(world_size: int = 2, **facts) -> DashboardModel:
@@ -127,6 +133,52 @@ def test_save_request_is_followed_to_its_outcome():
     assert model.save_text == "saving step 7 ..."
     model.observe(_gpu(0, 1, checkpoint=_view(latest=7, served=1, steps=(2, 4, 7))))
     assert model.save_text == "saved step 7"
+
+
+def test_a_save_of_the_step_latest_already_names_is_followed_by_its_request():
+    """A notebook run again into the same directory: LATEST names step 4 before and after."""
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4, served=1)))
+    model.save_requested(2)
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4, served=2, saving=4)))
+    assert model.save_text == "saving step 4 ..."
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4, served=2, committed=2)))
+    assert model.save_text == "saved step 4" and not model.save_pending
+
+
+def test_a_served_request_not_yet_saving_is_not_called_saved():
+    """Served, its save not started yet (the ranks wait for an earlier one): LATEST is no sign."""
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
+    model.save_requested(1)
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=6, served=1, committed=0, steps=(2, 4, 6))))
+    assert model.save_pending and model.save_text.startswith("saving step 6")
+
+
+def test_a_failed_request_says_why_and_an_older_failure_does_not():
+    model = _model()
+    model.save_requested(1)
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4, served=1, saving=7, committed=0, error="disk full")))
+    assert model.save_text == "save failed: disk full" and not model.save_pending
+    model.save_requested(2)
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=8, served=2, steps=(2, 4, 8))))
+    assert model.save_text == "saved step 8"
+
+
+def test_the_same_outcome_twice_is_shown_twice():
+    """Saved step 4, then the action's own line, then saved step 4 again (a refresh may miss
+    the texts between): the panel ends on the outcome, not on the action's line."""
+    model = _model()
+    view = DashboardView(model, RecordingActions())
+    model.save_requested(1)
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4, served=1)))
+    view.refresh("ready")
+    assert "saved step 4" in view.message.value
+    view.message.value = "saved; the list shows the new step"  # what a click's action returned
+    model.save_requested(2, "saved; the list shows the new step")
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4, served=2)))
+    view.refresh("ready")
+    assert "saved step 4" in view.message.value
 
 
 def _save_progress(rank: int, done_mib: int, finished: bool = False) -> TaskProgress:
