@@ -125,3 +125,44 @@ def test_a_plain_trainer_with_the_callback_says_to_use_trainer_for(tmp_path):
     path = save_tiny_checkpoint(tmp_path / "model", "llama")
     messages = run_ranks(_plain_trainer_error, 2, str(path), str(tmp_path / "out"))
     assert all("fsdp2nb.trainer_for(Trainer)" in m and "\n" not in m for m in messages), messages
+
+
+def _sft_lora(path: str, root: str) -> dict:
+    from datasets import Dataset
+    from torch.distributed.tensor import DTensor
+    from trl import SFTConfig, SFTTrainer
+
+    import fsdp2nb
+    from fsdp2nb.engine.loader import load_processor
+
+    tokenizer = load_processor(path)
+    texts = Dataset.from_dict({"text": [f"the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(32)]})
+    losses: list[dict[int, float]] = []
+    for resume in (None, f"{root}/sft/checkpoint-2"):
+        model = _load(path, lora=True)
+        args = SFTConfig(output_dir=f"{root}/sft", max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+                         save_strategy="steps", save_steps=2, report_to="none", use_cpu=True, logging_steps=1,
+                         disable_tqdm=True, max_length=32, seed=0)
+        trainer = fsdp2nb.trainer_for(SFTTrainer)(model=model, args=args, train_dataset=texts,
+                                                  processing_class=tokenizer)
+        trainer.train(resume_from_checkpoint=resume)
+        losses.append({e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e})
+    trainer.save_model(f"{root}/sft-final")
+    return dict(losses=losses, sharded=all(isinstance(p, DTensor) for p in model.parameters()),
+                adapter={n: p.full_tensor() for n, p in model.named_parameters() if "lora_" in n})
+
+
+@pytest.mark.timeout(400)
+def test_sft_trainer_with_lora_trains_sharded_resumes_and_saves_an_adapter(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_checkpoint(tmp_path / "model", "llama")
+    first = run_ranks(_sft_lora, 2, str(path), str(tmp_path))[0]
+    uninterrupted, resumed = first["losses"]
+    # the resumed run's log_history starts with the checkpoint's (steps 1, 2), then logs step 3 anew
+    assert first["sharded"] and sorted(uninterrupted) == sorted(resumed) == [1, 2, 3]
+    assert resumed[3] == pytest.approx(uninterrupted[3], rel=1e-5)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), tmp_path / "sft-final")
+    params = dict(loaded.named_parameters())
+    assert first["adapter"] and all(torch.allclose(params[n], t, atol=1e-6) for n, t in first["adapter"].items())
