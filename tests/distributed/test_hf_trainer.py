@@ -166,3 +166,26 @@ def test_sft_trainer_with_lora_trains_sharded_resumes_and_saves_an_adapter(tmp_p
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), tmp_path / "sft-final")
     params = dict(loaded.named_parameters())
     assert first["adapter"] and all(torch.allclose(params[n], t, atol=1e-6) for n, t in first["adapter"].items())
+
+
+def _losses_with_accumulation(path: str, out_dir: str) -> list[list[float]]:
+    from transformers import Trainer, TrainingArguments
+
+    import fsdp2nb
+
+    runs = []
+    for batch_size, accumulation in ((4, 1), (2, 2)):
+        args = TrainingArguments(output_dir=out_dir, max_steps=3, per_device_train_batch_size=batch_size,
+                                 gradient_accumulation_steps=accumulation, learning_rate=1e-2, save_strategy="no",
+                                 report_to="none", use_cpu=True, logging_steps=1, disable_tqdm=True, seed=0)
+        trainer = fsdp2nb.trainer_for(Trainer)(model=_load(path, lora=False), args=args, train_dataset=_data())
+        trainer.train()
+        runs.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    return runs
+
+
+@pytest.mark.timeout(300)
+def test_gradient_accumulation_matches_the_bigger_batch(tmp_path):
+    path = save_tiny_checkpoint(tmp_path / "model", "llama")
+    whole, accumulated = run_ranks(_losses_with_accumulation, 2, str(path), str(tmp_path / "out"))[0]
+    assert len(whole) == 3 and accumulated == pytest.approx(whole, rel=1e-4)
