@@ -1,7 +1,7 @@
 """fsdp2nb: persistent FSDP2 ranks behind a %%fsdp2 cell magic.
 
 `%load_ext fsdp2nb` registers the magics and imports no torch: the engine and checkpoint names
-below (and `TrainerCallback`, for a Hugging Face Trainer) are resolved on first use, so loading the extension costs milliseconds.
+below (and `TrainerCallback`, `trainer_for`, for a Hugging Face Trainer) are resolved on first use, so loading the extension costs milliseconds.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from typing import Any
 __all__ = [
     "Checkpointer",
     "FSDP2Engine",
+    "FSDP2TrainerMixin",
     "TrainerCallback",
     "clip_grad_norm_",
     "export_hf",
     "load_ipython_extension",
     "load_model",
     "log",
+    "trainer_for",
     "unload_ipython_extension",
 ]
 
@@ -29,6 +31,8 @@ _LAZY_NAMES = {
     "Checkpointer": "fsdp2nb.checkpoint",
     "TrainerCallback": "fsdp2nb.engine.trainer_callback",
     "export_hf": "fsdp2nb.checkpoint.hf_export",
+    "FSDP2TrainerMixin": "fsdp2nb.engine.hf_trainer",
+    "trainer_for": "fsdp2nb.engine.hf_trainer",
     "log": "fsdp2nb.worker.metrics",
 }
 _session = None

@@ -352,7 +352,82 @@ print("generated:", tokenizer.decode(generated[0], skip_special_tokens=True))"""
     ("code", "%fsdp2 stop"),
 ]
 
-NOTEBOOKS = {"quickstart.ipynb": QUICKSTART, "checkpoints.ipynb": CHECKPOINTS, "finetune_gpu.ipynb": FINETUNE_GPU}
+SFT_TRAINER = [
+    ("markdown", """# TRL's SFTTrainer on sharded ranks
+
+A model from `fsdp2nb.load_model` is already sharded with FSDP2. `fsdp2nb.trainer_for(SFTTrainer)`
+(or `trainer_for(Trainer)`) gives a trainer class that trains it as it is, without wrapping it
+again, and writes its checkpoints and `save_model` shard-wise: no rank gathers the whole model.
+`fsdp2nb.TrainerCallback()` sends Trainer's logs to the dashboard's curve, and its Save and Stop
+buttons to Trainer. Here: LoRA on a tiny Llama-style model, 2 CPU ranks, a few steps; on GPUs
+`%fsdp2 start` (one rank per GPU) and a real model run the same cells."""),
+    ("code", """%load_ext fsdp2nb
+
+import tempfile
+from pathlib import Path
+
+from fsdp2nb.examples import save_tiny_llama
+
+workdir = Path(tempfile.mkdtemp(prefix="fsdp2nb-sft-"))
+model_dir = save_tiny_llama(workdir / "tiny-llama")
+out_dir, export_dir = workdir / "sft", workdir / "export"
+print("model:", model_dir)"""),
+    ("code", "%fsdp2 start --cpu 2\n%fsdp2 push model_dir out_dir export_dir", "start"),
+    ("markdown", """## Train with LoRA
+
+Every rank builds the same trainer; TRL tokenizes the `text` column. Trainer saves a checkpoint
+every 4 steps: the adapter in Hugging Face format, and the adapter with its optimizer state as a
+distributed checkpoint (`fsdp2nb_dcp/`), which is what a resume reads."""),
+    ("code", """%%fsdp2
+from datasets import Dataset
+from peft import LoraConfig
+from trl import SFTConfig, SFTTrainer
+
+import fsdp2nb
+from fsdp2nb.examples import sample_text
+
+def make_trainer(max_steps):
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
+    model, tokenizer = fsdp2nb.load_model(model_dir, lora=lora, engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32"))
+    sentences = [s.strip() + "." for s in sample_text().split(".") if s.strip()]
+    args = SFTConfig(output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=4,
+                     learning_rate=5e-3, max_length=64, logging_steps=1, save_steps=4, report_to="none",
+                     use_cpu=device.type == "cpu", disable_tqdm=True)
+    return fsdp2nb.trainer_for(SFTTrainer)(model=model, args=args, processing_class=tokenizer,
+                                           train_dataset=Dataset.from_dict({"text": sentences}),
+                                           callbacks=[fsdp2nb.TrainerCallback()])
+
+trainer = make_trainer(max_steps=8)
+trainer.train()
+if rank == 0:
+    losses = [round(e["loss"], 3) for e in trainer.state.log_history if "loss" in e]
+    print("losses:", losses)
+    print("checkpoints:", sorted(p.name for p in out_dir.glob("checkpoint-*")))""", "train"),
+    ("markdown", "What `fsdp2nb.TrainerCallback` logged is the dashboard's curve; `%fsdp2 metrics` gives it as a table."),
+    ("code", """metrics = %fsdp2 metrics  # a pandas DataFrame: rank, step, time and each logged value
+print("steps with a loss on the dashboard:", sorted(metrics.dropna(subset=["loss"])["step"].unique().tolist()))""", "metrics"),
+    ("markdown", """## Save, resume
+
+`trainer.save_model` writes the adapter (`adapter_model.safetensors`, `adapter_config.json`) and the
+tokenizer. A new trainer on a freshly loaded model resumes from the latest checkpoint: the adapter,
+its optimizer state, the scheduler and the data order continue from step 8."""),
+    ("code", """%%fsdp2
+trainer.save_model(str(export_dir))
+trainer = make_trainer(max_steps=12)
+trainer.train(resume_from_checkpoint=True)
+if rank == 0:
+    print("exported:", sorted(p.name for p in export_dir.iterdir()))
+    print("resumed, now at step", trainer.state.global_step)""", "resume"),
+    ("markdown", "The export is an ordinary peft adapter: it loads here, in the notebook's kernel, without ranks."),
+    ("code", """from peft import AutoPeftModelForCausalLM
+
+model = AutoPeftModelForCausalLM.from_pretrained(export_dir)
+print("loaded:", type(model).__name__, "with adapter", model.active_adapter)""", "load"),
+    ("code", "%fsdp2 stop"),
+]
+
+NOTEBOOKS = {"quickstart.ipynb": QUICKSTART, "checkpoints.ipynb": CHECKPOINTS, "finetune_gpu.ipynb": FINETUNE_GPU,
+             "sft_trainer.ipynb": SFT_TRAINER}
 
 
 def build(cells: list[tuple]) -> nbformat.NotebookNode:

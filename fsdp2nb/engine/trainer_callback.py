@@ -47,6 +47,7 @@ class TrainerCallback(transformers.TrainerCallback):
 
     def on_init_end(self, args, state, control, **kwargs: Any):
         _check_report_to(args)
+        _check_trainer_class(kwargs.get("model"))
         return control
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
@@ -100,6 +101,16 @@ def _check_world_size(args) -> None:
     if args.world_size != world_size:
         raise ValueError(f"TrainingArguments has world_size={args.world_size} but the process group has "
                          f"{world_size} ranks: build TrainingArguments inside the %%fsdp2 cell, on every rank")
+
+
+def _check_trainer_class(model) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp2nb.engine.hf_trainer import is_building_fsdp2_trainer
+
+    if isinstance(model, FSDPModule) and not is_building_fsdp2_trainer(model):
+        raise ValueError("this model is sharded with FSDP2 (fsdp2nb.load_model) and a plain Trainer would wrap it "
+                         "in DDP: build the trainer with fsdp2nb.trainer_for(Trainer)(...) (or trainer_for(SFTTrainer))")
 
 
 def _check_report_to(args) -> None:

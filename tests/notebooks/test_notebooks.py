@@ -106,3 +106,16 @@ def test_finetune_gpu_notebook_runs_its_cpu_variant(tmp_path):
     assert "offloaded to CPU memory: False" in tagged_text(notebook, "full")
     assert "model.safetensors.index.json" in tagged_text(notebook, "export")
     assert re.search(r"^generated: The light.", tagged_text(notebook, "generate"), re.MULTILINE)
+
+
+@pytest.mark.timeout(900)
+def test_sft_trainer_notebook_trains_logs_saves_and_resumes(tmp_path):
+    notebook = _run("sft_trainer.ipynb", tmp_path, {})
+    train = tagged_text(notebook, "train")
+    losses = [float(x) for x in re.search(r"losses: \[([^\]]*)\]", train).group(1).split(",")]
+    assert len(losses) == 8 and losses[-1] < losses[0], train
+    assert "checkpoints: ['checkpoint-4', 'checkpoint-8']" in train
+    assert "steps with a loss on the dashboard: [1, 2, 3, 4, 5, 6, 7, 8]" in tagged_text(notebook, "metrics")
+    resume = tagged_text(notebook, "resume")
+    assert "adapter_model.safetensors" in resume and "resumed, now at step 12" in resume, resume
+    assert "loaded: PeftModelForCausalLM with adapter default" in tagged_text(notebook, "load")
