@@ -192,6 +192,13 @@ class FSDP2Magics(Magics):
             %fsdp2 restart [--cpu 2]                # fresh pool, rank state is lost
             %fsdp2 stop
 
+        Kept pools outlive the kernel (docs/usage.md, "Kept pools")::
+
+            %fsdp2 start --cpu 2 --keep [--name NAME] [--keep-for 2h|30m|90s|none]
+            %fsdp2 pools                            # this user's kept pools (x = %fsdp2 pools: a list)
+            %fsdp2 attach [NAME] [--take]           # hold one from this kernel; names on the ranks are there
+            %fsdp2 detach                           # let go; the pool runs on
+
         `pull` on a line of its own defines the names in the notebook, as `push` does on the
         ranks; used as a value (`y = %fsdp2 pull NAME`; several names give a tuple) it returns
         the value and sets no name.
