@@ -260,3 +260,17 @@ def test_interrupt_acts_on_a_run_of_the_lost_kernel(kernels, tmpdir_env):
     b.execute("%fsdp2 wait", timeout=60)
     assert b.execute("%%fsdp2\nprint('free')").stdout == "[all] free\n"
     assert b.execute("%fsdp2 stop").status == "ok"
+
+
+def test_a_kernel_shut_down_lets_go_of_its_kept_pool(kernels, tmpdir_env):
+    a = kernels()
+    assert a.execute("%%fsdp2 --cpu 2 --keep --name calm\nz = 'kept'").status == "ok"
+    agent = _agent_pid(tmpdir_env["TMPDIR"], "calm")
+    a.stop()  # a shutdown runs the extension's exit hook: it lets go, it does not end the pool
+    b = kernels()
+    assert b.execute("%fsdp2 pools").stdout.startswith("calm: --cpu 2, detached")
+    run = b.execute("%fsdp2 attach calm")  # with the dashboard this time
+    assert run.status == "ok", run.stderr + run.traceback_text
+    assert b.execute("%%fsdp2\nprint(z)").stdout == "[all] kept\n"
+    assert b.execute("%fsdp2 stop").status == "ok"
+    assert _gone(agent)
