@@ -13,7 +13,9 @@
 - On 2 ranks: the stop button until the cell has ended (KeyboardInterrupt on every rank), and a
   rank's death or its host agent's until the cell has ended (the pool restarted from the standby
   within it), also as a ratio to the cold start.
-Run: .venv/bin/python benchmarks/bench_pool.py [--runs 100] [--only-starts]
+- Attach: `%fsdp2 attach` of a kept 2-rank pool holding a model (its kernel killed), beside what
+  it replaces: a cold start plus loading the same model from disk again.
+Run: .venv/bin/python benchmarks/bench_pool.py [--runs 100] [--only-starts] [--only-attach]
 """
 
 from __future__ import annotations
@@ -206,12 +208,58 @@ def print_starts(starts: dict[int, tuple[list[float], list[float], list[float]]]
           " restart/cold <= 0.25")
 
 
+_MODEL_CELL = """%%fsdp2
+import torch
+state = torch.load({path!r}, mmap=False)
+model = torch.nn.Sequential(*[torch.nn.Linear({width}, {width}) for _ in range({depth})])
+model.load_state_dict(state)
+"""
+
+
+def attach_vs_reload_s(width: int = 1024, depth: int = 24) -> tuple[float, float, float]:
+    """Attach of a kept pool with a model loaded, against a cold start plus the model's load.
+
+    Returns the attach, the cold start and the load, in seconds."""
+    import signal
+
+    root = tempfile.mkdtemp(prefix="kp-bench-")
+    path = os.path.join(root, "model.pt")
+    env = {"TMPDIR": root, "CUDA_VISIBLE_DEVICES": ""}
+    subprocess.run([sys.executable, "-c", "import torch; torch.save(torch.nn.Sequential(*[torch.nn.Linear("
+                    f"{width}, {width}) for _ in range({depth})]).state_dict(), {path!r})"], check=True)
+    first = Kernel(env=env)
+    try:
+        first.execute("%load_ext fsdp2nb")
+        started = time.perf_counter()
+        assert first.execute("%fsdp2 start --cpu 2 --keep --name bench --no-dashboard").status == "ok"
+        cold_s = time.perf_counter() - started
+        load_s = cell_ms(first, _MODEL_CELL.format(path=path, width=width, depth=depth)) / 1000
+        os.kill(first.pid, signal.SIGKILL)
+    finally:
+        first.stop()
+    second = Kernel(env=env)
+    try:
+        second.execute("%load_ext fsdp2nb")
+        attach_s = cell_ms(second, "%fsdp2 attach bench --no-dashboard") / 1000
+        assert second.execute("%%fsdp2\nmodel").status == "ok"
+        second.execute("%fsdp2 stop")
+    finally:
+        second.stop()
+    return attach_s, cold_s, load_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--starts", type=int, default=3)
     parser.add_argument("--only-starts", action="store_true", help="only the cold start and warm restart rows")
+    parser.add_argument("--only-attach", action="store_true", help="only the attach of a kept pool")
     args = parser.parse_args()
+    attach_s, cold_s, load_s = attach_vs_reload_s()
+    print(f"kept pool, 2 CPU ranks, a 24 x Linear(1024) model (100 MB) loaded: attach {attach_s:.2f} s; "
+          f"it replaces a cold start {cold_s:.2f} s + reload {load_s:.2f} s ({attach_s / (cold_s + load_s):.2f}x)")
+    if args.only_attach:
+        return
     kernel = Kernel()
     rows = []
     starts = {}

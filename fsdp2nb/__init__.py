@@ -58,11 +58,11 @@ def load_ipython_extension(ipython) -> None:
 
     if _session is None:
         _session = NotebookSession()
-        atexit.register(_session.stop)
+        atexit.register(_session.release)  # a kept pool is let go of, not ended
     ipython.register_magics(FSDP2Magics(ipython, _session))
 
 
 def unload_ipython_extension(ipython) -> None:
-    """Stop the pool; the magics stay registered but start a new pool on next use."""
+    """Stop the pool (let go of a kept one); the magics stay registered but start a new pool on next use."""
     if _session is not None:
-        _session.stop()
+        _session.release()

@@ -274,6 +274,17 @@ def start_background_run(runs: BackgroundRuns, wait: RequestWait, request: Contr
     thread.start()
 
 
+def resume_background_run(runs: BackgroundRuns, wait: RequestWait, run: BackgroundRun) -> None:
+    """Wait here for a run a lost kernel started (a kept pool): its request was sent already."""
+    shell = _shell()
+    parent = shell.get_parent() if hasattr(shell, "get_parent") else None
+    wait.pool.mark_busy(wait.progress.ranks)
+    runs.add(run)
+    thread = threading.Thread(target=_run, args=(wait, run, shell, parent), daemon=True,
+                              name=f"fsdp2nb-run-{run.execution_count}")
+    thread.start()
+
+
 def _run(wait: RequestWait, run: BackgroundRun, shell, parent) -> None:  # noqa: ANN001
     """The runner: the blocking cell's wait, on this thread. Its events come through the pool's
     receiving thread, its output goes to this thread's parent cell."""

@@ -15,6 +15,7 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.output import notebook_color_scheme
 from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
+from fsdp2nb.pool.kept import DEFAULT_KEEP_FOR_S, KeepOptions, default_pool_name, parse_keep_for
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, parse_rank_list, spec_from_options
 from fsdp2nb.wire.protocol import (
@@ -27,7 +28,7 @@ from fsdp2nb.wire.protocol import (
 )
 
 _COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
-             "wait", "interrupt", "debug")
+             "wait", "interrupt", "debug", "pools", "attach", "detach")
 _WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load", "debug"))
 """Commands that need the ranks, so wait for a background run as a later cell does."""
 _REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError"))
@@ -52,6 +53,30 @@ def _add_pool_options(parser: argparse.ArgumentParser) -> None:
                        help="this host's address on the cluster network (default: found from the route)")
 
 
+def _add_keep_options(parser: argparse.ArgumentParser, *, with_name: bool) -> None:
+    """The options that keep a pool beyond its kernel, shared by `%%fsdp2` and `start`."""
+    group = parser.add_argument_group("kept pools")
+    group.add_argument("--keep", action="store_true",
+                       help="the ranks outlive this kernel; `%%fsdp2 attach NAME` in another kernel uses them")
+    if with_name:  # on a %%fsdp2 line, --name is shared with --bg (see _keep_options)
+        group.add_argument("--name", metavar="NAME", help="with --keep: the pool's name (default pool-N)")
+    group.add_argument("--keep-for", metavar="DURATION",
+                       help="with --keep: unheld and idle this long (90s, 30m, 2h, none), the pool ends (default 1h)")
+
+
+def _keep_options(options, *, cell: bool = False) -> KeepOptions | None:
+    """`--keep [--name NAME] [--keep-for DURATION]` as options; None without --keep."""
+    if not options.keep:
+        if options.keep_for is not None:
+            raise UsageError("--keep-for applies to a kept pool: add --keep")
+        return None
+    if cell and options.bg and options.name is not None:
+        raise UsageError("--name is ambiguous with both --bg and --keep; start the kept pool first "
+                         "(`%fsdp2 start --keep --name NAME`), then run the cell with --bg --name")
+    keep_for = parse_keep_for(options.keep_for) if options.keep_for is not None else DEFAULT_KEEP_FOR_S
+    return KeepOptions(name=options.name or default_pool_name(), keep_for_s=keep_for)
+
+
 def _parser(prog: str, description: str) -> MagicArgumentParser:
     return MagicArgumentParser(prog=prog, description=description, add_help=False)
 
@@ -74,13 +99,20 @@ def _cell_parser() -> MagicArgumentParser:
     _add_pool_options(parser)
     parser.add_argument("--ranks", metavar="R,..", help="run on these ranks only, e.g. 0 or 0,2 or 1-3")
     parser.add_argument("--bg", action="store_true", help="run in the background: return a handle at once")
-    parser.add_argument("--name", metavar="NAME", help="with --bg: bind the run's handle to NAME")
+    parser.add_argument("--name", metavar="NAME",
+                        help="with --bg: bind the run's handle to NAME; with --keep: the pool's name")
+    _add_keep_options(parser, with_name=False)
     return parser
 
 
 def _line_parsers() -> dict[str, MagicArgumentParser]:
     parsers = {name: _parser(f"%fsdp2 {name}", "") for name in _COMMANDS}
     _add_pool_options(parsers["start"])
+    _add_keep_options(parsers["start"], with_name=True)
+    parsers["attach"].add_argument("name", nargs="?", default=None, metavar="NAME",
+                                   help="the kept pool (default: the only one)")
+    parsers["attach"].add_argument("--take", action="store_true", help="take it from the kernel that holds it")
+    parsers["attach"].add_argument("--no-dashboard", action="store_true", help="do not show the dashboard")
     _add_pool_options(parsers["restart"])
     parsers["push"].add_argument("names", nargs="+", metavar="NAME")
     parsers["pull"].add_argument("names", nargs="+", metavar="NAME", help="names on the ranks to pull")
@@ -159,6 +191,13 @@ class FSDP2Magics(Magics):
             %fsdp2 restart [--cpu 2]                # fresh pool, rank state is lost
             %fsdp2 stop
 
+        Kept pools outlive the kernel (docs/usage.md, "Kept pools")::
+
+            %fsdp2 start --cpu 2 --keep [--name NAME] [--keep-for 2h|30m|90s|none]
+            %fsdp2 pools                            # this user's kept pools (x = %fsdp2 pools: a list)
+            %fsdp2 attach [NAME] [--take]           # hold one from this kernel; names on the ranks are there
+            %fsdp2 detach                           # let go; the pool runs on
+
         `pull` defines the names in the notebook, as `push` does on the ranks, and returns None
         (so `y = %fsdp2 pull x` sets x, and y to None). With `--value` it defines no name and
         returns the value instead (several names give a tuple, `--all` a dict rank -> value).
@@ -189,8 +228,9 @@ class FSDP2Magics(Magics):
 
     def _run_cell(self, line: str, cell: str):
         options = _cell_options(line)
-        if options.bg or options.name is not None:
-            return self._run_in_background(options, cell)
+        keep = _keep_options(options, cell=True)
+        if options.bg or (options.name is not None and keep is None):
+            return self._run_in_background(options, cell, keep)
         spec = _spec_or_none(options)
         spec = self._with_running_devices(spec, options)
         world_size = self.session.pool.world_size if self.session.pool and spec is None else None
@@ -199,13 +239,13 @@ class FSDP2Magics(Magics):
         if not cell.strip():
             cell = ""
         starting = self.session.pool is None
-        pool = self.session.pool_for(spec, default_spec)
+        pool = self.session.pool_for(spec, default_spec, keep)
         if starting and not options.no_dashboard:
             self._dashboard().show()  # under the cell that starts the pool, above its output
         self.session.run_cell(pool, cell, ranks)
         self._serve_dashboard_save(pool)
 
-    def _run_in_background(self, options, cell: str):
+    def _run_in_background(self, options, cell: str, keep: KeepOptions | None = None):
         """`%%fsdp2 --bg`: start the run and return its handle (bound to --name if given)."""
         from fsdp2nb.frontend.background import BackgroundRun, check_run_name, start_background_run
         from fsdp2nb.frontend.notebook_input import refuse_in_background
@@ -213,7 +253,7 @@ class FSDP2Magics(Magics):
         if not options.bg:
             raise UsageError("--name names a background run; use it with --bg")
         check_run_name(options.name)
-        pool = self.session.pool_for(self._with_running_devices(_spec_or_none(options), options), default_spec)
+        pool = self.session.pool_for(self._with_running_devices(_spec_or_none(options), options), default_spec, keep)
         ranks = parse_rank_list(options.ranks, pool.world_size) if options.ranks else tuple(range(pool.world_size))
         code = cell if cell.strip() else ""
         transformed = transform_and_check(code)
@@ -261,16 +301,46 @@ class FSDP2Magics(Magics):
         return PoolSpec(devices=base.devices, collective_timeout_s=spec.collective_timeout_s, placement=base.placement)
 
     def _command_start(self, options) -> None:
-        pool = self.session.start(self._with_running_devices(_spec_or_none(options), options) or default_spec())
-        print(f"started {pool.world_size} ranks ({pool.spec.describe()})")
+        keep = _keep_options(options)
+        pool = self.session.start(self._with_running_devices(_spec_or_none(options), options) or default_spec(), keep)
+        print(f"started {pool.world_size} ranks ({pool.spec.describe()})"
+              + (f", kept as {keep.name!r}: `%fsdp2 attach {keep.name}` in another kernel uses it" if keep else ""))
         if not options.no_dashboard:
             self._dashboard().show()
+
+    def _command_pools(self, options):
+        """This user's kept pools: a list (`x = %fsdp2 pools`) that shows as one line per pool."""
+        from fsdp2nb.pool.kept import list_pools
+
+        return list_pools()
+
+    def _command_attach(self, options) -> None:
+        from fsdp2nb.pool.kept import log_tails
+
+        pool, run = self.session.attach(options.name, take=options.take)
+        print(f"attached kept pool {pool.keep.name!r}: {pool.world_size} ranks ({pool.spec.describe()}), "
+              "rank state as it was")
+        for rank, lines in log_tails(pool.log_dir, pool.world_size).items():
+            if lines:
+                print(f"last lines of rank {rank}'s log ({pool.log_dir}/rank-{rank}.log):")
+                print("\n".join(f"  {line}" for line in lines))
+        if run is not None:
+            print(f"{run.label} is still running on the ranks; `%fsdp2 wait` waits for it, "
+                  "`%fsdp2 interrupt` stops it")
+        if not options.no_dashboard:
+            self._dashboard().show()
+
+    def _command_detach(self, options) -> None:
+        name = self.session.detach()
+        print(f"detached: kept pool {name!r} runs on; `%fsdp2 attach {name}` in any kernel of yours uses it")
 
     def _command_restart(self, options) -> None:
         pool = self.session.restart(self._with_running_devices(_spec_or_none(options), options))
         print(f"restarted: {pool.world_size} fresh ranks ({pool.spec.describe()}); rank state was cleared")
 
     def _command_stop(self, options) -> None:
+        with self.session.lifecycle_lock:
+            self.session.check_held()  # a pool another kernel took is not this kernel's to end
         print("pool stopped" if self.session.stop() else "no pool is running")
 
     def _command_status(self, options) -> None:
@@ -365,6 +435,8 @@ class FSDP2Magics(Magics):
                                  lambda cell_id: RunCommand(cell_id=cell_id, command=command))
 
     def _running_pool(self) -> WorkerPool:
+        with self.session.lifecycle_lock:
+            self.session.check_held()
         pool = self.session.pool
         if pool is None or pool.state != "ready":
             raise UsageError("no pool is running; start one with `%fsdp2 start --cpu N` or a %%fsdp2 cell")

@@ -15,15 +15,17 @@ import threading
 import time
 from collections.abc import Callable
 
-from fsdp2nb.frontend.background import BackgroundRuns
+from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.errors import RankError, alarm
 from fsdp2nb.frontend.notebook_input import ask_notebook
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
+from fsdp2nb.pool.kept import KeepOptions, PoolHeldError, list_pools
 from fsdp2nb.pool.launcher import LocalLauncher
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool, describe_exit
 from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.kept import RankWork, read_activity
 from fsdp2nb.wire.protocol import ControlMessage, PostMortem, PullValue, PushValues, RunCell
 from fsdp2nb.wire.sigint import sigint_noted
 
@@ -65,17 +67,24 @@ class NotebookSession:
         one across hosts through the engine its spec names."""
         return WorkerPool(spec, launcher=self.launcher if spec.placement is None else None)
 
-    def start(self, spec: PoolSpec) -> WorkerPool:
+    def start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> WorkerPool:
         with self.lifecycle_lock:
-            return self._start(spec)
+            return self._start(spec, keep)
 
-    def _start(self, spec: PoolSpec) -> WorkerPool:
+    def _start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> WorkerPool:
         if self.pool is not None and self.pool.state in ("ready", "starting"):
             raise PoolMismatchError(
                 f"a pool ({self.pool.spec.describe()}) is already running; `%fsdp2 restart` replaces it")
+        if keep is not None:
+            check_keepable(spec)
         self.stop(keep_standby=True)
         started = time.perf_counter()
-        pool = self._pool_factory(spec)
+        if keep is None:
+            pool = self._pool_factory(spec)
+        elif self.launcher is not None:
+            pool = WorkerPool(spec, launcher=self.launcher, keep=keep)
+        else:
+            raise PoolMismatchError("--keep needs the session's own launcher (this session was given a pool factory)")
         pool.start()
         self.pool = pool
         for note in pool.start_notes:
@@ -84,6 +93,16 @@ class NotebookSession:
         if self.launcher is not None and spec.placement is None:
             self.launcher.start_standby()  # the next restart forks from it (see pool/launcher.py)
         return pool
+
+    def release(self) -> None:
+        """At the kernel's exit (or the extension's unload): let go of a kept pool, which goes on
+        running; stop any other. Safe to call twice."""
+        with self.lifecycle_lock:
+            pool = self.pool
+            if pool is not None and getattr(pool, "keep", None) is not None:
+                self.pool = None
+                pool.detach()
+        self.stop()
 
     def stop(self, *, polite: bool = True, keep_standby: bool = False) -> bool:
         """Stop the pool if there is one; returns whether there was. Safe to call twice.
@@ -101,27 +120,109 @@ class NotebookSession:
         return True
 
     def restart(self, spec: PoolSpec | None = None) -> WorkerPool:
+        """A fresh pool; a kept one stays kept, under its name."""
         with self.lifecycle_lock:
             spec = spec or (self.pool.spec if self.pool else None)
             if spec is None:
                 raise PoolMismatchError("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
+            keep = self.check_held()
             self.stop(keep_standby=True)
-            return self._start(spec)
+            return self._start(spec, keep)
 
-    def pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec]) -> WorkerPool:
+    def check_held(self) -> KeepOptions | None:
+        """The running pool's keep options; PoolMismatchError (and this kernel lets go) if another
+        kernel took it."""
+        pool = self.pool
+        if pool is None or getattr(pool, "keep", None) is None:  # (a test's fake pool keeps nothing)
+            return None
+        if not pool.held_here():
+            note = pool.holder_note()
+            self.pool = None
+            pool.release()
+            raise PoolMismatchError(f"kept pool {pool.keep.name!r} was taken by {note}; "
+                                    f"`%fsdp2 attach {pool.keep.name} --take` takes it back")
+        return pool.keep
+
+    # --- kept pools ---------------------------------------------------------------------------
+
+    def attach(self, name: str | None, *, take: bool = False) -> tuple[WorkerPool, BackgroundRun | None]:
+        """Hold the kept pool `name` (None: the only one) from this kernel; its background run,
+        if one is going, gets a handle here. Raises PoolMismatchError with one line, nothing changed."""
+        with self.lifecycle_lock:
+            if self.pool is not None and self.pool.state in ("ready", "starting", "broken"):
+                if self.pool.keep is not None and self.pool.keep.name == name and self.pool.held_here():
+                    raise PoolMismatchError(f"this kernel holds kept pool {name!r} already")
+                raise PoolMismatchError(f"this kernel runs a pool already ({self.pool.spec.describe()}); "
+                                        "`%fsdp2 detach` (a kept pool) or `%fsdp2 stop` first")
+            name = name or _only_pool_name()
+            try:
+                pool = WorkerPool.attach(name, take=take)
+            except (ValueError, PoolHeldError, PermissionError) as error:
+                raise PoolMismatchError(str(error)) from None
+            except PoolStartError as error:
+                raise PoolMismatchError(f"kept pool {name!r} did not answer: {error}") from None
+            self.stop(keep_standby=True)  # nothing to stop: drops a dead pool's leftovers
+            self.pool = pool
+            work = read_activity(str(pool.kept_directory))
+            self._cell_ids = itertools.count(max((slot.last_cell_id for slot in work), default=0) + 1)
+            return pool, self._resume_run(pool, work)
+
+    def _resume_run(self, pool: WorkerPool, work: list[RankWork]) -> BackgroundRun | None:
+        """A run the ranks are still busy with (a `--bg` cell of the kernel that was lost): wait
+        for its replies here. Ranks mark a run ended before replying, so every rank still marked
+        running now replies to this kernel."""
+        running = {rank: slot for rank, slot in enumerate(work) if slot.running_cell_id is not None}
+        if not running:
+            return None
+        from fsdp2nb.frontend.background import resume_background_run
+        from fsdp2nb.frontend.notebook_input import refuse_in_background
+
+        first = next(iter(running.values()))
+        ranks = tuple(rank for rank, slot in running.items() if slot.running_cell_id == first.running_cell_id)
+        run = BackgroundRun(ranks=ranks, execution_count=first.execution_count)
+        wait = RequestWait(pool, first.running_cell_id, ranks, recover=self._restart_after_failure,
+                           ask_input=refuse_in_background, stop_presses=run.stops,
+                           on_rank_finished=run.rank_finished)
+        resume_background_run(self.background, wait, run)
+        return run
+
+    def detach(self) -> str:
+        """Let go of the kept pool: it runs on, for `%fsdp2 attach` in any kernel. Returns its name."""
+        with self.lifecycle_lock:
+            keep = self.check_held()
+            if self.pool is None:
+                raise PoolMismatchError("no pool is running, so there is nothing to detach")
+            if keep is None:
+                raise PoolMismatchError("the running pool is not kept: it ends with this kernel "
+                                        "(`%fsdp2 start --keep` starts one that outlives it)")
+            active = self.background.active
+            if active is not None:
+                raise PoolMismatchError(f"{active.label} runs in this kernel; `%fsdp2 wait` for it first "
+                                        "(if this kernel ends instead, the run goes on in the kept pool)")
+            pool, self.pool = self.pool, None
+            pool.detach()
+            return keep.name
+
+    def pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec],
+                 keep: KeepOptions | None = None) -> WorkerPool:
         """The running pool if it matches `spec` (None: any), else a new one. Never drops state silently."""
         with self.lifecycle_lock:
-            return self._pool_for(spec, default)
+            return self._pool_for(spec, default, keep)
 
-    def _pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec]) -> WorkerPool:
+    def _pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec],
+                  keep: KeepOptions | None = None) -> WorkerPool:
+        self.check_held()
         pool = self.pool
+        if pool is not None and keep is not None and pool.keep is None:
+            raise PoolMismatchError("this cell asks for a kept pool but the running one is not kept; "
+                                    "`%fsdp2 stop`, then start it with --keep (rank state is lost)")
         if pool is not None and not pool.check_agent():
             pool = self._replace_dead_pool(pool)
         if pool is not None and pool.state == "broken":
             raise PoolMismatchError(f"the pool is broken ({self._broken_reason()}); "
                                     "`%fsdp2 restart` starts a fresh one (rank state is lost)")
         if pool is None:
-            return self._start(spec or default())
+            return self._start(spec or default(), keep)
         if spec is not None and spec != pool.spec:
             raise PoolMismatchError(
                 f"this cell asks for {spec.describe()} but the running pool is {pool.spec.describe()}; "
@@ -202,12 +303,34 @@ class NotebookSession:
 
     def _restart_after_failure(self, spec: PoolSpec, what_happened: str) -> str:
         """Replace the pool without asking its ranks (they are stuck or dead); the note to show."""
+        try:
+            keep = self.check_held()
+        except PoolMismatchError as taken:  # never end a pool another kernel holds now
+            return alarm(f"{what_happened}; {taken}")
         self.stop(polite=False, keep_standby=True)
         try:
-            self.start(spec)
-        except PoolStartError as error:  # say so beside why the old pool went, not instead of it
+            self.start(spec, keep)
+        except (PoolStartError, ValueError) as error:  # say so beside why the old pool went, not instead of it
             return (alarm(f"{what_happened}; all rank state was lost and a new pool did not start: {error}")
                 + f"\n`%fsdp2 start {spec.describe()}` tries again")
         return (alarm(f"{what_happened}; the pool was restarted ({spec.describe()}) and all rank state was lost")
                 + f"\n{RESUME_HINT}")
 
+
+
+def check_keepable(spec: PoolSpec) -> None:
+    """Only pools on this host can be kept (for now)."""
+    if spec.placement is not None and spec.placement.engine == "slurm":
+        raise PoolMismatchError("--keep is refused with --slurm: the ranks run in a job step, which ends "
+                                "with the allocation's job whatever the kernel does")
+    if spec.placement is not None:
+        raise PoolMismatchError("--keep is not supported with --ray yet: keep a pool on this host (--cpu, --gpus)")
+
+
+def _only_pool_name() -> str:
+    names = [pool.name for pool in list_pools()]
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        raise PoolMismatchError("no kept pool exists on this host (`%fsdp2 start --keep` starts one)")
+    raise PoolMismatchError(f"{len(names)} kept pools exist ({', '.join(names)}); `%fsdp2 attach NAME` picks one")

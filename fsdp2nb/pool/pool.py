@@ -16,21 +16,25 @@ import os
 import queue
 import secrets
 import shutil
+import signal
 import socket
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 import psutil
 
-from fsdp2nb.pool import reaper
+from fsdp2nb.pool import kept, reaper
 from fsdp2nb.pool.held_output import HeldOutput
+from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, Launcher, LaunchError, LocalLauncher
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
+from fsdp2nb.wire.kept import RUN_DIR, create_activity_board
 from fsdp2nb.wire.protocol import (
     AnswerInput,
     ControlMessage,
@@ -58,6 +62,9 @@ logger = logging.getLogger(__name__)
 
 PoolState = Literal["stopped", "starting", "ready", "broken"]
 DEFAULT_START_TIMEOUT_S = 300.0
+ATTACH_TIMEOUT_S = 30.0
+"""How long the ranks of a kept pool may take to reconnect to a kernel that attaches (they
+reconnect at once, except a rank whose main thread runs C code that holds the GIL)."""
 _RECEIVE_POLL_MS = 100
 
 
@@ -69,8 +76,10 @@ class WorkerPool:
     """N ranks forming one torch.distributed job, owned by the notebook kernel."""
 
     def __init__(self, spec: PoolSpec, launcher: Launcher | None = None, *,
-                 stalled_frame_s: float = STALLED_FRAME_S) -> None:
+                 stalled_frame_s: float = STALLED_FRAME_S, keep: KeepOptions | None = None) -> None:
         self.spec = spec
+        self.keep = keep
+        """Set for a kept pool: it outlives this kernel (pool/kept.py)."""
         self.pool_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.state: PoolState = "stopped"
         self.ranks: dict[int, RankReady] = {}
@@ -95,6 +104,11 @@ class WorkerPool:
         self._receiver: threading.Thread | None = None
         self._runtime_dir = ""
         self._save_request_ids = itertools.count(1)  # atomic: clicks arrive on any thread
+        self._socket_dir = ""
+        """Where this kernel's socket lives: the runtime directory, except for a kept pool, whose
+        runtime directory (the process group's store) outlives every kernel."""
+        self._kept_dir: Path | None = None
+        self._signer: Signer | None = None
         self._stalled_frame_s = stalled_frame_s
         self._log: logging.Logger | None = None
         """This pool's own log (pool.log in `log_dir`): what its connections went through."""
@@ -159,11 +173,16 @@ class WorkerPool:
             key = secrets.token_bytes(KEY_BYTES)
             self._make_directories()
             self._log = _open_pool_log(os.path.join(self.log_dir, "pool.log"))
-            address = self._launcher.listen_address(self._runtime_dir, self.log_dir)
+            address = self._launcher.listen_address(self._socket_dir, self.log_dir)
             certificate = _pool_certificate(address, self._runtime_dir)
-            self._channels = KernelChannels(Signer(key, log=self._log), address, log=self._log,
+            self._signer = Signer(key, log=self._log)
+            self._channels = KernelChannels(self._signer, address, log=self._log,
                                             stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled,
                                             certificate=certificate, on_agent_lost=self._agent_lost)
+            if self._kept_dir is not None:
+                kept.write_key(self._kept_dir, key)
+                create_activity_board(str(self._kept_dir), self.world_size)
+                kept.hold(self._kept_dir, self._signer, self._channels.address, take=False, name=self.keep.name)
             plan = self._plan(self._channels.address, certificate.fingerprint if certificate else "")
             self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
             self._receiver.start()
@@ -180,9 +199,28 @@ class WorkerPool:
         self.state = "ready"
 
     def _make_directories(self) -> None:
-        self._runtime_dir = tempfile.mkdtemp(prefix="fsdp2nb-")  # mkdtemp makes it 0700
+        self._socket_dir = tempfile.mkdtemp(prefix="fsdp2nb-")  # mkdtemp makes it 0700
+        self._runtime_dir = self._socket_dir
+        if self.keep is not None:
+            self._make_kept_directory()
         self.log_dir = str(reaper.state_dir() / "logs" / self.pool_id)
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
+
+    def _make_kept_directory(self) -> None:
+        """The kept pool's own directory (0700); a name in use by a live pool is refused."""
+        directory = kept.kept_dir(self.keep.name)
+        if directory.exists():
+            meta = kept.KeptMeta.read(directory)
+            if meta is not None and kept.agent_alive(meta):
+                raise ValueError(f"a kept pool named {self.keep.name!r} exists already; "
+                                 f"`%fsdp2 attach {self.keep.name}` uses it, or pick another --name")
+            if meta is None and time.time() - directory.stat().st_mtime < 60:
+                raise ValueError(f"a kept pool named {self.keep.name!r} is being started; pick another --name")
+            shutil.rmtree(directory, ignore_errors=True)  # left by a pool whose agent died
+        directory.mkdir(mode=0o700)
+        self._kept_dir = directory
+        self._runtime_dir = str(directory / RUN_DIR)
+        os.mkdir(self._runtime_dir, mode=0o700)
 
     def _plan(self, address: str, tls_fingerprint: str) -> LaunchPlan:
         per_node = self.spec.devices
@@ -193,6 +231,7 @@ class WorkerPool:
             address=address, runtime_dir=self._runtime_dir, log_dir=self.log_dir,
             collective_timeout_s=self.spec.collective_timeout_s, kernel_pid=os.getpid(),
             master_port=_unused_loopback_port(), num_nodes=self.spec.num_nodes, tls_fingerprint=tls_fingerprint,
+            kept_dir=str(self._kept_dir or ""), keep_for_s=self.keep.keep_for_s if self.keep else None,
         )
 
     def _wait_until_ready(self, timeout_s: float) -> None:
@@ -222,19 +261,128 @@ class WorkerPool:
         return f"the host agent exited while starting the ranks; see {self.log_dir}/agent.log"
 
     def _register(self) -> None:
+        if self._kept_dir is not None:  # no reaper: a kept pool outlives its kernel on purpose
+            self._write_kept_meta()
+            return
         processes = [reaper.process_key(pid) for pid in self._launched.process_ids()]
         processes += [(info.pid, info.create_time) for info in self.ranks.values() if not info.address]
         reaper.record_pool(self.pool_id, reaper.process_key(os.getpid()), [p for p in processes if p],
                            runtime_dir=self._runtime_dir)
+
+    def _write_kept_meta(self) -> None:
+        agent = reaper.process_key(self._launched.process_ids()[0])
+        if agent is None:
+            return  # it ended already: the start fails on that
+        kept.KeptMeta(name=self.keep.name, pool_id=self.pool_id, devices=self.spec.devices,
+                      collective_timeout_s=self.spec.collective_timeout_s, keep_for_s=self.keep.keep_for_s,
+                      agent=agent, log_dir=self.log_dir, runtime_dir=self._runtime_dir,
+                      created=time.time()).write(self._kept_dir)
+
+    # --- kept pools ---------------------------------------------------------------------------
+
+    @classmethod
+    def attach(cls, name: str, *, take: bool = False, timeout_s: float = ATTACH_TIMEOUT_S,
+               stalled_frame_s: float = STALLED_FRAME_S) -> WorkerPool:
+        """This kernel takes the kept pool `name` (see pool/kept.py); ValueError or PoolHeldError
+        (one line each) when it cannot, with nothing changed."""
+        directory = kept.kept_dir(name)
+        meta = kept.KeptMeta.read(directory) if directory.exists() else None
+        if meta is None:
+            names = [pool.name for pool in kept.list_pools()]
+            raise ValueError(f"no kept pool is named {name!r}; " + (
+                f"kept pools: {', '.join(names)}" if names else "there are none (`%fsdp2 pools` lists them)"))
+        if not kept.agent_alive(meta):
+            shutil.rmtree(directory, ignore_errors=True)
+            raise ValueError(f"kept pool {name!r} is gone: its host agent (pid {meta.agent[0]}) ended; "
+                             f"its logs are in {meta.log_dir}")
+        pool = cls(meta.spec, launcher=_AttachOnly(), stalled_frame_s=stalled_frame_s,
+                   keep=kept.KeepOptions(name=name, keep_for_s=meta.keep_for_s))
+        pool._take(directory, meta, take, timeout_s)
+        return pool
+
+    def _take(self, directory: Path, meta: kept.KeptMeta, take: bool, timeout_s: float) -> None:
+        key = kept.read_key(directory)
+        signer = Signer(key)
+        if kept.read_attach_record(str(directory), signer) is None:
+            raise ValueError(f"the key in {directory} does not verify the pool's attach record; "
+                             "the pool cannot be attached (`kill` its agent, pid "
+                             f"{meta.agent[0]}, to end it)")
+        current = kept.held_here(directory, signer)
+        if kept.holder_alive(current) and not take:
+            raise kept.PoolHeldError(f"pool {meta.name!r} is held by {kept.describe_holder(current)}; "
+                                     f"`%fsdp2 attach {meta.name} --take` moves it to this kernel")
+        self.pool_id, self.log_dir, self._kept_dir = meta.pool_id, meta.log_dir, directory
+        self._runtime_dir = meta.runtime_dir
+        self.state = "starting"
+        try:
+            self._socket_dir = tempfile.mkdtemp(prefix="fsdp2nb-")
+            self._log = _open_pool_log(os.path.join(self.log_dir, "pool.log"))
+            self._signer = Signer(key, log=self._log)
+            self._channels = KernelChannels(self._signer, os.path.join(self._socket_dir, "pool.sock"), log=self._log,
+                                            stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled)
+            self._launched = KeptAgent(meta.agent)
+            self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
+            self._receiver.start()
+            kept.hold(directory, self._signer, self._channels.address, take=take, name=meta.name)
+            kept.wake_agent(meta)
+            self._wait_until_ready(timeout_s)
+        except BaseException:
+            if self._signer is not None and self._channels is not None:
+                kept.let_go(directory, self._signer)
+            self.release()
+            raise
+        self.state = "ready"
+
+    @property
+    def kept_directory(self) -> Path | None:
+        """A kept pool's directory (pool/kept.py); None for any other."""
+        return self._kept_dir
+
+    def held_here(self) -> bool:
+        """Whether this kernel still holds its kept pool (always, for a pool that is not kept)."""
+        if self._kept_dir is None or self._signer is None:
+            return True
+        return kept.held_here(self._kept_dir, self._signer) is None
+
+    def holder_note(self) -> str:
+        """Who took this kernel's kept pool, for the line that says so."""
+        record = kept.held_here(self._kept_dir, self._signer) if self._kept_dir and self._signer else None
+        return kept.describe_holder(record) if record is not None and record.holder_pid else "another kernel"
+
+    def detach(self) -> None:
+        """Let go of a kept pool: its ranks keep running and wait for the next kernel."""
+        if self._kept_dir is not None and self._signer is not None and kept.let_go(self._kept_dir, self._signer):
+            meta = kept.KeptMeta.read(self._kept_dir)
+            if meta is not None:
+                kept.wake_agent(meta)
+        self.release()
+
+    def release(self) -> None:
+        """Close this kernel's end without ending the ranks (a kept pool); safe to call twice."""
+        self._stop_receiving.set()
+        if self._receiver is not None and self._receiver is not threading.current_thread():
+            self._receiver.join()
+        if self._channels is not None:
+            self._channels.close()
+        self._channels = None
+        if self._log is not None:
+            _close_pool_log(self._log)
+        self._log = None
+        if self._socket_dir and self._socket_dir != self._runtime_dir:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self.state = "stopped"
 
     def stop(self, *, polite: bool = True, grace_s: float = 30.0) -> None:
         """End every rank and release every resource; safe to call twice.
 
         Polite: ask each idle rank to exit and give them `grace_s` (an asynchronous checkpoint
         save finishes first); ranks still there are then terminated. `polite=False` is for
-        ranks known to be stuck.
+        ranks known to be stuck. A kept pool that another kernel took is only let go of.
         """
         if self.state == "stopped" and self._channels is None:
+            return
+        if not self.held_here():
+            self.release()
             return
         if polite and self._launched is not None:
             self._ask_ranks_to_exit(grace_s)
@@ -251,6 +399,10 @@ class WorkerPool:
             _close_pool_log(self._log)
         self._log = None
         shutil.rmtree(self._runtime_dir, ignore_errors=True)
+        if self._socket_dir and self._socket_dir != self._runtime_dir:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        if self._kept_dir is not None:
+            shutil.rmtree(self._kept_dir, ignore_errors=True)
         reaper.forget_pool(self.pool_id)
         self.state = "stopped"
 
@@ -483,3 +635,54 @@ def launcher_for(spec: PoolSpec) -> Launcher:
     from fsdp2nb.pool.slurm_launcher import SlurmLauncher
 
     return SlurmLauncher(spec)
+
+
+class _AttachOnly:
+    """The launcher of an attached pool: it launches nothing (the ranks run already)."""
+
+    num_nodes = 1
+    notes: list[str] = []
+
+    def listen_address(self, runtime_dir: str, log_dir: str) -> str:
+        return os.path.join(runtime_dir, "pool.sock")
+
+    def launch(self, plan: LaunchPlan, key: bytes) -> LaunchedRanks:
+        raise LaunchError("an attached pool launches no ranks")
+
+
+class KeptAgent:
+    """The host agent of a kept pool that another kernel started: no child of this one, so it is
+    watched and ended by (pid, start time)."""
+
+    def __init__(self, agent: tuple[int, float]) -> None:
+        self._pid, self._create_time = agent
+
+    def _process(self) -> psutil.Process | None:
+        try:
+            process = psutil.Process(self._pid)
+            if abs(process.create_time() - self._create_time) < 0.01 and process.status() != psutil.STATUS_ZOMBIE:
+                return process
+        except psutil.Error:
+            pass
+        return None
+
+    def is_running(self) -> bool:
+        return self._process() is not None
+
+    def process_ids(self) -> list[int]:
+        return [self._pid]
+
+    def agent_exit(self) -> AgentExit | None:
+        return None if self.is_running() else AgentExit("ended", pid=self._pid)
+
+    def terminate(self, grace_s: float) -> None:
+        process = self._process()
+        if process is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGTERM)
+            process.wait(grace_s)
+            return
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+            process.wait(grace_s)

@@ -89,7 +89,7 @@ def _prune_old_logs(max_age_s: float = LOG_RETENTION_S) -> None:
     A log directory's time changes only when a file is added, not when a rank writes to its
     log, so the pools still registered (reap_orphans has just removed the dead ones) are kept."""
     cutoff = time.time() - max_age_s
-    running = {path.stem for path in _registry_dir().glob("*.json")}
+    running = {path.stem for path in _registry_dir().glob("*.json")} | _kept_pool_ids()
     for log_dir in (state_dir() / "logs").glob("*"):
         if log_dir.name in running:
             continue
@@ -98,6 +98,17 @@ def _prune_old_logs(max_age_s: float = LOG_RETENTION_S) -> None:
                 shutil.rmtree(log_dir, ignore_errors=True)
         except OSError:
             continue
+
+
+def _kept_pool_ids() -> set[str]:
+    """Kept pools (pool/kept.py) are in no registry: their logs are kept while they run."""
+    ids = set()
+    for meta in (state_dir() / "kept").glob("*/pool.json"):
+        try:
+            ids.add(json.loads(meta.read_text())["pool_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return ids
 
 
 def _prune_standby_dirs(min_age_s: float = 60.0) -> None:

@@ -352,19 +352,59 @@ def _drain(fd: int) -> None:
 
 
 class RankChannels:
-    """A rank's (or agent's) end. `send_event` may be called from any thread."""
+    """A rank's (or agent's) end. `send_event` may be called from any thread.
+
+    A kept pool's end (`kept`) outlives its kernel: an event it cannot send is dropped (what the
+    rank prints is in its log anyway) instead of raising into user code, and `reconnect` moves
+    every connection to the next kernel's socket."""
 
     def __init__(self, signer: Signer, address: str, *, rank: int | None, fingerprint: str = "",
-                 node: int = 0) -> None:
+                 node: int = 0, kept: bool = False) -> None:
         self._signer = signer
         self._fingerprint = fingerprint
         self._node = node
+        self._rank = rank
+        self.kept = kept
+        self.generation = 0
+        """Grows with every `reconnect`: a reader that met the end of a connection waits for it."""
+        self._reconnected = threading.Condition()
+        self._events_lost = False
         self._events = self._connect(address, "events", rank)
         self._requests = self._control = None
         if rank is not None:
             self._requests = self._connect(address, "requests", rank)
             self._control = self._connect(address, "control", rank)
         self._closed = False
+
+    def reconnect(self, address: str) -> None:
+        """Open fresh connections to `address` (each through admission), then drop the old ones,
+        which wakes a reader blocked on them. Raises OSError (nothing changed) if one fails."""
+        fresh: list[Link] = []
+        try:
+            for role in ("events", "requests", "control") if self._rank is not None else ("events",):
+                fresh.append(self._connect(address, role, self._rank))
+        except (OSError, EOFError) as error:
+            for link in fresh:
+                link.close()
+            raise OSError(f"could not reconnect to {address}: {error}") from error
+        old = [self._events, self._requests, self._control]
+        with self._reconnected:
+            self._events = fresh[0]
+            if self._rank is not None:
+                self._requests, self._control = fresh[1], fresh[2]
+            self._events_lost = False
+            self.generation += 1
+            self._reconnected.notify_all()
+        for link in old:
+            if link is not None:
+                with contextlib.suppress(OSError):
+                    link.sock.shutdown(socket.SHUT_RDWR)  # the reader sees the end; it closes nothing
+
+    def wait_for_reconnect(self, generation: int) -> bool:
+        """Block until connections newer than `generation` exist; False once closed."""
+        with self._reconnected:
+            self._reconnected.wait_for(lambda: self.generation > generation or self._closed)
+            return not self._closed
 
     def _connect(self, address: str, role: ChannelRole, rank: int | None) -> Link:
         """A connection introduced by a signed hello that answers the kernel's challenge."""
@@ -386,8 +426,21 @@ class RankChannels:
         return self._events.fileno()
 
     def send_event(self, message: Any) -> None:
-        if not self._closed:
-            self._events.send(self._signer.pack(message))
+        if self._closed or self._events_lost:
+            return
+        link = self._events
+        try:
+            link.send(self._signer.pack(message))
+        except OSError:
+            if not self.kept:
+                raise
+            with self._reconnected:  # no kernel holds the pool: the rank's log has its output
+                self._events_lost = link is self._events
+
+    def control_fileno(self) -> int:
+        """The control connection, for a thread that also waits for other things."""
+        assert self._control is not None
+        return self._control.fileno()
 
     def receive_request(self, timeout_ms: int) -> Any | None:
         """Called only from the rank's main thread; raises EOFError once the kernel is gone."""
@@ -407,7 +460,9 @@ class RankChannels:
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._reconnected:
+            self._closed = True
+            self._reconnected.notify_all()
         for link in (self._events, self._requests, self._control):
             if link is not None:
                 with link.lock:

@@ -437,10 +437,28 @@ class InputRequested:
 EventMessage = (RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited | TaskProgress
                 | RankActivity | RendezvousOpened | InputRequested)
 
+@dataclass(frozen=True)
+class AttachRecord:
+    """Which kernel holds a kept pool and where its ranks connect (kernel -> agent and ranks).
+
+    Written, signed with the pool's key, into the pool's directory by the kernel that starts,
+    attaches or detaches; the agent and the ranks read it when woken (worker/kept.py)."""
+
+    serial: int
+    """Grows with every record: a rank reconnects only to a newer one."""
+    address: str
+    """The holding kernel's socket; empty while no kernel holds the pool."""
+    holder_pid: int
+    """The holding kernel's pid; 0 while none holds it."""
+    holder_create_time: float
+    since: float
+    """When this kernel took the pool, or (none holding) when the last one let go (time.time())."""
+
+
 WIRE_TYPES = (ChannelHello, RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
               RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak,
               TaskProgress, ReportActivity, RankActivity, JoinRendezvous, RendezvousOpened,
-              PostMortem, AnswerInput, InputRequested, RunCommand)
+              PostMortem, AnswerInput, InputRequested, RunCommand, AttachRecord)
 """Messages that travel as (index in this tuple, field values): see transport.Signer."""
 
 
@@ -479,6 +497,11 @@ class LaunchPlan:
     num_nodes: int = 1
     tls_fingerprint: str = ""
     """SHA-256 of the kernel's TLS certificate (hex), which ranks check; TCP addresses only."""
+    kept_dir: str = ""
+    """A kept pool's directory (its key, attach record and activity board); empty: the pool
+    ends with its kernel."""
+    keep_for_s: float | None = None
+    """A kept pool that no kernel holds and that runs nothing ends after this long; None: never."""
 
     @property
     def multi_host(self) -> bool:

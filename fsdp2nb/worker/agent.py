@@ -30,6 +30,7 @@ from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import drain_pipe
+from fsdp2nb.worker.kept import AgentKeeper
 
 _WATCH_INTERVAL_S = 0.05
 _STOP_POLL_S = 0.005
@@ -68,23 +69,29 @@ def _die_with_parent() -> None:
 
 
 def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
-               agent_fds: list[int]) -> tuple[int, list[int]]:
-    """Fork one rank; returns its pid and the read ends of its stdout/stderr pipes.
+               agent_fds: list[int]) -> tuple[int, list[int], int | None]:
+    """Fork one rank; returns its pid, the read ends of its stdout/stderr pipes and (kept pools)
+    the write end of its wake pipe.
 
     The agent keeps a copy of each read end so that, should the rank die, the agent can still
     read what it wrote last (the rank's own forwarding thread dies with it). `agent_fds` are the
     agent's copies for earlier ranks, which the new rank must not hold.
     """
     pipes = {1: os.pipe(), 2: os.pipe()}
+    wake = os.pipe() if plan.kept_dir else None
     pid = os.fork()
     if pid:
         for _, write_end in pipes.values():
             os.close(write_end)
-        return pid, [read_end for read_end, _ in pipes.values()]
+        if wake is not None:
+            os.close(wake[0])
+        return pid, [read_end for read_end, _ in pipes.values()], wake[1] if wake is not None else None
     exit_code = 1
     try:
         for fd in agent_fds:
             os.close(fd)
+        if wake is not None:
+            os.close(wake[1])
         _die_with_parent()
         # A session of its own, as torchrun gives each rank: with autogroup scheduling (the Linux
         # default) a session is a scheduling group, and ranks sharing the agent's would share
@@ -93,7 +100,7 @@ def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         from fsdp2nb.worker.rank import run_rank
 
-        run_rank(plan, rank_plan, key, pipes)
+        run_rank(plan, rank_plan, key, pipes, wake_fd=wake[0] if wake is not None else None)
         exit_code = 0
     except BaseException:
         import traceback
@@ -120,31 +127,47 @@ class Agent:
         self.pipes_by_pid: dict[int, list[int]] = {}
         self.stopping = False
         self.stop_requested = False
+        self.keeper: AgentKeeper | None = None
+        """A kept pool's holder, wake pipes and keep-for clock (worker/kept.py)."""
 
     def run(self) -> int:
         """Returns the agent's exit code: 143 (as for SIGTERM) when asked to stop, so the kernel
         can tell a SIGTERM it did not send (a rank's code, another process) from ranks that ended."""
         os.makedirs(self.plan.log_dir, mode=0o700, exist_ok=True)  # on another host it may not exist yet
+        if self.plan.kept_dir:  # a kernel that attaches wakes the agent so (before, it would end it)
+            signal.signal(signal.SIGUSR1, _ignore)
+        wake_fds: list[int] = []
         for rank_plan in self.plan.ranks_of_node(self.node):
-            held = [fd for fds in self.pipes_by_pid.values() for fd in fds]
-            pid, self.pipes_by_pid[pid] = _fork_rank(self.plan, rank_plan, self.key, held)
+            held = [fd for fds in self.pipes_by_pid.values() for fd in fds] + wake_fds
+            pid, self.pipes_by_pid[pid], wake_fd = _fork_rank(self.plan, rank_plan, self.key, held)
             self.ranks_by_pid[pid] = rank_plan
+            if wake_fd is not None:
+                wake_fds.append(wake_fd)
         # Connect only after forking, so that no rank inherits the agent's connection.
         self.channels = RankChannels(Signer(self.key), self.plan.address, rank=None,
-                                     fingerprint=self.plan.tls_fingerprint, node=self.node)
+                                     fingerprint=self.plan.tls_fingerprint, node=self.node,
+                                     kept=bool(self.plan.kept_dir))
+        if self.plan.kept_dir:
+            self.keeper = AgentKeeper(self.plan, Signer(self.key), self.channels)
+            self.keeper.wake_fds = wake_fds
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "stop_requested", True))
         try:
             self._watch()
         finally:
             self.channels.close()
+            if self.keeper is not None:
+                self.keeper.remove_directory()
         return 128 + signal.SIGTERM if self.stop_requested else 0
 
     def _watch(self) -> None:
         kernel_link = self.channels.events_fileno() if self.plan.multi_host else None
-        wakeups = _Wakeups(self.starter_pid, kernel_link)
+        wakeups = _Wakeups(self.starter_pid if self.keeper is None else self.keeper.holder_pid, kernel_link)
         while self.ranks_by_pid:
-            # Nobody can use these ranks any more:
-            kernel_gone = os.getppid() != self.starter_pid or wakeups.link_closed()
+            if self.keeper is not None:
+                kernel_gone = False  # a kept pool outlives its kernel
+                self._follow_holder(wakeups)
+            else:  # nobody can use these ranks any more:
+                kernel_gone = os.getppid() != self.starter_pid or wakeups.link_closed()
             if (kernel_gone or self.stop_requested) and not self.stopping:
                 self._stop()
             self._reap_exited()
@@ -154,7 +177,22 @@ class Agent:
             if self.stopping:  # the kernel's pidfd may stay readable: no waiting on it
                 time.sleep(_WATCH_INTERVAL_S)
             else:
-                wakeups.wait()
+                wakeups.wait(self.keeper.timeout_ms() if self.keeper is not None else wakeups.timeout_ms)
+
+    def _follow_holder(self, wakeups: _Wakeups) -> None:
+        """A kept pool: note a holder that ended or changed, and end the pool once its time is up."""
+        keeper = self.keeper
+        if keeper.holder_pid is not None and wakeups.pid_ended():
+            print(f"fsdp2nb agent: kernel {keeper.holder_pid} is gone; the pool keeps running", flush=True)
+            keeper.holder_ended()
+            wakeups.watch_pid(None)
+        if keeper.follow_record():
+            wakeups.watch_pid(keeper.holder_pid)
+        left = keeper.seconds_left()
+        if left is not None and left <= 0 and not self.stop_requested:
+            print(f"fsdp2nb agent: no kernel held the pool and it ran nothing for {self.plan.keep_for_s:g} s "
+                  "(--keep-for); ending it", flush=True)
+            self.stop_requested = True
 
     def _reap_exited(self) -> None:
         while self.ranks_by_pid:
@@ -165,6 +203,8 @@ class Agent:
             self._save_last_output(pid, rank_plan)
             if rank_plan is not None and not self.stopping:
                 self.channels.send_event(self._exit_report(rank_plan.rank, pid, status))
+                if self.keeper is not None and self.keeper.holder_pid is None:
+                    self.stop_requested = True  # no kernel to restart it: the process group is unusable
 
     def _save_last_output(self, pid: int, rank_plan: RankPlan | None) -> None:
         """Append what the dead rank wrote but never forwarded to its log, then close the pipes."""
@@ -201,7 +241,7 @@ class _Wakeups:
     (SIGTERM) or the kernel ended (its pidfd). Polling instead woke the agent 20 times a second,
     taking a core from training ranks on a host with none spare. Call from the main thread."""
 
-    def __init__(self, kernel_pid: int, kernel_link: int | None = None) -> None:
+    def __init__(self, kernel_pid: int | None, kernel_link: int | None = None) -> None:
         self._kernel_link = kernel_link
         self._signals, write_end = os.pipe()
         for fd in (self._signals, write_end):
@@ -211,12 +251,32 @@ class _Wakeups:
         self._poller = select.poll()
         self._poller.register(self._signals, select.POLLIN)
         self.timeout_ms: int | None = None
-        try:
-            self._poller.register(os.pidfd_open(kernel_pid), select.POLLIN)
-        except (AttributeError, OSError):  # before Linux 5.3, or the kernel is gone already
-            self.timeout_ms = int(_KERNEL_CHECK_S * 1000)
+        self._pidfd: int | None = None
+        self.watch_pid(kernel_pid)
         if kernel_link is not None:  # the kernel never sends on it: readable means closed
             self._poller.register(kernel_link, select.POLLIN | select.POLLRDHUP)
+
+    def watch_pid(self, pid: int | None) -> None:
+        """Wake when `pid` (the kernel) ends, instead of the one watched so far; None: none."""
+        if self._pidfd is not None:
+            self._poller.unregister(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if pid is None:
+            return
+        try:
+            self._pidfd = os.pidfd_open(pid)
+            self._poller.register(self._pidfd, select.POLLIN)
+        except (AttributeError, OSError):  # before Linux 5.3, or the kernel is gone already
+            self.timeout_ms = int(_KERNEL_CHECK_S * 1000)
+
+    def pid_ended(self) -> bool:
+        """Whether the watched process has ended."""
+        if self._pidfd is None:
+            return False
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def link_closed(self) -> bool:
         """Whether the kernel's end of the agent's connection is closed (or the connection broke)."""
@@ -226,8 +286,8 @@ class _Wakeups:
         poller.register(self._kernel_link, select.POLLIN | select.POLLRDHUP)
         return bool(poller.poll(0))
 
-    def wait(self) -> None:
-        self._poller.poll(self.timeout_ms)
+    def wait(self, timeout_ms: int | None) -> None:
+        self._poller.poll(timeout_ms)
         with contextlib.suppress(BlockingIOError):
             while os.read(self._signals, 512):
                 pass

@@ -24,6 +24,7 @@ import psutil
 from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
 from fsdp2nb.wire.channels import RankChannels
+from fsdp2nb.wire.kept import ActivitySlot
 from fsdp2nb.wire.protocol import (
     AnswerInput,
     CellFinished,
@@ -49,6 +50,7 @@ from fsdp2nb.wire.protocol import (
 from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import FdCapture, OutputSync, line_buffered_streams
+from fsdp2nb.worker.kept import RankFollower
 from fsdp2nb.worker.rendezvous import network_environment, open_store
 from fsdp2nb.worker.sampler import ResourceSampler
 from fsdp2nb.worker.stdin import NotebookStdin
@@ -72,7 +74,7 @@ class Rank:
     """A rank's state and request loop; `serve()` returns when the kernel sends Shutdown."""
 
     def __init__(self, plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
-                 pipes: dict[int, tuple[int, int]] | None = None) -> None:
+                 pipes: dict[int, tuple[int, int]] | None = None, wake_fd: int | None = None) -> None:
         self.plan = plan
         self.rank = rank_plan.rank
         self.device = rank_plan.device
@@ -81,7 +83,15 @@ class Rank:
         self._interrupted_cell_id: int | None = None
         self._in_request = False
         self._main_thread_id = threading.get_ident()
-        self._channels = RankChannels(Signer(key), plan.address, rank=self.rank, fingerprint=plan.tls_fingerprint)
+        self._channels = RankChannels(Signer(key), plan.address, rank=self.rank, fingerprint=plan.tls_fingerprint,
+                                      kept=bool(plan.kept_dir))
+        self._activity: ActivitySlot | None = None
+        self._follower: RankFollower | None = None
+        if plan.kept_dir:  # a kept pool: outlive the kernel, follow the next one (worker/kept.py)
+            assert wake_fd is not None, "the agent gives every rank of a kept pool a wake pipe"
+            self._activity = ActivitySlot(plan.kept_dir, self.rank)
+            self._follower = RankFollower(self._channels, Signer(key), plan.kept_dir, wake_fd,
+                                          lambda: self._channels.send_event(self._ready_event()))
         os.environ.update(network_environment(plan, rank_plan, self._channels.local_host()))
         self._log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the rank
         pipes = pipes or {}
@@ -110,11 +120,15 @@ class Rank:
 
         progress.install(ProgressSender(self.rank, self._channels.send_event, lambda: self._cell_id))
         threading.Thread(target=self._control_loop, daemon=True, name="fsdp2nb-control").start()
+        self._channels.send_event(self._ready_event())
+
+    def _ready_event(self) -> RankReady:
+        """Sent when the rank joined the pool, and again to each kernel that attaches a kept pool."""
         process = psutil.Process()
-        self._channels.send_event(RankReady(
+        return RankReady(
             rank=self.rank, pid=process.pid, create_time=process.create_time(), device=self.device,
             hostname=socket.gethostname(), log_path=self.log_path, address=self._channels.local_host() or "",
-        ))
+        )
 
     def _init_distributed(self) -> dict:
         """Join the process group (`rendezvous`: a FileStore on one host, rank 0's TCPStore across hosts)."""
@@ -148,19 +162,28 @@ class Rank:
 
     def serve(self) -> None:
         while True:
+            generation = self._channels.generation
             try:
                 request = self._channels.receive_request(_BLOCK)
             except (EOFError, OSError):
-                return  # the kernel is gone
+                # The kernel is gone. A kept pool waits for the next one (the control thread
+                # reconnects); any other rank exits.
+                if self._follower is None or not self._channels.wait_for_reconnect(generation):
+                    return
+                continue
             if request is None:
                 continue
             if isinstance(request, Shutdown):
                 self._finish_background_work()
                 return
+            if self._activity is not None:
+                self._activity.started(request.cell_id, getattr(request, "execution_count", None))
             finished = self._run_request(request)
             with sigint_deferred():  # an interrupt now has nothing left to interrupt
                 self._output_sync.sync()
                 self._cell_id = None
+                if self._activity is not None:  # before the reply: see KeptPools.resume_runs
+                    self._activity.ended()
                 self._channels.send_event(finished)
             self._sampler.refresh_tracked_sizes()  # here, not on the sampler's thread: see TrackedSizes
 
@@ -260,9 +283,14 @@ class Rank:
     def _control_loop(self) -> None:
         while True:
             try:
-                message = self._channels.receive_control(_BLOCK)
+                if self._follower is not None:
+                    message = self._follower.receive_control()
+                else:
+                    message = self._channels.receive_control(_BLOCK)
             except (EOFError, OSError):
                 return
+            if message is None:
+                continue
             try:
                 self._on_control(message)
             except Exception as error:  # keep serving interrupts whatever one message did
@@ -324,10 +352,10 @@ def _interrupted() -> ErrorInfo:
 
 
 def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
-             pipes: dict[int, tuple[int, int]] | None = None) -> None:
+             pipes: dict[int, tuple[int, int]] | None = None, wake_fd: int | None = None) -> None:
     """Entry point of a rank process; returns when the pool shuts it down."""
     os.environ.update(torchrun_environment(plan, rank_plan))
-    rank = Rank(plan, rank_plan, key, pipes)
+    rank = Rank(plan, rank_plan, key, pipes, wake_fd)
     # A crash in C code (SIGSEGV, SIGABRT) ends the rank before any Python handler runs: have it
     # write the crashing thread's stack to fd 2, now the rank's captured stderr, which the agent
     # drains into the rank's log and the cell's exit report.

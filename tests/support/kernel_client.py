@@ -47,6 +47,13 @@ class CellRun:
     def displays(self) -> list[dict]:
         return [m["content"] for m in self.messages if m["msg_type"] in ("display_data", "execute_result")]
 
+    @property
+    def result_text(self) -> str:
+        """The text of the cell's value (`Out[n]`), or "" when it has none."""
+        results = [m["content"]["data"].get("text/plain", "") for m in self.messages
+                   if m["msg_type"] == "execute_result"]
+        return results[-1] if results else ""
+
 
 WITHOUT_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 """For kernels of CPU tests: their expectations (`--gpus` refused for want of CUDA, pools on

@@ -1,0 +1,328 @@
+"""Kept pools on the kernel's side: their directories, who holds them, listing and handing over.
+
+A kept pool (`%fsdp2 start --keep`) lives in `<state dir>/kept/<name>/` (0700; see wire/kept.py
+for what the directory holds). Only this user can read its key, so only this user can list or
+attach it. One kernel holds a pool at a time: the attach record names it, and every change of
+holder happens under an exclusive lock on the directory's `lock` file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from fsdp2nb.pool import reaper
+from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.kept import (
+    KEY_FILE,
+    META_FILE,
+    RankWork,
+    read_activity,
+    read_attach_record,
+    write_attach_record,
+)
+from fsdp2nb.wire.protocol import AttachRecord
+from fsdp2nb.wire.signing import Signer
+
+DEFAULT_KEEP_FOR_S = 3600.0
+"""A kept pool that no kernel holds and that runs nothing ends after an hour unless told otherwise."""
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeepOptions:
+    """How a pool is kept beyond its kernel (`--keep [--name NAME] [--keep-for DURATION]`)."""
+
+    name: str
+    """The pool's name, which `%fsdp2 attach NAME` gives."""
+    keep_for_s: float | None = DEFAULT_KEEP_FOR_S
+    """Unheld and idle this long, the pool ends itself; None: it waits for `%fsdp2 stop`."""
+
+    def __post_init__(self) -> None:
+        check_pool_name(self.name)
+        if self.keep_for_s is not None and not 0 < self.keep_for_s < float("inf"):
+            raise ValueError(f"keep_for_s={self.keep_for_s!r} must be more than 0 seconds, or None")
+
+
+def check_pool_name(name: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"--name {name!r} is not a pool name: use letters, digits, '_', '.', '-' "
+                         "(at most 64, starting with a letter or digit)")
+
+
+def parse_keep_for(text: str) -> float | None:
+    """`90s`, `30m`, `2h`, `1d` -> seconds; `none` -> None (kept until `%fsdp2 stop`)."""
+    if text.strip().lower() == "none":
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", text.lower())
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"--keep-for {text!r} is not a duration: give a number and a unit, "
+                         "e.g. 90s, 30m, 2h, 1d, or 'none' to keep the pool until `%fsdp2 stop`")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def describe_duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 2 * 3600:
+        return f"{seconds // 60}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def kept_root() -> Path:
+    path = reaper.state_dir() / "kept"
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def default_pool_name() -> str:
+    """`pool-1`, or the first `pool-N` no kept pool of this user has."""
+    taken = {path.name for path in kept_root().iterdir()}
+    return next(f"pool-{n}" for n in range(1, len(taken) + 2) if f"pool-{n}" not in taken)
+
+
+def kept_dir(name: str) -> Path:
+    check_pool_name(name)
+    return kept_root() / name
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeptMeta:
+    """What `pool.json` says of a kept pool: written by the kernel that started it."""
+
+    name: str
+    pool_id: str
+    devices: tuple[str, ...]
+    collective_timeout_s: float
+    keep_for_s: float | None
+    agent: tuple[int, float]
+    """The host agent's (pid, start time)."""
+    log_dir: str
+    runtime_dir: str
+    created: float
+
+    @property
+    def spec(self) -> PoolSpec:
+        return PoolSpec(devices=tuple(self.devices), collective_timeout_s=self.collective_timeout_s)
+
+    def write(self, directory: Path) -> None:
+        temporary = directory / f"{META_FILE}.tmp"
+        temporary.write_text(json.dumps(asdict(self)))
+        os.replace(temporary, directory / META_FILE)
+
+    @classmethod
+    def read(cls, directory: Path) -> KeptMeta | None:
+        try:
+            fields = json.loads((directory / META_FILE).read_text())
+            fields["devices"] = tuple(fields["devices"])
+            fields["agent"] = tuple(fields["agent"])
+            return cls(**fields)
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class KeptPool:
+    """One line of `%fsdp2 pools`: a kept pool of this user on this host."""
+
+    name: str
+    spec: str
+    """The options that describe its ranks and devices, e.g. `--cpu 2`."""
+    holder_pid: int | None
+    """The kernel that holds it; None while detached."""
+    since: float
+    """Held since, or detached since (time.time())."""
+    run: str | None
+    """What its ranks run now, e.g. "In[7] running on ranks 0-1 for 42s"; None when idle."""
+    keep_for_s: float | None
+    seconds_left: float | None
+    """Until it ends itself (only while detached and idle)."""
+    log_dir: str
+
+    def __str__(self) -> str:
+        when = time.strftime("%H:%M:%S", time.localtime(self.since))
+        held = f"held by kernel {self.holder_pid} (since {when})" if self.holder_pid else f"detached (since {when})"
+        if self.keep_for_s is None:
+            clock = "kept until `%fsdp2 stop`"
+        elif self.seconds_left is not None:
+            clock = f"ends in {describe_duration(self.seconds_left)} (--keep-for {describe_duration(self.keep_for_s)})"
+        else:
+            clock = f"--keep-for {describe_duration(self.keep_for_s)} once detached and idle"
+        return f"{self.name}: {self.spec}, {held}, {self.run or 'idle'}, {clock}"
+
+
+class PoolHeldError(RuntimeError):
+    """Another live kernel holds the pool; the message says which and how to take it."""
+
+
+def read_key(directory: Path) -> bytes:
+    path = directory / KEY_FILE
+    info = os.lstat(path)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{path} must be this user's and readable by no one else (0600)")
+    return bytes.fromhex(path.read_text())
+
+
+def write_key(directory: Path, key: bytes) -> None:
+    fd = os.open(directory / KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as key_file:
+        key_file.write(key.hex())
+
+
+@contextlib.contextmanager
+def holder_lock(directory: Path) -> Iterator[None]:
+    """Exclusive while the attach record is read and rewritten (two attaches at once)."""
+    fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def agent_alive(meta: KeptMeta) -> bool:
+    pid, create_time = meta.agent
+    try:
+        process = psutil.Process(pid)
+        return abs(process.create_time() - create_time) < 0.01 and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wake_agent(meta: KeptMeta) -> None:
+    """SIGUSR1 to the pool's agent (checked by start time: a reused pid gets nothing)."""
+    if agent_alive(meta):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(meta.agent[0], signal.SIGUSR1)
+
+
+def holder_alive(record: AttachRecord | None) -> bool:
+    if record is None or not record.holder_pid:
+        return False
+    return reaper._is_alive((record.holder_pid, record.holder_create_time))
+
+
+def describe_holder(record: AttachRecord) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(record.since))
+    return f"kernel {record.holder_pid} (since {when})"
+
+
+def hold(directory: Path, signer: Signer, address: str, *, take: bool, name: str) -> AttachRecord:
+    """Make this kernel the holder, listening at `address`; raises PoolHeldError if another live
+    kernel holds it and `take` is not given. The caller then wakes the agent."""
+    with holder_lock(directory):
+        current = read_attach_record(str(directory), signer)
+        me = reaper.process_key(os.getpid())
+        if holder_alive(current) and current.holder_pid != os.getpid() and not take:
+            raise PoolHeldError(f"pool {name!r} is held by {describe_holder(current)}; "
+                                f"`%fsdp2 attach {name} --take` moves it to this kernel")
+        record = AttachRecord(serial=(current.serial if current else 0) + 1, address=address,
+                              holder_pid=os.getpid(), holder_create_time=me[1] if me else 0.0, since=time.time())
+        write_attach_record(str(directory), signer, record)
+        return record
+
+
+def let_go(directory: Path, signer: Signer) -> bool:
+    """Write that no kernel holds the pool, if this kernel still does; returns whether it did."""
+    with holder_lock(directory):
+        current = read_attach_record(str(directory), signer)
+        if current is None or current.holder_pid != os.getpid():
+            return False
+        write_attach_record(str(directory), signer, AttachRecord(
+            serial=current.serial + 1, address="", holder_pid=0, holder_create_time=0.0, since=time.time()))
+        return True
+
+
+def held_here(directory: Path, signer: Signer) -> AttachRecord | None:
+    """None while this kernel holds the pool; else the record that says who does."""
+    current = read_attach_record(str(directory), signer)
+    return None if current is not None and current.holder_pid == os.getpid() else current
+
+
+def describe_run(work: list[RankWork]) -> str | None:
+    running = [rank for rank, slot in enumerate(work) if slot.running_cell_id is not None]
+    if not running:
+        return None
+    first = work[running[0]]
+    what = f"In[{first.execution_count}]" if first.execution_count is not None else "a request"
+    ranks = f"ranks {running[0]}-{running[-1]}" if len(running) > 1 else f"rank {running[0]}"
+    started = min(work[rank].since for rank in running)
+    return f"{what} running on {ranks} for {describe_duration(time.time() - started)}"
+
+
+class KeptPools(list):
+    """What `%fsdp2 pools` returns: the pools as data, shown as one line each."""
+
+    def __repr__(self) -> str:
+        return "\n".join(map(str, self)) if self else "no kept pools"
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # noqa: ANN001 - IPython's pretty printer
+        printer.text(repr(self))
+
+
+def list_pools() -> KeptPools:
+    """This user's kept pools on this host; the directory of one whose agent is gone is removed."""
+    pools = KeptPools()
+    for directory in sorted(kept_root().iterdir()):
+        meta = KeptMeta.read(directory)
+        if meta is None:
+            if time.time() - _mtime(directory) > 60:  # not one being made right now
+                shutil.rmtree(directory, ignore_errors=True)
+            continue
+        if not agent_alive(meta):
+            shutil.rmtree(directory, ignore_errors=True)
+            continue
+        pools.append(_describe(directory, meta))
+    return pools
+
+
+def _describe(directory: Path, meta: KeptMeta) -> KeptPool:
+    try:
+        record = read_attach_record(str(directory), Signer(read_key(directory)))
+    except (OSError, ValueError):
+        record = None
+    holder = record.holder_pid if record is not None and holder_alive(record) else None
+    since = record.since if record is not None else meta.created
+    work = read_activity(str(directory))
+    run = describe_run(work)
+    left = None
+    if holder is None and run is None and meta.keep_for_s is not None and work:
+        left = max(since, max(slot.since for slot in work)) + meta.keep_for_s - time.time()
+    return KeptPool(name=meta.name, spec=meta.spec.describe(), holder_pid=holder, since=since, run=run,
+                    keep_for_s=meta.keep_for_s, seconds_left=left, log_dir=meta.log_dir)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def log_tails(log_dir: str, world_size: int, num_lines: int = 5) -> dict[int, list[str]]:
+    """The last lines each rank wrote to its log (what it printed while no kernel held it)."""
+    tails = {}
+    for rank in range(world_size):
+        try:
+            with open(os.path.join(log_dir, f"rank-{rank}.log"), "rb") as log:
+                log.seek(0, os.SEEK_END)
+                log.seek(max(0, log.tell() - 4096))
+                lines = log.read().decode("utf-8", errors="replace").splitlines()
+        except OSError:
+            continue
+        tails[rank] = [line for line in lines if line.strip()][-num_lines:]
+    return tails

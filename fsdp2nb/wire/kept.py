@@ -1,0 +1,118 @@
+"""What the kernel, the host agent and the ranks of a kept pool share through its directory.
+
+A kept pool (`%fsdp2 start --keep`) outlives its kernel. Its directory (0700, under the user's
+state directory) holds:
+- `key` (0600): the pool's HMAC key; whoever can read it may attach, as only this user can;
+- `attach`: the signed `AttachRecord` naming the holding kernel and its socket. A kernel that
+  attaches writes it, then wakes the agent (SIGUSR1), which wakes its ranks; each reads the
+  record, checks its signature and serial, and reconnects through the usual admission (a fresh
+  challenge per connection);
+- `activity`: one fixed-size slot per rank, written by the rank through a shared mapping (a
+  store to memory, no system call per cell): the request it runs, the last one it ran and when
+  that changed. The agent's keep-for clock and `%fsdp2 pools` read it;
+- `pool.json`: what `%fsdp2 pools` and `attach` need (spec, pids, log directory), written by
+  the kernel that starts the pool;
+- `run/`: the pool's runtime directory (the process group's FileStore), which no kernel owns.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+
+from fsdp2nb.wire.protocol import AttachRecord
+from fsdp2nb.wire.signing import Signer
+
+KEY_FILE = "key"
+RECORD_FILE = "attach"
+ACTIVITY_FILE = "activity"
+META_FILE = "pool.json"
+RUN_DIR = "run"
+
+_SLOT = struct.Struct("<qqqd")
+"""Per rank: the request running (-1: none), its execution count, the last request taken, and
+when that changed (time.time())."""
+
+
+def write_attach_record(kept_dir: str, signer: Signer, record: AttachRecord) -> None:
+    """Replace the record atomically: a reader sees the old one or the new one, whole."""
+    target = os.path.join(kept_dir, RECORD_FILE)
+    temporary = f"{target}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(signer.pack(record))
+    os.replace(temporary, target)
+
+
+def read_attach_record(kept_dir: str, signer: Signer) -> AttachRecord | None:
+    """The record if its signature verifies under `signer`'s key; None otherwise (or none yet)."""
+    try:
+        with open(os.path.join(kept_dir, RECORD_FILE), "rb") as record_file:
+            frame = record_file.read(64 * 1024)
+    except OSError:
+        return None
+    record = signer.unpack(frame)
+    return record if isinstance(record, AttachRecord) else None
+
+
+@dataclass(frozen=True, slots=True)
+class RankWork:
+    """What one rank of a kept pool runs, as its activity slot says."""
+
+    running_cell_id: int | None
+    execution_count: int | None
+    last_cell_id: int
+    since: float
+    """When the rank last started or ended a request (or joined the pool)."""
+
+
+def create_activity_board(kept_dir: str, world_size: int) -> None:
+    """Every rank idle since now; made by the kernel before the agent starts."""
+    now = time.time()
+    fd = os.open(os.path.join(kept_dir, ACTIVITY_FILE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as board:
+        board.write(b"".join(_SLOT.pack(-1, -1, 0, now) for _ in range(world_size)))
+
+
+def read_activity(kept_dir: str) -> list[RankWork]:
+    """Every rank's slot (empty when the board is missing)."""
+    try:
+        with open(os.path.join(kept_dir, ACTIVITY_FILE), "rb") as board:
+            data = board.read()
+    except OSError:
+        return []
+    slots = (_SLOT.unpack_from(data, offset) for offset in range(0, len(data) - _SLOT.size + 1, _SLOT.size))
+    return [RankWork(running if running >= 0 else None, count if count >= 0 else None, last, since)
+            for running, count, last, since in slots]
+
+
+class ActivitySlot:
+    """A rank's own slot, written through a shared mapping of the board."""
+
+    def __init__(self, kept_dir: str, rank: int) -> None:
+        fd = os.open(os.path.join(kept_dir, ACTIVITY_FILE), os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        self._offset = rank * _SLOT.size
+        self._last_cell_id = 0
+
+    def started(self, cell_id: int, execution_count: int | None) -> None:
+        self._last_cell_id = max(self._last_cell_id, cell_id)
+        _SLOT.pack_into(self._map, self._offset, cell_id, -1 if execution_count is None else execution_count,
+                        self._last_cell_id, time.time())
+
+    def ended(self) -> None:
+        _SLOT.pack_into(self._map, self._offset, -1, -1, self._last_cell_id, time.time())
+
+
+def pool_is_idle_since(kept_dir: str) -> float | None:
+    """When the last rank ended its request; None while one runs (or the board is unreadable)."""
+    work = read_activity(kept_dir)
+    if not work or any(slot.running_cell_id is not None for slot in work):
+        return None
+    return max(slot.since for slot in work)
