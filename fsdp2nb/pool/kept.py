@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 
 from fsdp2nb.pool import reaper
+from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, LaunchError
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.kept import (
     KEY_FILE,
@@ -32,7 +33,7 @@ from fsdp2nb.wire.kept import (
     read_attach_record,
     write_attach_record,
 )
-from fsdp2nb.wire.protocol import AttachRecord
+from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan
 from fsdp2nb.wire.signing import Signer
 
 DEFAULT_KEEP_FOR_S = 3600.0
@@ -326,3 +327,54 @@ def log_tails(log_dir: str, world_size: int, num_lines: int = 5) -> dict[int, li
             continue
         tails[rank] = [line for line in lines if line.strip()][-num_lines:]
     return tails
+
+
+class AttachOnly:
+    """The launcher of an attached pool: it launches nothing (the ranks run already)."""
+
+    num_nodes = 1
+    notes: list[str] = []
+
+    def listen_address(self, runtime_dir: str, log_dir: str) -> str:
+        return os.path.join(runtime_dir, "pool.sock")
+
+    def launch(self, plan: LaunchPlan, key: bytes) -> LaunchedRanks:
+        raise LaunchError("an attached pool launches no ranks")
+
+
+class KeptAgent:
+    """The host agent of a kept pool that another kernel started: no child of this one, so it is
+    watched and ended by (pid, start time)."""
+
+    def __init__(self, agent: tuple[int, float]) -> None:
+        self._pid, self._create_time = agent
+
+    def _process(self) -> psutil.Process | None:
+        try:
+            process = psutil.Process(self._pid)
+            if abs(process.create_time() - self._create_time) < 0.01 and process.status() != psutil.STATUS_ZOMBIE:
+                return process
+        except psutil.Error:
+            pass
+        return None
+
+    def is_running(self) -> bool:
+        return self._process() is not None
+
+    def process_ids(self) -> list[int]:
+        return [self._pid]
+
+    def agent_exit(self) -> AgentExit | None:
+        return None if self.is_running() else AgentExit("ended", pid=self._pid)
+
+    def terminate(self, grace_s: float) -> None:
+        process = self._process()
+        if process is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGTERM)
+            process.wait(grace_s)
+            return
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+            process.wait(grace_s)

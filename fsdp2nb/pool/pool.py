@@ -16,7 +16,6 @@ import os
 import queue
 import secrets
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -295,7 +294,7 @@ class WorkerPool:
             shutil.rmtree(directory, ignore_errors=True)
             raise ValueError(f"kept pool {name!r} is gone: its host agent (pid {meta.agent[0]}) ended; "
                              f"its logs are in {meta.log_dir}")
-        pool = cls(meta.spec, launcher=_AttachOnly(), stalled_frame_s=stalled_frame_s,
+        pool = cls(meta.spec, launcher=kept.AttachOnly(), stalled_frame_s=stalled_frame_s,
                    keep=kept.KeepOptions(name=name, keep_for_s=meta.keep_for_s))
         pool._take(directory, meta, take, timeout_s)
         return pool
@@ -320,7 +319,7 @@ class WorkerPool:
             self._signer = Signer(key, log=self._log)
             self._channels = KernelChannels(self._signer, os.path.join(self._socket_dir, "pool.sock"), log=self._log,
                                             stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled)
-            self._launched = KeptAgent(meta.agent)
+            self._launched = kept.KeptAgent(meta.agent)
             self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
             self._receiver.start()
             kept.hold(directory, self._signer, self._channels.address, take=take, name=meta.name)
@@ -635,54 +634,3 @@ def launcher_for(spec: PoolSpec) -> Launcher:
     from fsdp2nb.pool.slurm_launcher import SlurmLauncher
 
     return SlurmLauncher(spec)
-
-
-class _AttachOnly:
-    """The launcher of an attached pool: it launches nothing (the ranks run already)."""
-
-    num_nodes = 1
-    notes: list[str] = []
-
-    def listen_address(self, runtime_dir: str, log_dir: str) -> str:
-        return os.path.join(runtime_dir, "pool.sock")
-
-    def launch(self, plan: LaunchPlan, key: bytes) -> LaunchedRanks:
-        raise LaunchError("an attached pool launches no ranks")
-
-
-class KeptAgent:
-    """The host agent of a kept pool that another kernel started: no child of this one, so it is
-    watched and ended by (pid, start time)."""
-
-    def __init__(self, agent: tuple[int, float]) -> None:
-        self._pid, self._create_time = agent
-
-    def _process(self) -> psutil.Process | None:
-        try:
-            process = psutil.Process(self._pid)
-            if abs(process.create_time() - self._create_time) < 0.01 and process.status() != psutil.STATUS_ZOMBIE:
-                return process
-        except psutil.Error:
-            pass
-        return None
-
-    def is_running(self) -> bool:
-        return self._process() is not None
-
-    def process_ids(self) -> list[int]:
-        return [self._pid]
-
-    def agent_exit(self) -> AgentExit | None:
-        return None if self.is_running() else AgentExit("ended", pid=self._pid)
-
-    def terminate(self, grace_s: float) -> None:
-        process = self._process()
-        if process is None:
-            return
-        with contextlib.suppress(psutil.Error):
-            process.send_signal(signal.SIGTERM)
-            process.wait(grace_s)
-            return
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-            process.wait(grace_s)
