@@ -29,11 +29,13 @@ import psutil
 from fsdp2nb.pool import kept, reaper
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.kept import KeepOptions
+from fsdp2nb.pool.kept_pool import KeptPoolParts
 from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, Launcher, LaunchError, LocalLauncher
+from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
-from fsdp2nb.wire.kept import RUN_DIR, create_activity_board
+from fsdp2nb.wire.kept import create_activity_board
 from fsdp2nb.wire.protocol import (
     AnswerInput,
     ControlMessage,
@@ -61,7 +63,6 @@ logger = logging.getLogger(__name__)
 
 PoolState = Literal["stopped", "starting", "ready", "broken"]
 DEFAULT_START_TIMEOUT_S = 300.0
-ATTACH_TIMEOUT_S = 30.0
 """How long the ranks of a kept pool may take to reconnect to a kernel that attaches (they
 reconnect at once, except a rank whose main thread runs C code that holds the GIL)."""
 _RECEIVE_POLL_MS = 100
@@ -71,7 +72,7 @@ class PoolStartError(RuntimeError):
     """The ranks did not all come up; the message carries what the failing rank printed."""
 
 
-class WorkerPool:
+class WorkerPool(KeptPoolParts):
     """N ranks forming one torch.distributed job, owned by the notebook kernel."""
 
     def __init__(self, spec: PoolSpec, launcher: Launcher | None = None, *,
@@ -171,7 +172,7 @@ class WorkerPool:
         try:
             key = secrets.token_bytes(KEY_BYTES)
             self._make_directories()
-            self._log = _open_pool_log(os.path.join(self.log_dir, "pool.log"))
+            self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
             address = self._launcher.listen_address(self._socket_dir, self.log_dir)
             certificate = _pool_certificate(address, self._runtime_dir)
             self._signer = Signer(key, log=self._log)
@@ -204,22 +205,6 @@ class WorkerPool:
             self._make_kept_directory()
         self.log_dir = str(reaper.state_dir() / "logs" / self.pool_id)
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
-
-    def _make_kept_directory(self) -> None:
-        """The kept pool's own directory (0700); a name in use by a live pool is refused."""
-        directory = kept.kept_dir(self.keep.name)
-        if directory.exists():
-            meta = kept.KeptMeta.read(directory)
-            if meta is not None and kept.agent_alive(meta):
-                raise ValueError(f"a kept pool named {self.keep.name!r} exists already; "
-                                 f"`%fsdp2 attach {self.keep.name}` uses it, or pick another --name")
-            if meta is None and time.time() - directory.stat().st_mtime < 60:
-                raise ValueError(f"a kept pool named {self.keep.name!r} is being started; pick another --name")
-            shutil.rmtree(directory, ignore_errors=True)  # left by a pool whose agent died
-        directory.mkdir(mode=0o700)
-        self._kept_dir = directory
-        self._runtime_dir = str(directory / RUN_DIR)
-        os.mkdir(self._runtime_dir, mode=0o700)
 
     def _plan(self, address: str, tls_fingerprint: str) -> LaunchPlan:
         per_node = self.spec.devices
@@ -268,94 +253,6 @@ class WorkerPool:
         reaper.record_pool(self.pool_id, reaper.process_key(os.getpid()), [p for p in processes if p],
                            runtime_dir=self._runtime_dir)
 
-    def _write_kept_meta(self) -> None:
-        agent = reaper.process_key(self._launched.process_ids()[0])
-        if agent is None:
-            return  # it ended already: the start fails on that
-        kept.KeptMeta(name=self.keep.name, pool_id=self.pool_id, devices=self.spec.devices,
-                      collective_timeout_s=self.spec.collective_timeout_s, keep_for_s=self.keep.keep_for_s,
-                      agent=agent, log_dir=self.log_dir, runtime_dir=self._runtime_dir,
-                      created=time.time()).write(self._kept_dir)
-
-    # --- kept pools ---------------------------------------------------------------------------
-
-    @classmethod
-    def attach(cls, name: str, *, take: bool = False, timeout_s: float = ATTACH_TIMEOUT_S,
-               stalled_frame_s: float = STALLED_FRAME_S) -> WorkerPool:
-        """This kernel takes the kept pool `name` (see pool/kept.py); ValueError or PoolHeldError
-        (one line each) when it cannot, with nothing changed."""
-        directory = kept.kept_dir(name)
-        meta = kept.KeptMeta.read(directory) if directory.exists() else None
-        if meta is None:
-            names = [pool.name for pool in kept.list_pools()]
-            raise ValueError(f"no kept pool is named {name!r}; " + (
-                f"kept pools: {', '.join(names)}" if names else "there are none (`%fsdp2 pools` lists them)"))
-        if not kept.agent_alive(meta):
-            shutil.rmtree(directory, ignore_errors=True)
-            raise ValueError(f"kept pool {name!r} is gone: its host agent (pid {meta.agent[0]}) ended; "
-                             f"its logs are in {meta.log_dir}")
-        pool = cls(meta.spec, launcher=kept.AttachOnly(), stalled_frame_s=stalled_frame_s,
-                   keep=kept.KeepOptions(name=name, keep_for_s=meta.keep_for_s))
-        pool._take(directory, meta, take, timeout_s)
-        return pool
-
-    def _take(self, directory: Path, meta: kept.KeptMeta, take: bool, timeout_s: float) -> None:
-        key = kept.read_key(directory)
-        signer = Signer(key)
-        if kept.read_attach_record(str(directory), signer) is None:
-            raise ValueError(f"the key in {directory} does not verify the pool's attach record; "
-                             "the pool cannot be attached (`kill` its agent, pid "
-                             f"{meta.agent[0]}, to end it)")
-        current = kept.held_here(directory, signer)
-        if kept.holder_alive(current) and not take:
-            raise kept.PoolHeldError(f"pool {meta.name!r} is held by {kept.describe_holder(current)}; "
-                                     f"`%fsdp2 attach {meta.name} --take` moves it to this kernel")
-        self.pool_id, self.log_dir, self._kept_dir = meta.pool_id, meta.log_dir, directory
-        self._runtime_dir = meta.runtime_dir
-        self.state = "starting"
-        try:
-            self._socket_dir = tempfile.mkdtemp(prefix="fsdp2nb-")
-            self._log = _open_pool_log(os.path.join(self.log_dir, "pool.log"))
-            self._signer = Signer(key, log=self._log)
-            self._channels = KernelChannels(self._signer, os.path.join(self._socket_dir, "pool.sock"), log=self._log,
-                                            stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled)
-            self._launched = kept.KeptAgent(meta.agent)
-            self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
-            self._receiver.start()
-            kept.hold(directory, self._signer, self._channels.address, take=take, name=meta.name)
-            kept.wake_agent(meta)
-            self._wait_until_ready(timeout_s)
-        except BaseException:
-            if self._signer is not None and self._channels is not None:
-                kept.let_go(directory, self._signer)
-            self.release()
-            raise
-        self.state = "ready"
-
-    @property
-    def kept_directory(self) -> Path | None:
-        """A kept pool's directory (pool/kept.py); None for any other."""
-        return self._kept_dir
-
-    def held_here(self) -> bool:
-        """Whether this kernel still holds its kept pool (always, for a pool that is not kept)."""
-        if self._kept_dir is None or self._signer is None:
-            return True
-        return kept.held_here(self._kept_dir, self._signer) is None
-
-    def holder_note(self) -> str:
-        """Who took this kernel's kept pool, for the line that says so."""
-        record = kept.held_here(self._kept_dir, self._signer) if self._kept_dir and self._signer else None
-        return kept.describe_holder(record) if record is not None and record.holder_pid else "another kernel"
-
-    def detach(self) -> None:
-        """Let go of a kept pool: its ranks keep running and wait for the next kernel."""
-        if self._kept_dir is not None and self._signer is not None and kept.let_go(self._kept_dir, self._signer):
-            meta = kept.KeptMeta.read(self._kept_dir)
-            if meta is not None:
-                kept.wake_agent(meta)
-        self.release()
-
     def release(self) -> None:
         """Close this kernel's end without ending the ranks (a kept pool); safe to call twice."""
         self._stop_receiving.set()
@@ -365,7 +262,7 @@ class WorkerPool:
             self._channels.close()
         self._channels = None
         if self._log is not None:
-            _close_pool_log(self._log)
+            close_pool_log(self._log)
         self._log = None
         if self._socket_dir and self._socket_dir != self._runtime_dir:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
@@ -395,7 +292,7 @@ class WorkerPool:
             self._channels.close()
         self._channels = None
         if self._log is not None:
-            _close_pool_log(self._log)
+            close_pool_log(self._log)
         self._log = None
         shutil.rmtree(self._runtime_dir, ignore_errors=True)
         if self._socket_dir and self._socket_dir != self._runtime_dir:
@@ -563,26 +460,6 @@ class WorkerPool:
             self.held_output.add(event)  # a rank's own thread, between cells
             return
         self._events.put(event)
-
-
-def _open_pool_log(path: str) -> logging.Logger:
-    """A logger of this pool's own that writes only to `path`.
-
-    Made outside logging's registry, it has no parent: nothing it logs reaches the root logger's
-    fallback, which in a notebook kernel writes to whatever cell runs (a flood of junk
-    connections would have written a line per connection there)."""
-    log = logging.Logger("fsdp2nb.pool")
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    log.addHandler(handler)
-    return log
-
-
-def _close_pool_log(log: logging.Logger) -> None:
-    for handler in list(log.handlers):
-        handler.close()
-        log.removeHandler(handler)
-    log.addHandler(logging.NullHandler())  # a late line from a closing thread goes nowhere, not to a cell
 
 
 def describe_exit(report: RankExited) -> str:
