@@ -65,6 +65,9 @@ ATTACH_TIMEOUT_S = 30.0
 """How long the ranks of a kept pool may take to reconnect to a kernel that attaches (they
 reconnect at once, except a rank whose main thread runs C code that holds the GIL)."""
 _RECEIVE_POLL_MS = 100
+SAVE_IDS_PER_HOLDER_BITS = 32
+"""A kernel that attaches a kept pool numbers its save requests from `serial << 32` + 1, where
+`serial` is its attach record's: above every id an earlier holder sent (ranks reduce them as int64)."""
 
 
 class PoolStartError(RuntimeError):
@@ -322,7 +325,11 @@ class WorkerPool:
             self._launched = kept.KeptAgent(meta.agent)
             self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
             self._receiver.start()
-            kept.hold(directory, self._signer, self._channels.address, take=take, name=meta.name)
+            record = kept.hold(directory, self._signer, self._channels.address, take=take, name=meta.name)
+            # The ranks remember the highest save request id they were sent (checkpoint/requests.py):
+            # ids counted from 1 again would read as served already, and the dashboard's Save
+            # would report the previous holder's step. Each holder's serial is higher than the last.
+            self._save_request_ids = itertools.count((record.serial << SAVE_IDS_PER_HOLDER_BITS) + 1)
             kept.wake_agent(meta)
             self._wait_until_ready(timeout_s)
         except BaseException:
@@ -495,7 +502,8 @@ class WorkerPool:
         return request_id
 
     def new_save_request_id(self) -> int:
-        """A fresh id for a save request, higher than any before on this pool's ranks."""
+        """A fresh id for a save request, higher than any before on this pool's ranks (a kept
+        pool's too: each kernel that attaches counts on from above the ids of the ones before)."""
         return next(self._save_request_ids)
 
     def events_read_here(self) -> contextlib.AbstractContextManager:

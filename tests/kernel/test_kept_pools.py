@@ -274,3 +274,41 @@ def test_a_kernel_shut_down_lets_go_of_its_kept_pool(kernels, tmpdir_env):
     assert b.execute("%%fsdp2\nprint(z)").stdout == "[all] kept\n"
     assert b.execute("%fsdp2 stop").status == "ok"
     assert _gone(agent)
+
+
+SAVE_SETUP = """%%fsdp2 --cpu 2 --keep --name saves --no-dashboard
+import fsdp2nb
+from torch.distributed.fsdp import fully_shard
+model = torch.nn.Linear(8, 4)
+fully_shard(model, mesh=mesh)
+ckpt = fsdp2nb.Checkpointer(CKPT, async_save=False).track(model=model)
+"""
+SAVE_AT = """%%fsdp2
+import time
+from fsdp2nb.checkpoint.requests import process_requests
+for _ in range(200):  # the request came on the control connection: wait until it is here
+    if process_requests().pending():
+        break
+    time.sleep(0.05)
+print(ckpt.maybe_save({step}))
+"""
+
+
+def test_a_save_asked_after_attach_is_served(kernels, tmpdir_env, tmp_path):
+    """The dashboard's Save (pool.request_save) of a kernel that attached is served by the ranks'
+    next maybe_save, even after an earlier holder's Save was: its request ids count on from there."""
+    a = kernels()
+    run = a.execute(SAVE_SETUP.replace("--no-dashboard\n", f"--no-dashboard\nCKPT = {str(tmp_path / 'ckpt')!r}\n"))
+    assert run.status == "ok", run.stderr + run.traceback_text
+    assert a.execute("import fsdp2nb\nfsdp2nb._session.pool.request_save()").status == "ok"
+    run = a.execute(SAVE_AT.format(step=1))
+    assert run.stdout == "[all] True\n", run.stderr + run.traceback_text
+    assert a.execute("%fsdp2 detach").status == "ok"
+
+    b = kernels()
+    assert b.execute("%fsdp2 attach saves --no-dashboard").status == "ok"
+    assert b.execute("import fsdp2nb\nfsdp2nb._session.pool.request_save()").status == "ok"
+    run = b.execute(SAVE_AT.format(step=2))
+    assert run.stdout == "[all] True\n", run.stderr + run.traceback_text  # not taken for the first save
+    assert (tmp_path / "ckpt" / "step-000002").is_dir()
+    assert b.execute("%fsdp2 stop").status == "ok"
