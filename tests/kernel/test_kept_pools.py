@@ -312,3 +312,32 @@ def test_a_save_asked_after_attach_is_served(kernels, tmpdir_env, tmp_path):
     assert run.stdout == "[all] True\n", run.stderr + run.traceback_text  # not taken for the first save
     assert (tmp_path / "ckpt" / "step-000002").is_dir()
     assert b.execute("%fsdp2 stop").status == "ok"
+
+
+def test_a_run_of_the_old_holder_ends_when_the_pool_is_taken(kernels, tmpdir_env, tmp_path):
+    """`attach --take` from another kernel while this one's --bg run goes: the run's handle here
+    ends (failed, one line saying the pool was taken), so `%fsdp2 wait` returns; the run itself
+    goes on in the kernel that took the pool, which can wait for it."""
+    flag = tmp_path / "flag"
+    a = kernels()
+    assert a.execute("%fsdp2 start --cpu 2 --keep --name handover --no-dashboard").status == "ok"
+    run = a.execute(f"%%fsdp2 --bg --name train\nimport os, time\nwhile not os.path.exists({str(flag)!r}):\n"
+                    "    time.sleep(0.05)\nfinished = 'yes'")
+    assert run.status == "ok", run.stderr
+    b = kernels()
+    run = b.execute("%fsdp2 attach handover --take --no-dashboard")
+    assert run.status == "ok" and "is still running" in run.stdout, run.stderr + run.stdout
+
+    run = a.execute("%fsdp2 wait", timeout=60)
+    lines = run.traceback_text.splitlines()
+    assert run.status == "error" and len(lines) == 1, run.traceback_text + run.stderr
+    assert f"kept pool 'handover' was taken by kernel {b.pid}" in lines[0], lines
+    assert "Traceback" not in run.stderr
+    assert a.execute("print(train.state)").stdout == "failed\n"
+    run = a.execute("%%fsdp2\nprint('mine?')")  # the next cell: the pool is gone from this kernel, as before
+    assert run.status == "error" and "was taken by" in run.stderr, run.stderr
+
+    flag.touch()
+    assert b.execute("%fsdp2 wait", timeout=60).status == "ok"  # the run ended well where it went on
+    assert b.execute("%%fsdp2\nprint(finished)").stdout == "[all] yes\n"
+    assert b.execute("%fsdp2 stop").status == "ok"
