@@ -60,6 +60,14 @@ class CellSyntaxError(Exception):
         return [line.rstrip("\n") for line in lines] + ["(the cell ran on no rank)"]
 
 
+class PoolTakenError(Exception):
+    """Another kernel took this kernel's kept pool (`%fsdp2 attach NAME --take`) while a request
+    waited for its ranks: their replies go to that kernel now. Shown as one line."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [alarm(str(self))]
+
+
 def alarm(text: str) -> str:
     """`text` in bold red, as IPython shows what went wrong; for notes under a cell's error."""
     return f"\x1b[1;31m{text}\x1b[0m"

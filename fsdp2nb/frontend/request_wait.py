@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from fsdp2nb.frontend.errors import RankError, alarm, rank_exit_error
+from fsdp2nb.frontend.errors import PoolTakenError, RankError, alarm, rank_exit_error
 from fsdp2nb.frontend.output import (
     StreamMerger,
     WaitingLine,
@@ -61,6 +61,9 @@ collective meanwhile is shown with the time left of its timeout above the prompt
 EXIT_CAUSE_GRACE_S = 2.0
 """How long a request that could not reach a rank waits to learn why (see wait_for_exit_cause)."""
 _ACTIVITY_INTERVAL_S = 2.0
+_HOLDER_CHECK_S = 1.0
+"""While no event comes, how often a kept pool's attach record is read: another kernel may have
+taken the pool, and with it the replies this request waits for."""
 _POLL_S = 0.1
 
 
@@ -90,6 +93,8 @@ class CellProgress:
     task_bar: object | None = None
     """The cell's progress bar (frontend.progress_bar), made when the ranks first report progress."""
     started_at: float = field(default_factory=time.monotonic)
+    holder_checked_at: float = 0.0
+    """When the kept pool's attach record was last read (see RequestWait._check_still_held)."""
     last_output_at: float = field(default_factory=time.monotonic)
     activity_asked_at: float = 0.0
     activity: dict[int, RankActivity] = field(default_factory=dict)
@@ -172,6 +177,8 @@ class RequestWait:
                 self._handle(event)
             elif not self.pool.check_agent():
                 self._after_agent_death()
+            else:
+                self._check_still_held()
             self._merger.poll()
             if progress.prompts and self._may_prompt_now():
                 self._answer_prompt()
@@ -179,6 +186,21 @@ class RequestWait:
             self._ask_quiet_ranks()
             if self._stop_presses is not None and self._stop_presses.take() and progress.running:
                 self._stop_pressed()
+
+    def _check_still_held(self) -> None:
+        """End the request if another kernel took the kept pool: the ranks go on there and reply
+        to it, so this kernel would wait forever."""
+        progress, now = self.progress, time.monotonic()
+        held_here = getattr(self.pool, "held_here", None)  # (a test's fake pool keeps nothing)
+        if held_here is None or now - progress.holder_checked_at < _HOLDER_CHECK_S:
+            return
+        progress.holder_checked_at = now
+        if held_here():
+            return
+        self._merger.flush()
+        name = self.pool.keep.name
+        raise PoolTakenError(f"kept pool {name!r} was taken by {self.pool.holder_note()} while this request ran; "
+                             f"its ranks go on there (`%fsdp2 attach {name} --take` takes it back)")
 
     def _stop_pressed(self) -> None:
         if self.progress.interrupted_at is None:

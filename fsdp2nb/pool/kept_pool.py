@@ -4,6 +4,7 @@ the files and records it uses are in pool/kept.py and wire/kept.py."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -18,6 +19,11 @@ from fsdp2nb.wire.kept import RUN_DIR
 from fsdp2nb.wire.signing import Signer
 
 ATTACH_TIMEOUT_S = 30.0
+"""How long the ranks of a kept pool may take to reconnect to a kernel that attaches (they
+reconnect at once, except a rank whose main thread runs C code that holds the GIL)."""
+SAVE_IDS_PER_HOLDER_BITS = 32
+"""A kernel that attaches a kept pool numbers its save requests from `serial << 32` + 1, where
+`serial` is its attach record's: above every id an earlier holder sent (ranks reduce them as int64)."""
 
 
 class KeptPoolParts:
@@ -91,7 +97,11 @@ class KeptPoolParts:
             self._launched = kept.KeptAgent(meta.agent)
             self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
             self._receiver.start()
-            kept.hold(directory, self._signer, self._channels.address, take=take, name=meta.name)
+            record = kept.hold(directory, self._signer, self._channels.address, take=take, name=meta.name)
+            # The ranks remember the highest save request id they were sent (checkpoint/requests.py):
+            # ids counted from 1 again would read as served already, and the dashboard's Save
+            # would report the previous holder's step. Each holder's serial is higher than the last.
+            self._save_request_ids = itertools.count((record.serial << SAVE_IDS_PER_HOLDER_BITS) + 1)
             kept.wake_agent(meta)
             self._wait_until_ready(timeout_s)
         except BaseException:

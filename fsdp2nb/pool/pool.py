@@ -63,8 +63,6 @@ logger = logging.getLogger(__name__)
 
 PoolState = Literal["stopped", "starting", "ready", "broken"]
 DEFAULT_START_TIMEOUT_S = 300.0
-"""How long the ranks of a kept pool may take to reconnect to a kernel that attaches (they
-reconnect at once, except a rank whose main thread runs C code that holds the GIL)."""
 _RECEIVE_POLL_MS = 100
 
 
@@ -392,7 +390,8 @@ class WorkerPool(KeptPoolParts):
         return request_id
 
     def new_save_request_id(self) -> int:
-        """A fresh id for a save request, higher than any before on this pool's ranks."""
+        """A fresh id for a save request, higher than any before on this pool's ranks (a kept
+        pool's too: each kernel that attaches counts on from above the ids of the ones before)."""
         return next(self._save_request_ids)
 
     def events_read_here(self) -> contextlib.AbstractContextManager:

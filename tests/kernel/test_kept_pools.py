@@ -274,3 +274,70 @@ def test_a_kernel_shut_down_lets_go_of_its_kept_pool(kernels, tmpdir_env):
     assert b.execute("%%fsdp2\nprint(z)").stdout == "[all] kept\n"
     assert b.execute("%fsdp2 stop").status == "ok"
     assert _gone(agent)
+
+
+SAVE_SETUP = """%%fsdp2 --cpu 2 --keep --name saves --no-dashboard
+import fsdp2nb
+from torch.distributed.fsdp import fully_shard
+model = torch.nn.Linear(8, 4)
+fully_shard(model, mesh=mesh)
+ckpt = fsdp2nb.Checkpointer(CKPT, async_save=False).track(model=model)
+"""
+SAVE_AT = """%%fsdp2
+import time
+from fsdp2nb.checkpoint.requests import process_requests
+for _ in range(200):  # the request came on the control connection: wait until it is here
+    if process_requests().pending():
+        break
+    time.sleep(0.05)
+print(ckpt.maybe_save({step}))
+"""
+
+
+def test_a_save_asked_after_attach_is_served(kernels, tmpdir_env, tmp_path):
+    """The dashboard's Save (pool.request_save) of a kernel that attached is served by the ranks'
+    next maybe_save, even after an earlier holder's Save was: its request ids count on from there."""
+    a = kernels()
+    run = a.execute(SAVE_SETUP.replace("--no-dashboard\n", f"--no-dashboard\nCKPT = {str(tmp_path / 'ckpt')!r}\n"))
+    assert run.status == "ok", run.stderr + run.traceback_text
+    assert a.execute("import fsdp2nb\nfsdp2nb._session.pool.request_save()").status == "ok"
+    run = a.execute(SAVE_AT.format(step=1))
+    assert run.stdout == "[all] True\n", run.stderr + run.traceback_text
+    assert a.execute("%fsdp2 detach").status == "ok"
+
+    b = kernels()
+    assert b.execute("%fsdp2 attach saves --no-dashboard").status == "ok"
+    assert b.execute("import fsdp2nb\nfsdp2nb._session.pool.request_save()").status == "ok"
+    run = b.execute(SAVE_AT.format(step=2))
+    assert run.stdout == "[all] True\n", run.stderr + run.traceback_text  # not taken for the first save
+    assert (tmp_path / "ckpt" / "step-000002").is_dir()
+    assert b.execute("%fsdp2 stop").status == "ok"
+
+
+def test_a_run_of_the_old_holder_ends_when_the_pool_is_taken(kernels, tmpdir_env, tmp_path):
+    """`attach --take` from another kernel while this one's --bg run goes: the run's handle here
+    ends (failed, one line saying the pool was taken), so `%fsdp2 wait` returns; the run itself
+    goes on in the kernel that took the pool, which can wait for it."""
+    flag = tmp_path / "flag"
+    a = kernels()
+    assert a.execute("%fsdp2 start --cpu 2 --keep --name handover --no-dashboard").status == "ok"
+    run = a.execute(f"%%fsdp2 --bg --name train\nimport os, time\nwhile not os.path.exists({str(flag)!r}):\n"
+                    "    time.sleep(0.05)\nfinished = 'yes'")
+    assert run.status == "ok", run.stderr
+    b = kernels()
+    run = b.execute("%fsdp2 attach handover --take --no-dashboard")
+    assert run.status == "ok" and "is still running" in run.stdout, run.stderr + run.stdout
+
+    run = a.execute("%fsdp2 wait", timeout=60)
+    lines = run.traceback_text.splitlines()
+    assert run.status == "error" and len(lines) == 1, run.traceback_text + run.stderr
+    assert f"kept pool 'handover' was taken by kernel {b.pid}" in lines[0], lines
+    assert "Traceback" not in run.stderr
+    assert a.execute("print(train.state)").stdout == "failed\n"
+    run = a.execute("%%fsdp2\nprint('mine?')")  # the next cell: the pool is gone from this kernel, as before
+    assert run.status == "error" and "was taken by" in run.stderr, run.stderr
+
+    flag.touch()
+    assert b.execute("%fsdp2 wait", timeout=60).status == "ok"  # the run ended well where it went on
+    assert b.execute("%%fsdp2\nprint(finished)").stdout == "[all] yes\n"
+    assert b.execute("%fsdp2 stop").status == "ok"
