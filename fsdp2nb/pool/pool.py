@@ -283,18 +283,8 @@ class WorkerPool(KeptPoolParts):
         if self._launched is not None:
             self._launched.terminate(grace_s=3.0)
         self._wait_for_rank_processes()
-        self._stop_receiving.set()
-        if self._receiver is not None:
-            self._receiver.join()
-        if self._channels is not None:
-            self._channels.close()
-        self._channels = None
-        if self._log is not None:
-            close_pool_log(self._log)
-        self._log = None
+        self.release()
         shutil.rmtree(self._runtime_dir, ignore_errors=True)
-        if self._socket_dir and self._socket_dir != self._runtime_dir:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self._kept_dir is not None:
             shutil.rmtree(self._kept_dir, ignore_errors=True)
         reaper.forget_pool(self.pool_id)
