@@ -404,7 +404,14 @@ if rank == 0:
     print("losses:", losses)
     print("checkpoints:", sorted(p.name for p in out_dir.glob("checkpoint-*")))""", "train"),
     ("markdown", "What `fsdp2nb.TrainerCallback` logged is the dashboard's curve; `%fsdp2 metrics` gives it as a table."),
-    ("code", """metrics = %fsdp2 metrics  # a pandas DataFrame: rank, step, time and each logged value
+    ("code", """import time
+
+# Logged points reach the notebook with the ranks' next snapshot, a moment after the cell ends.
+for _ in range(100):
+    metrics = %fsdp2 metrics  # a pandas DataFrame: rank, step, time and each logged value
+    if len(metrics) and metrics.dropna(subset=["loss"])["step"].max() >= 8:
+        break
+    time.sleep(0.1)
 print("steps with a loss on the dashboard:", sorted(metrics.dropna(subset=["loss"])["step"].unique().tolist()))""", "metrics"),
     ("markdown", """## Save, resume
 
