@@ -294,9 +294,7 @@ class NotebookSession:
         """Send a request to `ranks` and wait for their replies on this (the kernel's main) thread."""
         # The stop button only takes note while a request is sent and waited for: sent to all
         # ranks or none, and never between an event taken off the queue and its recording.
-        # This thread reads the ranks' replies itself, from before they can come: a hop through
-        # the pool's receiving thread would cost each reply a thread wake-up.
-        with sigint_noted() as stop_button, pool.events_read_here():
+        with sigint_noted() as stop_button:
             wait = self.request_wait(pool, ranks, stop_presses=stop_button)
             wait.send(make_request(wait.cell_id))  # sent first: what follows runs while the ranks wake up
             return wait.wait_for_replies()

@@ -1,10 +1,9 @@
 """The kernel's handle on a pool of ranks: start, send requests, receive events, stop.
 
-Events never wait unread: between requests a receiver thread drains them, so snapshots keep
-flowing and a rank's output never backs up while the notebook is idle; while a request runs,
-the thread waiting for it reads them itself. Cell events go to a queue that the running cell
-consumes; snapshots update `snapshots` in place; what ranks' own threads print between cells
-is held, bounded, for the next cell.
+Events never wait unread: a receiver thread drains them, so snapshots keep flowing and a
+rank's output never backs up while the notebook is idle. Cell events go to a queue that the
+running cell consumes; snapshots update `snapshots` in place; what ranks' own threads print
+between cells is held, bounded, for the next cell.
 """
 
 from __future__ import annotations
@@ -149,11 +148,7 @@ class WorkerPool(KeptPoolParts):
         while self.check_agent() and not self.exited:
             if time.monotonic() >= deadline:
                 return False
-            channels = self._channels
-            if channels is not None and channels.reads_here():  # no other thread reads meanwhile
-                channels.receive_here(20, self._dispatch_safely)
-            else:
-                time.sleep(0.02)
+            time.sleep(0.02)  # the receiving thread records the agent's report meanwhile
         return True
 
     @property
@@ -384,22 +379,12 @@ class WorkerPool(KeptPoolParts):
         pool's too: each kernel that attaches counts on from above the ids of the ones before)."""
         return next(self._save_request_ids)
 
-    def events_read_here(self) -> contextlib.AbstractContextManager:
-        """While inside, `next_event` reads the ranks' events on the calling thread (see
-        KernelChannels.reading_here); the session waits for a request this way."""
-        assert self._channels is not None, "the pool is not running"
-        return self._channels.reading_here()
-
     def next_event(self, timeout_s: float) -> EventMessage | None:
-        channels = self._channels
-        if channels is None or not channels.reads_here():
-            try:
-                return self._events.get(timeout=timeout_s)
-            except queue.Empty:
-                return None
-        if self._events.empty():  # else delivered before this thread took over, or below
-            channels.receive_here(int(timeout_s * 1000), self._dispatch_safely)
-        return None if self._events.empty() else self._events.get_nowait()
+        """The next event for a waiting request, in arrival order; None after `timeout_s`."""
+        try:
+            return self._events.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
 
     def _receive_loop(self) -> None:
         while not self._stop_receiving.is_set():

@@ -87,10 +87,8 @@ class _EventSource:
 class KernelChannels:
     """The kernel's end: accepts rank connections; sends from any thread.
 
-    Events are read by one reader at a time. The pool's background thread reads them between
-    requests (`receive`); while a request runs, the thread waiting for it reads them itself
-    inside `reading_here()`, which pauses the background reader. That spares each event a hop
-    between threads, a thread wake-up that is a good part of an empty cell's cost.
+    Events are read by the pool's one receiving thread (`receive`), which hands each to the
+    pool's queue.
     """
 
     def __init__(self, signer: Signer, address: str, *, log: logging.Logger = logger,
@@ -104,24 +102,18 @@ class KernelChannels:
         self._links: dict[LinkKey, Link] = {}
         """Every introduced connection, by role and rank (events links too: one per rank)."""
         self._links_changed = threading.Condition()
-        # Each reader waits on its own epoll set, built up as events connections arrive (the
-        # admitting thread queues them and wakes the background reader through a pipe):
-        # rebuilding a selector for every wait cost the kernel time on every event. Pausing
-        # the background reader switches its connections off in its set, so it sleeps on.
-        self._background = select.epoll()
-        self._foreground = select.epoll()
-        self._foreground_thread: int | None = None
-        """The thread inside `reading_here()`, if any."""
+        # The reader waits on one epoll set, built up as events connections arrive (the
+        # admitting thread queues them and wakes the reader through a pipe): rebuilding a
+        # selector for every wait cost the kernel time on every event.
+        self._epoll = select.epoll()
         self._read_lock = threading.Lock()
-        """Held while frames are read and delivered, and while the reader changes hands."""
-        self._handoffs = 0
-        """How often reading changed hands: a reader's wait that spans a change is stale."""
+        """Held while frames are read and delivered (close() must not close links meanwhile)."""
         self._readers: dict[int, _EventSource] = {}
         self._part_read: set[_EventSource] = set()
         """Sources with a frame begun and not yet complete (watched for stalls)."""
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
-        self._background.register(self._wake_read, select.EPOLLIN)
+        self._epoll.register(self._wake_read, select.EPOLLIN)
         self._unregistered: collections.deque[_EventSource] = collections.deque()
         self._closed = False
         if endpoints.is_tcp(address) and certificate is None:
@@ -154,72 +146,28 @@ class KernelChannels:
             return self._links.get((role, rank))
 
     def receive(self, timeout_ms: int, deliver: Callable[[Any], None]) -> None:
-        """Wait up to `timeout_ms` for events and pass each verified one to `deliver`, in order.
-
-        The background reader's call: while another thread reads `reading_here()`, it only waits."""
-        self._receive(self._background, timeout_ms, deliver)
-
-    def receive_here(self, timeout_ms: int, deliver: Callable[[Any], None]) -> None:
-        """As `receive`, for the thread inside `reading_here()`."""
-        assert self.reads_here(), "receive_here is for the thread inside reading_here()"
-        self._receive(self._foreground, timeout_ms, deliver)
-
-    def reading_here(self) -> contextlib.AbstractContextManager:
-        """While inside, events are read only by the calling thread's `receive_here`.
-
-        Entering waits for the background reader to deliver what it has read, so the caller
-        sees every event in order after those."""
-        return _ReadingHere(self)
-
-    def reads_here(self) -> bool:
-        """Whether the calling thread is the one inside `reading_here()`."""
-        return self._foreground_thread == threading.get_ident()
-
-    def _take_reading(self) -> None:
-        with self._read_lock:
-            self._register_new_links()
-            self._foreground_thread = threading.get_ident()
-            self._handoffs += 1
-            self._switch_background(0)
-
-    def _give_reading_back(self) -> None:
-        with self._read_lock:
-            self._foreground_thread = None
-            self._handoffs += 1
-            if not self._closed:
-                self._switch_background(select.EPOLLIN)
-
-    def _switch_background(self, mask: int) -> None:
-        for fd in self._readers:
-            self._background.modify(fd, mask)
-
-    def _receive(self, epoll: select.epoll, timeout_ms: int, deliver: Callable[[Any], None]) -> None:
+        """Wait up to `timeout_ms` for events and pass each verified one to `deliver`, in order."""
         if self._unregistered:
             with self._read_lock:
                 if not self._closed:
                     self._register_new_links()
-        handoffs = self._handoffs
-        ready = self._wait_ready(epoll, timeout_ms)
+        ready = self._wait_ready(timeout_ms)
         with self._read_lock:
             if self._closed:
                 return
-            if self._handoffs != handoffs:
-                # Reading changed hands while this reader waited: what it saw ready may have been
-                # read since (a read would find nothing; the next wait sees what is new).
-                ready = [(fd, event) for fd, event in ready if self._readers.get(fd) is None]
             for fd, _ in ready:
                 source = self._readers.get(fd)
                 if source is None:  # the admitting thread's wake-up: new links are registered next call
                     _drain(self._wake_read)
-                elif epoll is self._foreground or self._foreground_thread is None:
+                else:
                     self._read(source, deliver)
             if self._part_read:
                 self._report_stalls()
 
-    def _wait_ready(self, epoll: select.epoll, timeout_ms: int) -> list[tuple[int, int]]:
+    def _wait_ready(self, timeout_ms: int) -> list[tuple[int, int]]:
         """The (fd, event) pairs ready within `timeout_ms`; none once the channels are closed."""
         try:
-            return epoll.poll(timeout_ms / 1000)
+            return self._epoll.poll(timeout_ms / 1000)
         except (OSError, ValueError):  # closed under us by close()
             return []
 
@@ -229,8 +177,7 @@ class KernelChannels:
             source = self._unregistered.popleft()
             fd = source.link.fileno()
             self._readers[fd] = source
-            self._foreground.register(fd, select.EPOLLIN)
-            self._background.register(fd, 0 if self._foreground_thread is not None else select.EPOLLIN)
+            self._epoll.register(fd, select.EPOLLIN)
 
     def _read(self, source: _EventSource, deliver: Callable[[Any], None]) -> None:
         """Deliver each verified message that `source` completed; never waits for more bytes.
@@ -256,8 +203,7 @@ class KernelChannels:
     def _drop(self, source: _EventSource) -> None:
         """Called with the read lock held."""
         fd = source.link.fileno()
-        for epoll in (self._background, self._foreground):
-            epoll.unregister(fd)
+        self._epoll.unregister(fd)
         del self._readers[fd]
         self._part_read.discard(source)
         with self._links_changed:
@@ -319,23 +265,9 @@ class KernelChannels:
         with self._read_lock:  # not while a reader reads from them
             for link in links:
                 link.close()
-            self._background.close()
-            self._foreground.close()
+            self._epoll.close()
         os.close(self._wake_read)
         os.close(self._wake_write)
-
-
-class _ReadingHere:
-    """The context of `KernelChannels.reading_here` (a class: entered on every request)."""
-
-    def __init__(self, channels: KernelChannels) -> None:
-        self._channels = channels
-
-    def __enter__(self) -> None:
-        self._channels._take_reading()
-
-    def __exit__(self, *exc_info) -> None:
-        self._channels._give_reading_back()
 
 
 def _hung_up(sock: socket.socket) -> bool:

@@ -32,10 +32,9 @@ def wait_until(condition, timeout_s: float = 10.0) -> bool:
 
 
 def read_until(kernel, condition, timeout_s: float = 10.0) -> list:
-    """Messages the kernel end delivers (read here, as a waiting request does) until `condition`."""
+    """Messages the kernel end delivers (read on this thread, as the pool's reader does) until `condition`."""
     received: list = []
     deadline = time.monotonic() + timeout_s
-    with kernel.reading_here():
-        while not condition(received) and time.monotonic() < deadline:
-            kernel.receive_here(50, received.append)
+    while not condition(received) and time.monotonic() < deadline:
+        kernel.receive(50, received.append)
     return received

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -57,9 +56,6 @@ class ScriptedPool:
 
     def send(self, ranks, message, connect_timeout_s: float = 5.0) -> None:
         self.sent.append(message)
-
-    def events_read_here(self):
-        return contextlib.nullcontext()
 
     def next_event(self, timeout_s: float):
         return self._events.popleft() if self._events else None
