@@ -21,11 +21,10 @@ from fsdp2nb.frontend.errors import RankError, alarm
 from fsdp2nb.frontend.notebook_input import ask_notebook
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
-from fsdp2nb.pool.kept import KeepOptions, PoolHeldError, list_pools
+from fsdp2nb.pool.kept import KeepOptions, PoolHeldError, list_pools, noted_runs
 from fsdp2nb.pool.launcher import LocalLauncher
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool, describe_exit
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.kept import RankWork, read_activity
 from fsdp2nb.wire.protocol import ControlMessage, PostMortem, PullValue, PushValues, RunCell
 from fsdp2nb.wire.sigint import sigint_noted
 
@@ -163,27 +162,41 @@ class NotebookSession:
                 raise PoolMismatchError(f"kept pool {name!r} did not answer: {error}") from None
             self.stop(keep_standby=True)  # nothing to stop: drops a dead pool's leftovers
             self.pool = pool
-            work = read_activity(str(pool.kept_directory))
+            work = pool.work_at_attach
             self._cell_ids = itertools.count(max((slot.last_cell_id for slot in work), default=0) + 1)
-            return pool, self._resume_run(pool, work)
+            return pool, self._resume_run(pool)
 
-    def _resume_run(self, pool: WorkerPool, work: list[RankWork]) -> BackgroundRun | None:
-        """A run the ranks are still busy with (a `--bg` cell of the kernel that was lost): wait
-        for its replies here. Ranks mark a run ended before replying, so every rank still marked
-        running now replies to this kernel."""
-        running = {rank: slot for rank, slot in enumerate(work) if slot.running_cell_id is not None}
-        if not running:
-            return None
+    def _resume_run(self, pool: WorkerPool) -> BackgroundRun | None:
+        """What the ranks ran when this kernel attached (a `--bg` run or a cell of a kernel that
+        was lost), as one handle: it waits for every rank still running, whatever request each
+        runs, and takes the replies of ranks that finished while no kernel held the pool (they
+        send them again on attach). Ranks mark a request ended before replying, so every rank
+        still marked running when the board was read replies to this kernel."""
         from fsdp2nb.frontend.background import resume_background_run
-        from fsdp2nb.frontend.notebook_input import refuse_in_background
+        from fsdp2nb.frontend.notebook_input import PromptRelay
 
-        first = next(iter(running.values()))
-        ranks = tuple(rank for rank, slot in running.items() if slot.running_cell_id == first.running_cell_id)
-        run = BackgroundRun(ranks=ranks, execution_count=first.execution_count)
-        wait = RequestWait(pool, first.running_cell_id, ranks, recover=self._restart_after_failure,
-                           ask_input=refuse_in_background, stop_presses=run.stops,
-                           on_rank_finished=run.rank_finished)
-        resume_background_run(self.background, wait, run)
+        work = pool.work_at_attach
+        cell_ids = {rank: slot.running_cell_id for rank, slot in enumerate(work)
+                    if slot.running_cell_id is not None and rank not in pool.exited}
+        cell_ids.update({rank: ready.held_reply for rank, ready in pool.ranks.items()
+                         if ready.held_reply is not None and rank not in cell_ids})
+        if not cell_ids:
+            return None
+        first = min(cell_ids.values())
+        noted = noted_runs(pool.kept_directory).get(first)
+        busy_since = {rank: work[rank].since for rank in cell_ids if work[rank].running_cell_id is not None}
+        started = noted.started if noted else min(busy_since.values(), default=time.time())
+        count = next((work[rank].execution_count for rank, cell_id in cell_ids.items()
+                      if cell_id == first and work[rank].execution_count is not None), None)
+        relay = PromptRelay()
+        run = BackgroundRun(ranks=tuple(sorted(cell_ids)), started_at=started, prompts=relay,
+                            execution_count=noted.execution_count if noted else count,
+                            name=noted.name if noted else None,
+                            origin=f"of kernel {noted.kernel_pid}" if noted else "of another kernel")
+        wait = RequestWait(pool, first, run.ranks, cell_ids=cell_ids, recover=self._restart_after_failure,
+                           ask_input=relay.ask, before_prompt=relay.can_answer, stop_presses=run.stops,
+                           on_rank_finished=run.rank_finished, started_at=started)
+        resume_background_run(self.background, wait, run, busy_since)
         return run
 
     def detach(self) -> str:
