@@ -15,9 +15,12 @@ import contextlib
 import getpass
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from fsdp2nb.wire.sigint import sigint_raises
+
+AskLine = Callable[[str, bool], str]
+"""(prompt, password) -> the line typed."""
 
 
 class NoInputBox(RuntimeError):
@@ -43,7 +46,9 @@ class PromptRelay:
     and `ask_input`); the kernel's main thread, while a cell waits for the run, enters
     `waiting()` and calls `answer_pending` now and then, which shows the prompt in that cell."""
 
-    def __init__(self) -> None:
+    def __init__(self, ask: AskLine | None = None) -> None:
+        self._ask = ask or ask_notebook
+        """Asks the waiting cell for a line (the notebook's input box)."""
         self._changed = threading.Condition()
         self._waiter: dict | None = None
         """The parent header of the cell that waits for the run, while one does."""
@@ -72,7 +77,7 @@ class PromptRelay:
         if question is None:
             return
         try:
-            reply: str | BaseException = ask_notebook(*question)
+            reply: str | BaseException = self._ask(*question)
         except (Exception, KeyboardInterrupt) as error:  # the run's wait acts on it as a cell's would
             reply = error
         with self._changed:

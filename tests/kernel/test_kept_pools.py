@@ -466,10 +466,12 @@ def _answer_stdin(kernel: Kernel, code: str, answers: list[str], timeout: float 
 
 def test_a_prompt_left_waiting_by_a_lost_kernel_is_asked_in_the_next(kernels, tmpdir_env):
     """input() on a rank whose kernel died waits; the attach cell says so, and `%fsdp2 wait`
-    asks it in the new kernel's input box, as the lost cell would have, and the answer gets there."""
+    asks it in the new kernel's input box, as the lost cell would have, and the answer gets
+    there; the debugger the cell opens next is served there too."""
     a = kernels()
     assert a.execute("%fsdp2 start --cpu 2 --keep --name ask --no-dashboard").status == "ok"
-    a.client.execute("%%fsdp2 --ranks 0\nname = input('your name? ')\nprint('hello', name)", allow_stdin=True)
+    a.client.execute("%%fsdp2 --ranks 0\nname = input('your name? ')\nbreakpoint()\nprint('hello', name)",
+                     allow_stdin=True)
     asked = a.client.get_stdin_msg(timeout=60)  # the rank waits at its prompt; nobody answers here
     assert asked["content"]["prompt"] == "[0] your name? "
     _sigkill(a)
@@ -480,10 +482,11 @@ def test_a_prompt_left_waiting_by_a_lost_kernel_is_asked_in_the_next(kernels, tm
     assert run.status == "ok", run.stderr + run.traceback_text
     assert "In[3] of another kernel is still running on rank 0" in run.stdout, run.stdout
     assert "rank 0 of In[3] of another kernel waits for input" in run.stdout, run.stdout
-    run, prompts = _answer_stdin(b, "%fsdp2 wait", ["Ada"])
+    run, prompts = _answer_stdin(b, "%fsdp2 wait", ["Ada", "p name.upper()", "c"])
     assert run.status == "ok", run.stderr + run.traceback_text
-    assert prompts == ["[0] your name? "]
-    assert "[0] hello Ada\n" in run.stdout, run.stdout  # the run's output follows its prompt here
+    assert prompts[0] == "[0] your name? " and set(prompts[1:]) == {"[0] (Pdb) "}, prompts
+    assert "[0] 'ADA'\n" in run.stdout, run.stdout  # the debugger's answer, under its prompt
+    assert "[0] hello Ada\n" in run.stdout, run.stdout
     assert b.execute("%%fsdp2 --ranks 0\nprint(name)").stdout == "[0] Ada\n"
     assert b.execute("%fsdp2 stop").status == "ok"
 
