@@ -346,8 +346,8 @@ class FSDP2Magics(Magics):
         """The run this kernel took over: bound to its --name here too, and whether it waits for input."""
         if run.name and run.name.isidentifier():
             self.shell.user_ns[run.name] = run
-        work = pool.work_at_attach
-        running = [rank for rank in run.ranks if work[rank].running_cell_id is not None]
+        work = dict(enumerate(pool.work_at_attach))
+        running = [rank for rank in run.ranks if rank in work and work[rank].running_cell_id is not None]
         if not running:
             print(f"{run.label} ended while no kernel held the pool; `%fsdp2 wait` shows how")
             return

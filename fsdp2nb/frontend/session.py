@@ -184,10 +184,10 @@ class NotebookSession:
             return None
         first = min(cell_ids.values())
         noted = noted_runs(pool.kept_directory).get(first)
-        busy_since = {rank: work[rank].since for rank in cell_ids if work[rank].running_cell_id is not None}
+        running = {rank: slot for rank, slot in enumerate(work) if rank in cell_ids and slot.running_cell_id is not None}
+        busy_since = {rank: slot.since for rank, slot in running.items()}
         started = noted.started if noted else min(busy_since.values(), default=time.time())
-        count = next((work[rank].execution_count for rank, cell_id in cell_ids.items()
-                      if cell_id == first and work[rank].execution_count is not None), None)
+        count = next((slot.execution_count for slot in running.values() if slot.running_cell_id == first), None)
         relay = PromptRelay()
         run = BackgroundRun(ranks=tuple(sorted(cell_ids)), started_at=started, prompts=relay,
                             execution_count=noted.execution_count if noted else count,

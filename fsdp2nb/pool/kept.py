@@ -164,7 +164,8 @@ class KeptPool:
         when = time.strftime("%H:%M:%S", time.localtime(self.since))
         held = f"held by kernel {self.holder_pid} (since {when})" if self.holder_pid else f"detached (since {when})"
         if self.died:
-            held += f", {self.died} (`%fsdp2 attach {self.name}`, then `%fsdp2 restart`)"
+            restart = "`%fsdp2 restart` there" if self.holder_pid else f"`%fsdp2 attach {self.name}`, then `%fsdp2 restart`"
+            held += f", {self.died} ({restart} starts its ranks afresh)"
         if self.keep_for_s is None:
             clock = "kept until `%fsdp2 stop`"
         elif self.seconds_left is not None:
