@@ -15,10 +15,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns
+from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, resume_background_run
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.errors import RankError, alarm
-from fsdp2nb.frontend.notebook_input import ask_notebook
+from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
 from fsdp2nb.pool.kept import KeepOptions, PoolHeldError, list_pools, noted_runs
@@ -168,34 +168,17 @@ class NotebookSession:
 
     def _resume_run(self, pool: WorkerPool) -> BackgroundRun | None:
         """What the ranks ran when this kernel attached (a `--bg` run or a cell of a kernel that
-        was lost), as one handle: it waits for every rank still running, whatever request each
-        runs, and takes the replies of ranks that finished while no kernel held the pool (they
-        send them again on attach). Ranks mark a request ended before replying, so every rank
-        still marked running when the board was read replies to this kernel."""
-        from fsdp2nb.frontend.background import resume_background_run
-        from fsdp2nb.frontend.notebook_input import PromptRelay
-
-        work = pool.work_at_attach
-        cell_ids = {rank: slot.running_cell_id for rank, slot in enumerate(work)
-                    if slot.running_cell_id is not None and rank not in pool.exited}
-        cell_ids.update({rank: ready.held_reply for rank, ready in pool.ranks.items()
-                         if ready.held_reply is not None and rank not in cell_ids})
+        was lost), as one handle that waits here for all of it; its prompts are asked in the
+        cell that waits for it (PromptRelay)."""
+        cell_ids = _requests_at_attach(pool)
         if not cell_ids:
             return None
-        first = min(cell_ids.values())
-        noted = noted_runs(pool.kept_directory).get(first)
-        running = {rank: slot for rank, slot in enumerate(work) if rank in cell_ids and slot.running_cell_id is not None}
-        busy_since = {rank: slot.since for rank, slot in running.items()}
-        started = noted.started if noted else min(busy_since.values(), default=time.time())
-        count = next((slot.execution_count for slot in running.values() if slot.running_cell_id == first), None)
         relay = PromptRelay()
-        run = BackgroundRun(ranks=tuple(sorted(cell_ids)), started_at=started, prompts=relay,
-                            execution_count=noted.execution_count if noted else count,
-                            name=noted.name if noted else None,
-                            origin=f"of kernel {noted.kernel_pid}" if noted else "of another kernel")
-        wait = RequestWait(pool, first, run.ranks, cell_ids=cell_ids, recover=self._restart_after_failure,
-                           ask_input=relay.ask, before_prompt=relay.can_answer, stop_presses=run.stops,
-                           on_rank_finished=run.rank_finished, started_at=started)
+        run, busy_since = _taken_over_run(pool, cell_ids, relay)
+        wait = RequestWait(pool, min(cell_ids.values()), run.ranks, cell_ids=cell_ids,
+                           recover=self._restart_after_failure, ask_input=relay.ask,
+                           before_prompt=relay.can_answer, stop_presses=run.stops,
+                           on_rank_finished=run.rank_finished, started_at=run.started_at)
         resume_background_run(self.background, wait, run, busy_since)
         return run
 
@@ -338,6 +321,35 @@ def check_keepable(spec: PoolSpec) -> None:
                                 "with the allocation's job whatever the kernel does")
     if spec.placement is not None:
         raise PoolMismatchError("--keep is not supported with --ray yet: keep a pool on this host (--cpu, --gpus)")
+
+
+def _requests_at_attach(pool: WorkerPool) -> dict[int, int]:
+    """Rank -> the request this kernel waits for: every rank the board showed running (ranks
+    mark a request ended before replying, so each replies to this kernel), whatever request it
+    runs, and every rank that holds the reply to one that ended while no kernel held the pool."""
+    cell_ids = {rank: slot.running_cell_id for rank, slot in enumerate(pool.work_at_attach)
+                if slot.running_cell_id is not None and rank not in pool.exited}
+    cell_ids.update({rank: ready.held_reply for rank, ready in pool.ranks.items()
+                     if ready.held_reply is not None and rank not in cell_ids})
+    return cell_ids
+
+
+def _taken_over_run(pool: WorkerPool, cell_ids: dict[int, int], relay: PromptRelay,
+                    ) -> tuple[BackgroundRun, dict[int, float]]:
+    """The handle, named as the kernel that started the run noted it (else from the board), and
+    when each rank still running started."""
+    first = min(cell_ids.values())
+    noted = noted_runs(pool.kept_directory).get(first)
+    running = {rank: slot for rank, slot in enumerate(pool.work_at_attach)
+               if rank in cell_ids and slot.running_cell_id is not None}
+    busy_since = {rank: slot.since for rank, slot in running.items()}
+    count = next((slot.execution_count for slot in running.values() if slot.running_cell_id == first), None)
+    run = BackgroundRun(
+        ranks=tuple(sorted(cell_ids)), prompts=relay,
+        started_at=noted.started if noted else min(busy_since.values(), default=time.time()),
+        execution_count=noted.execution_count if noted else count, name=noted.name if noted else None,
+        origin=f"of kernel {noted.kernel_pid}" if noted else "of another kernel")
+    return run, busy_since
 
 
 def _only_pool_name() -> str:
