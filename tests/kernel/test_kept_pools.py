@@ -526,6 +526,18 @@ except UsageError as error:
     print("attach of a forged pool:", error)
 """
 
+OTHER_USER_ATTACH = """
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "fsdp2nb")
+try:
+    shell.run_line_magic("fsdp2", "attach owned --no-dashboard")
+except UsageError as error:
+    print("attach with a key that is not mine:", error)
+"""
+
 
 @pytest.fixture
 def other_user():
@@ -583,6 +595,17 @@ def test_another_user_can_neither_list_nor_attach_a_kept_pool(kernels, tmpdir_en
     assert "attach by name: no kept pool is named 'private'" in out, out + done.stderr
     assert out.count("denied\n") == 2 and "reached" not in out, out
     assert "attach of a forged pool:" in out and "readable by no one else (0600)" in out, out + done.stderr
+    # The pool's real key, 0600, in a pool directory of the other user's: refused, as not theirs.
+    owned = os.path.join(root, f"fsdp2nb-{other.pw_uid}", "kept", "owned")
+    os.mkdir(owned, 0o700)
+    for name in ("pool.json", "key"):
+        shutil.copy2(os.path.join(pool_dir, name), os.path.join(owned, name))
+    for path in (owned, os.path.join(owned, "pool.json")):
+        os.chown(path, other.pw_uid, other.pw_gid)
+    done = subprocess.run(["runuser", "-u", other_user, "--", python, "-c", OTHER_USER_ATTACH], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=ipython_dir)
+    assert "attach with a key that is not mine:" in done.stdout, done.stdout + done.stderr
+    assert "must be this user's and readable by no one else" in done.stdout, done.stdout
     assert a.execute("%fsdp2 pools").result_text.startswith("private: --cpu 1, held by kernel")
     assert a.execute("%%fsdp2\nprint('mine')").stdout == "mine\n"
     assert a.execute("%fsdp2 stop").status == "ok"
