@@ -409,6 +409,30 @@ def test_the_reattached_run_is_named_covers_every_request_and_keeps_finished_res
     assert b.execute("%fsdp2 stop").status == "ok"
 
 
+def test_a_run_that_failed_while_detached_shows_its_error_on_wait(kernels, tmpdir_env, tmp_path):
+    """Every rank ended the run while no kernel held the pool: their replies were kept, and the
+    kernel that attaches gets a handle that has ended, whose `%fsdp2 wait` shows the error."""
+    go = str(tmp_path / "go")
+    a = kernels()
+    assert a.execute("%fsdp2 start --cpu 2 --keep --name failed --no-dashboard").status == "ok"
+    run = a.execute(f"%%fsdp2 --bg --name job\n{_wait_for(go)}raise ValueError(f'late failure on {{rank}}')")
+    assert run.status == "ok", run.stderr
+    _sigkill(a)
+    open(go, "w").close()
+
+    b = kernels()
+    assert "idle" in _pools_until(b, ", idle, ")
+    run = b.execute("%fsdp2 attach failed --no-dashboard")
+    assert run.status == "ok", run.stderr + run.traceback_text
+    assert f"In[3] of kernel {a.pid} (job) ended while no kernel held the pool;" in run.stdout, run.stdout
+    run = b.execute("%fsdp2 wait")
+    assert run.status == "error", run.stdout + run.stderr
+    assert "late failure on 0" in run.traceback_text and "late failure on 1" in run.traceback_text, run.traceback_text
+    assert b.execute("print(job.state)").stdout == "failed\n"
+    assert b.execute("%%fsdp2\nprint('after')").stdout == "[all] after\n"  # its error was seen: cells run
+    assert b.execute("%fsdp2 stop").status == "ok"
+
+
 def test_a_rank_that_dies_while_detached_leaves_the_others_and_one_line(kernels, tmpdir_env):
     a = kernels()
     assert a.execute("%%fsdp2 --cpu 2 --keep --name hurt --no-dashboard\nx = rank + 40").status == "ok"
