@@ -13,6 +13,7 @@ waits for the kernel's main thread.
 
 from __future__ import annotations
 
+import contextlib
 import keyword
 import logging
 import sys
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Literal
 from fsdp2nb.frontend.errors import RankError, alarm
 
 if TYPE_CHECKING:
+    from fsdp2nb.frontend.notebook_input import PromptRelay
     from fsdp2nb.frontend.request_wait import RequestWait
     from fsdp2nb.wire.protocol import ControlMessage
 
@@ -60,15 +62,21 @@ class BackgroundRun:
     """The handle a `%%fsdp2 --bg` cell returns: `done()`, `wait()`, `interrupt()`, state."""
 
     def __init__(self, *, ranks: tuple[int, ...], execution_count: int | None, name: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, started_at: float | None = None,
+                 prompts: PromptRelay | None = None, origin: str = "") -> None:
+        """`started_at` (time.time()), `prompts` and `origin` are for a kept pool's run that this
+        kernel took over on attach: when it began, the relay that asks its prompts in the cell
+        that waits for it, and where it came from ("of kernel 4242")."""
         self.name = name
         self.execution_count = execution_count
         self.ranks = ranks
-        self.started_at = time.time()
+        self.started_at = time.time() if started_at is None else started_at
         """Wall-clock start, for the line a waiting cell shows."""
         self.stops = StopRequests()
+        self.prompts = prompts
+        self.origin = origin
         self._clock = clock
-        self._started = clock()
+        self._started = clock() - (0.0 if started_at is None else max(0.0, time.time() - started_at))
         self._ended: float | None = None
         self._lock = threading.Lock()
         self._finished = threading.Event()
@@ -83,6 +91,7 @@ class BackgroundRun:
     def label(self) -> str:
         """How messages name the run: `In[12]`, with its name if it has one."""
         cell = f"In[{self.execution_count}]" if self.execution_count is not None else "a background run"
+        cell = f"{cell} {self.origin}" if self.origin else cell
         return f"{cell} ({self.name})" if self.name else cell
 
     @property
@@ -115,12 +124,21 @@ class BackgroundRun:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the run; True once it ended, False if `timeout` passed first. Raises the
         run's error as the blocking cell would have (the stop button ends the wait, not the run)."""
-        deadline = None if timeout is None else self._clock() + timeout
-        while not self._finished.wait(_WAIT_SLICE_S if deadline is None
-                                      else max(0.0, min(_WAIT_SLICE_S, deadline - self._clock()))):
-            if deadline is not None and self._clock() >= deadline:
-                return False
+        if not self.wait_for_end(None if timeout is None else self._clock() + timeout):
+            return False
         self.raise_error()
+        return True
+
+    def wait_for_end(self, deadline: float | None = None) -> bool:
+        """Wait for the end (False at `deadline`); a run taken over on attach asks its prompts here."""
+        relay = self.prompts
+        with relay.waiting() if relay is not None else contextlib.nullcontext():
+            while not self._finished.wait(_WAIT_SLICE_S if deadline is None
+                                          else max(0.0, min(_WAIT_SLICE_S, deadline - self._clock()))):
+                if relay is not None:
+                    relay.answer_pending()
+                if deadline is not None and self._clock() >= deadline:
+                    return False
         return True
 
     def interrupt(self) -> None:
@@ -236,8 +254,7 @@ class BackgroundRuns:
         run = self.active
         if run is not None:
             say(f"waiting for {run.label}, started {time.strftime('%H:%M', time.localtime(run.started_at))}\n")
-            while not run.ended_within(_WAIT_SLICE_S):
-                pass
+            run.wait_for_end()
         with self._lock:
             latest = self._latest
         error = latest.unseen_error() if latest is not None else None
@@ -274,11 +291,13 @@ def start_background_run(runs: BackgroundRuns, wait: RequestWait, request: Contr
     thread.start()
 
 
-def resume_background_run(runs: BackgroundRuns, wait: RequestWait, run: BackgroundRun) -> None:
-    """Wait here for a run a lost kernel started (a kept pool): its request was sent already."""
+def resume_background_run(runs: BackgroundRuns, wait: RequestWait, run: BackgroundRun,
+                          busy_since: dict[int, float]) -> None:
+    """Wait here for a run a lost kernel started (a kept pool): its request was sent already;
+    `busy_since`: when each rank started it."""
     shell = _shell()
     parent = shell.get_parent() if hasattr(shell, "get_parent") else None
-    wait.pool.mark_busy(wait.progress.ranks)
+    wait.pool.mark_busy(wait.progress.ranks, since=busy_since)
     runs.add(run)
     thread = threading.Thread(target=_run, args=(wait, run, shell, parent), daemon=True,
                               name=f"fsdp2nb-run-{run.execution_count}")

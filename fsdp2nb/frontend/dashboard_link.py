@@ -94,7 +94,7 @@ class DashboardLink:
             devices={r: info.where() for r, info in pool.ranks.items()},
             pids={r: info.pid for r, info in pool.ranks.items()},
             deaths={r: describe_exit(report) for r, report in pool.exited.items()},
-            busy=frozenset(pool.busy_ranks), host_total_bytes=self._host_total)
+            busy=frozenset(pool.busy_ranks), busy_since=dict(pool.busy_since), host_total_bytes=self._host_total)
 
     def pool_line(self) -> str:
         facts = self.model.facts

@@ -13,9 +13,17 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_exp
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
+from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.output import notebook_color_scheme
 from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
-from fsdp2nb.pool.kept import DEFAULT_KEEP_FOR_S, KeepOptions, default_pool_name, parse_keep_for
+from fsdp2nb.pool.kept import (
+    DEFAULT_KEEP_FOR_S,
+    KeepOptions,
+    default_pool_name,
+    describe_deaths,
+    describe_ranks,
+    parse_keep_for,
+)
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, parse_rank_list, spec_from_options
 from fsdp2nb.wire.protocol import (
@@ -264,6 +272,7 @@ class FSDP2Magics(Magics):
                                          on_rank_finished=run.rank_finished)
         start_background_run(self.session.background, wait, RunCell(
             cell_id=wait.cell_id, code=code, transformed=transformed, execution_count=count, color_scheme=scheme), run)
+        pool.note_background_run(wait.cell_id, count, options.name)
         if options.name:
             self.shell.user_ns[options.name] = run
         return run
@@ -320,15 +329,34 @@ class FSDP2Magics(Magics):
         pool, run = self.session.attach(options.name, take=options.take)
         print(f"attached kept pool {pool.keep.name!r}: {pool.world_size} ranks ({pool.spec.describe()}), "
               "rank state as it was")
+        if pool.exited:
+            print(alarm(f"{describe_deaths(pool.exited.values())} while no kernel held the pool; the other "
+                        "ranks kept their state, but cells need every rank: `%fsdp2 restart` starts them all "
+                        "afresh (rank state is lost)"), file=sys.stderr)
         for rank, lines in log_tails(pool.log_dir, pool.world_size).items():
             if lines:
                 print(f"last lines of rank {rank}'s log ({pool.log_dir}/rank-{rank}.log):")
                 print("\n".join(f"  {line}" for line in lines))
         if run is not None:
-            print(f"{run.label} is still running on the ranks; `%fsdp2 wait` waits for it, "
-                  "`%fsdp2 interrupt` stops it")
+            self._tell_of_resumed_run(pool, run)
         if not options.no_dashboard:
             self._dashboard().show()
+
+    def _tell_of_resumed_run(self, pool: WorkerPool, run) -> None:  # noqa: ANN001 - a BackgroundRun
+        """The run this kernel took over: bound to its --name here too, and whether it waits for input."""
+        if run.name and run.name.isidentifier():
+            self.shell.user_ns[run.name] = run
+        work = dict(enumerate(pool.work_at_attach))
+        running = [rank for rank in run.ranks if rank in work and work[rank].running_cell_id is not None]
+        if not running:
+            print(f"{run.label} ended while no kernel held the pool; `%fsdp2 wait` shows how")
+            return
+        print(f"{run.label} is still running on {describe_ranks(running)}; `%fsdp2 wait` waits for it, "
+              "`%fsdp2 interrupt` stops it")
+        waiting = [rank for rank in running if work[rank].waiting_for_input]
+        if waiting:
+            print(f"{describe_ranks(waiting)} of {run.label} {'waits' if len(waiting) == 1 else 'wait'} for input "
+                  "(input(), getpass or the debugger): `%fsdp2 wait` asks here, as the cell would have")
 
     def _command_detach(self, options) -> None:
         name = self.session.detach()

@@ -77,7 +77,12 @@ Recover = Callable[["PoolSpec", str], str]
 """Replaces a pool whose ranks are dead or stuck; given what happened, returns the note to show."""
 AskInput = Callable[[str, bool], str]
 """Asks the notebook for a line: (prompt, password) -> the line; raises KeyboardInterrupt when the
-stop button is pressed meanwhile, EOFError at end of input, another error where none can answer."""
+stop button is pressed meanwhile, EOFError at end of input, PromptDeferred when the prompt should
+wait for a later moment, another error where none can answer."""
+
+
+class PromptDeferred(Exception):  # noqa: N818 - what happened, not a failure
+    """No one can answer the prompt now; it stays pending and is asked again later."""
 
 
 @dataclass
@@ -111,6 +116,8 @@ class CellProgress:
     prompting_rank: int | None = None
     """The rank whose prompt was answered last, and when (see PROMPT_FOCUS_S)."""
     answered_at: float = 0.0
+    answered: set[tuple[int, int]] = field(default_factory=set)
+    """(rank, prompt id) of prompts answered: a kept pool's rank asks again on attach."""
 
     @property
     def running(self) -> list[int]:
@@ -122,10 +129,21 @@ class RequestWait:
 
     def __init__(self, pool: WorkerPool, cell_id: int, ranks: tuple[int, ...], *, recover: Recover,
                  ask_input: AskInput, stop_presses: StopPresses | None = None,
-                 on_rank_finished: Callable[[int, bool], None] | None = None) -> None:
+                 on_rank_finished: Callable[[int, bool], None] | None = None,
+                 cell_ids: dict[int, int] | None = None, before_prompt: Callable[[], bool] | None = None,
+                 started_at: float | None = None) -> None:
+        """`cell_ids`: rank -> the request it runs, where ranks run different ones (a kept pool's
+        runs taken over on attach; default: `cell_id` on every rank). `before_prompt` is called
+        on the waiting thread before a prompt is shown; False: no one can answer yet, it waits.
+        `started_at`: when the request began (time.time()), if before this wait."""
         self.pool = pool
         self.cell_id = cell_id
+        self._cell_ids = cell_ids or dict.fromkeys(ranks, cell_id)
+        self._own_cell_ids = frozenset(self._cell_ids.values())
+        self._before_prompt = before_prompt
         self.progress = CellProgress(ranks=ranks)
+        if started_at is not None:
+            self.progress.started_at -= max(0.0, time.time() - started_at)
         self._recover_pool = recover
         self._ask_input = ask_input
         self._stop_presses = stop_presses
@@ -180,7 +198,7 @@ class RequestWait:
             else:
                 self._check_still_held()
             self._merger.poll()
-            if progress.prompts and self._may_prompt_now():
+            if progress.prompts and self._may_prompt_now() and (self._before_prompt is None or self._before_prompt()):
                 self._answer_prompt()
             self._enforce_deadlines()
             self._ask_quiet_ranks()
@@ -214,7 +232,7 @@ class RequestWait:
             self._merger.flush()
             note = self._recover_pool(self.pool.spec, f"rank {event.rank} died")
             raise RankError([(event.rank, rank_exit_error(event))], self.pool.world_size, notes=(note,))
-        if getattr(event, "cell_id", self.cell_id) != self.cell_id:
+        if getattr(event, "cell_id", self.cell_id) not in self._own_cell_ids:
             return  # late output of an earlier, abandoned request
         if not isinstance(event, (CellFinished, RankActivity)):
             progress.last_output_at = time.monotonic()
@@ -230,7 +248,7 @@ class RequestWait:
         elif isinstance(event, RankActivity):
             self._note_activity(event)
             self._show_waiting_line()
-        elif isinstance(event, InputRequested):
+        elif isinstance(event, InputRequested) and (event.rank, event.prompt_id) not in progress.answered:
             progress.prompts[event.rank] = event
         elif isinstance(event, CellFinished):
             self._rank_finished(event)
@@ -286,21 +304,25 @@ class RequestWait:
         del progress.prompts[prompt.rank]
         label = rank_label([prompt.rank], self.pool.world_size) or "[0]"
         if progress.interrupted_at is not None:  # asked again after the interrupt: the cell is ending
-            self._send_answer(prompt, AnswerInput(cell_id=self.cell_id, prompt_id=prompt.prompt_id,
+            self._send_answer(prompt, AnswerInput(cell_id=prompt.cell_id, prompt_id=prompt.prompt_id,
                                                   refusal="the cell was interrupted"))
             return
         try:
             text = self._ask_input(f"{label} {prompt.prompt}", prompt.password)
-            answer = AnswerInput(cell_id=self.cell_id, prompt_id=prompt.prompt_id, text=text)
+            answer = AnswerInput(cell_id=prompt.cell_id, prompt_id=prompt.prompt_id, text=text)
+        except PromptDeferred:
+            progress.prompts.setdefault(prompt.rank, prompt)
+            return
         except KeyboardInterrupt:  # the stop button at the prompt: as for any running cell
             progress.prompts.clear()
             self._stop_pressed()
             return
         except EOFError:
-            answer = AnswerInput(cell_id=self.cell_id, prompt_id=prompt.prompt_id, eof=True)
+            answer = AnswerInput(cell_id=prompt.cell_id, prompt_id=prompt.prompt_id, eof=True)
         except Exception as error:  # no frontend can answer (nbclient, a background run)
-            answer = AnswerInput(cell_id=self.cell_id, prompt_id=prompt.prompt_id,
+            answer = AnswerInput(cell_id=prompt.cell_id, prompt_id=prompt.prompt_id,
                                  refusal=_refusal(prompt, error))
+        progress.answered.add((prompt.rank, prompt.prompt_id))
         progress.last_output_at = progress.answered_at = time.monotonic()  # a prompt is not time gone quiet
         self._send_answer(prompt, answer)
 
@@ -317,7 +339,7 @@ class RequestWait:
         others = {rank for rank in progress.running if rank != prompting and rank not in progress.prompts}
         for rank in others:
             try:
-                self.pool.send(rank, ReportActivity(cell_id=self.cell_id), connect_timeout_s=0)
+                self.pool.send(rank, ReportActivity(cell_id=self._cell_ids[rank]), connect_timeout_s=0)
             except ConnectionError:
                 pass
         deadline = time.monotonic() + ACTIVITY_BEFORE_PROMPT_S
@@ -363,9 +385,9 @@ class RequestWait:
         self.progress.interrupted_at = time.monotonic()
         for rank in self.progress.running:
             try:
-                self.pool.send(rank, Interrupt(cell_id=self.cell_id), connect_timeout_s=0)
+                self.pool.send(rank, Interrupt(cell_id=self._cell_ids[rank]), connect_timeout_s=0)
                 # Where it was, in case it does not return: the error then names its line.
-                self.pool.send(rank, ReportActivity(cell_id=self.cell_id), connect_timeout_s=0)
+                self.pool.send(rank, ReportActivity(cell_id=self._cell_ids[rank]), connect_timeout_s=0)
             except ConnectionError:
                 pass
 
@@ -382,7 +404,7 @@ class RequestWait:
                                              rank)
         for rank in progress.running:
             try:
-                pool.send(rank, ReportActivity(cell_id=self.cell_id), connect_timeout_s=0)
+                pool.send(rank, ReportActivity(cell_id=self._cell_ids[rank]), connect_timeout_s=0)
             except ConnectionError:
                 pass
 

@@ -15,17 +15,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns
+from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, resume_background_run
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.errors import RankError, alarm
-from fsdp2nb.frontend.notebook_input import ask_notebook
+from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
-from fsdp2nb.pool.kept import KeepOptions, PoolHeldError, list_pools
+from fsdp2nb.pool.kept import KeepOptions, PoolHeldError, list_pools, noted_runs
 from fsdp2nb.pool.launcher import LocalLauncher
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool, describe_exit
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.kept import RankWork, read_activity
 from fsdp2nb.wire.protocol import ControlMessage, PostMortem, PullValue, PushValues, RunCell
 from fsdp2nb.wire.sigint import sigint_noted
 
@@ -163,27 +162,24 @@ class NotebookSession:
                 raise PoolMismatchError(f"kept pool {name!r} did not answer: {error}") from None
             self.stop(keep_standby=True)  # nothing to stop: drops a dead pool's leftovers
             self.pool = pool
-            work = read_activity(str(pool.kept_directory))
+            work = pool.work_at_attach
             self._cell_ids = itertools.count(max((slot.last_cell_id for slot in work), default=0) + 1)
-            return pool, self._resume_run(pool, work)
+            return pool, self._resume_run(pool)
 
-    def _resume_run(self, pool: WorkerPool, work: list[RankWork]) -> BackgroundRun | None:
-        """A run the ranks are still busy with (a `--bg` cell of the kernel that was lost): wait
-        for its replies here. Ranks mark a run ended before replying, so every rank still marked
-        running now replies to this kernel."""
-        running = {rank: slot for rank, slot in enumerate(work) if slot.running_cell_id is not None}
-        if not running:
+    def _resume_run(self, pool: WorkerPool) -> BackgroundRun | None:
+        """What the ranks ran when this kernel attached (a `--bg` run or a cell of a kernel that
+        was lost), as one handle that waits here for all of it; its prompts are asked in the
+        cell that waits for it (PromptRelay)."""
+        cell_ids = _requests_at_attach(pool)
+        if not cell_ids:
             return None
-        from fsdp2nb.frontend.background import resume_background_run
-        from fsdp2nb.frontend.notebook_input import refuse_in_background
-
-        first = next(iter(running.values()))
-        ranks = tuple(rank for rank, slot in running.items() if slot.running_cell_id == first.running_cell_id)
-        run = BackgroundRun(ranks=ranks, execution_count=first.execution_count)
-        wait = RequestWait(pool, first.running_cell_id, ranks, recover=self._restart_after_failure,
-                           ask_input=refuse_in_background, stop_presses=run.stops,
-                           on_rank_finished=run.rank_finished)
-        resume_background_run(self.background, wait, run)
+        relay = PromptRelay()
+        run, busy_since = _taken_over_run(pool, cell_ids, relay)
+        wait = RequestWait(pool, min(cell_ids.values()), run.ranks, cell_ids=cell_ids,
+                           recover=self._restart_after_failure, ask_input=relay.ask,
+                           before_prompt=relay.can_answer, stop_presses=run.stops,
+                           on_rank_finished=run.rank_finished, started_at=run.started_at)
+        resume_background_run(self.background, wait, run, busy_since)
         return run
 
     def detach(self) -> str:
@@ -323,6 +319,35 @@ def check_keepable(spec: PoolSpec) -> None:
                                 "with the allocation's job whatever the kernel does")
     if spec.placement is not None:
         raise PoolMismatchError("--keep is not supported with --ray yet: keep a pool on this host (--cpu, --gpus)")
+
+
+def _requests_at_attach(pool: WorkerPool) -> dict[int, int]:
+    """Rank -> the request this kernel waits for: every rank the board showed running (ranks
+    mark a request ended before replying, so each replies to this kernel), whatever request it
+    runs, and every rank that holds the reply to one that ended while no kernel held the pool."""
+    cell_ids = {rank: slot.running_cell_id for rank, slot in enumerate(pool.work_at_attach)
+                if slot.running_cell_id is not None and rank not in pool.exited}
+    cell_ids.update({rank: ready.held_reply for rank, ready in pool.ranks.items()
+                     if ready.held_reply is not None and rank not in cell_ids})
+    return cell_ids
+
+
+def _taken_over_run(pool: WorkerPool, cell_ids: dict[int, int], relay: PromptRelay,
+                    ) -> tuple[BackgroundRun, dict[int, float]]:
+    """The handle, named as the kernel that started the run noted it (else from the board), and
+    when each rank still running started."""
+    first = min(cell_ids.values())
+    noted = noted_runs(pool.kept_directory).get(first)
+    running = {rank: slot for rank, slot in enumerate(pool.work_at_attach)
+               if rank in cell_ids and slot.running_cell_id is not None}
+    busy_since = {rank: slot.since for rank, slot in running.items()}
+    count = next((slot.execution_count for slot in running.values() if slot.running_cell_id == first), None)
+    run = BackgroundRun(
+        ranks=tuple(sorted(cell_ids)), prompts=relay,
+        started_at=noted.started if noted else min(busy_since.values(), default=time.time()),
+        execution_count=noted.execution_count if noted else count, name=noted.name if noted else None,
+        origin=f"of kernel {noted.kernel_pid}" if noted else "of another kernel")
+    return run, busy_since
 
 
 def _only_pool_name() -> str:

@@ -16,7 +16,7 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,15 +31,19 @@ from fsdp2nb.wire.kept import (
     RankWork,
     read_activity,
     read_attach_record,
+    read_exit_reports,
     write_attach_record,
 )
-from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan
+from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankExited
 from fsdp2nb.wire.signing import Signer
 
 DEFAULT_KEEP_FOR_S = 3600.0
 """A kept pool that no kernel holds and that runs nothing ends after an hour unless told otherwise."""
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+RUNS_FILE = "runs.json"
+"""The pool's recent background runs (cell number, `--name`, kernel), by request id."""
+_RUNS_KEPT = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,10 +157,15 @@ class KeptPool:
     seconds_left: float | None
     """Until it ends itself (only while detached and idle)."""
     log_dir: str
+    died: str | None = None
+    """Ranks that died while no kernel held the pool, e.g. "rank 1 died (exit code 3)"."""
 
     def __str__(self) -> str:
         when = time.strftime("%H:%M:%S", time.localtime(self.since))
         held = f"held by kernel {self.holder_pid} (since {when})" if self.holder_pid else f"detached (since {when})"
+        if self.died:
+            restart = "`%fsdp2 restart` there" if self.holder_pid else f"`%fsdp2 attach {self.name}`, then `%fsdp2 restart`"
+            held += f", {self.died} ({restart} starts its ranks afresh)"
         if self.keep_for_s is None:
             clock = "kept until `%fsdp2 stop`"
         elif self.seconds_left is not None:
@@ -260,9 +269,56 @@ def describe_run(work: list[RankWork]) -> str | None:
         return None
     first = work[running[0]]
     what = f"In[{first.execution_count}]" if first.execution_count is not None else "a request"
-    ranks = f"ranks {running[0]}-{running[-1]}" if len(running) > 1 else f"rank {running[0]}"
     started = min(work[rank].since for rank in running)
-    return f"{what} running on {ranks} for {describe_duration(time.time() - started)}"
+    line = f"{what} running on {describe_ranks(running)} for {describe_duration(time.time() - started)}"
+    waiting = [rank for rank in running if work[rank].waiting_for_input]
+    return line + (f", {describe_ranks(waiting)} waiting for input" if waiting else "")
+
+
+def describe_ranks(ranks: list[int]) -> str:
+    """`rank 0`, `ranks 0-3` (consecutive) or `ranks 0, 2`."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"ranks {', '.join(map(str, ranks))}"
+
+
+def describe_deaths(reports: Iterable[RankExited]) -> str:
+    """`rank 1 died (exit code 3)`, one clause per rank."""
+    from fsdp2nb.pool.pool import describe_exit
+
+    return "; ".join(f"rank {report.rank} died ({describe_exit(report)})"
+                     for report in sorted(reports, key=lambda report: report.rank))
+
+
+@dataclass(frozen=True, slots=True)
+class NotedRun:
+    """A background run of a kept pool, as the kernel that started it noted it (`runs.json`)."""
+
+    execution_count: int | None
+    name: str | None
+    kernel_pid: int
+    started: float
+
+
+def note_run(directory: Path, cell_id: int, run: NotedRun) -> None:
+    """Keep what a kernel that attaches later needs to name a background run it takes over."""
+    runs = noted_runs(directory)
+    runs[cell_id] = run
+    recent = dict(sorted(runs.items())[-_RUNS_KEPT:])
+    temporary = directory / f"{RUNS_FILE}.{os.getpid()}.tmp"
+    temporary.write_text(json.dumps({str(cell_id): asdict(run) for cell_id, run in recent.items()}))
+    os.replace(temporary, directory / RUNS_FILE)
+
+
+def noted_runs(directory: Path) -> dict[int, NotedRun]:
+    """Request id -> the background run it is (the last few)."""
+    try:
+        return {int(cell_id): NotedRun(**fields)
+                for cell_id, fields in json.loads((directory / RUNS_FILE).read_text()).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
 
 
 class KeptPools(list):
@@ -293,9 +349,11 @@ def list_pools() -> KeptPools:
 
 def _describe(directory: Path, meta: KeptMeta) -> KeptPool:
     try:
-        record = read_attach_record(str(directory), Signer(read_key(directory)))
+        signer = Signer(read_key(directory))
     except (OSError, ValueError):
-        record = None
+        signer = None
+    record = read_attach_record(str(directory), signer) if signer is not None else None
+    died = read_exit_reports(str(directory), signer) if signer is not None else {}
     holder = record.holder_pid if record is not None and holder_alive(record) else None
     since = record.since if record is not None else meta.created
     work = read_activity(str(directory))
@@ -304,7 +362,8 @@ def _describe(directory: Path, meta: KeptMeta) -> KeptPool:
     if holder is None and run is None and meta.keep_for_s is not None and work:
         left = max(since, max(slot.since for slot in work)) + meta.keep_for_s - time.time()
     return KeptPool(name=meta.name, spec=meta.spec.describe(), holder_pid=holder, since=since, run=run,
-                    keep_for_s=meta.keep_for_s, seconds_left=left, log_dir=meta.log_dir)
+                    keep_for_s=meta.keep_for_s, seconds_left=left, log_dir=meta.log_dir,
+                    died=describe_deaths(died.values()) if died else None)
 
 
 def _mtime(path: Path) -> float:

@@ -15,7 +15,7 @@ from pathlib import Path
 from fsdp2nb.pool import kept, reaper
 from fsdp2nb.pool.pool_log import open_pool_log
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels
-from fsdp2nb.wire.kept import RUN_DIR
+from fsdp2nb.wire.kept import RUN_DIR, read_activity, read_exit_reports
 from fsdp2nb.wire.signing import Signer
 
 ATTACH_TIMEOUT_S = 30.0
@@ -102,6 +102,11 @@ class KeptPoolParts:
             # ids counted from 1 again would read as served already, and the dashboard's Save
             # would report the previous holder's step. Each holder's serial is higher than the last.
             self._save_request_ids = itertools.count((record.serial << SAVE_IDS_PER_HOLDER_BITS) + 1)
+            # Read before the ranks wake: a rank running now either replies to this kernel or
+            # holds its reply for it (RankReady.held_reply), so no run's end is missed.
+            self.work_at_attach = read_activity(str(directory))
+            died = read_exit_reports(str(directory), self._signer)
+            self._ranks_to_join = self.world_size - len(died)
             kept.wake_agent(meta)
             self._wait_until_ready(timeout_s)
         except BaseException:
@@ -110,6 +115,9 @@ class KeptPoolParts:
             self.release()
             raise
         self.state = "ready"
+        if died:
+            self.exited.update(died)
+            self.mark_broken(kept.describe_deaths(died.values()) + " while no kernel held the pool")
 
     @property
     def kept_directory(self) -> Path | None:
@@ -126,6 +134,12 @@ class KeptPoolParts:
         """Who took this kernel's kept pool, for the line that says so."""
         record = kept.held_here(self._kept_dir, self._signer) if self._kept_dir and self._signer else None
         return kept.describe_holder(record) if record is not None and record.holder_pid else "another kernel"
+
+    def note_background_run(self, cell_id: int, execution_count: int | None, name: str | None) -> None:
+        """A kept pool keeps what names a background run, for a kernel that takes it over."""
+        if self._kept_dir is not None:
+            kept.note_run(self._kept_dir, cell_id, kept.NotedRun(execution_count=execution_count, name=name,
+                                                                 kernel_pid=os.getpid(), started=time.time()))
 
     def detach(self) -> None:
         """Let go of a kept pool: its ranks keep running and wait for the next kernel."""

@@ -34,7 +34,7 @@ from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
-from fsdp2nb.wire.kept import create_activity_board
+from fsdp2nb.wire.kept import RankWork, create_activity_board
 from fsdp2nb.wire.protocol import (
     AnswerInput,
     ControlMessage,
@@ -115,6 +115,13 @@ class WorkerPool(KeptPoolParts):
         """Rank 0's store address, until `_wait_until_ready` passes it on."""
         self._last_cell_ids: dict[int, int] = {}
         """Per rank, the request id it was last sent (a stalled rank is reported to that cell)."""
+        self._ranks_to_join = spec.world_size
+        """How many RankReady make the pool ready: fewer when attaching a kept pool a rank of
+        which died while no kernel held it."""
+        self.work_at_attach: list[RankWork] = []
+        """A kept pool attached: what each rank ran then (its activity board); else empty."""
+        self.busy_since: dict[int, float] = {}
+        """Rank -> when it started what it runs now (time.time()), for the dashboard's clocks."""
 
     @property
     def world_size(self) -> int:
@@ -125,14 +132,18 @@ class WorkerPool(KeptPoolParts):
         """Ranks running a request from this kernel: a cell, or a background run."""
         return self._busy_ranks
 
-    def mark_busy(self, ranks: tuple[int, ...]) -> None:
-        """Called before a request is sent (a Save or Stop click meanwhile sees it running)."""
+    def mark_busy(self, ranks: tuple[int, ...], since: dict[int, float] | None = None) -> None:
+        """Called before a request is sent (a Save or Stop click meanwhile sees it running);
+        `since`: when ranks started a request sent before (a kept pool's run, on attach)."""
+        now = time.time()
         with self._busy_lock:  # cells, background runners and the dashboard's threads all write
             self._busy_ranks = self._busy_ranks | frozenset(ranks)
+            self.busy_since = {**self.busy_since, **{rank: (since or {}).get(rank, now) for rank in ranks}}
 
     def mark_idle(self, ranks: tuple[int, ...]) -> None:
         with self._busy_lock:
             self._busy_ranks = self._busy_ranks - frozenset(ranks)
+            self.busy_since = {rank: at for rank, at in self.busy_since.items() if rank not in ranks}
 
     def mark_broken(self, reason: str) -> None:
         """The pool can run no more cells (its process group is unusable); `reason` says why."""
@@ -423,7 +434,7 @@ class WorkerPool(KeptPoolParts):
             return
         if isinstance(event, RankReady):
             self.ranks[event.rank] = event
-            if len(self.ranks) == self.world_size:
+            if len(self.ranks) >= self._ranks_to_join:
                 self._all_ready.set()
             return
         if isinstance(event, RankExited):

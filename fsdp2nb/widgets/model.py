@@ -43,6 +43,9 @@ class PoolFacts:
     deaths: dict[int, str] = field(default_factory=dict)
     """Rank -> "killed by SIGKILL" or "exit code 1"."""
     busy: frozenset[int] = frozenset()
+    busy_since: dict[int, float] = field(default_factory=dict)
+    """Rank -> when it started what it runs (time.time()), where known: a run that began before
+    the dashboard saw it (a kept pool's, attached) is timed from its start."""
     host_total_bytes: int = 0
     """Memory of the host, the limit a CPU rank's bar is drawn against."""
 
@@ -229,7 +232,7 @@ class DashboardModel:
         now = time.time() if now is None else now
         with self._lock:
             for rank in facts.busy - self.facts.busy:
-                self._busy_since[rank] = now
+                self._busy_since[rank] = facts.busy_since.get(rank, now)
             if self.facts.deaths and not facts.deaths and facts.state != "broken":
                 self.notice = "; ".join(f"rank {rank} died ({why})" for rank, why in sorted(self.facts.deaths.items()))
                 self.notice += ": the pool was replaced and all rank state was lost"

@@ -357,9 +357,10 @@ class RankChannels:
         """Readable once the kernel closed the connection (it never sends on it): for watchers."""
         return self._events.fileno()
 
-    def send_event(self, message: Any) -> None:
+    def send_event(self, message: Any) -> bool:
+        """Whether the event went out: False where a kept pool's kernel is gone (or closed)."""
         if self._closed or self._events_lost:
-            return
+            return False
         link = self._events
         try:
             link.send(self._signer.pack(message))
@@ -368,6 +369,8 @@ class RankChannels:
                 raise
             with self._reconnected:  # no kernel holds the pool: the rank's log has its output
                 self._events_lost = link is self._events
+            return False
+        return True
 
     def control_fileno(self) -> int:
         """The control connection, for a thread that also waits for other things."""

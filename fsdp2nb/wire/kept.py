@@ -8,8 +8,11 @@ state directory) holds:
   record, checks its signature and serial, and reconnects through the usual admission (a fresh
   challenge per connection);
 - `activity`: one fixed-size slot per rank, written by the rank through a shared mapping (a
-  store to memory, no system call per cell): the request it runs, the last one it ran and when
-  that changed. The agent's keep-for clock and `%fsdp2 pools` read it;
+  store to memory, no system call per cell): the request it runs, the last one it ran, when
+  that changed, and whether it waits at a prompt. The agent's keep-for clock, `%fsdp2 pools`
+  and a kernel that attaches read it;
+- `exited-R`: the signed exit report of rank R, written by the agent when the rank died while
+  no kernel held the pool (the others run on; the kernel that attaches reports it);
 - `pool.json`: what `%fsdp2 pools` and `attach` need (spec, pids, log directory), written by
   the kernel that starts the pool;
 - `run/`: the pool's runtime directory (the process group's FileStore), which no kernel owns.
@@ -23,7 +26,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from fsdp2nb.wire.protocol import AttachRecord
+from fsdp2nb.wire.protocol import AttachRecord, RankExited
 from fsdp2nb.wire.signing import Signer
 
 KEY_FILE = "key"
@@ -32,9 +35,12 @@ ACTIVITY_FILE = "activity"
 META_FILE = "pool.json"
 RUN_DIR = "run"
 
-_SLOT = struct.Struct("<qqqd")
-"""Per rank: the request running (-1: none), its execution count, the last request taken, and
-when that changed (time.time())."""
+_SLOT = struct.Struct("<qqqdq")
+"""Per rank: the request running (-1: none), its execution count, the last request taken, when
+that changed (time.time()), and whether its main thread waits at a prompt (1) or not (0)."""
+_WAITING = struct.Struct("<q")
+_WAITING_OFFSET = _SLOT.size - _WAITING.size
+_EXIT_PREFIX = "exited-"
 
 
 def write_attach_record(kept_dir: str, signer: Signer, record: AttachRecord) -> None:
@@ -67,6 +73,8 @@ class RankWork:
     last_cell_id: int
     since: float
     """When the rank last started or ended a request (or joined the pool)."""
+    waiting_for_input: bool = False
+    """Its main thread waits at input(), getpass or a debugger prompt."""
 
 
 def create_activity_board(kept_dir: str, world_size: int) -> None:
@@ -74,7 +82,7 @@ def create_activity_board(kept_dir: str, world_size: int) -> None:
     now = time.time()
     fd = os.open(os.path.join(kept_dir, ACTIVITY_FILE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as board:
-        board.write(b"".join(_SLOT.pack(-1, -1, 0, now) for _ in range(world_size)))
+        board.write(b"".join(_SLOT.pack(-1, -1, 0, now, 0) for _ in range(world_size)))
 
 
 def read_activity(kept_dir: str) -> list[RankWork]:
@@ -85,8 +93,8 @@ def read_activity(kept_dir: str) -> list[RankWork]:
     except OSError:
         return []
     slots = (_SLOT.unpack_from(data, offset) for offset in range(0, len(data) - _SLOT.size + 1, _SLOT.size))
-    return [RankWork(running if running >= 0 else None, count if count >= 0 else None, last, since)
-            for running, count, last, since in slots]
+    return [RankWork(running if running >= 0 else None, count if count >= 0 else None, last, since, bool(waiting))
+            for running, count, last, since, waiting in slots]
 
 
 class ActivitySlot:
@@ -104,10 +112,50 @@ class ActivitySlot:
     def started(self, cell_id: int, execution_count: int | None) -> None:
         self._last_cell_id = max(self._last_cell_id, cell_id)
         _SLOT.pack_into(self._map, self._offset, cell_id, -1 if execution_count is None else execution_count,
-                        self._last_cell_id, time.time())
+                        self._last_cell_id, time.time(), 0)
 
     def ended(self) -> None:
-        _SLOT.pack_into(self._map, self._offset, -1, -1, self._last_cell_id, time.time())
+        _SLOT.pack_into(self._map, self._offset, -1, -1, self._last_cell_id, time.time(), 0)
+
+    def waiting_for_input(self, waiting: bool) -> None:
+        _WAITING.pack_into(self._map, self._offset + _WAITING_OFFSET, int(waiting))
+
+
+def mark_rank_ended(kept_dir: str, rank: int) -> None:
+    """The agent's note that a dead rank runs nothing (else the pool would look busy forever)."""
+    with open(os.path.join(kept_dir, ACTIVITY_FILE), "r+b") as board:
+        board.seek(rank * _SLOT.size)
+        slot = board.read(_SLOT.size)
+        if len(slot) < _SLOT.size:
+            return
+        last_cell_id = _SLOT.unpack(slot)[2]
+        board.seek(rank * _SLOT.size)
+        board.write(_SLOT.pack(-1, -1, last_cell_id, time.time(), 0))
+
+
+def write_exit_report(kept_dir: str, signer: Signer, report: RankExited) -> None:
+    """Keep a rank's exit report for the next kernel (written by the agent, signed, 0600)."""
+    target = os.path.join(kept_dir, f"{_EXIT_PREFIX}{report.rank}")
+    fd = os.open(f"{target}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(signer.pack(report))
+    os.replace(f"{target}.tmp", target)
+
+
+def read_exit_reports(kept_dir: str, signer: Signer) -> dict[int, RankExited]:
+    """Rank -> its exit report, for the ranks that died while no kernel held the pool."""
+    reports = {}
+    for name in sorted(os.listdir(kept_dir)) if os.path.isdir(kept_dir) else ():
+        if not name.startswith(_EXIT_PREFIX) or name.endswith(".tmp"):
+            continue
+        try:
+            with open(os.path.join(kept_dir, name), "rb") as report_file:
+                report = signer.unpack(report_file.read(1 << 20))
+        except OSError:
+            continue
+        if isinstance(report, RankExited):
+            reports[report.rank] = report
+    return reports
 
 
 def pool_is_idle_since(kept_dir: str) -> float | None:

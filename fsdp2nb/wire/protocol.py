@@ -204,6 +204,9 @@ class RankReady:
     log_path: str
     address: str = ""
     """The rank's host on the cluster network (pools across hosts); empty on one host."""
+    held_reply: int | None = None
+    """A kept pool's rank that reconnects: the request whose reply (with its results) it sends
+    next, because no kernel held the pool when that request ended."""
 
     def where(self) -> str:
         """The device, and the host where the pool spans hosts: "cuda:0 on gpu7 (10.0.0.7)"."""

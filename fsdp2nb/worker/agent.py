@@ -202,9 +202,11 @@ class Agent:
             rank_plan = self.ranks_by_pid.pop(pid, None)
             self._save_last_output(pid, rank_plan)
             if rank_plan is not None and not self.stopping:
-                self.channels.send_event(self._exit_report(rank_plan.rank, pid, status))
-                if self.keeper is not None and self.keeper.holder_pid is None:
-                    self.stop_requested = True  # no kernel to restart it: the process group is unusable
+                report = self._exit_report(rank_plan.rank, pid, status)
+                told = self.channels.send_event(report)
+                if self.keeper is not None and (not told or self.keeper.holder_pid is None):
+                    # No kernel to restart it: the others keep their state, the next kernel hears of it.
+                    self.keeper.rank_died(report)
 
     def _save_last_output(self, pid: int, rank_plan: RankPlan | None) -> None:
         """Append what the dead rank wrote but never forwarded to its log, then close the pipes."""

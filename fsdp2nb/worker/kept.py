@@ -10,7 +10,9 @@ old requests connection (or is busy with a background run), then goes on with th
 
 The agent of a kept pool does not end its ranks with the kernel; it ends them when no kernel
 has held the pool and no rank has run anything for `keep_for_s` (a running request, a
-background run, stops that clock; it starts again when the run ends).
+background run, stops that clock; it starts again when the run ends). A rank that dies while
+no kernel holds the pool does not end the others: the agent keeps its exit report in the
+pool's directory, and the kernel that attaches says which rank died and how.
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ import time
 from collections.abc import Callable
 
 from fsdp2nb.wire.channels import RankChannels
-from fsdp2nb.wire.kept import META_FILE, pool_is_idle_since, read_attach_record, write_attach_record
-from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan
+from fsdp2nb.wire.kept import (
+    META_FILE,
+    mark_rank_ended,
+    pool_is_idle_since,
+    read_attach_record,
+    write_attach_record,
+    write_exit_report,
+)
+from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankExited
 from fsdp2nb.wire.signing import Signer
 
 _BUSY_RECHECK_S = 5.0
@@ -116,6 +125,18 @@ class AgentKeeper:
             print(f"fsdp2nb agent: could not note the kernel's end: {error}", file=sys.stderr, flush=True)
         finally:
             os.close(lock)
+
+    def rank_died(self, report: RankExited) -> None:
+        """A rank died and no kernel heard of it: keep its report for the next kernel, and mark
+        it idle (the keep-for clock would otherwise wait for a request it never ends)."""
+        print(f"fsdp2nb agent: rank {report.rank} (pid {report.pid}) ended while no kernel held the pool; "
+              "the other ranks run on", flush=True)
+        try:
+            write_exit_report(self.plan.kept_dir, self._signer, report)
+            mark_rank_ended(self.plan.kept_dir, report.rank)
+        except OSError as error:
+            print(f"fsdp2nb agent: could not keep rank {report.rank}'s exit report: {error}", file=sys.stderr,
+                  flush=True)
 
     def follow_record(self) -> bool:
         """Take a newer attach record into account; returns whether the holder changed."""

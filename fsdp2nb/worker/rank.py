@@ -90,8 +90,11 @@ class Rank:
         if plan.kept_dir:  # a kept pool: outlive the kernel, follow the next one (worker/kept.py)
             assert wake_fd is not None, "the agent gives every rank of a kept pool a wake pipe"
             self._activity = ActivitySlot(plan.kept_dir, self.rank)
-            self._follower = RankFollower(self._channels, Signer(key), plan.kept_dir, wake_fd,
-                                          lambda: self._channels.send_event(self._ready_event()))
+            self._follower = RankFollower(self._channels, Signer(key), plan.kept_dir, wake_fd, self._rejoin)
+        self._held_reply: list[RichOutput | CellFinished] = []
+        """A kept rank's reply to its last request (with the request's results) that found no
+        kernel to go to: sent to the next kernel that attaches (`_rejoin`)."""
+        self._reply_lock = threading.Lock()
         os.environ.update(network_environment(plan, rank_plan, self._channels.local_host()))
         self._log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the rank
         pipes = pipes or {}
@@ -100,7 +103,8 @@ class Rank:
             "stderr": FdCapture(2, lambda text: self._send_stream("stderr", text), self._log, pipes.get(2)),
         }
         self._output_sync = OutputSync(self._captures.values(), line_buffered_streams())
-        self._stdin = NotebookStdin(self.rank, self._channels.send_event, lambda: self._cell_id, self._output_sync.sync)
+        self._stdin = NotebookStdin(self.rank, self._channels.send_event, lambda: self._cell_id, self._output_sync.sync,
+                                    on_waiting=self._activity.waiting_for_input if self._activity else None)
         signal.signal(signal.SIGINT, SigintGate(self._on_sigint))
 
     # --- start-up -----------------------------------------------------------------------------
@@ -122,13 +126,33 @@ class Rank:
         threading.Thread(target=self._control_loop, daemon=True, name="fsdp2nb-control").start()
         self._channels.send_event(self._ready_event())
 
-    def _ready_event(self) -> RankReady:
+    def _ready_event(self, held_reply: int | None = None) -> RankReady:
         """Sent when the rank joined the pool, and again to each kernel that attaches a kept pool."""
         process = psutil.Process()
         return RankReady(
             rank=self.rank, pid=process.pid, create_time=process.create_time(), device=self.device,
             hostname=socket.gethostname(), log_path=self.log_path, address=self._channels.local_host() or "",
+            held_reply=held_reply,
         )
+
+    def _rejoin(self) -> None:
+        """A kept pool's rank reconnected to a kernel that attached (on the control thread): say
+        so, then hand it the reply and the prompt that no kernel received."""
+        with self._reply_lock:
+            held, self._held_reply = self._held_reply, []
+            self._channels.send_event(self._ready_event(held_reply=held[-1].cell_id if held else None))
+            for event in held:
+                self._send_reply_locked(event)
+        self._stdin.ask_again()
+
+    def _send_reply(self, event: RichOutput | CellFinished) -> None:
+        """A request's result or its end; a kept rank keeps what finds no kernel, for the next one."""
+        with self._reply_lock:
+            self._send_reply_locked(event)
+
+    def _send_reply_locked(self, event: RichOutput | CellFinished) -> None:
+        if not self._channels.send_event(event) and self._follower is not None:
+            self._held_reply.append(event)
 
     def _init_distributed(self) -> dict:
         """Join the process group (`rendezvous`: a FileStore on one host, rank 0's TCPStore across hosts)."""
@@ -178,13 +202,15 @@ class Rank:
                 return
             if self._activity is not None:
                 self._activity.started(request.cell_id, getattr(request, "execution_count", None))
+                with self._reply_lock:  # a kernel sent this, so the one before got the held reply
+                    self._held_reply.clear()
             finished = self._run_request(request)
             with sigint_deferred():  # an interrupt now has nothing left to interrupt
                 self._output_sync.sync()
                 self._cell_id = None
-                if self._activity is not None:  # before the reply: see KeptPools.resume_runs
+                if self._activity is not None:  # before the reply: see NotebookSession._resume_run
                     self._activity.ended()
-                self._channels.send_event(finished)
+                self._send_reply(finished)
             self._sampler.refresh_tracked_sizes()  # here, not on the sampler's thread: see TrackedSizes
 
     def _run_request(self, request: RunCell | PushValues | PullValue | RunCommand | PostMortem) -> CellFinished:
@@ -339,8 +365,11 @@ class Rank:
 
     def _send_rich(self, kind: RichKind, data: dict, metadata: dict) -> None:
         self._output_sync.sync()  # text printed before a display must reach the notebook first
-        self._channels.send_event(RichOutput(rank=self.rank, cell_id=self._cell_id, kind=kind, data=data,
-                                             metadata=metadata))
+        output = RichOutput(rank=self.rank, cell_id=self._cell_id, kind=kind, data=data, metadata=metadata)
+        if kind == "result":  # a kept pool's next kernel shows it with the reply
+            self._send_reply(output)
+        else:
+            self._channels.send_event(output)
 
     def close(self) -> None:
         self._sampler.stop()

@@ -36,12 +36,17 @@ class InterruptedAtPrompt(BaseException):  # noqa: N818 - read as what happened,
 class NotebookStdin:
     """The rank's line source: each read is one prompt answered in the notebook."""
 
-    def __init__(self, rank: int, send_event: Callable[[InputRequested], None],
-                 current_cell_id: Callable[[], int | None], sync_output: Callable[[], None]) -> None:
+    def __init__(self, rank: int, send_event: Callable[[InputRequested], object],
+                 current_cell_id: Callable[[], int | None], sync_output: Callable[[], None],
+                 on_waiting: Callable[[bool], None] | None = None) -> None:
         self._rank = rank
         self._send_event = send_event
         self._current_cell_id = current_cell_id
         self._sync_output = sync_output
+        self._on_waiting = on_waiting
+        """Told when the main thread starts and stops waiting (a kept pool's activity board)."""
+        self._pending: InputRequested | None = None
+        """The prompt waiting for its answer, asked again of a kernel that attaches (`ask_again`)."""
         self._prompt_ids = itertools.count(1)
         self._answers: queue.Queue[AnswerInput | None] = queue.Queue()
         self._interrupted_cell_id: int | None = None
@@ -71,11 +76,16 @@ class NotebookStdin:
         try:
             if cell_id == self._interrupted_cell_id:  # pdb asks again after an interrupt it caught
                 raise InterruptedAtPrompt("the stop button was pressed at the prompt")
-            self._send_event(InputRequested(rank=self._rank, cell_id=cell_id, prompt_id=prompt_id,
-                                            prompt=prompt, password=password))
+            self._pending = InputRequested(rank=self._rank, cell_id=cell_id, prompt_id=prompt_id,
+                                           prompt=prompt, password=password)
+            self._note_waiting(True)
+            self._send_event(self._pending)
             answer = self._next_answer(prompt_id, cell_id)
         finally:
             self.waiting = False
+            if self._pending is not None:
+                self._pending = None
+                self._note_waiting(False)
         if answer.refusal:
             raise InputUnavailable(answer.refusal)
         if answer.eof:
@@ -89,6 +99,18 @@ class NotebookStdin:
                 raise InterruptedAtPrompt("the stop button was pressed at the prompt")
             if answer is not None and answer.prompt_id == prompt_id:
                 return answer  # else the answer to a prompt that an interrupt abandoned
+
+    def ask_again(self) -> None:
+        """Send the waiting prompt again: a kept pool's rank asked it while no kernel held the
+        pool, or of a kernel since lost; the kernel that attached asks the user (it ignores a
+        prompt it answered already)."""
+        pending = self._pending
+        if pending is not None:
+            self._send_event(pending)
+
+    def _note_waiting(self, waiting: bool) -> None:
+        if self._on_waiting is not None:
+            self._on_waiting(waiting)
 
     def deliver(self, answer: AnswerInput) -> None:
         """Called on the control thread with the kernel's answer."""

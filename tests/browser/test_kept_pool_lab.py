@@ -146,7 +146,7 @@ def _attach_after_restart(page: Page, lab: Lab, shots, ckpt, flag) -> None:
     page.wait_done(ATTACH)
     attached = page.output(ATTACH)
     assert "attached kept pool 'lab': 2 ranks (--cpu 2)" in attached, attached
-    assert re.search(r"In\[\d+\] is still running on the ranks", attached), attached
+    assert re.search(r"In\[\d+\] of kernel \d+ \(train\) is still running on ranks 0-1;", attached), attached
     assert "last lines of rank 0's log" in attached and "  step " in attached, attached  # printed while detached
 
     dash = page.page.locator(".jp-CodeCell").nth(ATTACH).locator(".fsdp2nb-dashboard")
@@ -155,7 +155,7 @@ def _attach_after_restart(page: Page, lab: Lab, shots, ckpt, flag) -> None:
                                 f"![...{_dashboard_of(ATTACH)}.querySelectorAll('.fsdp2nb-mem')]"
                                 ".some(e => e.innerText.includes('no reading'))", timeout=120_000)
     header = dash.locator(".widget-html").first.inner_text()
-    assert re.search(r"background run In\[\d+\] running", header), header
+    assert re.search(r"background run In\[\d+\] of kernel \d+ \(train\) running", header), header
     assert "--cpu 2" in header, header
     for rank in (0, 1):
         assert re.search(r"RSS [1-9][0-9.]* (MiB|GiB)", dash.locator(f".fsdp2nb-rank[data-rank='{rank}'] "

@@ -6,6 +6,7 @@ directory there) of one test, or of another checkout's tests, are never seen by 
 
 import glob
 import os
+import re
 import shutil
 import signal
 import stat
@@ -341,3 +342,294 @@ def test_a_run_of_the_old_holder_ends_when_the_pool_is_taken(kernels, tmpdir_env
     assert b.execute("%fsdp2 wait", timeout=60).status == "ok"  # the run ended well where it went on
     assert b.execute("%%fsdp2\nprint(finished)").stdout == "[all] yes\n"
     assert b.execute("%fsdp2 stop").status == "ok"
+
+
+def _pools_until(kernel: Kernel, text: str, timeout_s: float = 60) -> str:
+    """`%fsdp2 pools` again until its line says `text` (the ranks got there meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listing = kernel.execute("%fsdp2 pools").result_text
+        if text in listing or time.monotonic() > deadline:
+            return listing
+        time.sleep(0.2)
+
+
+def _wait_for(flag: str) -> str:
+    return f"import os, time\nwhile not os.path.exists({flag!r}):\n    time.sleep(0.05)\n"
+
+
+SECOND_REQUEST = """import fsdp2nb
+from fsdp2nb.wire.protocol import RunCell
+session = fsdp2nb._session
+second = session.request_wait(session.pool, (1,))
+second.send(RunCell(cell_id=second.cell_id, code={code!r}, transformed={code!r}, execution_count=99))
+"""
+
+
+def test_the_reattached_run_is_named_covers_every_request_and_keeps_finished_results(kernels, tmpdir_env, tmp_path):
+    """A kernel dies while rank 0 runs its `--bg --name train` run and rank 1 another request;
+    rank 0 finishes while no kernel holds the pool. The kernel that attaches gets one handle,
+    named as the lost kernel named it, that waits for both requests, shows rank 0's result, and
+    whose clocks (the handle's, the dashboard's) count from the run's start, not the attach."""
+    early, late = str(tmp_path / "early"), str(tmp_path / "late")
+    a = kernels()
+    assert a.execute("%fsdp2 start --cpu 2 --keep --name names --no-dashboard").status == "ok"
+    run = a.execute(f"%%fsdp2 --bg --ranks 0 --name train\n{_wait_for(early)}'early result'")
+    assert run.status == "ok", run.stderr
+    second = _wait_for(late) + "'late result'"
+    assert a.execute(SECOND_REQUEST.format(code=second)).status == "ok"
+    started = time.monotonic()
+    assert "running on ranks 0-1" in _pools_until(a, "running on ranks 0-1")
+    time.sleep(max(0.0, 3 - (time.monotonic() - started)))  # the run is at least 3 s old at the attach
+    _sigkill(a)
+    open(early, "w").close()  # rank 0 finishes while no kernel holds the pool
+
+    b = kernels()
+    assert "In[99] running on rank 1 for" in _pools_until(b, "running on rank 1 ")
+    attach = b.execute("%fsdp2 attach names --no-dashboard")
+    assert attach.status == "ok", attach.stderr + attach.traceback_text
+    assert f"In[3] of kernel {a.pid} (train) is still running on rank 1;" in attach.stdout, attach.stdout
+    run = b.execute("print(train.ranks, train.state, train.elapsed_s >= 3)")
+    assert run.stdout == "(0, 1) running True\n", run.stderr + run.traceback_text
+    dashboard = b.execute("import fsdp2nb\nfrom fsdp2nb.frontend.dashboard_link import link_for\n"
+                          "print(link_for(fsdp2nb._session).text())").stdout
+    busy = re.search(r"^1 +busy (\d+) (s|min)", dashboard, re.MULTILINE)
+    assert busy and (busy.group(2) == "min" or int(busy.group(1)) >= 3), dashboard
+    assert re.search(r"background run In\[3\] of kernel \d+ \(train\) running 0:0[3-9]", dashboard), dashboard
+
+    open(late, "w").close()
+    assert b.execute("%fsdp2 wait", timeout=60).status == "ok"
+    run = b.execute("print(train.state, train.rank_states)")
+    assert run.stdout == "done {0: 'done', 1: 'done'}\n", run.stdout
+    shown = b.messages_for(attach.reply["parent_header"]["msg_id"],
+                           lambda messages: sum("result'" in str(m["content"]) for m in messages) >= 2)
+    text = str([m["content"] for m in shown])
+    assert "'early result'" in text and "'late result'" in text, text  # rank 0's came after its end
+    assert b.execute("%%fsdp2\nprint('free')").stdout == "[all] free\n"
+    assert b.execute("%fsdp2 stop").status == "ok"
+
+
+def test_a_run_that_failed_while_detached_shows_its_error_on_wait(kernels, tmpdir_env, tmp_path):
+    """Every rank ended the run while no kernel held the pool: their replies were kept, and the
+    kernel that attaches gets a handle that has ended, whose `%fsdp2 wait` shows the error."""
+    go = str(tmp_path / "go")
+    a = kernels()
+    assert a.execute("%fsdp2 start --cpu 2 --keep --name failed --no-dashboard").status == "ok"
+    run = a.execute(f"%%fsdp2 --bg --name job\n{_wait_for(go)}raise ValueError(f'late failure on {{rank}}')")
+    assert run.status == "ok", run.stderr
+    _sigkill(a)
+    open(go, "w").close()
+
+    b = kernels()
+    assert "idle" in _pools_until(b, ", idle, ")
+    run = b.execute("%fsdp2 attach failed --no-dashboard")
+    assert run.status == "ok", run.stderr + run.traceback_text
+    assert f"In[3] of kernel {a.pid} (job) ended while no kernel held the pool;" in run.stdout, run.stdout
+    run = b.execute("%fsdp2 wait")
+    assert run.status == "error", run.stdout + run.stderr
+    assert "late failure on 0" in run.traceback_text and "late failure on 1" in run.traceback_text, run.traceback_text
+    assert b.execute("print(job.state)").stdout == "failed\n"
+    assert b.execute("%%fsdp2\nprint('after')").stdout == "[all] after\n"  # its error was seen: cells run
+    assert b.execute("%fsdp2 stop").status == "ok"
+
+
+def test_a_rank_that_dies_while_detached_leaves_the_others_and_one_line(kernels, tmpdir_env):
+    a = kernels()
+    assert a.execute("%%fsdp2 --cpu 2 --keep --name hurt --no-dashboard\nx = rank + 40").status == "ok"
+    agent = _agent_pid(tmpdir_env["TMPDIR"], "hurt")
+    pids = a.execute("%%fsdp2\nimport os\nprint(os.getpid())").stdout
+    survivor = int(re.search(r"\[0\] (\d+)", pids).group(1))
+    assert a.execute("%%fsdp2 --bg --ranks 1\nimport os, time\ntime.sleep(2)\nos._exit(3)").status == "ok"
+    _sigkill(a)  # rank 1 exits 3 about 2 s later, while no kernel holds the pool
+
+    b = kernels()
+    listing = _pools_until(b, "rank 1 died")
+    assert "rank 1 died (exit code 3)" in listing and "`%fsdp2 restart`" in listing, listing
+    assert psutil.pid_exists(agent) and psutil.Process(survivor).status() != psutil.STATUS_ZOMBIE
+    run = b.execute("%fsdp2 attach hurt --no-dashboard")
+    assert run.status == "ok", run.stderr + run.traceback_text
+    lines = [line for line in run.stderr.splitlines() if "died" in line]
+    assert len(lines) == 1, run.stderr
+    assert "rank 1 died (exit code 3) while no kernel held the pool" in lines[0], lines
+    assert "`%fsdp2 restart`" in lines[0], lines
+    run = b.execute("%%fsdp2\nprint(x)")
+    usage = _usage_lines(run)
+    assert len(usage) == 1 and "rank 1 died (exit code 3)" in usage[0] and "%fsdp2 restart" in usage[0], run.stderr
+    assert b.execute("%fsdp2 restart").status == "ok"
+    assert b.execute("%%fsdp2\nprint(rank)").stdout == "[0] 0\n[1] 1\n"
+    assert b.execute("%fsdp2 pools").result_text.startswith("hurt: --cpu 2, held by kernel")
+    assert b.execute("%fsdp2 stop").status == "ok"
+
+
+def _answer_stdin(kernel: Kernel, code: str, answers: list[str], timeout: float = 120):
+    """Run `code` allowing stdin; answer its input requests in order; returns (run, prompts)."""
+    import queue
+    import threading
+
+    prompts: list[str] = []
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                request = kernel.client.get_stdin_msg(timeout=0.2)
+            except queue.Empty:
+                continue
+            prompts.append(request["content"]["prompt"])
+            kernel.client.input(answers.pop(0) if answers else "")
+
+    msg_id = kernel.client.execute(code, allow_stdin=True)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        return kernel.collect(msg_id, code, timeout), prompts
+    finally:
+        done.set()
+        thread.join(5)
+
+
+def test_a_prompt_left_waiting_by_a_lost_kernel_is_asked_in_the_next(kernels, tmpdir_env):
+    """input() on a rank whose kernel died waits; the attach cell says so, and `%fsdp2 wait`
+    asks it in the new kernel's input box, as the lost cell would have, and the answer gets
+    there; the debugger the cell opens next is served there too."""
+    a = kernels()
+    assert a.execute("%fsdp2 start --cpu 2 --keep --name ask --no-dashboard").status == "ok"
+    a.client.execute("%%fsdp2 --ranks 0\nname = input('your name? ')\nbreakpoint()\nprint('hello', name)",
+                     allow_stdin=True)
+    asked = a.client.get_stdin_msg(timeout=60)  # the rank waits at its prompt; nobody answers here
+    assert asked["content"]["prompt"] == "[0] your name? "
+    _sigkill(a)
+
+    b = kernels()
+    assert "rank 0 waiting for input" in _pools_until(b, "waiting for input")
+    run = b.execute("%fsdp2 attach ask --no-dashboard")
+    assert run.status == "ok", run.stderr + run.traceback_text
+    assert "In[3] of another kernel is still running on rank 0" in run.stdout, run.stdout
+    assert "rank 0 of In[3] of another kernel waits for input" in run.stdout, run.stdout
+    run, prompts = _answer_stdin(b, "%fsdp2 wait", ["Ada", "p name.upper()", "c"])
+    assert run.status == "ok", run.stderr + run.traceback_text
+    assert prompts[0] == "[0] your name? " and set(prompts[1:]) == {"[0] (Pdb) "}, prompts
+    assert "[0] 'ADA'\n" in run.stdout, run.stdout  # the debugger's answer, under its prompt
+    assert "[0] hello Ada\n" in run.stdout, run.stdout
+    assert b.execute("%%fsdp2 --ranks 0\nprint(name)").stdout == "[0] Ada\n"
+    assert b.execute("%fsdp2 stop").status == "ok"
+
+
+OTHER_USER_SCRIPT = """
+import os, sys
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+pool_dir, name, agent = sys.argv[1], sys.argv[2], int(sys.argv[3])
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "fsdp2nb")
+print("pools:", repr(shell.run_line_magic("fsdp2", "pools")))
+try:
+    shell.run_line_magic("fsdp2", f"attach {name} --no-dashboard")
+except UsageError as error:
+    print("attach by name:", error)
+for reach in (lambda: os.listdir(pool_dir), lambda: open(os.path.join(pool_dir, "key")).read()):
+    try:
+        reach()
+        print("reached", pool_dir)
+    except PermissionError:
+        print("denied")
+# A pool directory of this user's own that names the other user's agent: its key is refused.
+import json, psutil
+from fsdp2nb.pool import kept
+mine = kept.kept_dir(name)
+mine.mkdir(mode=0o700)
+json.dump(dict(name=name, pool_id="x", devices=["cpu"], collective_timeout_s=60.0, keep_for_s=None,
+               agent=[agent, psutil.Process(agent).create_time()], log_dir=str(mine), runtime_dir=str(mine),
+               created=0.0), open(mine / "pool.json", "w"))
+(mine / "key").write_text("00" * 32)
+os.chmod(mine / "key", 0o644)
+try:
+    shell.run_line_magic("fsdp2", f"attach {name} --no-dashboard")
+except UsageError as error:
+    print("attach of a forged pool:", error)
+"""
+
+OTHER_USER_ATTACH = """
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "fsdp2nb")
+try:
+    shell.run_line_magic("fsdp2", "attach owned --no-dashboard")
+except UsageError as error:
+    print("attach with a key that is not mine:", error)
+"""
+
+
+@pytest.fixture
+def other_user():
+    """A second local user for the test's length (useradd; root only)."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("runuser") is None:
+        pytest.skip("needs root, useradd and runuser to create a second user")
+    import subprocess
+
+    name = f"kpother{os.getpid() % 100000}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
+    yield name
+    subprocess.run(["userdel", name], check=False)
+
+
+def _python_for(user: str) -> tuple[str, list[str]]:
+    """An interpreter `user` may run with this environment's packages: this one, or (where it
+    lives in root's home, as pyenv's does) the system's of the same version, given our site-packages."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    def runs(python: str) -> bool:
+        return subprocess.run(["runuser", "-u", user, "--", python, "-c", "pass"], capture_output=True).returncode == 0
+
+    if runs(sys.executable):
+        return sys.executable, []
+    same = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/local/bin:/usr/bin")
+    if same is None or not runs(same):
+        pytest.skip(f"no Python {sys.version_info.major}.{sys.version_info.minor} that user {user} may run")
+    return same, [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+
+
+def test_another_user_can_neither_list_nor_attach_a_kept_pool(kernels, tmpdir_env, other_user):
+    import pwd
+    import subprocess
+
+    root = tmpdir_env["TMPDIR"]
+    os.chmod(root, 0o1777)  # a shared temporary directory, as /tmp is
+    a = kernels()
+    assert a.execute("%fsdp2 start --cpu 1 --keep --name private --no-dashboard").status == "ok"
+    pool_dir = os.path.join(root, f"fsdp2nb-{os.getuid()}", "kept", "private")
+    agent = _agent_pid(root, "private")
+    other = pwd.getpwnam(other_user)
+    ipython_dir = os.path.join(root, "other-ipython")
+    os.mkdir(ipython_dir)
+    os.chown(ipython_dir, other.pw_uid, other.pw_gid)
+    python, path = _python_for(other_user)
+    env = {"PATH": os.environ["PATH"], "TMPDIR": root, "IPYTHONDIR": ipython_dir, "HOME": ipython_dir,
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), *path]), **WITHOUT_GPUS}
+    done = subprocess.run(["runuser", "-u", other_user, "--", python, "-c", OTHER_USER_SCRIPT,
+                           pool_dir, "private", str(agent)], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=ipython_dir)
+    out = done.stdout
+    assert "pools: no kept pools\n" in out, out + done.stderr
+    assert "attach by name: no kept pool is named 'private'" in out, out + done.stderr
+    assert out.count("denied\n") == 2 and "reached" not in out, out
+    assert "attach of a forged pool:" in out and "readable by no one else (0600)" in out, out + done.stderr
+    # The pool's real key, 0600, in a pool directory of the other user's: refused, as not theirs.
+    owned = os.path.join(root, f"fsdp2nb-{other.pw_uid}", "kept", "owned")
+    os.mkdir(owned, 0o700)
+    for name in ("pool.json", "key"):
+        shutil.copy2(os.path.join(pool_dir, name), os.path.join(owned, name))
+    for path in (owned, os.path.join(owned, "pool.json")):
+        os.chown(path, other.pw_uid, other.pw_gid)
+    done = subprocess.run(["runuser", "-u", other_user, "--", python, "-c", OTHER_USER_ATTACH], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=ipython_dir)
+    assert "attach with a key that is not mine:" in done.stdout, done.stdout + done.stderr
+    assert "must be this user's and readable by no one else" in done.stdout, done.stdout
+    assert a.execute("%fsdp2 pools").result_text.startswith("private: --cpu 1, held by kernel")
+    assert a.execute("%%fsdp2\nprint('mine')").stdout == "mine\n"
+    assert a.execute("%fsdp2 stop").status == "ok"

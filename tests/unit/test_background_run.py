@@ -136,3 +136,48 @@ def test_stop_requests_count_presses_from_any_thread():
     for thread in threads:
         thread.join()
     assert stops.take() is True and stops.take() is False
+
+
+def test_a_run_taken_over_on_attach_counts_from_its_real_start_and_is_named_for_its_kernel():
+    import time
+
+    clock = FakeClock()
+    run = BackgroundRun(ranks=(0, 1), execution_count=3, name="train", clock=clock,
+                        started_at=time.time() - 50, origin="of kernel 4242")
+    assert run.elapsed_s >= 50
+    assert run.label == "In[3] of kernel 4242 (train)"
+    assert run.summary().startswith("background run In[3] of kernel 4242 (train) running 0:5")
+
+
+def test_a_prompt_relay_asks_only_while_a_cell_waits_and_hands_the_answer_over():
+    from fsdp2nb.frontend.notebook_input import PromptRelay
+    from fsdp2nb.frontend.request_wait import PromptDeferred
+
+    asked = []
+    relay = PromptRelay(ask=lambda prompt, password: asked.append(prompt) or "Ada")
+    assert not relay.can_answer()
+    with pytest.raises(PromptDeferred):
+        relay.ask("[0] name? ", False)
+    answers = []
+    with relay.waiting():
+        assert relay.can_answer()
+        runner = threading.Thread(target=lambda: answers.append(relay.ask("[0] name? ", False)))
+        runner.start()
+        while runner.is_alive():
+            relay.answer_pending()
+            runner.join(0.01)
+    assert answers == ["Ada"] and asked == ["[0] name? "]
+    deferred = []
+
+    def ask_then_leave() -> None:
+        try:
+            relay.ask("[0] again? ", False)
+        except PromptDeferred:
+            deferred.append(True)
+
+    with relay.waiting():
+        runner = threading.Thread(target=ask_then_leave)
+        runner.start()
+        runner.join(0.2)  # the waiting cell ends without answering (its stop button)
+    runner.join(5)
+    assert deferred == [True] and asked == ["[0] name? "]

@@ -14,12 +14,15 @@ from fsdp2nb.wire.channels import KernelChannels, RankChannels
 from fsdp2nb.wire.kept import (
     ActivitySlot,
     create_activity_board,
+    mark_rank_ended,
     pool_is_idle_since,
     read_activity,
     read_attach_record,
+    read_exit_reports,
     write_attach_record,
+    write_exit_report,
 )
-from fsdp2nb.wire.protocol import AttachRecord, StreamOutput
+from fsdp2nb.wire.protocol import AttachRecord, RankExited, StreamOutput
 from fsdp2nb.wire.signing import Signer
 
 
@@ -107,8 +110,8 @@ def test_a_kept_rank_end_reconnects_and_drops_events_meanwhile(tmp_path):
     rank = RankChannels(Signer(key), str(tmp_path / "a.sock"), rank=0, kept=True)
     generation = rank.generation
     first.close()
-    for _ in range(3):
-        rank.send_event(StreamOutput(rank=0, cell_id=None, stream="stdout", text="lost\n"))
+    for _ in range(3):  # False: the rank keeps a reply it could not send (worker/rank.py)
+        assert rank.send_event(StreamOutput(rank=0, cell_id=None, stream="stdout", text="lost\n")) is False
     with pytest.raises(EOFError):
         rank.receive_request(1000)
     woken = threading.Event()
@@ -120,7 +123,7 @@ def test_a_kept_rank_end_reconnects_and_drops_events_meanwhile(tmp_path):
         rank.reconnect(str(tmp_path / "b.sock"))
         waiter.join(5)
         assert woken.is_set()
-        rank.send_event(StreamOutput(rank=0, cell_id=None, stream="stdout", text="back\n"))
+        assert rank.send_event(StreamOutput(rank=0, cell_id=None, stream="stdout", text="back\n"))
         deadline = time.monotonic() + 5
         while not received and time.monotonic() < deadline:
             second.receive(100, received.append)
@@ -155,3 +158,40 @@ def test_unix_sockets_only(tmp_path):
         assert channels._server.family == socket.AF_UNIX
     finally:
         channels.close()
+
+
+def test_the_board_says_which_ranks_wait_for_input_and_a_dead_rank_runs_nothing(tmp_path):
+    create_activity_board(str(tmp_path), 3)
+    slots = [ActivitySlot(str(tmp_path), rank) for rank in range(3)]
+    for slot in slots:
+        slot.started(9, 4)
+    slots[0].waiting_for_input(True)
+    line = kept.describe_run(read_activity(str(tmp_path)))
+    assert line.startswith("In[4] running on ranks 0-2 for ") and line.endswith(", rank 0 waiting for input")
+    mark_rank_ended(str(tmp_path), 1)  # the agent, for a rank that died
+    work = read_activity(str(tmp_path))
+    assert work[1].running_cell_id is None and work[1].last_cell_id == 9 and work[0].waiting_for_input
+    assert kept.describe_run(work).startswith("In[4] running on ranks 0, 2 for ")
+    slots[0].waiting_for_input(False)
+    assert not read_activity(str(tmp_path))[0].waiting_for_input
+
+
+def test_exit_reports_are_read_only_under_the_pool_key(tmp_path):
+    key = secrets.token_bytes(32)
+    report = RankExited(rank=1, pid=123, exit_code=3, signal_name=None, stderr_tail=("boom",))
+    write_exit_report(str(tmp_path), Signer(key), report)
+    assert stat.S_IMODE(os.stat(tmp_path / "exited-1").st_mode) == 0o600
+    assert read_exit_reports(str(tmp_path), Signer(key)) == {1: report}
+    assert read_exit_reports(str(tmp_path), Signer(secrets.token_bytes(32))) == {}
+    assert kept.describe_deaths([report]) == "rank 1 died (exit code 3)"
+
+
+def test_a_noted_run_is_read_back_and_only_the_last_few_are_kept(tmp_path):
+    for cell_id in range(1, 21):
+        kept.note_run(tmp_path, cell_id, kept.NotedRun(execution_count=cell_id + 2, name="train", kernel_pid=7,
+                                                       started=100.0))
+    runs = kept.noted_runs(tmp_path)
+    assert sorted(runs) == list(range(5, 21))
+    assert runs[20] == kept.NotedRun(execution_count=22, name="train", kernel_pid=7, started=100.0)
+    (tmp_path / kept.RUNS_FILE).write_text("not json")
+    assert kept.noted_runs(tmp_path) == {}

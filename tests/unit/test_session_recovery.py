@@ -28,6 +28,7 @@ class ScriptedPool:
         self.ranks = {r: RankReady(rank=r, pid=1000 + r, create_time=0.0, device="cpu", hostname="host",
                                    log_path=f"/logs/rank-{r}.log") for r in range(spec.world_size)}
         self.busy_ranks: frozenset[int] = frozenset()
+        self.busy_since: dict[int, float] = {}
         self.exited: dict = {}
         self.state = "ready"
         self.sent: list = []
