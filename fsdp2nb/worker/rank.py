@@ -24,7 +24,7 @@ import psutil
 from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
 from fsdp2nb.wire.channels import RankChannels
-from fsdp2nb.wire.kept import ActivitySlot
+from fsdp2nb.wire.kept import ActivitySlot, host_kept_dir
 from fsdp2nb.wire.protocol import (
     AnswerInput,
     CellFinished,
@@ -89,8 +89,9 @@ class Rank:
         self._follower: RankFollower | None = None
         if plan.kept_dir:  # a kept pool: outlive the kernel, follow the next one (worker/kept.py)
             assert wake_fd is not None, "the agent gives every rank of a kept pool a wake pipe"
-            self._activity = ActivitySlot(plan.kept_dir, self.rank)
-            self._follower = RankFollower(self._channels, Signer(key), plan.kept_dir, wake_fd,
+            directory = host_kept_dir(plan.kept_dir, rank_plan.node, plan.multi_host)
+            self._activity = ActivitySlot(directory, self.rank)
+            self._follower = RankFollower(self._channels, Signer(key), directory, wake_fd,
                                           lambda: self._channels.send_event(self._ready_event()))
         os.environ.update(network_environment(plan, rank_plan, self._channels.local_host()))
         self._log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the rank
