@@ -1,0 +1,158 @@
+"""A kept pool across two Ray hosts (`--ray ... --keep`): it outlives a SIGKILLed kernel, a new
+kernel attaches and finds rank state, and its end (`%fsdp2 stop`, or `--keep-for` while no kernel
+holds it) frees what it held in Ray. Kernels run in host 0's namespace, as in test_ray_pool.py;
+each test gives its kernels a TMPDIR of its own, so kept pools of other tests are never seen.
+"""
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import textwrap
+
+import psutil
+import pytest
+
+from tests.support.host_processes import pool_processes, wait_for_no_pool_processes
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
+
+pytestmark = pytest.mark.timeout(900)  # the session's Ray cluster starts inside the first test
+
+START = "%fsdp2 start --ray {address} --nodes 2 --cpu-per-node 1 --no-dashboard --keep --name {name}"
+
+# Prints, as JSON, which of the pool's actors and its placement group Ray still has, and whether
+# every CPU of the cluster is free again (the pool's bundles held one per host).
+_RAY_STATE = textwrap.dedent("""
+    import json, sys, time
+    import ray
+    from ray.util import get_placement_group
+    ray.init(address=sys.argv[1], namespace="fsdp2nb", logging_level="ERROR", log_to_driver=False)
+    name = sys.argv[2]
+    actors = []
+    for node in range(2):
+        try:
+            ray.get_actor(f"{name}-node{node}")
+            actors.append(node)
+        except ValueError:
+            pass
+    try:
+        get_placement_group(name)
+        placement = True
+    except ValueError:
+        placement = False
+    wait_s = float(sys.argv[3])
+    deadline = time.monotonic() + wait_s
+    while True:  # Ray frees resources a moment after the placement group goes
+        free = ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0)
+        if free or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    print(json.dumps({"actors": actors, "placement_group": placement, "cpus_free": free}))
+    ray.shutdown()
+""")
+
+
+@pytest.fixture
+def kept_env(ray_cluster):
+    root = tempfile.mkdtemp(prefix="rk-")
+    yield {**ray_cluster.driver_env(), **WITHOUT_GPUS, "TMPDIR": root}
+    for meta in _metas(root):  # end what a failed test left running
+        try:
+            os.kill(meta["agent"][0], signal.SIGTERM)
+        except OSError:
+            pass
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def kernels(kept_env, test_hosts):
+    started: list[Kernel] = []
+
+    def start() -> Kernel:
+        kernel = Kernel(env=kept_env, argv_prefix=test_hosts[0].exec_prefix())
+        started.append(kernel)
+        assert kernel.execute("%load_ext fsdp2nb").status == "ok"
+        return kernel
+
+    yield start
+    for kernel in started:
+        try:
+            kernel.stop()
+        except Exception:
+            pass
+
+
+def _metas(root: str) -> list[dict]:
+    base = os.path.join(root, f"fsdp2nb-{os.getuid()}", "kept")
+    metas = []
+    for name in os.listdir(base) if os.path.isdir(base) else []:
+        try:
+            with open(os.path.join(base, name, "pool.json")) as meta:
+                metas.append(json.load(meta))
+        except (OSError, ValueError):
+            pass
+    return metas
+
+
+def _ray_state(ray_cluster, pool_id: str, wait_s: float = 0.0) -> dict:
+    run = ray_cluster.run_driver(_RAY_STATE, ray_cluster.address, f"fsdp2nb-{pool_id}", str(wait_s))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _start_kept(kernel: Kernel, ray_cluster, name: str, extra: str = "") -> dict:
+    run = kernel.execute(START.format(address=ray_cluster.address, name=name) + extra, timeout=300)
+    assert run.status == "ok", run.traceback_text + run.stderr
+    [meta] = [meta for meta in _metas(kernel_tmpdir(kernel)) if meta["name"] == name]
+    return meta
+
+
+def kernel_tmpdir(kernel: Kernel) -> str:
+    return psutil.Process(kernel.pid).environ()["TMPDIR"]
+
+
+def test_a_kept_ray_pool_outlives_a_killed_kernel_and_stop_frees_ray(kernels, test_hosts, ray_cluster):
+    others = {process.pid for process in pool_processes(test_hosts)}
+    first = kernels()
+    meta = _start_kept(first, ray_cluster, "rk")
+    assert meta["placement"]["engine"] == "ray" and meta["listen"] == test_hosts[0].address
+    assert first.execute("%%fsdp2\nsecret = 100 + rank").status == "ok"
+    mine = [process for process in pool_processes(test_hosts) if process.pid not in others]
+    assert len(mine) == 5  # the driver, two agents, two ranks
+
+    os.kill(first.pid, signal.SIGKILL)
+    psutil.wait_procs([psutil.Process(first.pid)], timeout=30)
+    assert all(process.is_running() for process in mine)
+    assert _ray_state(ray_cluster, meta["pool_id"]) == {"actors": [0, 1], "placement_group": True,
+                                                         "cpus_free": False}
+
+    second = kernels()
+    pools = second.execute("%fsdp2 pools").result_text
+    assert "rk: --ray" in pools and "--nodes 2" in pools, pools
+    attached = second.execute("%fsdp2 attach rk", timeout=300)
+    assert attached.status == "ok", attached.traceback_text + attached.stderr
+    read = second.execute("%%fsdp2\nx = torch.ones(1)\ndist.all_reduce(x)\nprint(secret, int(x.item()))")
+    assert sorted(read.stdout.splitlines()) == ["[0] 100 2", "[1] 101 2"], read.stdout + read.stderr
+    assert f"held by kernel {second.pid}" in second.execute("%fsdp2 pools").result_text
+
+    stopped = second.execute("%fsdp2 stop", timeout=300)
+    assert stopped.status == "ok", stopped.traceback_text + stopped.stderr
+    _, alive = psutil.wait_procs(mine, timeout=90)
+    assert alive == []
+    assert _ray_state(ray_cluster, meta["pool_id"], wait_s=60) == {"actors": [], "placement_group": False,
+                                                                    "cpus_free": True}
+    assert second.execute("%fsdp2 pools").result_text == "no kept pools"
+
+
+def test_a_detached_idle_kept_ray_pool_ends_itself_after_keep_for(kernels, test_hosts, ray_cluster):
+    kernel = kernels()
+    meta = _start_kept(kernel, ray_cluster, "brief", extra=" --keep-for 20s")
+    driver = psutil.Process(meta["agent"][0])
+    assert kernel.execute("%fsdp2 detach").status == "ok"
+    assert driver.is_running()
+    driver.wait(timeout=240)  # the agents' clocks run out; the driver ends the pool
+    assert wait_for_no_pool_processes(test_hosts, timeout_s=90) == []
+    assert _ray_state(ray_cluster, meta["pool_id"], wait_s=60) == {"actors": [], "placement_group": False,
+                                                                    "cpus_free": True}
+    assert kernel.execute("%fsdp2 pools").result_text == "no kept pools"
