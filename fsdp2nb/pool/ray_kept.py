@@ -25,6 +25,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -85,16 +86,20 @@ def prepare_host_dir(request: str, node: int, record: bytes) -> str:
 
 
 def _make_private_dirs(path: str) -> None:
-    """Make `path` and any missing parent 0700 (makedirs gives parents the umask's mode)."""
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        path = os.path.dirname(path)
+    """Make `path` (`<state dir>/kept/NAME/node-N`) and any missing parent 0700 (makedirs would
+    give parents the umask's mode); each of the four must be this user's own directory."""
+    missing, parent = [], path
+    while not os.path.isdir(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
     for directory in reversed(missing):
         os.mkdir(directory, 0o700)
-    info = os.lstat(missing[0] if missing else path)
-    if info.st_uid != os.getuid():
-        raise PermissionError(f"{path} is not this user's: refusing to keep a pool's files there")
+    for _ in range(4):
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise PermissionError(f"{path} is not a directory of this user's: refusing to keep a pool's files there")
+        os.chmod(path, 0o700)
+        path = os.path.dirname(path)
 
 
 def write_private(path: str, data: bytes) -> None:

@@ -10,6 +10,7 @@ import shutil
 import signal
 import tempfile
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -156,3 +157,53 @@ def test_a_detached_idle_kept_ray_pool_ends_itself_after_keep_for(kernels, test_
     assert _ray_state(ray_cluster, meta["pool_id"], wait_s=60) == {"actors": [], "placement_group": False,
                                                                     "cpus_free": True}
     assert kernel.execute("%fsdp2 pools").result_text == "no kept pools"
+
+
+def test_a_run_of_the_killed_kernel_is_picked_up_and_take_moves_the_pool(kernels, test_hosts, ray_cluster,
+                                                                          tmp_path):
+    """The hosts' activity reaches the kernel that attaches: it gets a handle on the run the lost
+    kernel started; a third kernel is refused, then takes the pool and the run with it."""
+    flag, started = tmp_path / "go-on", tmp_path / "started"  # one filesystem for both hosts
+    started.mkdir()
+    first = kernels()
+    _start_kept(first, ray_cluster, "run")
+    code = (f"%%fsdp2 --bg --name train\nimport os, time\nopen(os.path.join({str(started)!r}, str(rank)), 'w').close()\n"
+            f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.1)\ndone = rank")
+    assert first.execute(code).status == "ok"
+    while len(os.listdir(started)) < 2:  # both ranks run it
+        time.sleep(0.1)
+    os.kill(first.pid, signal.SIGKILL)
+    psutil.wait_procs([psutil.Process(first.pid)], timeout=30)
+
+    second = kernels()
+    attached = second.execute("%fsdp2 attach run --no-dashboard", timeout=300)
+    assert attached.status == "ok" and "is still running" in attached.stdout, attached.stdout + attached.stderr
+    third = kernels()
+    refused = third.execute("%fsdp2 attach run --no-dashboard")
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("UsageError")]
+    assert len(lines) == 1 and f"held by kernel {second.pid}" in lines[0] and "--take" in lines[0], refused.stderr
+
+    taken = third.execute("%fsdp2 attach run --take --no-dashboard", timeout=300)
+    assert taken.status == "ok" and "is still running" in taken.stdout, taken.stdout + taken.stderr
+    flag.touch()
+    assert third.execute("%fsdp2 wait", timeout=120).status == "ok"
+    assert third.execute("%%fsdp2\nprint(done)").stdout == "[0] 0\n[1] 1\n"
+    old = second.execute("%%fsdp2\nprint(done)")  # the old holder: its handle on the run ended, saying why
+    assert old.status == "error" and f"was taken by kernel {third.pid}" in old.error["evalue"], old.error["evalue"]
+    assert third.execute("%fsdp2 stop", timeout=300).status == "ok"
+
+
+def test_a_killed_driver_ends_the_kept_pool_and_frees_ray(kernels, test_hosts, ray_cluster):
+    others = {process.pid for process in pool_processes(test_hosts)}
+    kernel = kernels()
+    meta = _start_kept(kernel, ray_cluster, "lost")
+    mine = [process for process in pool_processes(test_hosts) if process.pid not in others]
+    assert kernel.execute("%fsdp2 detach").status == "ok"
+    os.kill(meta["agent"][0], signal.SIGKILL)
+    _, alive = psutil.wait_procs(mine, timeout=120)  # the actors die with the driver's job, the agents with them
+    assert alive == []
+    assert _ray_state(ray_cluster, meta["pool_id"], wait_s=60) == {"actors": [], "placement_group": False,
+                                                                    "cpus_free": True}
+    assert kernel.execute("%fsdp2 pools").result_text == "no kept pools"
+    run = kernel.execute("%fsdp2 attach lost")
+    assert run.status == "error" and "no kept pool is named 'lost'" in run.stderr, run.stderr
