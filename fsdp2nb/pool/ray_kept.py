@@ -47,6 +47,8 @@ from fsdp2nb.wire.tls import PoolCertificate, load_pool_certificate
 
 STOP_GRACE_S = 3.0
 """The agents' grace for their ranks when the pool ends itself or is stopped by SIGTERM."""
+ACTOR_CALL_S = 30.0
+"""How long the driver waits for the actors to hand over a record (a lost host's never answers)."""
 DRIVER_STOP_S = 60.0
 """How long a kernel that attached waits for the driver to end the pool (its actors, the
 placement group) before it kills it; Ray then frees them as it does for any ended job."""
@@ -158,12 +160,9 @@ class KeptWatch:
             ready = {fd for fd, _ in self._poller.poll()}
             _drain(self._signals)
             if sys.stdin.fileno() in ready:
-                line = sys.stdin.readline()
-                if not line:  # the kernel that started the pool is gone: the pool stays
-                    self._poller.unregister(sys.stdin.fileno())
-                    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # no more writes into a closed pipe
-                elif "stop" in json.loads(line):
-                    return float(json.loads(line)["stop"])
+                message = self._read_kernel_line()
+                if message is not None and "stop" in message:
+                    return float(message["stop"])
             if self._agent_ended in ready:
                 print("fsdp2nb driver: an agent ended; ending the kept pool", file=sys.stderr, flush=True)
                 return STOP_GRACE_S
@@ -174,6 +173,15 @@ class KeptWatch:
             if "attach" in self._flags:
                 self._flags.discard("attach")
                 self._follow()
+
+    def _read_kernel_line(self) -> dict | None:
+        """A message of the kernel that started the pool; None once it is gone (the pool stays)."""
+        line = sys.stdin.readline()
+        if line:
+            return json.loads(line)
+        self._poller.unregister(sys.stdin.fileno())
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # reports go to the log, not into a closed pipe
+        return None
 
     def _watch_holder(self, record: AttachRecord | None) -> None:
         """Wake when the kernel that `record` names ends (None, or no kernel: stop watching)."""
@@ -214,8 +222,8 @@ class KeptWatch:
         self._serial = record.serial
         ray, actors = self._driver.ray, self._driver.actors
         try:
-            self._gather_activity(ray.get([actor.activity.remote() for actor in actors]))
-            ray.get([actor.follow.remote(raw) for actor in actors])
+            self._gather_activity(ray.get([actor.activity.remote() for actor in actors], timeout=ACTOR_CALL_S))
+            ray.get([actor.follow.remote(raw) for actor in actors], timeout=ACTOR_CALL_S)
         except Exception as error:  # an actor is gone: its exit ends the pool
             print(f"fsdp2nb driver: could not reach every host: {error}", file=sys.stderr, flush=True)
         self._watch_holder(record)

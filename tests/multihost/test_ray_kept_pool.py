@@ -146,9 +146,14 @@ def test_a_kept_ray_pool_outlives_a_killed_kernel_and_stop_frees_ray(kernels, te
     assert second.execute("%fsdp2 pools").result_text == "no kept pools"
 
 
-def test_a_detached_idle_kept_ray_pool_ends_itself_after_keep_for(kernels, test_hosts, ray_cluster):
+def test_restart_stays_kept_and_a_detached_idle_pool_ends_after_keep_for(kernels, test_hosts, ray_cluster):
     kernel = kernels()
-    meta = _start_kept(kernel, ray_cluster, "brief", extra=" --keep-for 20s")
+    before = _start_kept(kernel, ray_cluster, "brief", extra=" --keep-for 20s")
+    restarted = kernel.execute("%fsdp2 restart", timeout=300)
+    assert restarted.status == "ok", restarted.traceback_text + restarted.stderr
+    [meta] = _metas(kernel_tmpdir(kernel))
+    assert meta["name"] == "brief" and meta["pool_id"] != before["pool_id"] and meta["keep_for_s"] == 20
+    assert _ray_state(ray_cluster, before["pool_id"], wait_s=0)["actors"] == []
     driver = psutil.Process(meta["agent"][0])
     assert kernel.execute("%fsdp2 detach").status == "ok"
     assert driver.is_running()
