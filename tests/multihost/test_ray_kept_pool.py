@@ -159,6 +159,8 @@ def test_restart_stays_kept_and_a_detached_idle_pool_ends_after_keep_for(kernels
     assert driver.is_running()
     driver.wait(timeout=240)  # the agents' clocks run out; the driver ends the pool
     assert wait_for_no_pool_processes(test_hosts, timeout_s=90) == []
+    # the driver removed the pool's directory, and the agents their hosts' (node-N/, inside it here)
+    assert not os.path.exists(os.path.join(kernel_tmpdir(kernel), f"fsdp2nb-{os.getuid()}", "kept", "brief"))
     assert _ray_state(ray_cluster, meta["pool_id"], wait_s=60) == {"actors": [], "placement_group": False,
                                                                     "cpus_free": True}
     assert kernel.execute("%fsdp2 pools").result_text == "no kept pools"
