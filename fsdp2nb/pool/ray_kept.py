@@ -192,10 +192,13 @@ class KeptWatch:
         self._holder = record if record is not None and record.holder_pid else None
         if self._holder is None:
             return
-        if not kept.holder_alive(record):
+        try:
+            if not kept.holder_alive(record):
+                raise ProcessLookupError(record.holder_pid)
+            self._pidfd = os.pidfd_open(record.holder_pid)
+        except OSError:  # it ended before it could be watched
             self._holder_ended()
             return
-        self._pidfd = os.pidfd_open(record.holder_pid)
         self._poller.register(self._pidfd, select.POLLIN)
 
     def _holder_ended(self) -> None:
@@ -204,18 +207,25 @@ class KeptWatch:
         ended = self._holder
         self._watch_holder(None)
         print(f"fsdp2nb driver: kernel {ended.holder_pid} is gone; the pool keeps running", file=sys.stderr, flush=True)
-        with kept.holder_lock(self._directory):
-            current = kept.read_attach_record(str(self._directory), self._signer)
-            if current is not None and current.holder_pid == ended.holder_pid:
-                write_attach_record(str(self._directory), self._signer, AttachRecord(
-                    serial=current.serial + 1, address="", holder_pid=0, holder_create_time=0.0,
-                    since=time.time()))
+        try:
+            with kept.holder_lock(self._directory):
+                current = kept.read_attach_record(str(self._directory), self._signer)
+                if current is not None and current.holder_pid == ended.holder_pid:
+                    write_attach_record(str(self._directory), self._signer, AttachRecord(
+                        serial=current.serial + 1, address="", holder_pid=0, holder_create_time=0.0,
+                        since=time.time()))
+        except OSError as error:  # the directory was removed: the pool is being stopped
+            print(f"fsdp2nb driver: could not note the kernel's end: {error}", file=sys.stderr, flush=True)
+            return
         self._follow()
 
     def _follow(self) -> None:
         """Pass a newer record on to every host, having copied their activity boards here first
         (the kernel that attaches reads them once the ranks have reconnected)."""
-        raw = (self._directory / RECORD_FILE).read_bytes()
+        try:
+            raw = (self._directory / RECORD_FILE).read_bytes()
+        except OSError:  # the directory was removed: the pool is being stopped
+            return
         record = self._signer.unpack(raw)
         if not isinstance(record, AttachRecord) or record.serial <= self._serial:
             return
