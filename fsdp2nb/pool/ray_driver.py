@@ -43,6 +43,8 @@ RAY_NAMESPACE = "fsdp2nb"
 `ray.get_actor(name, namespace="fsdp2nb")` can tell whose they are."""
 PLACEMENT_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
+DEFAULT_GRACE_S = 3.0
+"""The agents' grace for their ranks when no stop request said otherwise."""
 _lock = threading.Lock()
 
 
@@ -199,6 +201,7 @@ def main() -> None:
     setup = json.loads(sys.stdin.readline())
     driver = None
     keeper = None
+    grace_s = DEFAULT_GRACE_S
     try:
         driver = Driver(setup)
         driver.connect()
@@ -207,17 +210,21 @@ def main() -> None:
             request = json.loads(line)["launch"]
             keeper = kept_watch(driver, request)
             driver.launch(request, keeper.record_bytes() if keeper else b"")
-            # A kept pool waits for its own end; any other, for a stop request or the kernel's end ("").
-            line = keeper.run() if keeper else sys.stdin.readline()
-        grace_s = json.loads(line)["stop"] if line.strip() else 3.0
+            # A kept pool waits for its own end; any other, for a stop request or the kernel's end.
+            grace_s = keeper.run() if keeper else stop_grace(sys.stdin.readline())
     except Exception as error:
         report({"error": f"{type(error).__name__}: {error}"})
-        grace_s = 3.0
+        grace_s = DEFAULT_GRACE_S
     if driver is not None:
         driver.stop(grace_s)
     if keeper is not None:
         keeper.remove_directory()
     report({"stopped": True})
+
+
+def stop_grace(line: str) -> float:
+    """The agents' grace for their ranks: a stop request's, or the default once the kernel is gone ("")."""
+    return float(json.loads(line)["stop"]) if line.strip() else DEFAULT_GRACE_S
 
 
 def kept_watch(driver: Driver, request: str):  # noqa: ANN201 - ray_kept.KeptWatch, imported only here

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from fsdp2nb.pool import kept
+from fsdp2nb.pool.ray_driver import DEFAULT_GRACE_S
 from fsdp2nb.wire.endpoints import split_tcp_address, tcp_address
 from fsdp2nb.wire.kept import (
     ACTIVITY_FILE,
@@ -45,8 +46,6 @@ from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.tls import PoolCertificate, load_pool_certificate
 
-STOP_GRACE_S = 3.0
-"""The agents' grace for their ranks when the pool ends itself or is stopped by SIGTERM."""
 ACTOR_CALL_S = 30.0
 """How long the driver waits for the actors to hand over a record (a lost host's never answers)."""
 DRIVER_STOP_S = 60.0
@@ -165,9 +164,9 @@ class KeptWatch:
                     return float(message["stop"])
             if self._agent_ended in ready:
                 print("fsdp2nb driver: an agent ended; ending the kept pool", file=sys.stderr, flush=True)
-                return STOP_GRACE_S
+                return DEFAULT_GRACE_S
             if "stop" in self._flags:
-                return STOP_GRACE_S
+                return DEFAULT_GRACE_S
             if self._pidfd is not None and self._pidfd in ready:
                 self._holder_ended()
             if "attach" in self._flags:

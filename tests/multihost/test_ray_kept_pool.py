@@ -141,6 +141,9 @@ def test_a_kept_ray_pool_outlives_a_killed_kernel_and_stop_frees_ray(kernels, te
     assert stopped.status == "ok", stopped.traceback_text + stopped.stderr
     _, alive = psutil.wait_procs(mine, timeout=90)
     assert alive == []
+    with open(os.path.join(meta["log_dir"], "ray-driver.log")) as log:  # its reports, once its kernel was gone
+        reports = log.read()
+    assert '{"stopped": true}' in reports and '"error"' not in reports, reports[-3000:]
     assert _ray_state(ray_cluster, meta["pool_id"], wait_s=60) == {"actors": [], "placement_group": False,
                                                                     "cpus_free": True}
     assert second.execute("%fsdp2 pools").result_text == "no kept pools"
