@@ -80,8 +80,8 @@ class NotebookSession:
         started = time.perf_counter()
         if keep is None:
             pool = self._pool_factory(spec)
-        elif self.launcher is not None:
-            pool = WorkerPool(spec, launcher=self.launcher, keep=keep)
+        elif self.launcher is not None:  # across hosts the spec's engine launches (launcher_for)
+            pool = WorkerPool(spec, launcher=self.launcher if spec.placement is None else None, keep=keep)
         else:
             raise PoolMismatchError("--keep needs the session's own launcher (this session was given a pool factory)")
         pool.start()
@@ -313,12 +313,10 @@ class NotebookSession:
 
 
 def check_keepable(spec: PoolSpec) -> None:
-    """Only pools on this host can be kept (for now)."""
+    """Pools on this host and on Ray hosts can be kept; a Slurm step cannot outlive its job."""
     if spec.placement is not None and spec.placement.engine == "slurm":
         raise PoolMismatchError("--keep is refused with --slurm: the ranks run in a job step, which ends "
                                 "with the allocation's job whatever the kernel does")
-    if spec.placement is not None:
-        raise PoolMismatchError("--keep is not supported with --ray yet: keep a pool on this host (--cpu, --gpus)")
 
 
 def _requests_at_attach(pool: WorkerPool) -> dict[int, int]:

@@ -24,7 +24,7 @@ import psutil
 
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, LaunchError
-from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.pool.spec import Placement, PoolSpec
 from fsdp2nb.wire.kept import (
     KEY_FILE,
     META_FILE,
@@ -119,10 +119,16 @@ class KeptMeta:
     log_dir: str
     runtime_dir: str
     created: float
+    placement: dict | None = None
+    """A pool across hosts: its `Placement`'s fields (`agent` is then the Ray driver's)."""
+    listen: str = ""
+    """A pool across hosts: the address kernels that attach listen on (pool/ray_kept.py)."""
 
     @property
     def spec(self) -> PoolSpec:
-        return PoolSpec(devices=tuple(self.devices), collective_timeout_s=self.collective_timeout_s)
+        placement = Placement(**self.placement) if self.placement else None
+        return PoolSpec(devices=tuple(self.devices), collective_timeout_s=self.collective_timeout_s,
+                        placement=placement)
 
     def write(self, directory: Path) -> None:
         temporary = directory / f"{META_FILE}.tmp"

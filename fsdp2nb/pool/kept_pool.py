@@ -10,9 +10,10 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-from fsdp2nb.pool import kept, reaper
+from fsdp2nb.pool import kept, ray_kept, reaper
 from fsdp2nb.pool.pool_log import open_pool_log
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels
 from fsdp2nb.wire.kept import RUN_DIR, read_activity, read_exit_reports
@@ -49,10 +50,12 @@ class KeptPoolParts:
         agent = reaper.process_key(self._launched.process_ids()[0])
         if agent is None:
             return  # it ended already: the start fails on that
+        placement = asdict(self.spec.placement) if self.spec.placement is not None else None
+        listen = ray_kept.listen_host(self._channels.address) if placement else ""
         kept.KeptMeta(name=self.keep.name, pool_id=self.pool_id, devices=self.spec.devices,
                       collective_timeout_s=self.spec.collective_timeout_s, keep_for_s=self.keep.keep_for_s,
                       agent=agent, log_dir=self.log_dir, runtime_dir=self._runtime_dir,
-                      created=time.time()).write(self._kept_dir)
+                      created=time.time(), placement=placement, listen=listen).write(self._kept_dir)
 
     @classmethod
     def attach(cls, name: str, *, take: bool = False, timeout_s: float = ATTACH_TIMEOUT_S,
@@ -92,9 +95,13 @@ class KeptPoolParts:
             self._socket_dir = tempfile.mkdtemp(prefix="fsdp2nb-")
             self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
             self._signer = Signer(key, log=self._log)
-            self._channels = KernelChannels(self._signer, os.path.join(self._socket_dir, "pool.sock"), log=self._log,
-                                            stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled)
-            self._launched = kept.KeptAgent(meta.agent)
+            address, certificate = os.path.join(self._socket_dir, "pool.sock"), None
+            if meta.listen:  # across hosts: TCP with the pool's certificate, the driver for an agent
+                address, certificate = ray_kept.attach_endpoint(meta.listen, meta.runtime_dir)
+            self._channels = KernelChannels(self._signer, address, log=self._log, certificate=certificate,
+                                            stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled,
+                                            on_agent_lost=self._agent_lost)
+            self._launched = (ray_kept.KeptRayDriver if meta.listen else kept.KeptAgent)(meta.agent)
             self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
             self._receiver.start()
             record = kept.hold(directory, self._signer, self._channels.address, take=take, name=meta.name)

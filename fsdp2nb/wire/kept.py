@@ -16,6 +16,10 @@ state directory) holds:
 - `pool.json`: what `%fsdp2 pools` and `attach` need (spec, pids, log directory), written by
   the kernel that starts the pool;
 - `run/`: the pool's runtime directory (the process group's FileStore), which no kernel owns.
+
+A pool across hosts (Ray) keeps these files on the kernel's host, and each host's agent and ranks
+use a directory of their own, `node-N/` under the same path on their host, holding a copy of the
+attach record and that host's activity board (pool/ray_driver.py keeps them up to date).
 """
 
 from __future__ import annotations
@@ -41,6 +45,13 @@ that changed (time.time()), and whether its main thread waits at a prompt (1) or
 _WAITING = struct.Struct("<q")
 _WAITING_OFFSET = _SLOT.size - _WAITING.size
 _EXIT_PREFIX = "exited-"
+SLOT_BYTES = _SLOT.size
+
+
+def host_kept_dir(kept_dir: str, node: int, multi_host: bool) -> str:
+    """The directory the agent and ranks of `node` use: the pool's own on one host, `node-N/`
+    inside it (on that host's filesystem) across hosts."""
+    return os.path.join(kept_dir, f"node-{node}") if multi_host else kept_dir
 
 
 def write_attach_record(kept_dir: str, signer: Signer, record: AttachRecord) -> None:

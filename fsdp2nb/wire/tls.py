@@ -59,6 +59,15 @@ def make_pool_certificate(directory: str, common_name: str = "fsdp2nb pool") -> 
     return PoolCertificate(cert_path, key_path, hashlib.sha256(der).hexdigest())
 
 
+def load_pool_certificate(directory: str) -> PoolCertificate:
+    """The certificate `make_pool_certificate` wrote into `directory` (a kept pool's, for the
+    kernel that attaches it: its ranks check the fingerprint they were launched with)."""
+    cert_path = os.path.join(directory, "pool-cert.pem")
+    with open(cert_path) as pem:
+        der = ssl.PEM_cert_to_DER_cert(pem.read())
+    return PoolCertificate(cert_path, os.path.join(directory, "pool-key.pem"), hashlib.sha256(der).hexdigest())
+
+
 def _write_private(path: str, data: bytes) -> None:
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "wb") as file:

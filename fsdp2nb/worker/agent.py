@@ -27,6 +27,7 @@ import time
 import traceback
 
 from fsdp2nb.wire.channels import RankChannels
+from fsdp2nb.wire.kept import host_kept_dir
 from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import drain_pipe
@@ -148,7 +149,8 @@ class Agent:
                                      fingerprint=self.plan.tls_fingerprint, node=self.node,
                                      kept=bool(self.plan.kept_dir))
         if self.plan.kept_dir:
-            self.keeper = AgentKeeper(self.plan, Signer(self.key), self.channels)
+            directory = host_kept_dir(self.plan.kept_dir, self.node, self.plan.multi_host)
+            self.keeper = AgentKeeper(self.plan, Signer(self.key), self.channels, directory)
             self.keeper.wake_fds = wake_fds
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "stop_requested", True))
         try:
@@ -160,11 +162,12 @@ class Agent:
         return 128 + signal.SIGTERM if self.stop_requested else 0
 
     def _watch(self) -> None:
-        kernel_link = self.channels.events_fileno() if self.plan.multi_host else None
-        wakeups = _Wakeups(self.starter_pid if self.keeper is None else self.keeper.holder_pid, kernel_link)
+        kernel_link = self.channels.events_fileno() if self.plan.multi_host and self.keeper is None else None
+        wakeups = _Wakeups(self._watched_pid(), kernel_link)
         while self.ranks_by_pid:
             if self.keeper is not None:
-                kernel_gone = False  # a kept pool outlives its kernel
+                # A kept pool outlives its kernel, but not the Ray actor that started its agent.
+                kernel_gone = self.plan.multi_host and os.getppid() != self.starter_pid
                 self._follow_holder(wakeups)
             else:  # nobody can use these ranks any more:
                 kernel_gone = os.getppid() != self.starter_pid or wakeups.link_closed()
@@ -179,14 +182,21 @@ class Agent:
             else:
                 wakeups.wait(self.keeper.timeout_ms() if self.keeper is not None else wakeups.timeout_ms)
 
+    def _watched_pid(self) -> int | None:
+        """Whose end wakes the agent: the kernel; a kept pool's holder; across hosts, a kept
+        pool's Ray actor (the holder is no process of this host)."""
+        if self.keeper is None or not self.keeper.watches_holder:
+            return self.starter_pid
+        return self.keeper.holder_pid
+
     def _follow_holder(self, wakeups: _Wakeups) -> None:
         """A kept pool: note a holder that ended or changed, and end the pool once its time is up."""
         keeper = self.keeper
-        if keeper.holder_pid is not None and wakeups.pid_ended():
+        if keeper.watches_holder and keeper.holder_pid is not None and wakeups.pid_ended():
             print(f"fsdp2nb agent: kernel {keeper.holder_pid} is gone; the pool keeps running", flush=True)
             keeper.holder_ended()
             wakeups.watch_pid(None)
-        if keeper.follow_record():
+        if keeper.follow_record() and keeper.watches_holder:
             wakeups.watch_pid(keeper.holder_pid)
         left = keeper.seconds_left()
         if left is not None and left <= 0 and not self.stop_requested:

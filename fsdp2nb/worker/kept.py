@@ -13,6 +13,9 @@ has held the pool and no rank has run anything for `keep_for_s` (a running reque
 background run, stops that clock; it starts again when the run ends). A rank that dies while
 no kernel holds the pool does not end the others: the agent keeps its exit report in the
 pool's directory, and the kernel that attaches says which rank died and how.
+
+Across hosts (Ray) an agent cannot see the holding kernel's pid: the Ray driver, on the kernel's
+host, watches it and writes each new record into every host's directory (pool/ray_driver.py).
 """
 
 from __future__ import annotations
@@ -96,13 +99,17 @@ class RankFollower:
 class AgentKeeper:
     """A kept pool's agent side: who holds the pool, waking the ranks, and the keep-for clock."""
 
-    def __init__(self, plan: LaunchPlan, signer: Signer, channels: RankChannels) -> None:
+    def __init__(self, plan: LaunchPlan, signer: Signer, channels: RankChannels, directory: str) -> None:
         self.plan = plan
+        self.directory = directory
+        """This host's kept directory (wire/kept.py: host_kept_dir)."""
+        self.watches_holder = not plan.multi_host
+        """Whether the holder's pid is a process of this host, which the agent watches."""
         self._signer = signer
         self._channels = channels
         self.wake_fds: list[int] = []
         """The write ends of the ranks' wake pipes."""
-        record = read_attach_record(plan.kept_dir, signer)
+        record = read_attach_record(directory, signer)
         self._serial = record.serial if record is not None else 0
         self.holder_pid: int | None = record.holder_pid if record is not None and record.holder_pid else None
         self.detached_since: float | None = None if self.holder_pid else time.time()
@@ -112,14 +119,14 @@ class AgentKeeper:
         unless another took it meanwhile, so that `%fsdp2 pools` says since when."""
         ended, self.holder_pid = self.holder_pid, None
         self.detached_since = time.time()
-        lock = os.open(os.path.join(self.plan.kept_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        lock = os.open(os.path.join(self.directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            record = read_attach_record(self.plan.kept_dir, self._signer)
+            record = read_attach_record(self.directory, self._signer)
             if record is not None and record.holder_pid == ended:
                 detached = AttachRecord(serial=record.serial + 1, address="", holder_pid=0,
                                         holder_create_time=0.0, since=self.detached_since)
-                write_attach_record(self.plan.kept_dir, self._signer, detached)
+                write_attach_record(self.directory, self._signer, detached)
                 self._serial = detached.serial
         except OSError as error:
             print(f"fsdp2nb agent: could not note the kernel's end: {error}", file=sys.stderr, flush=True)
@@ -132,15 +139,15 @@ class AgentKeeper:
         print(f"fsdp2nb agent: rank {report.rank} (pid {report.pid}) ended while no kernel held the pool; "
               "the other ranks run on", flush=True)
         try:
-            write_exit_report(self.plan.kept_dir, self._signer, report)
-            mark_rank_ended(self.plan.kept_dir, report.rank)
+            write_exit_report(self.directory, self._signer, report)
+            mark_rank_ended(self.directory, report.rank)
         except OSError as error:
             print(f"fsdp2nb agent: could not keep rank {report.rank}'s exit report: {error}", file=sys.stderr,
                   flush=True)
 
     def follow_record(self) -> bool:
         """Take a newer attach record into account; returns whether the holder changed."""
-        record = read_attach_record(self.plan.kept_dir, self._signer)
+        record = read_attach_record(self.directory, self._signer)
         if record is None or record.serial <= self._serial:
             return False
         self._serial = record.serial
@@ -163,7 +170,7 @@ class AgentKeeper:
         """Until the pool ends itself; None while a kernel holds it, a rank runs or no limit is set."""
         if self.holder_pid is not None or self.plan.keep_for_s is None or self.detached_since is None:
             return None
-        idle_since = pool_is_idle_since(self.plan.kept_dir)
+        idle_since = pool_is_idle_since(self.directory)
         if idle_since is None:
             return None
         return max(self.detached_since, idle_since) + self.plan.keep_for_s - time.time()
@@ -177,7 +184,11 @@ class AgentKeeper:
         return int(seconds * 1000) + 1
 
     def remove_directory(self) -> None:
-        """At the agent's exit: the pool's directory goes, unless a new pool took its name."""
+        """At the agent's exit: the pool's directory goes, unless a new pool took its name
+        (across hosts, this host's directory only: the driver removes the pool's)."""
+        if self.directory != self.plan.kept_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            return
         try:
             with open(os.path.join(self.plan.kept_dir, META_FILE)) as meta:
                 if json.load(meta).get("pool_id") != self.plan.pool_id:

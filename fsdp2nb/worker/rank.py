@@ -24,7 +24,7 @@ import psutil
 from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
 from fsdp2nb.wire.channels import RankChannels
-from fsdp2nb.wire.kept import ActivitySlot
+from fsdp2nb.wire.kept import ActivitySlot, host_kept_dir
 from fsdp2nb.wire.protocol import (
     AnswerInput,
     CellFinished,
@@ -89,8 +89,9 @@ class Rank:
         self._follower: RankFollower | None = None
         if plan.kept_dir:  # a kept pool: outlive the kernel, follow the next one (worker/kept.py)
             assert wake_fd is not None, "the agent gives every rank of a kept pool a wake pipe"
-            self._activity = ActivitySlot(plan.kept_dir, self.rank)
-            self._follower = RankFollower(self._channels, Signer(key), plan.kept_dir, wake_fd, self._rejoin)
+            directory = host_kept_dir(plan.kept_dir, rank_plan.node, plan.multi_host)
+            self._activity = ActivitySlot(directory, self.rank)
+            self._follower = RankFollower(self._channels, Signer(key), directory, wake_fd, self._rejoin)
         self._held_reply: list[RichOutput | CellFinished] = []
         """A kept rank's reply to its last request (with the request's results) that found no
         kernel to go to: sent to the next kernel that attaches (`_rejoin`)."""
