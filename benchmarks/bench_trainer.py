@@ -88,7 +88,10 @@ def torchrun_script(directory: str, model_dir: str, out_dir: str, num_steps: int
     with open(path, "w") as handle:
         handle.write("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
                      + _settings(model_dir, out_dir, num_steps, with_callback=False) + TRAIN
-                     + "if dist.get_rank() == 0: print('STEP_MS', median_ms, fast_ms)\n")
+                     + "if dist.get_rank() == 0: print('STEP_MS', median_ms, fast_ms, flush=True)\n"
+                     # Python's shutdown races gloo's threads now and then (SIGABRT); the ranks of a pool
+                     # leave the same way.
+                     + "import os\nos._exit(0)\n")
     return path
 
 
