@@ -106,11 +106,11 @@ def _check_world_size(args) -> None:
 def _check_trainer_class(model) -> None:
     from torch.distributed.fsdp import FSDPModule
 
-    from fsdp2nb.engine.hf_trainer import is_building_fsdp2_trainer
+    from fsdp2nb.engine.hf_trainer import USE_TRAINER_FOR, WrongTrainerClass, is_building_fsdp2_trainer
 
     if isinstance(model, FSDPModule) and not is_building_fsdp2_trainer(model):
-        raise ValueError("this model is sharded with FSDP2 (fsdp2nb.load_model) and a plain Trainer would wrap it "
-                         "in DDP: build the trainer with fsdp2nb.trainer_for(Trainer)(...) (or trainer_for(SFTTrainer))")
+        raise WrongTrainerClass("this model is sharded with FSDP2 (fsdp2nb.load_model) and a plain Trainer would wrap it "
+                         f"in DDP: {USE_TRAINER_FOR}")
 
 
 def _check_report_to(args) -> None:
