@@ -37,11 +37,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp2nb.checkpoint.hf_export import export_hf
+from fsdp2nb.checkpoint.trainer_dirs import DCP_DIR
 
 logger = logging.getLogger(__name__)
-
-DCP_DIR = "fsdp2nb_dcp"
-"""The folder of a Trainer checkpoint that holds the sharded model and optimizer state."""
 
 _MARK = "_fsdp2nb_trainer_building"
 

@@ -24,6 +24,7 @@ from typing import Any
 import transformers
 
 from fsdp2nb import collectives, progress
+from fsdp2nb.checkpoint import trainer_dirs
 from fsdp2nb.checkpoint.requests import process_requests, process_stops
 from fsdp2nb.worker.metrics import log
 
@@ -44,6 +45,8 @@ class TrainerCallback(transformers.TrainerCallback):
         self._group = None
         self._task: progress.AnyTask = progress.SILENT
         self._listening = False
+        self._saving_request = 0
+        """The dashboard's save request that the save Trainer makes at this step serves."""
 
     def on_init_end(self, args, state, control, **kwargs: Any):
         _check_report_to(args)
@@ -58,6 +61,7 @@ class TrainerCallback(transformers.TrainerCallback):
         self._listening = True
         self._task = progress.start_task("train", "training", total_items=int(state.max_steps or 0))
         self._task.advance(num_items=int(state.global_step))  # resumed: the bar starts where it left off
+        _publish_checkpoints(args, state)
         return control
 
     def on_step_end(self, args, state, control, **kwargs: Any):
@@ -65,12 +69,20 @@ class TrainerCallback(transformers.TrainerCallback):
         requests = process_requests()
         wanted, stop = self._agree(requests.pending(), int(process_stops().pending()))
         if wanted > requests.served():
-            requests.mark_served(wanted)
+            requests.mark_served(wanted, step=state.global_step)  # Trainer saves checkpoint-{global_step}
+            self._saving_request = wanted
             control.should_save = True
         if stop:
             control.should_training_stop = True
             if state.is_world_process_zero:
                 logger.warning("fsdp2nb: training stopped at step %d, as asked from the notebook", state.global_step)
+        return control
+
+    def on_save(self, args, state, control, **kwargs: Any):
+        if self._saving_request:
+            process_requests().mark_committed(self._saving_request)
+            self._saving_request = 0
+        _publish_checkpoints(args, state)
         return control
 
     def on_log(self, args, state, control, logs: dict | None = None, **kwargs: Any):
@@ -94,6 +106,13 @@ class TrainerCallback(transformers.TrainerCallback):
             return wanted, stop
         wanted, stop = collectives.all_max((wanted, stop), self._group)
         return wanted, stop
+
+
+def _publish_checkpoints(args, state) -> None:
+    """Rank 0 lists the `checkpoint-N` directories for the dashboard (at train start and after a
+    save, which Trainer's rotation has followed by then)."""
+    if state.is_world_process_zero:
+        trainer_dirs.publish(trainer_dirs.list_trainer_checkpoints(args.output_dir))
 
 
 def _check_world_size(args) -> None:
