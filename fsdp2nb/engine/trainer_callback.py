@@ -26,7 +26,7 @@ import transformers
 from fsdp2nb import collectives, progress
 from fsdp2nb.checkpoint import trainer_dirs
 from fsdp2nb.checkpoint.requests import process_requests, process_stops
-from fsdp2nb.worker.metrics import log
+from fsdp2nb.metrics import log
 
 logger = logging.getLogger(__name__)
 

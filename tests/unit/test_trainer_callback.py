@@ -13,7 +13,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments  # noqa
 from fsdp2nb import progress  # noqa: E402
 from fsdp2nb.checkpoint.requests import post_save_request, process_stops  # noqa: E402
 from fsdp2nb.engine.trainer_callback import TrainerCallback  # noqa: E402
-from fsdp2nb.worker.metrics import process_metrics  # noqa: E402
+from fsdp2nb.metrics import process_metrics  # noqa: E402
 
 
 @pytest.fixture
