@@ -10,6 +10,8 @@ Pass it in `callbacks=[fsdp2nb.TrainerCallback()]`. On the ranks of a pool:
   `Checkpointer.maybe_save` does, so all ranks save or stop at the same step;
 - Trainer's progress (step of max_steps, steps per second, time left) is reported through
   `fsdp2nb.progress`, which the cell's progress bar and the dashboard show.
+- Trainer's `checkpoint-N` directories are listed by rank 0 when training begins and after each
+  save (`checkpoint/trainer_dirs.py`), and the panel shows that listing.
 
 Outside a pool (plain Python) nobody listens: the callback logs into a buffer nobody reads and
 reports progress to nobody, so the same script runs unchanged under torchrun or alone.
