@@ -250,9 +250,10 @@ class DashboardView:
         self._refresh_ranks(model)
         self._refresh_plot(model)
         view = model.checkpoint
-        _set(self.checkpoint_header, "value", markup.checkpoint_header(view))
+        trainer_view = model.trainer_checkpoints
+        _set(self.checkpoint_header, "value", markup.checkpoint_header(view, trainer_view))
         self._refresh_steps(markup.checkpoint_options(view))
-        _set(self.trainer_checkpoints, "value", markup.trainer_checkpoints_html(model.trainer_checkpoints))
+        _set(self.trainer_checkpoints, "value", markup.trainer_checkpoints_html(trainer_view))
         _set(self.progress, "value", markup.task_html(model.tasks.latest(model.facts.world_size)))
         version = model.save_text_version  # first: a change between the two reads is shown next time
         text = model.save_text

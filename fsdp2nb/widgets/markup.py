@@ -172,7 +172,9 @@ def checkpoint_options(view: CheckpointStatus | None) -> list[tuple[str, int]]:
     return [(checkpoint_label(e, view.latest_step), e.step) for e in reversed(view.entries)]
 
 
-def checkpoint_header(view: CheckpointStatus | None) -> str:
+def checkpoint_header(view: CheckpointStatus | None, trainer_view: CheckpointStatus | None = None) -> str:
+    if view is None and trainer_view is not None:  # Trainer keeps its own checkpoints: no advice needed
+        return '<span style="color:#6b7280">no tracked checkpointer: <b>Save now</b> asks the Trainer</span>'
     if view is None:
         return ('<span style="color:#6b7280">no tracked checkpointer: run '
                 '<code>fsdp2nb.Checkpointer(dir).track(model=..., optimizer=...)</code> on the ranks</span>')

@@ -386,3 +386,8 @@ def test_a_trainers_checkpoints_are_listed_and_its_save_followed():
     model.observe(_gpu(0, 1.0, trainer_checkpoints=_trainer_view(served=1, committed=1)))
     assert model.save_text == "saved step 3" and not model.save_pending
     assert markup.trainer_checkpoints_html(None) == ""
+    assert "asks the Trainer" in markup.checkpoint_header(None, model.trainer_checkpoints)
+    assert "Checkpointer(dir).track" in markup.checkpoint_header(None)
+    view = DashboardView(model, RecordingActions())
+    view.refresh("ready")
+    assert "checkpoint-3" in view.trainer_checkpoints.value and "asks the Trainer" in view.checkpoint_header.value
