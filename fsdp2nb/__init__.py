@@ -33,7 +33,7 @@ _LAZY_NAMES = {
     "export_hf": "fsdp2nb.checkpoint.hf_export",
     "FSDP2TrainerMixin": "fsdp2nb.engine.hf_trainer",
     "trainer_for": "fsdp2nb.engine.hf_trainer",
-    "log": "fsdp2nb.worker.metrics",
+    "log": "fsdp2nb.metrics",
 }
 _session = None
 

@@ -37,11 +37,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp2nb.checkpoint.hf_export import export_hf
+from fsdp2nb.checkpoint.trainer_dirs import DCP_DIR
 
 logger = logging.getLogger(__name__)
-
-DCP_DIR = "fsdp2nb_dcp"
-"""The folder of a Trainer checkpoint that holds the sharded model and optimizer state."""
 
 _MARK = "_fsdp2nb_trainer_building"
 
@@ -53,8 +51,8 @@ class FSDP2TrainerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         model = kwargs["model"] if "model" in kwargs else (args[0] if args else None)
         if not isinstance(model, FSDPModule):
-            raise ValueError(f"{type(self).__name__} needs a model sharded with fully_shard (fsdp2nb.load_model); "
-                             f"got {type(model).__name__}: use the plain Trainer class for it")
+            raise WrongTrainerClass(f"{type(self).__name__} needs a model sharded with fully_shard "
+                                    f"(fsdp2nb.load_model); got {type(model).__name__}: use the plain Trainer class")
         setattr(model, _MARK, True)  # read by fsdp2nb.TrainerCallback.on_init_end
         try:
             super().__init__(*args, **kwargs)
@@ -151,6 +149,32 @@ def trainer_for(trainer_class: type) -> type:
         return trainer_class
     return type(f"FSDP2{trainer_class.__name__}", (FSDP2TrainerMixin, trainer_class),
                 {"__module__": __name__, "__doc__": f"{trainer_class.__name__} for FSDP2 models (fsdp2nb)."})
+
+
+class WrongTrainerClass(ValueError):
+    """A model handed to a Trainer class that cannot train it as it is sharded; a rank shows the
+    message alone, as a usage mistake, since the traceback adds nothing to it."""
+
+
+USE_TRAINER_FOR = "build the trainer with fsdp2nb.trainer_for(Trainer)(...) (or trainer_for(SFTTrainer))"
+
+WRAPPED_IN_DDP = ("this FSDP2 model (fsdp2nb.load_model) was wrapped in DistributedDataParallel, as a plain "
+                  f"transformers.Trainer does, and DDP cannot take its sharded parameters: {USE_TRAINER_FOR}")
+"""What a rank says instead of the DTensor error DDP's first broadcast raises for such a model."""
+
+
+def is_fsdp2_model_wrapped_in_ddp(error: BaseException) -> bool:
+    """Whether `error` rose out of DistributedDataParallel's constructor given an FSDP2 model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_init = DistributedDataParallel.__init__.__code__
+    entry = error.__traceback__
+    while entry is not None:
+        frame = entry.tb_frame
+        if frame.f_code is ddp_init and isinstance(frame.f_locals.get("module"), FSDPModule):
+            return True
+        entry = entry.tb_next
+    return False
 
 
 def is_building_fsdp2_trainer(model: Any) -> bool:

@@ -10,6 +10,8 @@ Pass it in `callbacks=[fsdp2nb.TrainerCallback()]`. On the ranks of a pool:
   `Checkpointer.maybe_save` does, so all ranks save or stop at the same step;
 - Trainer's progress (step of max_steps, steps per second, time left) is reported through
   `fsdp2nb.progress`, which the cell's progress bar and the dashboard show.
+- Trainer's `checkpoint-N` directories are listed by rank 0 when training begins and after each
+  save (`checkpoint/trainer_dirs.py`), and the panel shows that listing.
 
 Outside a pool (plain Python) nobody listens: the callback logs into a buffer nobody reads and
 reports progress to nobody, so the same script runs unchanged under torchrun or alone.
@@ -24,8 +26,9 @@ from typing import Any
 import transformers
 
 from fsdp2nb import collectives, progress
+from fsdp2nb.checkpoint import trainer_dirs
 from fsdp2nb.checkpoint.requests import process_requests, process_stops
-from fsdp2nb.worker.metrics import log
+from fsdp2nb.metrics import log
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ class TrainerCallback(transformers.TrainerCallback):
         self._group = None
         self._task: progress.AnyTask = progress.SILENT
         self._listening = False
+        self._saving_request = 0
+        """The dashboard's save request that the save Trainer makes at this step serves."""
 
     def on_init_end(self, args, state, control, **kwargs: Any):
         _check_report_to(args)
@@ -58,6 +63,7 @@ class TrainerCallback(transformers.TrainerCallback):
         self._listening = True
         self._task = progress.start_task("train", "training", total_items=int(state.max_steps or 0))
         self._task.advance(num_items=int(state.global_step))  # resumed: the bar starts where it left off
+        _publish_checkpoints(args, state)
         return control
 
     def on_step_end(self, args, state, control, **kwargs: Any):
@@ -65,12 +71,20 @@ class TrainerCallback(transformers.TrainerCallback):
         requests = process_requests()
         wanted, stop = self._agree(requests.pending(), int(process_stops().pending()))
         if wanted > requests.served():
-            requests.mark_served(wanted)
+            requests.mark_served(wanted, step=state.global_step)  # Trainer saves checkpoint-{global_step}
+            self._saving_request = wanted
             control.should_save = True
         if stop:
             control.should_training_stop = True
             if state.is_world_process_zero:
                 logger.warning("fsdp2nb: training stopped at step %d, as asked from the notebook", state.global_step)
+        return control
+
+    def on_save(self, args, state, control, **kwargs: Any):
+        if self._saving_request:
+            process_requests().mark_committed(self._saving_request)
+            self._saving_request = 0
+        _publish_checkpoints(args, state)
         return control
 
     def on_log(self, args, state, control, logs: dict | None = None, **kwargs: Any):
@@ -96,6 +110,13 @@ class TrainerCallback(transformers.TrainerCallback):
         return wanted, stop
 
 
+def _publish_checkpoints(args, state) -> None:
+    """Rank 0 lists the `checkpoint-N` directories for the dashboard (at train start and after a
+    save, which Trainer's rotation has followed by then)."""
+    if state.is_world_process_zero:
+        trainer_dirs.publish(trainer_dirs.list_trainer_checkpoints(args.output_dir))
+
+
 def _check_world_size(args) -> None:
     world_size = collectives.get_world_size()
     if args.world_size != world_size:
@@ -106,11 +127,11 @@ def _check_world_size(args) -> None:
 def _check_trainer_class(model) -> None:
     from torch.distributed.fsdp import FSDPModule
 
-    from fsdp2nb.engine.hf_trainer import is_building_fsdp2_trainer
+    from fsdp2nb.engine.hf_trainer import USE_TRAINER_FOR, WrongTrainerClass, is_building_fsdp2_trainer
 
     if isinstance(model, FSDPModule) and not is_building_fsdp2_trainer(model):
-        raise ValueError("this model is sharded with FSDP2 (fsdp2nb.load_model) and a plain Trainer would wrap it "
-                         "in DDP: build the trainer with fsdp2nb.trainer_for(Trainer)(...) (or trainer_for(SFTTrainer))")
+        raise WrongTrainerClass("this model is sharded with FSDP2 (fsdp2nb.load_model) and a plain Trainer would wrap it "
+                         f"in DDP: {USE_TRAINER_FOR}")
 
 
 def _check_report_to(args) -> None:

@@ -111,7 +111,8 @@ class DashboardLink:
         from fsdp2nb.widgets.markup import task_text, text_tables
 
         self.tick()
-        text = text_tables(self.model.rows(), self.model.checkpoint, f"fsdp2nb pool: {self.pool_line()}")
+        text = text_tables(self.model.rows(), self.model.checkpoint, f"fsdp2nb pool: {self.pool_line()}",
+                           self.model.trainer_checkpoints)
         task = self.model.tasks.latest(self.model.facts.world_size)
         return text if task is None else f"{text}\n{task_text(task)}"
 
@@ -181,11 +182,17 @@ class DashboardLink:
 
     def save(self) -> str:
         pool = self._ready_pool()
-        self._checkpoint_status()
+        self.tick()
+        trainer_only = self.model.checkpoint is None and self.model.trainer_checkpoints is not None
+        if not trainer_only:
+            self._checkpoint_status()
         if pool.busy_ranks:
             if self.model.save_pending:  # a double click is one save
                 return f"{self.model.save_text} (asked once already)"
-            self.model.save_requested(pool.request_save())
+            if trainer_only:  # fsdp2nb.TrainerCallback takes it at the step's end
+                self.model.save_requested(pool.request_save(), "save requested: Trainer saves at the end of its step")
+            else:
+                self.model.save_requested(pool.request_save())
             return self.model.save_text
         request_id = pool.new_save_request_id()
         self._run_on_ranks(pool, SaveCheckpoint(request_id=request_id))

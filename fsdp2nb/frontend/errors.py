@@ -38,10 +38,12 @@ class RankError(Exception):
         for ranks, error in self.grouped():
             label = rank_label(ranks, self.world_size) or "[rank 0]"
             noun = "rank" if len(ranks) == 1 else "ranks"
-            what = f": {error.evalue}" if error.ename in NOT_RAISED else f" raised {error.ename}"
+            if error.ename in NOT_RAISED:
+                what = f": {error.evalue}"
+            else:  # without a traceback the rank's message is the whole story: one line
+                what = f" raised {error.ename}" + ("" if error.traceback else f": {error.evalue}")
             lines.append(f"\x1b[1m{label} {noun} {', '.join(map(str, sorted(ranks)))}{what}\x1b[0m")
-            if error.traceback or error.ename not in NOT_RAISED:  # else the line above said it all
-                lines.extend(error.traceback or (f"{error.ename}: {error.evalue}",))
+            lines.extend(error.traceback)
         lines.extend(self.notes)
         return lines
 

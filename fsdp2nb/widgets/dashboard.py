@@ -137,6 +137,8 @@ class DashboardView:
         self.checkpoint_header = widgets.HTML()
         self.steps = widgets.Select(options=[], rows=5, layout=widgets.Layout(width="460px"))
         self.steps.add_class("fsdp2nb-steps")
+        self.trainer_checkpoints = widgets.HTML()  # a Trainer's checkpoint-N directories, read-only
+        self.trainer_checkpoints.add_class("fsdp2nb-trainer-checkpoints")
         self.save_button = _button("Save now", "primary", "save at once, or at the next maybe_save while training")
         self.load_button = _button("Load selected")
         self.delete_button = _button("Delete selected")
@@ -158,7 +160,8 @@ class DashboardView:
                                layout=widgets.Layout(align_items="center"))
         buttons = widgets.VBox([self.save_button, self.load_button, self.delete_button])
         export = widgets.HBox([self.export_path, self.export_button])
-        checkpoints = widgets.VBox([self.checkpoint_header, widgets.HBox([self.steps, buttons]), export])
+        checkpoints = widgets.VBox([self.checkpoint_header, widgets.HBox([self.steps, buttons]), export,
+                                    self.trainer_checkpoints])
         curves = widgets.VBox([widgets.HBox([self.metric, self.metric_view]), self.plot])
         root = widgets.VBox([toolbar, self.confirm, self.ranks, curves, checkpoints, self.progress, self.message,
                              self.note],
@@ -247,8 +250,10 @@ class DashboardView:
         self._refresh_ranks(model)
         self._refresh_plot(model)
         view = model.checkpoint
-        _set(self.checkpoint_header, "value", markup.checkpoint_header(view))
+        trainer_view = model.trainer_checkpoints
+        _set(self.checkpoint_header, "value", markup.checkpoint_header(view, trainer_view))
         self._refresh_steps(markup.checkpoint_options(view))
+        _set(self.trainer_checkpoints, "value", markup.trainer_checkpoints_html(trainer_view))
         _set(self.progress, "value", markup.task_html(model.tasks.latest(model.facts.world_size)))
         version = model.save_text_version  # first: a change between the two reads is shown next time
         text = model.save_text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import math
+import os
 import time
 
 from fsdp2nb.widgets.model import MemoryReading, RankRow
@@ -171,7 +172,9 @@ def checkpoint_options(view: CheckpointStatus | None) -> list[tuple[str, int]]:
     return [(checkpoint_label(e, view.latest_step), e.step) for e in reversed(view.entries)]
 
 
-def checkpoint_header(view: CheckpointStatus | None) -> str:
+def checkpoint_header(view: CheckpointStatus | None, trainer_view: CheckpointStatus | None = None) -> str:
+    if view is None and trainer_view is not None:  # Trainer keeps its own checkpoints: no advice needed
+        return '<span style="color:#6b7280">no tracked checkpointer: <b>Save now</b> asks the Trainer</span>'
     if view is None:
         return ('<span style="color:#6b7280">no tracked checkpointer: run '
                 '<code>fsdp2nb.Checkpointer(dir).track(model=..., optimizer=...)</code> on the ranks</span>')
@@ -179,6 +182,23 @@ def checkpoint_header(view: CheckpointStatus | None) -> str:
     latest = view.latest_step if view.latest_step is not None else "none"
     return (f'<span class="fsdp2nb-ckpt-dir"><b>checkpoints</b> in <code>{html.escape(view.directory)}</code> · '
             f'LATEST {latest}{saving}</span>')
+
+
+def trainer_checkpoint_label(entry: CheckpointEntry) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(entry.wall_time)) if entry.wall_time else "--:--:--"
+    world = f"{entry.world_size} ranks" if entry.world_size else "? ranks"
+    flags = "" if entry.valid else " · incomplete"
+    return f"{os.path.basename(entry.path)} · {when} · {size(entry.size_bytes)} · {world}{flags}"
+
+
+def trainer_checkpoints_html(view: CheckpointStatus | None) -> str:
+    """The Trainer's `checkpoint-N` directories, newest first; empty when no Trainer reported any.
+    Read-only: Trainer resumes from them (`resume_from_checkpoint`), not the panel's Load."""
+    if view is None:
+        return ""
+    lines = [html.escape(trainer_checkpoint_label(e)) for e in reversed(view.entries)] or ["none yet"]
+    return (f'<div class="fsdp2nb-trainer-checkpoints" style="font-size:12px"><b>Trainer checkpoints</b> in '
+            f'<code>{html.escape(view.directory)}</code><br>{"<br>".join(lines)}</div>')
 
 
 # --- progress of long work ----------------------------------------------------------------------
@@ -232,7 +252,8 @@ def task_html(task: ProgressUpdate | None, width: int = 220, height: int = 12) -
 # --- text, where widgets cannot render ------------------------------------------------------------
 
 
-def text_tables(rows: list[RankRow], view: CheckpointStatus | None, pool_line: str) -> str:
+def text_tables(rows: list[RankRow], view: CheckpointStatus | None, pool_line: str,
+                trainer_view: CheckpointStatus | None = None) -> str:
     lines = [pool_line, _table([("rank", "state", "device", "pid", "memory", "tracked")] + [
         (str(r.rank), r.state_text, r.device, str(r.pid or "-"), memory_text(r.memory), tracked_text(r.memory) or "-")
         for r in rows])]
@@ -244,6 +265,9 @@ def text_tables(rows: list[RankRow], view: CheckpointStatus | None, pool_line: s
             (str(e.step) + (" LATEST" if e.step == view.latest_step else ""),
              time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.wall_time)) if e.wall_time else "-",
              size(e.size_bytes), str(e.world_size or "-"), "yes" if e.valid else "no") for e in view.entries]))
+    if trainer_view is not None:
+        lines.append(f"Trainer checkpoints in {trainer_view.directory}")
+        lines.extend(trainer_checkpoint_label(e) for e in reversed(trainer_view.entries))
     return "\n".join(lines)
 
 

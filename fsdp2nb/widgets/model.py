@@ -225,8 +225,9 @@ class DashboardModel:
             history = self._history.setdefault(snapshot.rank, deque(maxlen=MAX_HISTORY_POINTS))
             history.append((snapshot.time, used))
             self.metrics.add(snapshot.rank, snapshot.metrics)
-            if snapshot.checkpoint is not None:
-                self._follow_save(snapshot.checkpoint)
+            for view in (snapshot.checkpoint, snapshot.trainer_checkpoints):  # whichever took the save
+                if view is not None:
+                    self._follow_save(view)
 
     def set_facts(self, facts: PoolFacts, now: float | None = None) -> None:
         now = time.time() if now is None else now
@@ -309,6 +310,13 @@ class DashboardModel:
         """Rank 0's tracked checkpointer, once one tracks a model."""
         snapshot = self.snapshots.get(0)
         return snapshot.checkpoint.status if snapshot is not None and snapshot.checkpoint is not None else None
+
+    @property
+    def trainer_checkpoints(self) -> CheckpointStatus | None:
+        """Rank 0's Trainer's `checkpoint-N` directories, once a Trainer with fsdp2nb.TrainerCallback started."""
+        snapshot = self.snapshots.get(0)
+        view = snapshot.trainer_checkpoints if snapshot is not None else None
+        return view.status if view is not None else None
 
     def rows(self, now: float | None = None) -> list[RankRow]:
         now = time.time() if now is None else now

@@ -340,6 +340,9 @@ class RankSnapshot:
     """Bytes of the tracked optimizer's state tensors held by this rank."""
     metrics: tuple[MetricPoint, ...] = ()
     """What `fsdp2nb.log` recorded since the previous snapshot."""
+    trainer_checkpoints: CheckpointView | None = None
+    """Rank 0 only, once a Trainer with `fsdp2nb.TrainerCallback` started: its `checkpoint-N`
+    directories and how far it served the dashboard's save requests."""
 
 
 @dataclass(frozen=True)

@@ -89,10 +89,21 @@ def export_hf(path: str) -> None:
 
 def save_if_requested() -> None:
     """At the end of a cell: serve a save asked for from the dashboard that no `maybe_save` reached,
-    at the last step the checkpointer saw. Every rank agrees on it inside `maybe_save`."""
-    from fsdp2nb.checkpoint.tracking import tracked_checkpointer
+    at the last step the checkpointer saw. Every rank agrees on it inside `maybe_save`. Without a
+    tracked checkpointer a Trainer's callback served it at a step's end, or it is dropped."""
+    from fsdp2nb.checkpoint.requests import process_requests
+    from fsdp2nb.checkpoint.tracking import current_checkpointer
 
-    checkpointer = tracked_checkpointer()
+    checkpointer = current_checkpointer()
+    if checkpointer is None:  # a Trainer with fsdp2nb.TrainerCallback serves requests at its step ends
+        requests, request_id = process_requests(), process_requests().pending()
+        if request_id:  # served as failed: a later Trainer must not take it for a new click
+            why = "no checkpointer tracks a model and no Trainer step with fsdp2nb.TrainerCallback ended after it"
+            requests.mark_served(request_id)
+            requests.mark_failed(request_id, why)
+            if _is_rank0():
+                print(f"the save asked for from the dashboard was dropped: {why}")
+        return
     step = checkpointer.last_step
     if step is None:
         if _is_rank0():

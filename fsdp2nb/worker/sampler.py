@@ -10,8 +10,9 @@ from collections.abc import Callable
 import psutil
 
 from fsdp2nb.checkpoint.tracking import current_checkpointer
-from fsdp2nb.wire.protocol import CheckpointView, RankSnapshot
-from fsdp2nb.worker.metrics import process_metrics
+from fsdp2nb.checkpoint.trainer_dirs import published as published_trainer_checkpoints
+from fsdp2nb.metrics import process_metrics
+from fsdp2nb.wire.protocol import CheckpointStatus, CheckpointView, RankSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class ResourceSampler:
             rss_bytes=rss, cpu_percent=self._process.cpu_percent(), rss_peak_bytes=self._rss_peak,
             checkpoint=_checkpoint_view() if self._rank == 0 else None, **_device_memory(self._device),
             **self._tracked_sizes.read(), metrics=process_metrics().drain(),
+            trainer_checkpoints=_trainer_checkpoint_view() if self._rank == 0 else None,
         )
 
     def _run(self) -> None:
@@ -104,10 +106,21 @@ def _checkpoint_view() -> CheckpointView | None:
     tracked = current_checkpointer()
     if tracked is None:
         return None
+    return _with_requests(tracked.status)
+
+
+def _trainer_checkpoint_view() -> CheckpointView | None:
+    """The `checkpoint-N` listing a TrainerCallback published last, if one did."""
+    if published_trainer_checkpoints() is None:
+        return None
+    return _with_requests(published_trainer_checkpoints)
+
+
+def _with_requests(status: Callable[[], CheckpointStatus | None]) -> CheckpointView:
     from fsdp2nb.checkpoint.requests import process_requests
 
     requests = process_requests().outcome()  # read first: a save committed for it is in the listing
-    return CheckpointView(status=tracked.status(), requests_served=requests.served, request_step=requests.step,
+    return CheckpointView(status=status(), requests_served=requests.served, request_step=requests.step,
                           requests_committed=requests.committed, request_error=requests.error)
 
 

@@ -117,7 +117,33 @@ class RankShell(InteractiveShell):
         ename = getattr(etype, "__name__", str(etype))
         if ename == "InterruptedAtPrompt":  # the stop button, as any other cell's
             ename = "KeyboardInterrupt"
+        mistake = _wrong_trainer_class(evalue) if isinstance(evalue, BaseException) else None
+        if mistake is not None:  # said in one line: the traceback would only bury it
+            self.last_error = ErrorInfo(ename=ename, evalue=mistake, traceback=())
+            return
         self.last_error = ErrorInfo(ename=ename, evalue=str(evalue), traceback=tuple(stb))
+
+
+def _wrong_trainer_class(error: BaseException) -> str | None:
+    """The one line for a Hugging Face Trainer handed a model it cannot train as sharded, or None.
+
+    A plain transformers.Trainer given a `load_model` model wraps it in DDP, which fails deep in
+    DTensor code with a message that names neither. The engine is asked only about errors raised
+    by it or passing through DDP's constructor, so other cells' errors import nothing more."""
+    hf_trainer = sys.modules.get("fsdp2nb.engine.hf_trainer")
+    if hf_trainer is not None and isinstance(error, hf_trainer.WrongTrainerClass):
+        return str(error)
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    if ddp is None:
+        return None
+    ddp_init, entry = ddp.DistributedDataParallel.__init__.__code__, error.__traceback__
+    while entry is not None and entry.tb_frame.f_code is not ddp_init:
+        entry = entry.tb_next
+    if entry is None:
+        return None
+    from fsdp2nb.engine.hf_trainer import WRAPPED_IN_DDP, is_fsdp2_model_wrapped_in_ddp
+
+    return WRAPPED_IN_DDP if is_fsdp2_model_wrapped_in_ddp(error) else None
 
 
 def _cut_traceback(traceback: types.TracebackType | None, internal: Callable[[types.CodeType], bool]) -> None:

@@ -17,7 +17,7 @@ def _train_with_a_save_asked_on_rank_1(out_dir: str) -> tuple[list[str], list[in
     import fsdp2nb
     from fsdp2nb.checkpoint.requests import post_save_request
     from fsdp2nb.examples.tiny_models import make_tiny_model
-    from fsdp2nb.worker.metrics import process_metrics
+    from fsdp2nb.metrics import process_metrics
 
     model = make_tiny_model("llama")
     rows = torch.arange(3, 3 + 16).repeat(8, 1)

@@ -358,3 +358,36 @@ def test_text_tables_carry_the_same_facts():
 @pytest.mark.parametrize("num_bytes, text", [(512, "512 B"), (1536 * 2**20, "1.5 GiB"), (200 * 2**20, "200 MiB")])
 def test_sizes_read_well(num_bytes, text):
     assert markup.size(num_bytes) == text
+
+
+def _trainer_view(served: int = 0, committed: int = 0) -> CheckpointView:
+    entries = (CheckpointEntry(step=3, path="/out/checkpoint-3", wall_time=1.7e9, size_bytes=2 * 2**20, world_size=2,
+                               valid=True),
+               CheckpointEntry(step=5, path="/out/checkpoint-5", wall_time=None, size_bytes=0, world_size=None,
+                               valid=False))
+    status = CheckpointStatus(directory="/out", latest_step=3, saving_step=None, last_error=None, entries=entries)
+    return CheckpointView(status=status, requests_served=served, request_step=3 if served else None,
+                          requests_committed=committed)
+
+
+def test_a_trainers_checkpoints_are_listed_and_its_save_followed():
+    model = DashboardModel()
+    model.set_facts(PoolFacts(state="ready", world_size=2))
+    model.observe(_gpu(0, 1.0, trainer_checkpoints=_trainer_view()))
+    assert model.checkpoint is None and model.trainer_checkpoints.latest_step == 3
+    shown = markup.trainer_checkpoints_html(model.trainer_checkpoints)
+    assert shown.index("checkpoint-5") < shown.index("checkpoint-3")  # newest first
+    assert "checkpoint-3 · " in shown and "2 ranks" in shown and "incomplete" in shown
+    text = markup.text_tables(model.rows(), None, "pool", model.trainer_checkpoints)
+    assert "no tracked checkpointer" in text and "Trainer checkpoints in /out" in text
+    model.save_requested(1, "save requested: Trainer saves at the end of its step")
+    model.observe(_gpu(0, 1.0, trainer_checkpoints=_trainer_view(served=1)))
+    assert model.save_text == "saving step 3 ..."
+    model.observe(_gpu(0, 1.0, trainer_checkpoints=_trainer_view(served=1, committed=1)))
+    assert model.save_text == "saved step 3" and not model.save_pending
+    assert markup.trainer_checkpoints_html(None) == ""
+    assert "asks the Trainer" in markup.checkpoint_header(None, model.trainer_checkpoints)
+    assert "Checkpointer(dir).track" in markup.checkpoint_header(None)
+    view = DashboardView(model, RecordingActions())
+    view.refresh("ready")
+    assert "checkpoint-3" in view.trainer_checkpoints.value and "asks the Trainer" in view.checkpoint_header.value

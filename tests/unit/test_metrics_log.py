@@ -2,7 +2,7 @@
 
 import pytest
 
-from fsdp2nb.worker.metrics import MetricsBuffer, log, process_metrics
+from fsdp2nb.metrics import MetricsBuffer, log, process_metrics
 from fsdp2nb.worker.sampler import ResourceSampler
 
 

@@ -93,3 +93,19 @@ def test_the_checkpointer_has_every_member_the_ranks_use(tmp_path):
     with Checkpointer(tmp_path, async_save=False) as checkpointer:
         for name in members:
             inspect.getattr_static(checkpointer, name)  # raises AttributeError if it is gone
+
+
+def test_a_request_no_trainer_step_served_is_dropped_at_the_cell_end_in_one_line(capsys):
+    """No tracked checkpointer: a Trainer's callback serves requests at its step ends; one left
+    unserved when the cell ends is marked failed, so a later Trainer does not take it for a click."""
+    from fsdp2nb.checkpoint.requests import post_save_request, process_requests
+    from fsdp2nb.checkpoint.tracking import current_checkpointer
+
+    assert current_checkpointer() is None
+    request_id = post_save_request()
+    commands.save_if_requested()
+    outcome = process_requests().outcome()
+    assert process_requests().pending() == 0 and outcome.served == request_id
+    assert outcome.error is not None and "no Trainer step" in outcome.error
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("the save asked for from the dashboard was dropped: no checkpointer tracks a model")

@@ -1,6 +1,7 @@
 """fsdp2nb.TrainerCallback in one process: Trainer's logs reach fsdp2nb.log, a posted save and a
 posted stop set Trainer's control flags at the next step, progress is reported, bad input is one line."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments  # noqa
 from fsdp2nb import progress  # noqa: E402
 from fsdp2nb.checkpoint.requests import post_save_request, process_stops  # noqa: E402
 from fsdp2nb.engine.trainer_callback import TrainerCallback  # noqa: E402
-from fsdp2nb.worker.metrics import process_metrics  # noqa: E402
+from fsdp2nb.metrics import process_metrics  # noqa: E402
 
 
 @pytest.fixture
@@ -65,3 +66,26 @@ def test_report_to_the_network_offline_is_one_line(tmp_path, monkeypatch):
     args.report_to = ["wandb"]
     with pytest.raises(ValueError, match=r"report_to=\['wandb'\] sends metrics over the network.*report_to='none'"):
         TrainerCallback().on_init_end(args, TrainerState(), TrainerControl())
+
+
+def test_a_save_it_asked_for_is_committed_and_listed_once_trainer_saved(args, updates):
+    from fsdp2nb.checkpoint import trainer_dirs
+    from fsdp2nb.checkpoint.requests import process_requests
+
+    callback, state, control = TrainerCallback(), TrainerState(max_steps=5), TrainerControl()
+    callback.on_train_begin(args, state, control)
+    assert trainer_dirs.published().entries == ()  # nothing saved yet, but the panel knows the directory
+    request = post_save_request()
+    state.global_step = 3
+    callback.on_step_end(args, state, control)
+    outcome = process_requests().outcome()
+    assert control.should_save and (outcome.served, outcome.step) == (request, 3) and outcome.committed < request
+    state_file = os.path.join(args.output_dir, "checkpoint-3", "trainer_state.json")
+    os.makedirs(os.path.join(args.output_dir, "checkpoint-3", "fsdp2nb_dcp"))
+    open(os.path.join(args.output_dir, "checkpoint-3", "fsdp2nb_dcp", ".metadata"), "w").close()
+    with open(state_file, "w") as handle:
+        handle.write("{}")  # what Trainer writes before calling on_save
+    callback.on_save(args, state, control)
+    assert process_requests().outcome().committed == request
+    assert [(e.step, e.valid) for e in trainer_dirs.published().entries] == [(3, True)]
+    callback.on_train_end(args, state, control)
