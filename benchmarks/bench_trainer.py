@@ -9,7 +9,7 @@ optimizer, scheduler, callbacks), not its set-up.
 round after round, each pair compared.
 `callback`: in the same pool, the cell with `callbacks=[fsdp2nb.TrainerCallback()]` and without,
 alternating; the callback logs every 5 steps into the dashboard's curves and agrees on Save/Stop
-with one all-reduce per step.
+with one all-reduce per step, posted at a step's end and read at the next one's.
 Per run: the median step and the 10th-percentile step (least disturbed by other work on a shared
 machine); across runs: ratios of medians and the median of paired ratios.
 Run: .venv/bin/python -m benchmarks.bench_trainer [--rounds 3] [--steps 40] [--only torchrun|callback]
