@@ -62,6 +62,29 @@ def all_max(values: tuple[int, ...], group: dist.ProcessGroup | None = None) -> 
     return tuple(tensor.tolist())
 
 
+class PostedMax:
+    """An `all_max` posted without waiting for it (`post_all_max`); `wait()` gives its result.
+    Every rank must wait for it (or the group's next collective waits behind it)."""
+
+    def __init__(self, tensor: torch.Tensor, work: dist.Work | None) -> None:
+        self._tensor, self._work = tensor, work
+
+    def wait(self) -> tuple[int, ...]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return tuple(self._tensor.tolist())
+
+
+def post_all_max(values: tuple[int, ...], group: dist.ProcessGroup | None = None) -> PostedMax:
+    """`all_max` that returns at once: the ranks exchange while this rank goes on working. Without
+    a process group the result is `values`."""
+    tensor = torch.tensor(values, dtype=torch.int64)
+    if not is_distributed():
+        return PostedMax(tensor, None)
+    return PostedMax(tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True))
+
+
 def all_ranks_succeeded(error: BaseException | None, what: str, group: dist.ProcessGroup | None = None) -> None:
     """Raise on every rank if `error` is set on any: its own error where it failed, else
     FailedElsewhere("`what` failed on rank R: cause")."""

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks on a machine with CUDA: the GPU-marked tests (NCCL pool, device choice, direct reads
 # onto GPUs, async save with pinned staging and resume, bf16 and offloaded parameters), then
-# benchmarks/bench_gpu.py, then notebooks/finetune_gpu.ipynb executed end to end. Everything is
-# written to $OUT (default gpu-check-out/) and printed.
+# benchmarks/bench_gpu.py, then notebooks/finetune_gpu.ipynb and sft_trainer.ipynb executed end to
+# end. Everything is written to $OUT (default gpu-check-out/) and printed.
 # Where .whl/ holds wheels (a lent GPU machine reaches no registry), the machine's own python3 and
 # torch are used with those wheels on PYTHONPATH; otherwise the project's .venv. To fill .whl/
 # for a Python 3.12 image that lacks the notebook stack (names and versions as in .venv):
@@ -45,4 +45,8 @@ gpus=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 0,1 || echo 1)
 FSDP2NB_MODEL=$model FSDP2NB_GPUS=$gpus FSDP2NB_STEPS=${GPU_NOTEBOOK_STEPS:-10} FSDP2NB_OFFLOAD=${GPU_NOTEBOOK_OFFLOAD:-0} \
   timeout "${GPU_NOTEBOOK_S:-300}" "$py" scripts/run_demo.py notebooks/finetune_gpu.ipynb 2>&1 | tee "$out/finetune_gpu.txt" || status=1
 cp notebooks/finetune_gpu.out.ipynb "$out/" 2>/dev/null
+# The SFT notebook's GPU variant: TRL's SFTTrainer with LoRA on the same model and GPUs.
+FSDP2NB_MODEL=$model FSDP2NB_GPUS=$gpus \
+  timeout "${GPU_SFT_NOTEBOOK_S:-240}" "$py" scripts/run_demo.py notebooks/sft_trainer.ipynb 2>&1 | tee "$out/sft_trainer.txt" || status=1
+cp notebooks/sft_trainer.out.ipynb "$out/" 2>/dev/null
 exit $status

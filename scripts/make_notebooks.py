@@ -359,8 +359,17 @@ A model from `fsdp2nb.load_model` is already sharded with FSDP2. `fsdp2nb.traine
 (or `trainer_for(Trainer)`) gives a trainer class that trains it as it is, without wrapping it
 again, and writes its checkpoints and `save_model` shard-wise: no rank gathers the whole model.
 `fsdp2nb.TrainerCallback()` sends Trainer's logs to the dashboard's curve, and its Save and Stop
-buttons to Trainer. Here: LoRA on a tiny Llama-style model, 2 CPU ranks, a few steps; on GPUs
-`%fsdp2 start` (one rank per GPU) and a real model run the same cells."""),
+buttons to Trainer. Here: LoRA for a few steps, on every visible GPU with a real model where CUDA
+is present, else on 2 CPU ranks with a tiny Llama-style model made in this notebook. The
+parameters below are read from environment variables where set (`scripts/gpu_check.sh` runs
+this notebook that way); change them here otherwise."""),
+    ("code", """import os
+
+from fsdp2nb.pool.spec import visible_gpu_indices  # reads /proc, initialises no CUDA in this kernel
+
+GPUS = os.environ.get("FSDP2NB_GPUS", "all" if visible_gpu_indices() else "cpu")  # "all", "2", "0,1" or "cpu"
+MODEL = os.environ.get("FSDP2NB_MODEL", "tiny" if GPUS == "cpu" else "Qwen/Qwen2.5-0.5B")  # "tiny", a Hub id or a directory
+MAX_LENGTH = int(os.environ.get("FSDP2NB_SEQ_LEN", "64" if MODEL == "tiny" else "512"))""", "parameters"),
     ("code", """%load_ext fsdp2nb
 
 import tempfile
@@ -369,15 +378,17 @@ from pathlib import Path
 from fsdp2nb.examples import save_tiny_llama
 
 workdir = Path(tempfile.mkdtemp(prefix="fsdp2nb-sft-"))
-model_dir = save_tiny_llama(workdir / "tiny-llama")
+model_dir = save_tiny_llama(workdir / "tiny-llama") if MODEL == "tiny" else MODEL
 out_dir, export_dir = workdir / "sft", workdir / "export"
-print("model:", model_dir)"""),
-    ("code", "%fsdp2 start --cpu 2\n%fsdp2 push model_dir out_dir export_dir", "start"),
+pool_options = {"cpu": "--cpu 2", "all": ""}.get(GPUS, f"--gpus {GPUS}")
+print(f"model {model_dir}; ranks: {pool_options or 'every visible GPU'}")""", "setup"),
+    ("code", "%fsdp2 start $pool_options\n%fsdp2 push model_dir out_dir export_dir MAX_LENGTH", "start"),
     ("markdown", """## Train with LoRA
 
 Every rank builds the same trainer; TRL tokenizes the `text` column. Trainer saves a checkpoint
 every 4 steps: the adapter in Hugging Face format, and the adapter with its optimizer state as a
-distributed checkpoint (`fsdp2nb_dcp/`), which is what a resume reads."""),
+distributed checkpoint (`fsdp2nb_dcp/`), which is what a resume reads. bf16 compute on GPUs
+(trainable parameters stored in fp32), fp32 on CPU ranks."""),
     ("code", """%%fsdp2
 from datasets import Dataset
 from peft import LoraConfig
@@ -386,12 +397,14 @@ from trl import SFTConfig, SFTTrainer
 import fsdp2nb
 from fsdp2nb.examples import sample_text
 
+precision = "bf16" if device.type == "cuda" else "fp32"
+
 def make_trainer(max_steps):
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
-    model, tokenizer = fsdp2nb.load_model(model_dir, lora=lora, engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32"))
+    model, tokenizer = fsdp2nb.load_model(model_dir, lora=lora, engine=fsdp2nb.FSDP2Engine(mixed_precision=precision))
     sentences = [s.strip() + "." for s in sample_text().split(".") if s.strip()]
     args = SFTConfig(output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=4,
-                     learning_rate=5e-3, max_length=64, logging_steps=1, save_steps=4, report_to="none",
+                     learning_rate=5e-3, max_length=MAX_LENGTH, logging_steps=1, save_steps=4, report_to="none",
                      use_cpu=device.type == "cpu", disable_tqdm=True)
     return fsdp2nb.trainer_for(SFTTrainer)(model=model, args=args, processing_class=tokenizer,
                                            train_dataset=Dataset.from_dict({"text": sentences}),

@@ -4,10 +4,12 @@ Pass it in `callbacks=[fsdp2nb.TrainerCallback()]`. On the ranks of a pool:
 
 - what Trainer logs (`on_log`: loss, learning rate, grad norm) goes to `fsdp2nb.log`, so the
   dashboard plots it and `%fsdp2 metrics` lists it;
-- the dashboard's Save makes Trainer save at the next step (`control.should_save`), and Stop (or
-  the notebook's stop button) ends training at the next step (`control.should_training_stop`)
-  instead of interrupting it; every rank agrees on both in one collective per step, as
-  `Checkpointer.maybe_save` does, so all ranks save or stop at the same step;
+- the dashboard's Save makes Trainer save at a step's end (`control.should_save`), and Stop (or
+  the notebook's stop button) ends training at a step's end (`control.should_training_stop`)
+  instead of interrupting it; every rank agrees on both, so all ranks save or stop at the same
+  step. The agreement is one all-reduce posted at a step's end and read at the next one's, so
+  no step waits for it: a click lands at the end of the step after the one it came in, and at
+  the last step (which nothing reads after) it is agreed at once;
 - Trainer's progress (step of max_steps, steps per second, time left) is reported through
   `fsdp2nb.progress`, which the cell's progress bar and the dashboard show.
 - Trainer's `checkpoint-N` directories are listed by rank 0 when training begins and after each
@@ -49,6 +51,8 @@ class TrainerCallback(transformers.TrainerCallback):
         self._listening = False
         self._saving_request = 0
         """The dashboard's save request that the save Trainer makes at this step serves."""
+        self._posted: collectives.PostedMax | None = None
+        """What the ranks were asked (save request, stop) at the last step's end, on its way."""
 
     def on_init_end(self, args, state, control, **kwargs: Any):
         _check_report_to(args)
@@ -57,6 +61,7 @@ class TrainerCallback(transformers.TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
         _check_world_size(args)
+        self._posted = None  # left by a train() that raised: stale, and gloo runs it in order with the next
         if collectives.is_distributed() and self._group is None:
             self._group = collectives.new_gloo_group()  # CPU agreement, whatever the training backend
         process_stops().listen()
@@ -69,7 +74,15 @@ class TrainerCallback(transformers.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs: Any):
         self._task.advance(num_items=1)
         requests = process_requests()
-        wanted, stop = self._agree(requests.pending(), int(process_stops().pending()))
+        asked = (requests.pending(), int(process_stops().pending()))
+        wanted, stop = self._posted.wait() if self._posted is not None else (0, 0)
+        self._posted = None
+        # The same on every rank (agreed values, Trainer's step count): all post, or none do.
+        if stop or control.should_training_stop or state.global_step >= state.max_steps:
+            now = self._agree(asked)  # no later step end would read a posted one
+            wanted, stop = max(wanted, now[0]), max(stop, now[1])
+        else:
+            self._posted = collectives.post_all_max(asked, self._group)
         if wanted > requests.served():
             requests.mark_served(wanted, step=state.global_step)  # Trainer saves checkpoint-{global_step}
             self._saving_request = wanted
@@ -95,6 +108,7 @@ class TrainerCallback(transformers.TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs: Any):
+        self._drop_posted()
         self._task.finish()
         self._task = progress.SILENT
         if self._listening:
@@ -102,12 +116,16 @@ class TrainerCallback(transformers.TrainerCallback):
             self._listening = False
         return control
 
-    def _agree(self, wanted: int, stop: int) -> tuple[int, int]:
+    def _agree(self, asked: tuple[int, int]) -> tuple[int, ...]:
         """The highest save request and whether any rank was asked to stop, the same on every rank."""
-        if self._group is None:
-            return wanted, stop
-        wanted, stop = collectives.all_max((wanted, stop), self._group)
-        return wanted, stop
+        return asked if self._group is None else collectives.all_max(asked, self._group)
+
+    def _drop_posted(self) -> None:
+        """Wait for a posted agreement nobody will act on (training ended after another callback
+        stopped it): every rank posted it, so it completes, and the group is free again."""
+        if self._posted is not None:
+            self._posted.wait()
+            self._posted = None
 
 
 def _publish_checkpoints(args, state) -> None:

@@ -190,7 +190,7 @@ class DashboardLink:
             if self.model.save_pending:  # a double click is one save
                 return f"{self.model.save_text} (asked once already)"
             if trainer_only:  # fsdp2nb.TrainerCallback takes it at the step's end
-                self.model.save_requested(pool.request_save(), "save requested: Trainer saves at the end of its step")
+                self.model.save_requested(pool.request_save(), "save requested: Trainer saves at the end of its next step")
             else:
                 self.model.save_requested(pool.request_save())
             return self.model.save_text

@@ -268,9 +268,18 @@ class DashboardModel:
 
     def cell_ended_with_request(self) -> None:
         with self._lock:
-            if self._save is not None:
-                self.save_text = ("the cell ended before its next maybe_save: saving at the last step "
-                                  "the checkpointer saw")
+            if self._save is None or self._served_already(self._save):
+                return  # its save is in flight: the next snapshot says how it ended
+            if self.checkpoint is None and self.trainer_checkpoints is not None:
+                return  # only a Trainer serves it, at a step's end: its snapshot, late or not, says whether it did
+            self.save_text = ("the cell ended before its next maybe_save: saving at the last step "
+                              "the checkpointer saw")
+
+    def _served_already(self, request_id: int) -> bool:
+        """Whether some rank's last snapshot said the request was taken by a save."""
+        return any(view is not None and view.requests_served >= request_id
+                   for snapshot in self.snapshots.values()
+                   for view in (snapshot.checkpoint, snapshot.trainer_checkpoints))
 
     def _follow_save(self, view: CheckpointView) -> None:
         """By the request's id alone: LATEST may name the saved step before the save (a notebook

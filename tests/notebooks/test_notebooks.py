@@ -111,6 +111,7 @@ def test_finetune_gpu_notebook_runs_its_cpu_variant(tmp_path):
 @pytest.mark.timeout(900)
 def test_sft_trainer_notebook_trains_logs_saves_and_resumes(tmp_path):
     notebook = _run("sft_trainer.ipynb", tmp_path, {})
+    assert re.search(r"model /\S+/tiny-llama; ranks: --cpu 2$", tagged_text(notebook, "setup").strip())  # no CUDA
     train = tagged_text(notebook, "train")
     losses = [float(x) for x in re.search(r"losses: \[([^\]]*)\]", train).group(1).split(",")]
     assert len(losses) == 8 and losses[-1] < losses[0], train
@@ -119,3 +120,18 @@ def test_sft_trainer_notebook_trains_logs_saves_and_resumes(tmp_path):
     resume = tagged_text(notebook, "resume")
     assert "adapter_model.safetensors" in resume and "resumed, now at step 12" in resume, resume
     assert "loaded: PeftModelForCausalLM with adapter default" in tagged_text(notebook, "load")
+
+
+def test_sft_trainer_notebook_takes_a_real_model_on_gpus(monkeypatch):
+    """Its parameters: GPUs asked for (or visible) mean a real model; CPU ranks the tiny one."""
+    (cell,) = [c for c in build(NOTEBOOKS["sft_trainer.ipynb"]).cells if "parameters" in c.metadata.get("tags", ())]
+    for name, value in WITHOUT_GPUS.items():
+        monkeypatch.setenv(name, value)
+    for name in ("FSDP2NB_GPUS", "FSDP2NB_MODEL", "FSDP2NB_SEQ_LEN"):
+        monkeypatch.delenv(name, raising=False)
+    chosen: dict = {}
+    exec(cell.source, chosen)
+    assert (chosen["GPUS"], chosen["MODEL"], chosen["MAX_LENGTH"]) == ("cpu", "tiny", 64)
+    monkeypatch.setenv("FSDP2NB_GPUS", "0,1")
+    exec(cell.source, chosen)
+    assert (chosen["GPUS"], chosen["MODEL"], chosen["MAX_LENGTH"]) == ("0,1", "Qwen/Qwen2.5-0.5B", 512)

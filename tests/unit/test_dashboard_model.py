@@ -253,6 +253,25 @@ def test_a_request_the_cell_never_served_is_saved_at_its_end():
     assert model.save_text == "saved step 9" and not model.save_pending
 
 
+def test_the_cell_end_leaves_a_save_in_flight_or_a_trainers_alone():
+    """'the cell ended before its next maybe_save' only where a checkpointer is left to serve it:
+    not once a snapshot said it was served, nor where a Trainer alone serves requests (its
+    snapshot saying 'saved' may come after the cell ended)."""
+    model = _model()
+    model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
+    model.save_requested(3)
+    model.observe(_gpu(1, 1, checkpoint=_view(latest=4, served=3, saving=6)))
+    model.cell_ended_with_request()
+    assert model.save_text == "saving step 6 ..."
+    trainer = _model()
+    trainer.observe(_gpu(0, 1.0, trainer_checkpoints=_trainer_view()))
+    trainer.save_requested(1, "save requested: Trainer saves at the end of its next step")
+    trainer.cell_ended_with_request()
+    assert trainer.save_text == "save requested: Trainer saves at the end of its next step"
+    trainer.observe(_gpu(0, 1.0, trainer_checkpoints=_trainer_view(served=1, committed=1)))
+    assert trainer.save_text == "saved step 3" and not trainer.save_pending
+
+
 def test_view_lists_steps_newest_first_with_latest_marked():
     model = _model()
     model.observe(_gpu(0, 1, checkpoint=_view(latest=4)))
@@ -380,7 +399,7 @@ def test_a_trainers_checkpoints_are_listed_and_its_save_followed():
     assert "checkpoint-3 · " in shown and "2 ranks" in shown and "incomplete" in shown
     text = markup.text_tables(model.rows(), None, "pool", model.trainer_checkpoints)
     assert "no tracked checkpointer" in text and "Trainer checkpoints in /out" in text
-    model.save_requested(1, "save requested: Trainer saves at the end of its step")
+    model.save_requested(1, "save requested: Trainer saves at the end of its next step")
     model.observe(_gpu(0, 1.0, trainer_checkpoints=_trainer_view(served=1)))
     assert model.save_text == "saving step 3 ..."
     model.observe(_gpu(0, 1.0, trainer_checkpoints=_trainer_view(served=1, committed=1)))
