@@ -6,6 +6,7 @@ the apt package when missing). Without it these tests are skipped, saying why.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -21,6 +22,8 @@ import pytest
 
 CHROMIUM = os.environ.get("FSDP2NB_CHROMIUM", "/usr/bin/chromium")
 SHOTS = Path(os.environ.get("FSDP2NB_SHOTS", "/tmp/dash-shots"))
+_RUNNING: list[Lab] = []
+"""The servers started so far: their kernels end with each test (see _kernels_end_with_their_test)."""
 
 
 def _free_port() -> int:
@@ -46,6 +49,7 @@ class Lab:
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "JUPYTER_CONFIG_DIR": str(fresh / "config")},
         )
         self._wait_ready(fresh / "lab.log")
+        _RUNNING.append(self)
 
     def _wait_ready(self, log: Path) -> None:
         deadline = time.monotonic() + 60
@@ -65,7 +69,18 @@ class Lab:
         where = f"lab/workspaces/{Path(path).stem}/tree" if self.app == "lab" else "notebooks"
         return f"http://127.0.0.1:{self.port}/{where}/{path}?token={self.token}"
 
+    def shut_down_kernels(self) -> None:
+        """End every kernel, and so its pool: an idle pool left behind takes cores from the tests after it."""
+        for kernel in json.load(self._api("GET", "kernels")):
+            self._api("DELETE", f"kernels/{kernel['id']}").read()
+
+    def _api(self, method: str, path: str):
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/api/{path}", method=method,
+                                         headers={"Authorization": f"token {self.token}"})
+        return urllib.request.urlopen(request, timeout=60)
+
     def stop(self) -> None:
+        _RUNNING.remove(self)
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
             self.process.wait(timeout=15)
@@ -83,7 +98,14 @@ def _quiet_settings(settings: Path) -> None:
     (plugin / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(autouse=True)
+def _kernels_end_with_their_test():
+    yield
+    for server in _RUNNING:
+        server.shut_down_kernels()
+
+
+@pytest.fixture(scope="package")
 def lab(tmp_path_factory):
     if not shutil.which(CHROMIUM) and not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium` (make test does it as root)")
@@ -96,7 +118,7 @@ def lab(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def notebook7(tmp_path_factory):
     """A Notebook 7 server (`python -m notebook`), same options as Lab."""
     if not shutil.which(CHROMIUM) and not Path(CHROMIUM).exists():
@@ -111,7 +133,7 @@ def notebook7(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser():
     from playwright.sync_api import sync_playwright
 

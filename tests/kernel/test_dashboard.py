@@ -226,8 +226,13 @@ def test_a_run_again_into_the_same_directory_says_saved(dash):
 def test_a_click_sent_to_the_main_shell_is_served_during_the_cell(dash):
     """jupyter-distributed's proxy kernel forwards a click without its subshell id (the id names
     a subshell of the proxy), as frontends without subshells send it: it must not wait for the
-    cell. The loop gives the save 10 s, then says it was not served."""
+    cell. The loop gives the save 30 s (a loaded machine starts the subshell slowly), then says
+    it was not served."""
     save = dash.comm_of(_model_name="ButtonModel", description="Save now")
+    # As a user would: click once the panel shows the tracked checkpointer (a snapshot after the
+    # cell that tracked it; before, the panel refuses the click, saying none is tracked).
+    shows_ckpt = f'<b>checkpoints</b> in <code>{dash.root / "ckpt"}</code>'
+    assert dash.wait_for_shown(shows_ckpt), "the panel never showed the tracked checkpointer"
     clicked = []
 
     def on_message(message):
@@ -236,10 +241,12 @@ def test_a_click_sent_to_the_main_shell_is_served_during_the_cell(dash):
             click(dash.kernel, save, None)
 
     code = ("%%fsdp2\ntrain_step(6000)\nprint('waiting', flush=True)\nserved = False\n"
-            "for _ in range(200):\n    served = ckpt.maybe_save(6000)\n    if served: break\n"
+            "for _ in range(600):\n    served = ckpt.maybe_save(6000)\n    if served: break\n"
             "    time.sleep(0.05)\nckpt.wait()\nprint('served during the cell' if served else 'not served')")
     messages = dash.run(code, on_message=on_message)
     outputs = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
-    assert clicked and "[all] served during the cell" in outputs, outputs
+    message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
+    said = [state.get("value") for comm_id, state in dash.updates if comm_id == message_widget]
+    assert clicked and "[all] served during the cell" in outputs, (outputs, said[-3:])
     notes = [state.get("value", "") for _, state in dash.updates if "main shell" in str(state.get("value", ""))]
     assert not notes, notes

@@ -71,6 +71,19 @@ class Iopub:
                 continue
         return self.comms[comm_id].get(key, "")
 
+    def wait_for_shown(self, wanted: str, timeout: float = 60) -> str:
+        """The id of a comm whose `value` contains `wanted`, once one does (None after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            shown = next((cid for cid, known in self.comms.items() if wanted in str(known.get("value", ""))), None)
+            if shown is not None:
+                return shown
+            try:
+                self._track(self.kernel.client.get_iopub_msg(timeout=0.5))
+            except queue.Empty:
+                continue
+        return None
+
     def comm_of(self, **state) -> str:
         return next(cid for cid, known in self.comms.items() if all(known.get(k) == v for k, v in state.items()))
 
