@@ -20,7 +20,7 @@ placement group are the driver's job's, so Ray frees them when it ends, however 
 stands in for the holding kernel on every host (ray_kept.py): it watches the holder's pid, and
 on SIGUSR1 (a kernel attached) or the holder's end it copies the attach record into each host's
 directory through the actors, which wake their agents. It ends the pool on `{"stop"}`, SIGTERM,
-or when any agent ends (a rank died, or `--keep-for` ran out while no kernel held the pool).
+or when any agent ends (`--keep-for` ran out while no kernel held the pool).
 
 Run as `python -m fsdp2nb.pool.ray_driver`.
 """

@@ -11,7 +11,7 @@ kernel starts in a session of its own and which outlives it for a kept pool, bri
   the attaching kernel read: the running request, the last cell id) and the signed record out to
   every host, whose agent follows it as on one host (worker/kept.py);
 - the pool ends with the driver: on `%fsdp2 stop` (`{"stop"}` from the kernel that started it,
-  SIGTERM from one that attached), or when an agent ends (a rank died, or `--keep-for` ran out).
+  SIGTERM from one that attached), or when an agent ends (`--keep-for` ran out).
 
 A kernel that attaches listens on the same cluster address as the first, on a fresh port, with
 the pool's certificate (kept 0600 in the pool's runtime directory): the ranks check the
