@@ -17,7 +17,8 @@ import tempfile
 import threading
 from typing import TYPE_CHECKING
 
-from fsdp2nb.pool.pool import WorkerPool, describe_exit
+from fsdp2nb.pool.launcher import describe_exit
+from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.widgets.model import DashboardModel, PoolFacts
 from fsdp2nb.wire.protocol import (
     CheckpointStatus,

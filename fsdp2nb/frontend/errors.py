@@ -8,7 +8,7 @@ draws it through `_render_traceback_`, one block per distinct traceback.
 from __future__ import annotations
 
 from fsdp2nb.frontend.output import rank_label
-from fsdp2nb.pool.pool import describe_exit
+from fsdp2nb.pool.launcher import describe_exit
 from fsdp2nb.wire.protocol import ErrorInfo, RankExited
 
 NOT_RAISED = {"RankDied", "RankStuck", "RankStopped", "BdbQuit", "NothingToDebug"}

@@ -22,8 +22,8 @@ from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
 from fsdp2nb.pool.kept import KeepOptions, PoolHeldError, list_pools, noted_runs
-from fsdp2nb.pool.launcher import LocalLauncher
-from fsdp2nb.pool.pool import PoolStartError, WorkerPool, describe_exit
+from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
+from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import ControlMessage, PostMortem, PullValue, PushValues, RunCell
 from fsdp2nb.wire.sigint import sigint_noted

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 
 from fsdp2nb.pool import reaper
-from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, LaunchError
+from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, LaunchError, describe_exit
 from fsdp2nb.pool.spec import Placement, PoolSpec
 from fsdp2nb.wire.kept import (
     KEY_FILE,
@@ -292,8 +292,6 @@ def describe_ranks(ranks: list[int]) -> str:
 
 def describe_deaths(reports: Iterable[RankExited]) -> str:
     """`rank 1 died (exit code 3)`, one clause per rank."""
-    from fsdp2nb.pool.pool import describe_exit
-
     return "; ".join(f"rank {report.rank} died ({describe_exit(report)})"
                      for report in sorted(reports, key=lambda report: report.rank))
 

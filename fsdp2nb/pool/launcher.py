@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fsdp2nb.pool import reaper
-from fsdp2nb.wire.protocol import LaunchPlan
+from fsdp2nb.wire.protocol import LaunchPlan, RankExited
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,17 @@ class AgentProcess:
         # The agent SIGTERMs, then SIGKILLs, its ranks; each rank (in a session of its own) also
         # dies with the agent through PR_SET_PDEATHSIG.
         end_process_group(self.process, grace_s)
+
+
+DEFAULT_GRACE_S = 3.0
+"""The agents' grace for their ranks when no stop request said otherwise (a Ray pool's driver)."""
+
+
+def describe_exit(report: RankExited) -> str:
+    """How a rank ended, from its agent's report: "killed by SIGKILL", "exit code 3"."""
+    if report.signal_name:
+        return f"killed by {report.signal_name}"
+    return f"exit code {report.exit_code}"
 
 
 def describe_exit_code(code: int) -> str:

@@ -29,7 +29,14 @@ from fsdp2nb.pool import kept, reaper
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.kept_pool import KeptPoolParts
-from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, Launcher, LaunchError, LocalLauncher
+from fsdp2nb.pool.launcher import (
+    AgentExit,
+    LaunchedRanks,
+    Launcher,
+    LaunchError,
+    LocalLauncher,
+    describe_exit,
+)
 from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
@@ -445,12 +452,6 @@ class WorkerPool(KeptPoolParts):
             self.held_output.add(event)  # a rank's own thread, between cells
             return
         self._events.put(event)
-
-
-def describe_exit(report: RankExited) -> str:
-    if report.signal_name:
-        return f"killed by {report.signal_name}"
-    return f"exit code {report.exit_code}"
 
 
 def _same_process(info: RankReady) -> psutil.Process | None:

@@ -35,7 +35,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from fsdp2nb.pool.launcher import describe_exit_code, end_process_group
+from fsdp2nb.pool.launcher import DEFAULT_GRACE_S, describe_exit_code, end_process_group
 from fsdp2nb.wire.kept import ACTIVITY_FILE, RECORD_FILE
 
 RAY_NAMESPACE = "fsdp2nb"
@@ -43,8 +43,6 @@ RAY_NAMESPACE = "fsdp2nb"
 `ray.get_actor(name, namespace="fsdp2nb")` can tell whose they are."""
 PLACEMENT_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
-DEFAULT_GRACE_S = 3.0
-"""The agents' grace for their ranks when no stop request said otherwise."""
 _lock = threading.Lock()
 
 

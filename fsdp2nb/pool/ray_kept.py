@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from fsdp2nb.pool import kept
-from fsdp2nb.pool.ray_driver import DEFAULT_GRACE_S
+from fsdp2nb.pool.launcher import DEFAULT_GRACE_S
 from fsdp2nb.wire.endpoints import split_tcp_address, tcp_address
 from fsdp2nb.wire.kept import (
     ACTIVITY_FILE,
