@@ -113,7 +113,7 @@ def compare_torchrun(model_dir: str, rounds: int) -> None:
     print(json.dumps({"cell_ms": cell, "torchrun_ms": torchrun}))
     print(f"\nstep time on {NUM_RANKS} CPU ranks, {rounds} alternating runs of 40 steps each; the cell run of "
           "each round is paired with the torchrun run right after it, so drift of a shared machine hits both")
-    _print_ratios(cell, torchrun, "%%fsdp2 cell", "torchrun")
+    print_paired_ratios(cell, torchrun, "%%fsdp2 cell", "torchrun")
     print("goal: <= 1.02")
 
 
@@ -134,7 +134,7 @@ def compare_dashboard(model_dir: str, rounds: int, idle_s: float) -> None:
         shown.stop()
     print(json.dumps({"step_ms": steps, "kernel_cpu_training": training_cpu, "kernel_cpu_idle": idle_cpu}))
     print(f"\nstep time on {NUM_RANKS} CPU ranks, dashboard shown vs hidden, {rounds} alternating runs")
-    _print_ratios(steps["shown"], steps["hidden"], "shown", "hidden")
+    print_paired_ratios(steps["shown"], steps["hidden"], "shown", "hidden")
     print("goal: <= 1.01")
     for label, index in (("hidden", 0), ("shown", 1)):
         idle = statistics.median(cpu[index] for cpu in idle_cpu)
@@ -146,7 +146,7 @@ def compare_dashboard(model_dir: str, rounds: int, idle_s: float) -> None:
     print("goal: shown <= 2% idle, <= 5% training")
 
 
-def _print_ratios(first: list, second: list, first_name: str, second_name: str) -> None:
+def print_paired_ratios(first: list, second: list, first_name: str, second_name: str) -> None:
     for label, index in (("median step", 0), ("10th-percentile step", 1)):
         first_ms = statistics.median(c[index] for c in first)
         second_ms = statistics.median(t[index] for t in second)

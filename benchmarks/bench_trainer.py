@@ -27,6 +27,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_train_step import print_paired_ratios  # noqa: E402
 from tests.support.kernel_client import WITHOUT_GPUS, Kernel  # noqa: E402
 
 NUM_RANKS = 2
@@ -116,16 +117,6 @@ def _step_times(output: str) -> tuple[float, float, float]:
     return float(found.group(1)), float(found.group(2)), float(found.group(3))
 
 
-def _print_ratios(first: list, second: list, first_name: str, second_name: str) -> None:
-    for label, index in (("median step", 0), ("10th-percentile step", 1)):
-        first_ms = statistics.median(c[index] for c in first)
-        second_ms = statistics.median(t[index] for t in second)
-        paired = sorted(c[index] / t[index] for c, t in zip(first, second, strict=True))
-        print(f"  {label:>21}: {first_name} {first_ms:.1f} ms, {second_name} {second_ms:.1f} ms, ratio of medians "
-              f"{first_ms / second_ms:.3f}, paired ratios {' '.join(f'{r:.3f}' for r in paired)} "
-              f"(median {statistics.median(paired):.3f})")
-
-
 def load_average() -> str:
     return " ".join(f"{value:.1f}" for value in os.getloadavg())
 
@@ -163,11 +154,11 @@ def main() -> None:
     steps = f"{args.rounds} alternating pairs of {args.steps - WARMUP_STEPS - 1} timed Trainer steps on {NUM_RANKS} CPU ranks"
     if runs["cell"]:
         print(f"\n%%fsdp2 cell vs torchrun, {steps}")
-        _print_ratios(runs["cell"], runs["torchrun"], "cell", "torchrun")
+        print_paired_ratios(runs["cell"], runs["torchrun"], "cell", "torchrun")
         print("goal: <= 1.02")
     if runs["callback"]:
         print(f"\nfsdp2nb.TrainerCallback on vs off in the pool, {steps}")
-        _print_ratios(runs["callback"], runs["no_callback"], "on", "off")
+        print_paired_ratios(runs["callback"], runs["no_callback"], "on", "off")
         inside = statistics.median(run[2] for run in runs["callback"])
         step = statistics.median(run[0] for run in runs["callback"])
         print(f"  time in the callback's step end (an all-reduce read, the next posted), median over runs: "

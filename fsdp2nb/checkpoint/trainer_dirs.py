@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
+from fsdp2nb.checkpoint.layout import dir_size
 from fsdp2nb.wire.protocol import CheckpointEntry, CheckpointStatus
 
 DCP_DIR = "fsdp2nb_dcp"
@@ -34,7 +36,7 @@ def list_trainer_checkpoints(output_dir: str) -> CheckpointStatus:
         dcp_dir = os.path.join(path, DCP_DIR)
         shards = [n for n in _names(dcp_dir) if n.endswith(".distcp")]
         valid = os.path.isfile(state) and os.path.isfile(os.path.join(dcp_dir, ".metadata")) and _readable_json(state)
-        entries.append(CheckpointEntry(step=step, path=path, wall_time=_mtime(state), size_bytes=_size(path),
+        entries.append(CheckpointEntry(step=step, path=path, wall_time=_mtime(state), size_bytes=dir_size(Path(path)),
                                        world_size=len(shards) or None, valid=valid))
     latest = max((e.step for e in entries if e.valid), default=None)
     return CheckpointStatus(directory=output_dir, latest_step=latest, saving_step=None, last_error=None,
@@ -74,17 +76,6 @@ def _mtime(path: str) -> float | None:
         return os.stat(path).st_mtime
     except OSError:
         return None
-
-
-def _size(directory: str) -> int:
-    total = 0
-    for root, _, files in os.walk(directory):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def _readable_json(path: str) -> bool:

@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from tests.support.kernel_client import WITHOUT_GPUS, Kernel
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel, kernels_with_fsdp2nb
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,20 +33,8 @@ def tmpdir_env():
 @pytest.fixture
 def kernels(tmpdir_env):
     """Starts kernels with the extension loaded; stops (or kills) them at the end."""
-    started: list[Kernel] = []
-
-    def start() -> Kernel:
-        kernel = Kernel(env=tmpdir_env)
-        started.append(kernel)
-        assert kernel.execute("%load_ext fsdp2nb").status == "ok"
-        return kernel
-
-    yield start
-    for kernel in started:
-        try:
-            kernel.stop()
-        except Exception:
-            pass
+    with kernels_with_fsdp2nb(tmpdir_env) as start:
+        yield start
 
 
 def _kept_dirs(root: str) -> list[str]:

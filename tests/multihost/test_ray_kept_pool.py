@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.support.host_processes import pool_processes, wait_for_no_pool_processes
-from tests.support.kernel_client import WITHOUT_GPUS, Kernel
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel, kernels_with_fsdp2nb
 
 pytestmark = pytest.mark.timeout(900)  # the session's Ray cluster starts inside the first test
 
@@ -68,20 +68,8 @@ def kept_env(ray_cluster):
 
 @pytest.fixture
 def kernels(kept_env, test_hosts):
-    started: list[Kernel] = []
-
-    def start() -> Kernel:
-        kernel = Kernel(env=kept_env, argv_prefix=test_hosts[0].exec_prefix())
-        started.append(kernel)
-        assert kernel.execute("%load_ext fsdp2nb").status == "ok"
-        return kernel
-
-    yield start
-    for kernel in started:
-        try:
-            kernel.stop()
-        except Exception:
-            pass
+    with kernels_with_fsdp2nb(kept_env, argv_prefix=test_hosts[0].exec_prefix()) as start:
+        yield start
 
 
 def _metas(root: str) -> list[dict]:

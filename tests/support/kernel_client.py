@@ -5,6 +5,7 @@ Needs the `test` extra (jupyter_client, ipykernel); imported only by tests and b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import tempfile
@@ -173,3 +174,22 @@ class Kernel:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=False)
         self._sockets.cleanup()
+
+
+@contextlib.contextmanager
+def kernels_with_fsdp2nb(env: dict[str, str], argv_prefix: list[str] | None = None):
+    """Yields `start()`, which starts a kernel with fsdp2nb loaded; every kernel started ends on exit."""
+    started: list[Kernel] = []
+
+    def start() -> Kernel:
+        kernel = Kernel(env=env, argv_prefix=argv_prefix)
+        started.append(kernel)
+        assert kernel.execute("%load_ext fsdp2nb").status == "ok"
+        return kernel
+
+    try:
+        yield start
+    finally:
+        for kernel in started:
+            with contextlib.suppress(Exception):  # one that died already (the tests kill some)
+                kernel.stop()
