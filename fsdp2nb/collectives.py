@@ -31,11 +31,15 @@ COLLECTIVE_TIMEOUT_ENV = "FSDP2NB_COLLECTIVE_TIMEOUT_S"
 
 
 def new_gloo_group() -> dist.ProcessGroup:
-    """A gloo group of every rank, with the pool's collective timeout: a group made with torch's
-    default would wait 30 minutes for a rank that `--timeout` says is gone after a few seconds."""
+    """A CPU group of every rank, with the pool's collective timeout: a group made with torch's
+    default would wait 30 minutes for a rank that `--timeout` says is gone after a few seconds.
+    On CPU ranks it has the default group's backend (re-formable after a failed collective,
+    `worker.reformable_groups`); beside NCCL it is plain gloo."""
     timeout_s = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
     timeout = timedelta(seconds=float(timeout_s)) if timeout_s else None
-    return dist.new_group(backend="gloo", timeout=timeout)
+    default_backend = dist.get_backend()
+    backend = "gloo" if "nccl" in default_backend else default_backend
+    return dist.new_group(backend=backend, timeout=timeout)
 
 
 def is_distributed() -> bool:

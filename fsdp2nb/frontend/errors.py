@@ -11,7 +11,7 @@ from fsdp2nb.frontend.output import rank_label
 from fsdp2nb.pool.launcher import describe_exit
 from fsdp2nb.wire.protocol import ErrorInfo, RankExited
 
-NOT_RAISED = {"RankDied", "RankStuck", "RankStopped", "BdbQuit", "NothingToDebug"}
+NOT_RAISED = {"RankDied", "RankStuck", "RankStopped", "BdbQuit", "NothingToDebug", "CollectiveReleased"}
 """What befell a rank rather than an exception it raised: said as a sentence, not as "raised"."""
 
 

@@ -35,6 +35,7 @@ from fsdp2nb.wire.protocol import (
     Interrupt,
     RankActivity,
     RankExited,
+    ReleaseCollectives,
     ReportActivity,
     RichOutput,
     StreamOutput,
@@ -46,9 +47,19 @@ if TYPE_CHECKING:
     from fsdp2nb.pool.spec import PoolSpec
 
 ERROR_GRACE_S = 3.0
-"""After a rank fails, how long the others may go on before they are interrupted."""
+"""After a rank fails, how long the others may go on before they are interrupted (pools whose
+groups cannot be re-formed; the others release the collectives at once)."""
 INTERRUPT_GRACE_S = 5.0
-"""After an interrupt, how long ranks may take to return before the pool is restarted."""
+"""After an interrupt or a release, how long ranks may take to return before the pool is restarted."""
+RELEASE_AFTER_ERROR_S = 0.5
+"""After a rank failed, how long the others may take to end the cell themselves before their
+collectives are released (ranks raising the same error a moment apart need no release)."""
+RELEASE_AFTER_INTERRUPT_S = 0.5
+"""After the stop button, how long ranks may take to return before their collectives are released
+(a thread blocked in one ignores SIGINT)."""
+UNMATCHED_COLLECTIVE_S = 5.0
+"""How long ranks may sit in collectives that cannot complete (others finished, or wait in
+another one) before the collectives are released."""
 WAITING_REPORT_S = 3.0
 """After this long without output from a cell, the ranks are asked where they are; a collective
 that not every rank entered would otherwise wait silently for the whole collective timeout."""
@@ -75,6 +86,9 @@ class StopPresses(Protocol):
 
 Recover = Callable[["PoolSpec", str], str]
 """Replaces a pool whose ranks are dead or stuck; given what happened, returns the note to show."""
+Reform = Callable[[], str]
+"""Re-forms the process groups of every rank after a released or failed collective; returns the
+note to show (if that fails, it restarts the pool and the note says so)."""
 AskInput = Callable[[str, bool], str]
 """Asks the notebook for a line: (prompt, password) -> the line; raises KeyboardInterrupt when the
 stop button is pressed meanwhile, EOFError at end of input, PromptDeferred when the prompt should
@@ -111,6 +125,12 @@ class CellProgress:
     """Ranks that did not answer because a signal stopped them (rank -> pid), as last seen."""
     diverged_at: float | None = None
     """When the ranks were first seen at diverging points (see _ranks_diverge)."""
+    released_at: float | None = None
+    """When the ranks' collectives were released (see RequestWait._release)."""
+    release_cause: str = ""
+    """Why they were, as the cell says it: what the released ranks waited for."""
+    released_from: dict[int, str] = field(default_factory=dict)
+    """rank -> the collective it waited in when released (where it was known)."""
     prompts: dict[int, InputRequested] = field(default_factory=dict)
     """Ranks waiting for a line of input, answered one at a time in rank order."""
     prompting_rank: int | None = None
@@ -131,11 +151,13 @@ class RequestWait:
                  ask_input: AskInput, stop_presses: StopPresses | None = None,
                  on_rank_finished: Callable[[int, bool], None] | None = None,
                  cell_ids: dict[int, int] | None = None, before_prompt: Callable[[], bool] | None = None,
-                 started_at: float | None = None) -> None:
+                 started_at: float | None = None, reform: Reform | None = None) -> None:
         """`cell_ids`: rank -> the request it runs, where ranks run different ones (a kept pool's
         runs taken over on attach; default: `cell_id` on every rank). `before_prompt` is called
         on the waiting thread before a prompt is shown; False: no one can answer yet, it waits.
-        `started_at`: when the request began (time.time()), if before this wait."""
+        `started_at`: when the request began (time.time()), if before this wait. `reform`: re-forms
+        the process groups after a failed collective; without it (pools whose groups cannot be
+        re-formed) ranks left in a collective are interrupted, then the pool is restarted."""
         self.pool = pool
         self.cell_id = cell_id
         self._cell_ids = cell_ids or dict.fromkeys(ranks, cell_id)
@@ -145,6 +167,7 @@ class RequestWait:
         if started_at is not None:
             self.progress.started_at -= max(0.0, time.time() - started_at)
         self._recover_pool = recover
+        self._reform = reform if not pool.spec.uses_gpus else None  # NCCL groups: not yet
         self._ask_input = ask_input
         self._stop_presses = stop_presses
         self._on_rank_finished = on_rank_finished
@@ -171,8 +194,11 @@ class RequestWait:
         finally:
             self._close()
         show_results(self.progress.results, self.pool.world_size)
-        if self.progress.errors:
-            raise RankError(self.progress.errors, self.pool.world_size, notes=self.after_collective_timeout())
+        if self.progress.errors or self.progress.released_at is not None:
+            errors, notes = self._after_failed_collectives()
+            if errors:
+                raise RankError(errors, self.pool.world_size, notes=notes)
+            write_to_kernel("stderr", "".join(f"{note}\n" for note in notes))
         return self.progress
 
     def _close(self) -> None:
@@ -221,9 +247,12 @@ class RequestWait:
                              f"its ranks go on there (`%fsdp2 attach {name} --take` takes it back)")
 
     def _stop_pressed(self) -> None:
-        if self.progress.interrupted_at is None:
+        progress = self.progress
+        if progress.interrupted_at is None:
             self._interrupt()
-        else:  # a second press while waiting means: do not wait any longer
+        elif self._reform is not None and progress.released_at is None:  # a second press: release now
+            self._release("the stop button was pressed")
+        else:  # and then: do not wait any longer
             self._recover("the ranks did not return after a second interrupt")
 
     def _handle(self, event: EventMessage) -> None:
@@ -277,6 +306,8 @@ class RequestWait:
         self._merger.rank_done(event.rank)
         if event.error is not None:
             progress.errors.append((event.rank, event.error))
+            if progress.first_error_at is None and self._reform is not None:
+                self._ask_running_ranks()  # where they wait, for the line that says they were released
             progress.first_error_at = progress.first_error_at or time.monotonic()
         if self._on_rank_finished is not None:
             self._on_rank_finished(event.rank, event.error is not None)
@@ -369,10 +400,19 @@ class RequestWait:
     # --- deadlines and quiet ranks --------------------------------------------------------------
 
     def _enforce_deadlines(self) -> None:
-        """A rank failed while others wait (likely in a collective): interrupt, then restart."""
+        """A rank failed while others go on: release the collectives they wait in (or, where groups
+        cannot be re-formed, interrupt them); ranks that do not return then get a new pool."""
         progress = self.progress
         if not progress.running:  # the last rank returned in this very pass
             return
+        if self._reform is not None:
+            self._release_when_due()
+            if progress.released_at is not None:
+                if time.monotonic() - progress.released_at > INTERRUPT_GRACE_S:
+                    stuck = ", ".join(map(str, progress.running))
+                    self._recover(f"rank(s) {stuck} did not return within {INTERRUPT_GRACE_S:g} s of releasing "
+                                  "their collectives: they are inside code that is not a collective")
+                return
         now = time.monotonic()
         if progress.interrupted_at is None and progress.first_error_at is not None:
             if now - progress.first_error_at > ERROR_GRACE_S:
@@ -381,12 +421,53 @@ class RequestWait:
             stuck = ", ".join(map(str, progress.running))
             self._recover(f"rank(s) {stuck} did not return within {INTERRUPT_GRACE_S:g} s of the interrupt")
 
+    # --- released collectives ---------------------------------------------------------------------
+
+    def _release_when_due(self) -> None:
+        """Release at once after a rank failed (the others can only wait for it), shortly after
+        the stop button, and when ranks sit in collectives that cannot complete."""
+        progress = self.progress
+        if progress.released_at is not None:
+            return
+        if progress.first_error_at is not None:
+            if time.monotonic() - progress.first_error_at > RELEASE_AFTER_ERROR_S:
+                cause = ("the cell was interrupted" if progress.interrupted_at is not None
+                         else f"rank {progress.errors[0][0]} failed while they waited")
+                self._release(cause)
+        elif progress.interrupted_at is not None:
+            if time.monotonic() - progress.interrupted_at > RELEASE_AFTER_INTERRUPT_S:
+                self._release("the cell was interrupted")
+        elif (unmatched := _unmatched_collectives(progress, self.pool.world_size)) is not None:
+            self._release(unmatched)
+
+    def _release(self, cause: str) -> None:
+        """Cut every rank's collectives: ranks blocked in one return with an error at once, the
+        others fail at their next. The groups are re-formed once every rank has replied."""
+        progress = self.progress
+        progress.released_at = time.monotonic()
+        progress.release_cause = cause
+        progress.released_from = {rank: activity.collective for rank, activity in progress.activity.items()
+                                  if activity.collective and rank in progress.running}
+        for rank in sorted(self.pool.ranks):
+            try:
+                self.pool.send(rank, ReleaseCollectives(cell_id=self._cell_ids.get(rank, self.cell_id)),
+                               connect_timeout_s=0)
+            except ConnectionError:
+                pass  # its end is reported as an exit of its own
+
     def _interrupt(self) -> None:
         self.progress.interrupted_at = time.monotonic()
         for rank in self.progress.running:
             try:
                 self.pool.send(rank, Interrupt(cell_id=self._cell_ids[rank]), connect_timeout_s=0)
                 # Where it was, in case it does not return: the error then names its line.
+                self.pool.send(rank, ReportActivity(cell_id=self._cell_ids[rank]), connect_timeout_s=0)
+            except ConnectionError:
+                pass
+
+    def _ask_running_ranks(self) -> None:
+        for rank in self.progress.running:
+            try:
                 self.pool.send(rank, ReportActivity(cell_id=self._cell_ids[rank]), connect_timeout_s=0)
             except ConnectionError:
                 pass
@@ -486,18 +567,40 @@ class RequestWait:
         raise RankError([(first, ErrorInfo("RankDied", f"could not be reached: {reason}", ()))],
                         pool.world_size, notes=(note,))
 
-    def after_collective_timeout(self) -> tuple[str, ...]:
-        """A collective that timed out leaves the process group unusable: mark the pool broken;
-        the notes for the request's error (none if no collective timed out)."""
-        timed_out = sorted(rank for rank, error in self.progress.errors if _is_collective_timeout(error))
-        if not timed_out:
-            return ()
-        ranks = ", ".join(map(str, timed_out))
-        timeout_s = self.pool.spec.collective_timeout_s
-        self.pool.mark_broken(f"a collective timed out on rank(s) {ranks} after {timeout_s:g} s")
-        return (alarm(f"a collective timed out on rank(s) {ranks} after {timeout_s:g} s: the pool's process "
-                      "group is unusable now") + "\n`%fsdp2 restart` starts a fresh pool (rank state is lost); "
-                "`--timeout SECONDS` there sets the collective timeout",)
+    def _after_failed_collectives(self) -> tuple[list[tuple[int, ErrorInfo]], tuple[str, ...]]:
+        """The errors to show, root causes first, and the notes under them. After a released or
+        failed collective the process groups are re-formed in place (every rank's state kept);
+        a pool whose groups cannot be re-formed is marked broken instead."""
+        progress = self.progress
+        failed = sorted(rank for rank, error in progress.errors if error.kind in ("collective", "released"))
+        if progress.released_at is None and not failed:
+            return progress.errors, ()
+        causes = [(rank, error) for rank, error in progress.errors if error.kind != "released"]
+        released = sorted(rank for rank, error in progress.errors if error.kind == "released")
+        if self._reform is None:
+            ranks = ", ".join(map(str, failed))
+            self.pool.mark_broken(f"a collective failed on rank(s) {ranks}")
+            return progress.errors, (alarm(f"a collective failed on rank(s) {ranks}: the pool's process group is "
+                                           "unusable now") + "\n`%fsdp2 restart` starts a fresh pool (rank state "
+                                     "is lost); `--timeout SECONDS` there sets the collective timeout",)
+        errors = causes or [(rank, self._released_error(rank)) for rank in released]
+        notes = (self._released_line(released),) if released else ()
+        return errors, (*notes, self._reform())
+
+    def _released_line(self, released: list[int]) -> str:
+        """One line for the ranks whose collectives were released."""
+        progress = self.progress
+        where = sorted({progress.released_from[rank] for rank in released if rank in progress.released_from})
+        collectives = f" from {', '.join(where)}" if where else ""
+        cause = f" ({progress.release_cause})" if progress.release_cause else ""
+        return (f"released rank(s) {', '.join(map(str, released))}{collectives}: "
+                f"their collectives could not complete{cause}")
+
+    def _released_error(self, rank: int) -> ErrorInfo:
+        """A released rank's error where no rank raised (collectives that did not match)."""
+        collective = self.progress.released_from.get(rank, "a collective")
+        return ErrorInfo("CollectiveReleased", f"waited in {collective}, which could not complete", (),
+                         kind="released")
 
 
 def _refusal(prompt: InputRequested, error: Exception) -> str:
@@ -511,11 +614,26 @@ def _refusal(prompt: InputRequested, error: Exception) -> str:
     return f"{asked}, but {error}"
 
 
-def _is_collective_timeout(error: ErrorInfo) -> bool:
-    """A process-group timeout as gloo and torch.distributed word it."""
-    text = error.evalue.lower()
-    return (error.ename.startswith("Dist") or error.ename == "RuntimeError") and ("timed out" in text
-                                                                                 or "timeout" in text)
+def _unmatched_collectives(progress: CellProgress, world_size: int) -> str | None:
+    """Why the running ranks' collectives cannot complete, once each has sat in the same one for
+    UNMATCHED_COLLECTIVE_S while others finished, or waited in another collective; else None."""
+    running = progress.running
+    if not running or progress.prompts or progress.stopped:
+        return None
+    now = time.monotonic()
+    if any(now - progress.collective_since.get(rank, now) < UNMATCHED_COLLECTIVE_S for rank in running):
+        return None  # some rank is not in a collective, or has not been in it for long
+    waits = {rank: progress.activity[rank] for rank in running}
+    if progress.finished:
+        done = ", ".join(map(str, sorted(progress.finished)))
+        return f"rank(s) {done} finished the cell while the others waited in a collective"
+    if len({activity.collective for activity in waits.values()}) > 1:
+        return "collectives did not match: " + "; ".join(
+            f"rank {rank} in {activity.collective}" + (f" at {activity.where}" if activity.where else "")
+            for rank, activity in sorted(waits.items()))
+    if len(progress.ranks) < world_size:
+        return "the cell runs on some ranks only, and they wait in a collective of every rank"
+    return None
 
 
 def _ranks_diverge(progress: CellProgress, world_size: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import sys
 import threading
 import time
@@ -18,14 +19,22 @@ from collections.abc import Callable
 from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, resume_background_run
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.errors import RankError, alarm
-from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook
+from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook, refuse_in_background
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
 from fsdp2nb.pool.kept import KeepOptions, PoolHeldError, list_pools, noted_runs
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.protocol import ControlMessage, PostMortem, PullValue, PushValues, RunCell
+from fsdp2nb.wire.protocol import (
+    ControlMessage,
+    PostMortem,
+    PullValue,
+    PushValues,
+    ReformGroups,
+    RunCell,
+    RunCommand,
+)
 from fsdp2nb.wire.sigint import sigint_noted
 
 logger = logging.getLogger(__name__)
@@ -178,7 +187,8 @@ class NotebookSession:
         wait = RequestWait(pool, min(cell_ids.values()), run.ranks, cell_ids=cell_ids,
                            recover=self._restart_after_failure, ask_input=relay.ask,
                            before_prompt=relay.can_answer, stop_presses=run.stops,
-                           on_rank_finished=run.rank_finished, started_at=run.started_at)
+                           on_rank_finished=run.rank_finished, started_at=run.started_at,
+                           reform=lambda: self._reform_groups(pool))
         resume_background_run(self.background, wait, run, busy_since)
         return run
 
@@ -283,7 +293,8 @@ class NotebookSession:
                      on_rank_finished: Callable[[int, bool], None] | None = None) -> RequestWait:
         """The wait for one request to `ranks`, with a fresh id; recovery restarts this session's pool."""
         return RequestWait(pool, self.next_cell_id(), ranks, recover=self._restart_after_failure,
-                           ask_input=ask_input, stop_presses=stop_presses, on_rank_finished=on_rank_finished)
+                           ask_input=ask_input, stop_presses=stop_presses, on_rank_finished=on_rank_finished,
+                           reform=lambda: self._reform_groups(pool))
 
     def run_request(self, pool: WorkerPool, ranks: tuple[int, ...],
                     make_request: Callable[[int], ControlMessage]) -> CellProgress:
@@ -294,6 +305,24 @@ class NotebookSession:
             wait = self.request_wait(pool, ranks, stop_presses=stop_button)
             wait.send(make_request(wait.cell_id))  # sent first: what follows runs while the ranks wake up
             return wait.wait_for_replies()
+
+    def _reform_groups(self, pool: WorkerPool) -> str:
+        """After a released or failed collective: every rank connects its process groups afresh
+        and reshards the FSDP2 modules whose iteration failed. The note to show; if the ranks
+        cannot re-form, the pool is restarted and the note says what was lost."""
+        started = time.monotonic()
+        ranks = tuple(sorted(pool.ranks))
+        wait = RequestWait(pool, self.next_cell_id(), ranks, recover=self._restart_after_failure,
+                           ask_input=refuse_in_background)
+        wait.send(RunCommand(cell_id=wait.cell_id, command=ReformGroups(generation=secrets.randbits(62))))
+        try:
+            wait.wait_for_replies()
+        except RankError as error:
+            if error.notes:  # the pool was restarted meanwhile: its note says so
+                return "\n".join(error.notes)
+            return self._restart_after_failure(pool.spec, f"the process groups could not be re-formed ({error})")
+        return (f"the process groups were re-formed in place in {time.monotonic() - started:.2f} s: every rank's "
+                "variables, model and optimizer state are kept")
 
     def _restart_after_failure(self, spec: PoolSpec, what_happened: str) -> str:
         """Replace the pool without asking its ranks (they are stuck or dead); the note to show."""

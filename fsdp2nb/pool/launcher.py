@@ -110,6 +110,8 @@ DEFAULT_GRACE_S = 3.0
 
 def describe_exit(report: RankExited) -> str:
     """How a rank ended, from its agent's report: "killed by SIGKILL", "exit code 3"."""
+    if report.signal_name == "SIGKILL":
+        return "killed by SIGKILL (the kernel's out-of-memory killer is its usual sender)"
     if report.signal_name:
         return f"killed by {report.signal_name}"
     return f"exit code {report.exit_code}"

@@ -53,6 +53,7 @@ from fsdp2nb.wire.protocol import (
     RankPlan,
     RankReady,
     RankSnapshot,
+    ReleaseCollectives,
     RendezvousOpened,
     ReportActivity,
     RequestSave,
@@ -379,7 +380,8 @@ class WorkerPool(KeptPoolParts):
     def send(self, ranks: int | tuple[int, ...], message: ControlMessage, connect_timeout_s: float = 5.0) -> None:
         """Send `message` to one rank or to several."""
         assert self._channels is not None, "the pool is not running"
-        control = isinstance(message, (Interrupt, RequestSave, ResetPeak, ReportActivity, AnswerInput))
+        control = isinstance(message, (Interrupt, RequestSave, ResetPeak, ReportActivity, AnswerInput,
+                                       ReleaseCollectives))
         cell_id = getattr(message, "cell_id", None)
         if cell_id is not None:
             for rank in (ranks,) if isinstance(ranks, int) else ranks:

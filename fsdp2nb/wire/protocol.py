@@ -17,6 +17,10 @@ StreamName = Literal["stdout", "stderr"]
 ChannelRole = Literal["requests", "control", "events"]
 CellStatus = Literal["ok", "error"]
 RichKind = Literal["display", "result", "clear"]
+ErrorKind = Literal["raised", "interrupted", "collective", "released"]
+"""raised: the user's code raised. interrupted: KeyboardInterrupt. collective: torch.distributed
+raised it from inside a collective (a timeout, a peer gone, mismatched sizes): the process groups
+must be re-formed. released: a collective the kernel released (`ReleaseCollectives`) failed."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,16 @@ class PullValue:
 @dataclass(frozen=True)
 class Interrupt:
     """Raise KeyboardInterrupt in the rank's main thread if it is still running `cell_id`."""
+
+    cell_id: int
+
+
+@dataclass(frozen=True)
+class ReleaseCollectives:
+    """Make every collective this rank waits in (or enters next) fail at once: its process groups'
+    connections are shut down, from the control thread, so a main thread blocked in gloo returns.
+    The kernel sends it to every rank when a collective cannot complete (a rank failed or was
+    interrupted while others wait); the groups are then re-formed in place (`ReformGroups`)."""
 
     cell_id: int
 
@@ -172,7 +186,17 @@ class SaveIfRequested:
     """At the end of a cell: make the save the dashboard asked for that no `maybe_save` reached."""
 
 
-RankCommand = SaveCheckpoint | LoadCheckpoint | DeleteCheckpoint | ExportHF | SaveIfRequested
+@dataclass(frozen=True)
+class ReformGroups:
+    """After `ReleaseCollectives`: give every process group of the rank fresh connections (the
+    same group objects, so meshes, FSDP2 modules and DTensors keep working) and clear FSDP2's
+    state of the iteration that failed. Every rank of the pool runs it together."""
+
+    generation: int
+    """Counts re-formings of this pool: the store prefix under which the ranks meet again."""
+
+
+RankCommand = SaveCheckpoint | LoadCheckpoint | DeleteCheckpoint | ExportHF | SaveIfRequested | ReformGroups
 """Every command the kernel can send; `fsdp2nb.worker.commands.HANDLERS` has one handler for each."""
 
 
@@ -186,7 +210,7 @@ class RunCommand:
 
 
 ControlMessage = (RunCell | PushValues | PullValue | Interrupt | RequestSave | ResetPeak | ReportActivity
-                  | Shutdown | JoinRendezvous | PostMortem | AnswerInput | RunCommand)
+                  | Shutdown | JoinRendezvous | PostMortem | AnswerInput | RunCommand | ReleaseCollectives)
 
 
 # --- rank -> kernel (event channel) -----------------------------------------------------------
@@ -241,6 +265,9 @@ class ErrorInfo:
     ename: str
     evalue: str
     traceback: tuple[str, ...]
+    kind: ErrorKind = "raised"
+    """What the exception was, decided on the rank from its type and where it was raised (see
+    `worker.error_kinds`): never guessed from the words of its message."""
 
 
 @dataclass(frozen=True)
@@ -464,7 +491,7 @@ class AttachRecord:
 WIRE_TYPES = (ChannelHello, RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
               RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak,
               TaskProgress, ReportActivity, RankActivity, JoinRendezvous, RendezvousOpened,
-              PostMortem, AnswerInput, InputRequested, RunCommand, AttachRecord)
+              PostMortem, AnswerInput, InputRequested, RunCommand, AttachRecord, ReleaseCollectives)
 """Messages that travel as (index in this tuple, field values): see transport.Signer."""
 
 

@@ -6,6 +6,7 @@ typed commands, never Python source, so a renamed command fails where it is impo
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from fsdp2nb.wire.protocol import (
     ExportHF,
     LoadCheckpoint,
     RankCommand,
+    ReformGroups,
     SaveCheckpoint,
     SaveIfRequested,
 )
@@ -115,11 +117,34 @@ def save_if_requested() -> None:
             print(f"saved step {step} at the end of the cell: the save was asked for after its last maybe_save")
 
 
+def reform_groups(generation: int) -> None:
+    """After the kernel released this rank's collectives: connect every process group afresh and
+    reshard the FSDP2 modules whose iteration failed (those in the user's namespace, a Trainer's,
+    the tracked checkpointer's). The user's variables, parameters and optimizer state stay."""
+    from fsdp2nb.worker.reformable_groups import reform_groups as reform
+
+    reform(generation)
+    if "torch.distributed.fsdp" not in sys.modules:  # no FSDP2 module exists: nothing to reshard
+        return
+    from IPython import get_ipython
+
+    from fsdp2nb.checkpoint.tracking import current_checkpointer
+    from fsdp2nb.engine.failed_iteration import reset_failed_iterations
+
+    shell = get_ipython()
+    candidates = list(shell.user_ns.values()) if shell is not None else []
+    checkpointer = current_checkpointer()
+    if checkpointer is not None:
+        candidates.append(checkpointer.tracked_model)
+    reset_failed_iterations(candidates)
+
+
 HANDLERS: dict[type, Callable[[Any], None]] = {
     SaveCheckpoint: lambda command: save_checkpoint(command.step, command.request_id),
     LoadCheckpoint: lambda command: load_checkpoint(command.target),
     DeleteCheckpoint: lambda command: delete_checkpoint(command.step),
     ExportHF: lambda command: export_hf(command.path),
     SaveIfRequested: lambda command: save_if_requested(),
+    ReformGroups: lambda command: reform_groups(command.generation),
 }
 """The handler of each command the kernel can send (`RankCommand`)."""

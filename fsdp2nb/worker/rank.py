@@ -37,6 +37,7 @@ from fsdp2nb.wire.protocol import (
     RankActivity,
     RankPlan,
     RankReady,
+    ReleaseCollectives,
     ReportActivity,
     RequestSave,
     ResetPeak,
@@ -50,6 +51,7 @@ from fsdp2nb.wire.protocol import (
 from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import FdCapture, OutputSync, line_buffered_streams
+from fsdp2nb.worker.error_kinds import error_kind
 from fsdp2nb.worker.kept import RankFollower
 from fsdp2nb.worker.rendezvous import network_environment, open_store
 from fsdp2nb.worker.sampler import ResourceSampler
@@ -172,8 +174,14 @@ class Rank:
             torch.set_num_threads(num_threads)
         timeout = timedelta(seconds=self.plan.collective_timeout_s)
         store = open_store(self.plan, self.rank, self._channels, timeout)
+        backend = self.plan.backend
+        if backend == "gloo":  # CPU ranks: groups that a failed collective does not cost (see there)
+            from fsdp2nb.worker.reformable_groups import BACKEND_NAME, register_backend
+
+            register_backend()
+            backend = BACKEND_NAME
         dist.init_process_group(
-            self.plan.backend, store=store, rank=self.rank, world_size=self.plan.world_size,
+            backend, store=store, rank=self.rank, world_size=self.plan.world_size,
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
@@ -227,8 +235,11 @@ class Rank:
             return self._failure(request.cell_id, _interrupted())
         except Exception as exc:  # outside IPython's handling (a push that cannot be unpickled, an
             # AST transformer rejecting the cell): the request fails, the rank and its state live on
+            from fsdp2nb.worker.reformable_groups import was_released
+
             return self._failure(request.cell_id, ErrorInfo(
-                ename=type(exc).__name__, evalue=str(exc), traceback=tuple(traceback.format_exception(exc))))
+                ename=type(exc).__name__, evalue=str(exc), traceback=tuple(traceback.format_exception(exc)),
+                kind=error_kind(exc, released=was_released())))
         finally:
             self._in_request = False
 
@@ -326,6 +337,10 @@ class Rank:
     def _on_control(self, message) -> None:
         if isinstance(message, Interrupt):
             self._interrupt(message.cell_id)
+        elif isinstance(message, ReleaseCollectives):
+            from fsdp2nb.worker.reformable_groups import release_collectives
+
+            release_collectives()
         elif isinstance(message, RequestSave):
             from fsdp2nb.checkpoint.requests import post_save_request
 
@@ -378,7 +393,7 @@ class Rank:
 
 
 def _interrupted() -> ErrorInfo:
-    return ErrorInfo(ename="KeyboardInterrupt", evalue="", traceback=("KeyboardInterrupt",))
+    return ErrorInfo(ename="KeyboardInterrupt", evalue="", traceback=("KeyboardInterrupt",), kind="interrupted")
 
 
 def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,

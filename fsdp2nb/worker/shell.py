@@ -19,8 +19,9 @@ from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, Intera
 from traitlets import TraitError
 from traitlets.config import Config
 
-from fsdp2nb.wire.protocol import ErrorInfo, RichKind
+from fsdp2nb.wire.protocol import ErrorInfo, ErrorKind, RichKind
 from fsdp2nb.wire.sigint import SigintGate
+from fsdp2nb.worker.error_kinds import error_kind
 from fsdp2nb.worker.stdin import InputUnavailable, InterruptedAtPrompt
 
 RichSink = Callable[[RichKind, dict, dict], None]
@@ -118,10 +119,21 @@ class RankShell(InteractiveShell):
         if ename == "InterruptedAtPrompt":  # the stop button, as any other cell's
             ename = "KeyboardInterrupt"
         mistake = _wrong_trainer_class(evalue) if isinstance(evalue, BaseException) else None
+        kind = _kind_of(evalue)
         if mistake is not None:  # said in one line: the traceback would only bury it
-            self.last_error = ErrorInfo(ename=ename, evalue=mistake, traceback=())
+            self.last_error = ErrorInfo(ename=ename, evalue=mistake, traceback=(), kind=kind)
             return
-        self.last_error = ErrorInfo(ename=ename, evalue=str(evalue), traceback=tuple(stb))
+        self.last_error = ErrorInfo(ename=ename, evalue=str(evalue), traceback=tuple(stb), kind=kind)
+
+
+def _kind_of(error: object) -> ErrorKind:
+    if not isinstance(error, BaseException):
+        return "raised"
+    if isinstance(error, InterruptedAtPrompt):
+        return "interrupted"
+    from fsdp2nb.worker.reformable_groups import was_released
+
+    return error_kind(error, released=was_released())
 
 
 def _wrong_trainer_class(error: BaseException) -> str | None:

@@ -105,7 +105,7 @@ def test_finished_ranks_are_counted_by_the_handle():
     from fsdp2nb.frontend.request_wait import RequestWait
 
     run = _run()
-    pool = SimpleNamespace(world_size=2, ranks={})
+    pool = SimpleNamespace(world_size=2, ranks={}, spec=SimpleNamespace(uses_gpus=False))
     wait = RequestWait(pool, 1, run.ranks, recover=lambda spec, what: "", ask_input=lambda prompt, password: "",
                        on_rank_finished=run.rank_finished)
     wait._handle(CellFinished(cell_id=1, rank=1, status="error", error=ErrorInfo("ValueError", "x", ())))

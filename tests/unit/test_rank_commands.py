@@ -20,7 +20,7 @@ from fsdp2nb.worker import commands
 COMMANDS = get_args(protocol.RankCommand)
 EXAMPLES = (protocol.SaveCheckpoint(), protocol.SaveCheckpoint(step=4), protocol.LoadCheckpoint(target="latest"),
             protocol.LoadCheckpoint(target=2), protocol.DeleteCheckpoint(step=1), protocol.ExportHF(path="/tmp/hf"),
-            protocol.SaveIfRequested())
+            protocol.SaveIfRequested(), protocol.ReformGroups(generation=7))
 
 
 def _commands_the_frontend_sends() -> set[str]:

@@ -1,0 +1,120 @@
+"""A rank's mistake while the others wait in a collective costs no state.
+
+On 2 CPU ranks with a tiny model, its optimizer and a variable: a rank raising while the other
+waits in all_reduce, a rank raising inside FSDP2's forward while the other waits in its
+all-gather, the stop button while one rank sleeps and the other waits in all_reduce, and
+collectives that do not match. Each time the cell fails as a cell does, the blocked rank is
+released, the process groups are re-formed in the same processes, and the variables, the
+parameters and the optimizer state are bitwise the same; training then gives the losses of a
+run that never failed.
+"""
+
+import pytest
+
+from tests.support.training_cells import SETUP, losses
+
+SNAPSHOT = """%%fsdp2
+import os
+def state_snapshot():
+    params = [p.to_local().clone() for p in model.parameters()]
+    moments = [v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+               for s in optimizer.state.values() for v in s.values()]
+    return params + moments
+snapshot, pid = state_snapshot(), os.getpid()
+ckpt.save(STEP)
+ckpt.wait()
+"""
+UNCHANGED = """%%fsdp2
+from torch.distributed.fsdp import FSDPModule
+now = state_snapshot()
+sharded = all(p.sharded_state.name == "SHARDED" for m in model.modules() if isinstance(m, FSDPModule)
+              for g in m._get_fsdp_state()._fsdp_param_groups for p in g.fsdp_params)
+print(keep_me, pid == os.getpid(), len(now) == len(snapshot) and all(a.equal(b) for a, b in zip(now, snapshot)),
+      sharded)
+"""
+TRAIN = ("%%fsdp2\nfor step in range(10, 12):\n    loss = train_step(step)\n"
+         "    if rank == 0: print(f'step {step} loss {loss:.6f}')")
+
+
+@pytest.fixture(scope="module")
+def trained(kernel, tmp_path_factory):
+    root = tmp_path_factory.mktemp("failed_collectives")
+    run = kernel.execute(f"model_dir = {str(root / 'model')!r}\nckpt_dir = {str(root / 'ckpt')!r}\n"
+                         "%fsdp2 push model_dir ckpt_dir")
+    assert run.status == "ok", run.stderr
+    run = kernel.execute(SETUP, timeout=300)
+    assert run.status == "ok", run.traceback_text + run.stderr
+    run = kernel.execute("%%fsdp2\nfor step in range(2):\n    train_step(step)\nckpt.save(2)\nckpt.wait()\n"
+                         "keep_me = 'kept'")
+    assert run.status == "ok", run.traceback_text
+    return kernel
+
+
+_saved_steps = iter(range(100, 200))
+
+
+def _assert_state_kept(kernel, failing_cell: str, **execute) -> str:
+    """Run `failing_cell` between a snapshot (and a checkpoint of the same state) and the check;
+    the failed cell's traceback text."""
+    assert kernel.execute(SNAPSHOT.replace("STEP", str(next(_saved_steps)))).status == "ok"
+    if "when_printed" in execute:
+        run = kernel.execute_and_interrupt(failing_cell, **execute)
+    else:
+        run = kernel.execute(failing_cell, timeout=120)
+    assert run.status == "error"
+    text = run.traceback_text
+    assert "re-formed in place" in text and "restarted" not in text, text
+    check = kernel.execute(UNCHANGED)
+    assert check.stdout == "[all] kept True True True\n", check.traceback_text + check.stdout
+    return text
+
+
+def _assert_trains_as_if_nothing_failed(kernel) -> None:
+    after = kernel.execute(TRAIN)
+    assert kernel.execute("%fsdp2 load latest").status == "ok"  # the state before the failure
+    reference = kernel.execute(TRAIN)
+    assert losses(after.stdout) == losses(reference.stdout) and len(losses(after.stdout)) == 2, \
+        after.traceback_text + reference.traceback_text
+
+
+def test_a_rank_raising_while_the_other_waits_in_all_reduce(trained):
+    text = _assert_state_kept(trained, "%%fsdp2\nt = torch.ones(3)\nif rank == 1:\n"
+                                       "    raise ValueError('bad batch on rank 1')\ndist.all_reduce(t)")
+    lines = text.splitlines()
+    assert "[1] rank 1 raised ValueError" in lines[0]  # the root cause first
+    assert "released rank(s) 0 from all_reduce" in text
+    assert "rank 0 raised" not in text  # the released rank is one line, not a traceback
+    _assert_trains_as_if_nothing_failed(trained)
+
+
+def test_a_rank_raising_inside_fsdp_forward_while_the_other_waits_in_its_all_gather(trained):
+    cell = ("%%fsdp2\nlayer = model.model.layers[1]\ndef fail_on_rank_1(module, args):\n"
+            "    if rank == 1:\n        raise RuntimeError('out of memory on rank 1 (simulated)')\n"
+            "hook = layer.register_forward_pre_hook(fail_on_rank_1)\n"
+            "try:\n    train_step(5)\nfinally:\n    hook.remove()")
+    text = _assert_state_kept(trained, cell)
+    assert "[1] rank 1 raised RuntimeError" in text.splitlines()[0]
+    assert "released rank(s) 0" in text
+    _assert_trains_as_if_nothing_failed(trained)
+
+
+def test_the_stop_button_with_a_rank_in_all_reduce(trained):
+    cell = ("%%fsdp2\nimport time\nt = torch.ones(3)\nprint('waiting', flush=True)\nif rank == 0:\n"
+            "    time.sleep(60)\ndist.all_reduce(t)")
+    text = _assert_state_kept(trained, cell, when_printed="waiting")
+    assert "rank 0 raised KeyboardInterrupt" in text and "released rank(s) 1 from all_reduce" in text
+    _assert_trains_as_if_nothing_failed(trained)
+
+
+def test_collectives_that_do_not_match_are_released(trained):
+    cell = "%%fsdp2\nt = torch.ones(3)\nif rank == 0:\n    dist.all_reduce(t)\nelse:\n    dist.barrier()"
+    text = _assert_state_kept(trained, cell)
+    assert "collectives did not match: rank 0 in all_reduce" in text and "rank 1 in barrier" in text
+
+
+def test_a_user_error_that_mentions_a_timeout_is_a_user_error(trained):
+    run = trained.execute("%%fsdp2\nraise RuntimeError('DataLoader worker timed out after 5 seconds')")
+    assert run.status == "error" and "timed out after 5 seconds" in run.traceback_text
+    assert "collective" not in run.traceback_text and "restart" not in run.traceback_text
+    after = trained.execute("%%fsdp2\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(keep_me, t.item())")
+    assert after.stdout == "[all] kept 2.0\n", after.traceback_text
