@@ -125,6 +125,8 @@ class CellProgress:
     """Ranks that did not answer because a signal stopped them (rank -> pid), as last seen."""
     diverged_at: float | None = None
     """When the ranks were first seen at diverging points (see _ranks_diverge)."""
+    activity_at: dict[int, float] = field(default_factory=dict)
+    """When each rank last said where it is."""
     released_at: float | None = None
     """When the ranks' collectives were released (see RequestWait._release)."""
     release_cause: str = ""
@@ -290,6 +292,7 @@ class RequestWait:
         elif before is None or (before.collective, before.where) != (event.collective, event.where):
             progress.collective_since[event.rank] = time.monotonic()
         progress.activity[event.rank] = event
+        progress.activity_at[event.rank] = time.monotonic()
 
     def _show_task_progress(self, event: TaskProgress) -> None:
         if self.progress.task_bar is None:
@@ -430,7 +433,9 @@ class RequestWait:
         if progress.released_at is not None:
             return
         if progress.first_error_at is not None:
-            if time.monotonic() - progress.first_error_at > RELEASE_AFTER_ERROR_S:
+            waiting = any(progress.activity_at.get(rank, 0.0) > progress.first_error_at
+                          and progress.activity[rank].collective for rank in progress.running)
+            if waiting or time.monotonic() - progress.first_error_at > RELEASE_AFTER_ERROR_S:
                 cause = ("the cell was interrupted" if progress.interrupted_at is not None
                          else f"rank {progress.errors[0][0]} failed while they waited")
                 self._release(cause)

@@ -17,6 +17,7 @@ _CELL_NAME = re.compile(r"^<ipython-input-(\d+)-")
 """How IPython names a cell's code (the rank's compiler keeps IPython's naming)."""
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 _WRAPPER_NAMES = {"wrapper", "inner", "_fn"}
+_TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 
 
 def main_thread_activity(main_thread_id: int) -> tuple[str, str | None]:
@@ -49,10 +50,17 @@ def _cell_line(frames: list[FrameType]) -> str:
 
 
 def _collective(frames: list[FrameType]) -> str | None:
-    """The outermost public torch.distributed function on the stack (its wrappers skipped)."""
+    """The outermost public torch.distributed function on the stack (its wrappers skipped), or
+    else a wait on a collective's work inside torch.distributed (FSDP2's all-gathers and
+    reduce-scatters are started asynchronously and waited for there)."""
     for frame in frames:
         name = frame.f_code.co_name
         if frame.f_code.co_filename.endswith(_C10D_FILE) and name not in _WRAPPER_NAMES \
                 and not name.startswith("_"):
             return name
+    innermost = frames[-1] if frames else None
+    if innermost is not None and _TORCH_DISTRIBUTED in innermost.f_code.co_filename:
+        line = linecache.getline(innermost.f_code.co_filename, innermost.f_lineno)
+        if ".wait(" in line:
+            return f"a wait in {innermost.f_code.co_name}"
     return None

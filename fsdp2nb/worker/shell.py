@@ -105,6 +105,11 @@ class RankShell(InteractiveShell):
         shows the user's line where it stopped, as a plain cell does (also where the interrupt
         is the cause or context of another error)."""
         error, seen = (exc_tuple or sys.exc_info())[1], set()
+        if isinstance(error, BaseException) and _kind_of(error) == "released":
+            # The kernel released this collective and shows one line for it: formatting a deep
+            # FSDP2 stack would only delay the pool's recovery.
+            self.last_error = ErrorInfo(ename=type(error).__name__, evalue=str(error), traceback=(), kind="released")
+            return
         while isinstance(error, BaseException) and id(error) not in seen:
             seen.add(id(error))
             if isinstance(error, KeyboardInterrupt):
