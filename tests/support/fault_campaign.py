@@ -42,7 +42,7 @@ from tests.support.fault_cells import (
     TRAIN_CELL,
     WIDTH,
 )
-from tests.support.fault_report import FAULT_KINDS, CampaignResult, FaultRecord, record_line
+from tests.support.fault_report import ENDS_A_PROCESS, FAULT_KINDS, CampaignResult, FaultRecord, record_line
 from tests.support.kernel_client import WITHOUT_GPUS, CellRun, Kernel
 
 DAMAGE_KINDS = ("truncated_shard", "deleted_metadata", "latest_missing_step")
@@ -150,6 +150,7 @@ class Campaign:
         if record.moment in ("before_load", "load") and layout.read_latest(self.ckpt_dir) is None:
             self._train_until(self.position + SAVE_EVERY + 1)  # something to damage or load
         record.latest_before = self._step_latest_resolves_to()
+        ranks_before = [process.pid for process in self._rank_processes()]
         struck_at = time.monotonic()
         if record.moment in ("train", "save"):
             struck_at = self._strike_while_training(record)
@@ -158,6 +159,9 @@ class Campaign:
         else:
             self._damage(record)
         self._check_latest(record)
+        record.state_kept = bool(ranks_before) and ranks_before == [process.pid for process in self._rank_processes()]
+        if not record.state_kept and record.kind not in ENDS_A_PROCESS:
+            record.problems.append("every process stayed alive, yet the ranks were replaced and their state lost")
         self._recover(record, struck_at)
         if record.kind in DAMAGE_KINDS:  # saves over the damaged step, so later faults meet a sound directory
             self._train_until(self.position + CHUNK)

@@ -10,6 +10,9 @@ FAULT_KINDS = ("kill_rank", "kill_agent", "kill_kernel", "stop_rank", "stop_rank
                "raise_in_collective", "interrupt_twice", "enospc",
                "truncated_shard", "deleted_metadata", "latest_missing_step")
 """Every kind the scheduler draws from."""
+ENDS_A_PROCESS = ("kill_rank", "kill_agent", "kill_kernel", "stop_rank_forever")
+"""Kinds after which a process is gone or never runs again: only these may cost the ranks'
+state (a restart). Every other fault must leave every rank's variables, model and optimizer."""
 
 
 @dataclass
@@ -42,6 +45,8 @@ class FaultRecord:
     restart_told: bool = False
     """A cell said the pool is broken and to `%fsdp2 restart`, and the campaign did."""
     retried_after_restart: bool = False
+    state_kept: bool = False
+    """The same rank processes ran before and after the struck cell: nothing was restarted."""
 
 
 @dataclass
@@ -81,8 +86,8 @@ def record_line(record: FaultRecord) -> str:
 
 def summary_table(result: CampaignResult) -> str:
     """One table: faults by kind, recovered, time to recover, steps redone, losses, orphans."""
-    rows = [("kind", "injected", "struck mid-work", "recovered", "recover median s", "recover max s", "steps redone",
-             "ckpt lost", "LATEST bad", "failed")]
+    rows = [("kind", "injected", "struck mid-work", "state kept", "restarted", "recovered", "recover median s",
+             "recover max s", "steps redone", "ckpt lost", "LATEST bad", "failed")]
     by_kind: dict[str, list[FaultRecord]] = {}
     for record in result.records:
         by_kind.setdefault(record.kind, []).append(record)
@@ -94,6 +99,7 @@ def summary_table(result: CampaignResult) -> str:
         times = [r.recover_s for r in records if r.recovered]
         rows.append((kind, str(len(records)) + (f" ({len(skipped)} skipped)" if skipped else ""),
                      str(sum(r.struck for r in records)),
+                     str(sum(r.state_kept for r in records)), str(sum(not r.state_kept for r in records)),
                      str(sum(r.recovered for r in records)),
                      f"{statistics.median(times):.1f}" if times else "-", f"{max(times):.1f}" if times else "-",
                      str(sum(r.steps_redone for r in records)), str(sum(r.checkpoint_lost for r in records)),
