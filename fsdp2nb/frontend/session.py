@@ -25,7 +25,15 @@ from fsdp2nb.pool.kept import KeepOptions, PoolHeldError, list_pools, noted_runs
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
 from fsdp2nb.pool.pool import PoolStartError, WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.protocol import ControlMessage, PostMortem, PullValue, PushValues, RunCell
+from fsdp2nb.wire.protocol import (
+    ControlMessage,
+    PostMortem,
+    PullValue,
+    PushValues,
+    RankSnapshot,
+    RunCell,
+    TaskProgress,
+)
 from fsdp2nb.wire.sigint import sigint_noted
 
 logger = logging.getLogger(__name__)
@@ -58,6 +66,20 @@ class NotebookSession:
         self.lifecycle_lock = threading.RLock()
         """Held while the pool is started, stopped or replaced: the dashboard's Restart runs on a
         subshell thread, and a cell started meanwhile must get the new pool, not a half-stopped one."""
+        self.snapshot_listeners: list[Callable[[RankSnapshot | TaskProgress], None]] = []
+        """Called on a pool's receiving thread with its snapshots and progress events. Every pool
+        this session starts or attaches is given this list itself, so a listener is added once
+        (`add_snapshot_listener`) and hears the running pool and every later one from its start."""
+        self._listeners_lock = threading.Lock()
+
+    def add_snapshot_listener(self, listener: Callable[[RankSnapshot | TaskProgress], None]) -> None:
+        """Have `listener` hear every snapshot of this session's pools; a second add is no second call."""
+        with self._listeners_lock:  # threads may ask at once: the dashboard's, a click's, the main one
+            if listener not in self.snapshot_listeners:
+                self.snapshot_listeners.append(listener)
+
+    def _share_listeners(self, pool: WorkerPool) -> None:
+        pool.snapshot_listeners = self.snapshot_listeners  # the same list: see `snapshot_listeners`
 
     # --- pool lifecycle -----------------------------------------------------------------------
 
@@ -84,6 +106,7 @@ class NotebookSession:
             pool = WorkerPool(spec, launcher=self.launcher if spec.placement is None else None, keep=keep)
         else:
             raise PoolMismatchError("--keep needs the session's own launcher (this session was given a pool factory)")
+        self._share_listeners(pool)  # before it starts: the first snapshots are heard too
         pool.start()
         self.pool = pool
         for note in pool.start_notes:
@@ -161,6 +184,7 @@ class NotebookSession:
             except PoolStartError as error:
                 raise PoolMismatchError(f"kept pool {name!r} did not answer: {error}") from None
             self.stop(keep_standby=True)  # nothing to stop: drops a dead pool's leftovers
+            self._share_listeners(pool)
             self.pool = pool
             work = pool.work_at_attach
             self._cell_ids = itertools.count(max((slot.last_cell_id for slot in work), default=0) + 1)
