@@ -364,12 +364,24 @@ def _taken_over_run(pool: WorkerPool, cell_ids: dict[int, int], relay: PromptRel
                if rank in cell_ids and slot.running_cell_id is not None}
     busy_since = {rank: slot.since for rank, slot in running.items()}
     count = next((slot.execution_count for slot in running.values() if slot.running_cell_id == first), None)
+    # A rank that holds its reply ended the run while no kernel held the pool, when its slot last changed.
+    ended = [slot.since for rank, slot in enumerate(pool.work_at_attach) if rank in cell_ids and rank not in running]
     run = BackgroundRun(
         ranks=tuple(sorted(cell_ids)), prompts=relay,
         started_at=noted.started if noted else min(busy_since.values(), default=time.time()),
         execution_count=noted.execution_count if noted else count, name=noted.name if noted else None,
-        origin=f"of kernel {noted.kernel_pid}" if noted else "of another kernel")
+        origin=f"of kernel {noted.kernel_pid}" if noted else "of another kernel",
+        ended_at=max(ended) if ended and not running else None,
+        output_at=_taken_over_output(pool.log_dir))
     return run, busy_since
+
+
+def _taken_over_output(log_dir: str) -> str:
+    """Where a run taken over by the running (attach) cell shows its output: under that cell from
+    now on, and in the ranks' logs all along (what it printed while no kernel held the pool too)."""
+    count = notebook_execution_count()
+    cell = f"In[{count}], the attach cell," if count is not None else "the attach cell"
+    return f"its output is under {cell} and in the rank logs in {log_dir}"
 
 
 def _only_pool_name() -> str:
