@@ -1,8 +1,9 @@
 """`fsdp2nb.log(step, **values)`: training metrics a rank records for the dashboard.
 
-Points wait here until the sampler thread sends them with its next snapshot (about 2 Hz), so a
-training loop pays for a lock and an append, never for a message. The buffer is bounded: a loop
-that logs faster than the sampler drains keeps its newest points.
+Points wait here until the sampler thread sends them with its next snapshot (about 2 Hz), or the
+rank with its own at the end of the request (so a cell's points reach the kernel before its
+reply), so a training loop pays for a lock and an append, never for a message. The buffer is
+bounded: a loop that logs faster than the sampler drains keeps its newest points.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class MetricsBuffer:
         point = MetricPoint(step=int(step), time=time.time(), values=_numbers(values))
         with self._lock:
             self._points.append(point)
+
+    def pending(self) -> bool:
+        """Whether points wait to be sent."""
+        with self._lock:
+            return bool(self._points)
 
     def drain(self) -> tuple[MetricPoint, ...]:
         with self._lock:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 from fsdp2nb.frontend.errors import RankError, alarm
+from fsdp2nb.pool.kept import describe_ranks
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.notebook_input import PromptRelay
@@ -63,10 +64,12 @@ class BackgroundRun:
 
     def __init__(self, *, ranks: tuple[int, ...], execution_count: int | None, name: str | None = None,
                  clock: Callable[[], float] = time.monotonic, started_at: float | None = None,
-                 prompts: PromptRelay | None = None, origin: str = "") -> None:
-        """`started_at` (time.time()), `prompts` and `origin` are for a kept pool's run that this
-        kernel took over on attach: when it began, the relay that asks its prompts in the cell
-        that waits for it, and where it came from ("of kernel 4242")."""
+                 prompts: PromptRelay | None = None, origin: str = "", ended_at: float | None = None,
+                 output_at: str = "") -> None:
+        """`started_at` (time.time()), `prompts`, `origin`, `ended_at` and `output_at` are for a
+        kept pool's run that this kernel took over on attach: when it began, the relay that asks
+        its prompts in the cell that waits for it, where it came from ("of kernel 4242"), when it
+        ended if every rank ended it while no kernel held the pool, and where its output is."""
         self.name = name
         self.execution_count = execution_count
         self.ranks = ranks
@@ -75,6 +78,10 @@ class BackgroundRun:
         self.stops = StopRequests()
         self.prompts = prompts
         self.origin = origin
+        self.output_at = output_at
+        """Where a run taken over on attach shows its output ("under In[5], the attach cell, ...");
+        empty for a run this kernel started, whose output is under the cell that started it."""
+        self._ended_at = ended_at
         self._clock = clock
         self._started = clock() - (0.0 if started_at is None else max(0.0, time.time() - started_at))
         self._ended: float | None = None
@@ -150,6 +157,14 @@ class BackgroundRun:
             self._interrupt_asked = True
         self.stops.press()
 
+    def ending_line(self) -> str:
+        """How the run ended, in one line: `In[3] of kernel 4242 (train) on ranks 0-1: done after
+        0:32; its output is under In[5], ...` (the ranks that failed, and where its output is if known)."""
+        failed = sorted(rank for rank, state in self.rank_states.items() if state == "failed")
+        how = f"{self.state} on {describe_ranks(failed)}" if failed else self.state
+        line = f"{self.label} on {describe_ranks(list(self.ranks))}: {how} after {_clock_text(self.elapsed_s)}"
+        return f"{line}; {self.output_at}" if self.output_at else line
+
     def summary(self) -> str:
         """One line for the dashboard: `background run In[12] (train) running 1:23`."""
         return f"background run {self.label} {self.state} {_clock_text(self.elapsed_s)}"
@@ -191,7 +206,7 @@ class BackgroundRun:
     def finish(self, error: BaseException | None) -> None:
         with self._lock:
             self._error = error
-            self._ended = self._clock()
+            self._ended = self._clock() - (0.0 if self._ended_at is None else max(0.0, time.time() - self._ended_at))
         self._finished.set()
 
 

@@ -55,7 +55,7 @@ class DashboardLink:
         self.model = DashboardModel()
         self.views: list = []
         self._snapshots: queue.SimpleQueue = queue.SimpleQueue()
-        self._pool: WorkerPool | None = None
+        session.add_snapshot_listener(self._snapshots.put)  # once: it hears every pool of the session
         self._restarting = False
         self._host_total = _host_memory()
         self._thread = threading.Thread(target=self._run, daemon=True, name="fsdp2nb-dashboard")
@@ -76,9 +76,6 @@ class DashboardLink:
     def tick(self) -> None:
         """Bring the model up to date with the pool (safe from any thread)."""
         pool = self.session.pool
-        if pool is not self._pool and pool is not None:
-            pool.snapshot_listeners.append(self._snapshots.put)  # runs on the pool's reading thread
-        self._pool = pool
         while True:
             try:
                 self.model.observe(self._snapshots.get_nowait())
@@ -308,6 +305,7 @@ def _host_memory() -> int:
 
 
 _LINKS: dict[int, DashboardLink] = {}
+_LINKS_LOCK = threading.Lock()
 
 
 def existing_link(session: NotebookSession) -> DashboardLink | None:
@@ -316,8 +314,9 @@ def existing_link(session: NotebookSession) -> DashboardLink | None:
 
 
 def link_for(session: NotebookSession) -> DashboardLink:
-    """The session's link, made on first use (its thread starts then)."""
-    link = _LINKS.get(id(session))
-    if link is None or link.session is not session:
-        link = _LINKS[id(session)] = DashboardLink(session)
-    return link
+    """The session's link, made on first use (its thread starts then); one, whichever threads ask."""
+    with _LINKS_LOCK:
+        link = _LINKS.get(id(session))
+        if link is None or link.session is not session:
+            link = _LINKS[id(session)] = DashboardLink(session)
+        return link

@@ -428,7 +428,11 @@ class FSDP2Magics(Magics):
             raise
 
     def _command_wait(self, options) -> None:
-        self._background_runs().find(options.name).wait()
+        run = self._background_runs().find(options.name)
+        run.wait_for_end()  # the stop button ends this wait, not the run
+        if run.output_at:  # taken over on attach: its output went under that cell, so say how it ended here
+            print(run.ending_line())
+        run.raise_error()
 
     def _command_interrupt(self, options) -> None:
         run = self._background_runs().find(options.name)

@@ -31,9 +31,11 @@ from fsdp2nb.wire.protocol import (
     PostMortem,
     PullValue,
     PushValues,
+    RankSnapshot,
     ReformGroups,
     RunCell,
     RunCommand,
+    TaskProgress,
 )
 from fsdp2nb.wire.sigint import sigint_noted
 
@@ -67,6 +69,20 @@ class NotebookSession:
         self.lifecycle_lock = threading.RLock()
         """Held while the pool is started, stopped or replaced: the dashboard's Restart runs on a
         subshell thread, and a cell started meanwhile must get the new pool, not a half-stopped one."""
+        self.snapshot_listeners: list[Callable[[RankSnapshot | TaskProgress], None]] = []
+        """Called on a pool's receiving thread with its snapshots and progress events. Every pool
+        this session starts or attaches is given this list itself, so a listener is added once
+        (`add_snapshot_listener`) and hears the running pool and every later one from its start."""
+        self._listeners_lock = threading.Lock()
+
+    def add_snapshot_listener(self, listener: Callable[[RankSnapshot | TaskProgress], None]) -> None:
+        """Have `listener` hear every snapshot of this session's pools; a second add is no second call."""
+        with self._listeners_lock:  # threads may ask at once: the dashboard's, a click's, the main one
+            if listener not in self.snapshot_listeners:
+                self.snapshot_listeners.append(listener)
+
+    def _share_listeners(self, pool: WorkerPool) -> None:
+        pool.snapshot_listeners = self.snapshot_listeners  # the same list: see `snapshot_listeners`
 
     # --- pool lifecycle -----------------------------------------------------------------------
 
@@ -93,6 +109,7 @@ class NotebookSession:
             pool = WorkerPool(spec, launcher=self.launcher if spec.placement is None else None, keep=keep)
         else:
             raise PoolMismatchError("--keep needs the session's own launcher (this session was given a pool factory)")
+        self._share_listeners(pool)  # before it starts: the first snapshots are heard too
         pool.start()
         self.pool = pool
         for note in pool.start_notes:
@@ -170,6 +187,7 @@ class NotebookSession:
             except PoolStartError as error:
                 raise PoolMismatchError(f"kept pool {name!r} did not answer: {error}") from None
             self.stop(keep_standby=True)  # nothing to stop: drops a dead pool's leftovers
+            self._share_listeners(pool)
             self.pool = pool
             work = pool.work_at_attach
             self._cell_ids = itertools.count(max((slot.last_cell_id for slot in work), default=0) + 1)
@@ -369,12 +387,24 @@ def _taken_over_run(pool: WorkerPool, cell_ids: dict[int, int], relay: PromptRel
                if rank in cell_ids and slot.running_cell_id is not None}
     busy_since = {rank: slot.since for rank, slot in running.items()}
     count = next((slot.execution_count for slot in running.values() if slot.running_cell_id == first), None)
+    # A rank that holds its reply ended the run while no kernel held the pool, when its slot last changed.
+    ended = [slot.since for rank, slot in enumerate(pool.work_at_attach) if rank in cell_ids and rank not in running]
     run = BackgroundRun(
         ranks=tuple(sorted(cell_ids)), prompts=relay,
         started_at=noted.started if noted else min(busy_since.values(), default=time.time()),
         execution_count=noted.execution_count if noted else count, name=noted.name if noted else None,
-        origin=f"of kernel {noted.kernel_pid}" if noted else "of another kernel")
+        origin=f"of kernel {noted.kernel_pid}" if noted else "of another kernel",
+        ended_at=max(ended) if ended and not running else None,
+        output_at=_taken_over_output(pool.log_dir))
     return run, busy_since
+
+
+def _taken_over_output(log_dir: str) -> str:
+    """Where a run taken over by the running (attach) cell shows its output: under that cell from
+    now on, and in the ranks' logs all along (what it printed while no kernel held the pool too)."""
+    count = notebook_execution_count()
+    cell = f"In[{count}], the attach cell," if count is not None else "the attach cell"
+    return f"its output is under {cell} and in the rank logs in {log_dir}"
 
 
 def _only_pool_name() -> str:

@@ -88,10 +88,12 @@ class RankRow:
 
 
 class MetricsHistory:
-    """Logged points per rank, bounded by halving the resolution of the oldest part."""
+    """Logged points per rank, bounded by halving the resolution of the oldest part; thread-safe
+    (fed on whichever thread brings the model up to date, read by `%fsdp2 metrics` and the views)."""
 
     def __init__(self, max_points: int = MAX_METRIC_POINTS) -> None:
         self._max_points = max_points
+        self._lock = threading.Lock()
         self._points: dict[int, list[MetricPoint]] = {}
         self.version = 0
         """Counts additions, so a view redraws a plot only when there is something new."""
@@ -99,26 +101,33 @@ class MetricsHistory:
     def add(self, rank: int, points: tuple[MetricPoint, ...]) -> None:
         if not points:
             return
-        self.version += 1
-        kept = self._points.setdefault(rank, [])
-        kept.extend(points)
-        if len(kept) > self._max_points:
-            half = len(kept) // 2
-            kept[:half] = kept[:half:2]  # the older half at half the resolution
+        with self._lock:
+            self.version += 1
+            kept = self._points.setdefault(rank, [])
+            kept.extend(points)
+            if len(kept) > self._max_points:
+                half = len(kept) // 2
+                kept[:half] = kept[:half:2]  # the older half at half the resolution
+
+    def _copy(self) -> dict[int, list[MetricPoint]]:
+        """A copy of every rank's points as they are now, in rank order, for reading without the lock."""
+        with self._lock:
+            return {rank: list(points) for rank, points in sorted(self._points.items())}
 
     def points(self, rank: int = 0) -> list[MetricPoint]:
-        return list(self._points.get(rank, ()))
+        with self._lock:
+            return list(self._points.get(rank, ()))
 
     def names(self, rank: int = 0) -> list[str]:
         seen: dict[str, None] = {}
-        for point in self._points.get(rank, ()):
+        for point in self.points(rank):
             seen.update(dict.fromkeys(point.values))
         return list(seen)
 
     def series(self, name: str, view: str) -> dict[str, list[tuple[int, float]]]:
         """(step, value) lines to plot: `view` is "rank 0", "mean" (over ranks, per step) or "all ranks"."""
         per_rank = {rank: [(p.step, p.values[name]) for p in points if name in p.values]
-                    for rank, points in sorted(self._points.items())}
+                    for rank, points in self._copy().items()}
         if view == "all ranks":
             return {f"rank {rank}": line for rank, line in per_rank.items() if line}
         if view == "mean":
@@ -132,7 +141,7 @@ class MetricsHistory:
     def rows(self) -> list[dict]:
         """Every point as a dict (rank, step, time, and its values), for `%fsdp2 metrics`."""
         return [dict(rank=rank, step=p.step, time=p.time, **p.values)
-                for rank, points in sorted(self._points.items()) for p in points]
+                for rank, points in self._copy().items() for p in points]
 
 
 MAX_TASKS = 8

@@ -219,6 +219,7 @@ class Rank:
                 self._cell_id = None
                 if self._activity is not None:  # before the reply: see NotebookSession._resume_run
                     self._activity.ended()
+                self._sampler.flush()  # what the request logged or began tracking goes before its reply
                 self._send_reply(finished)
             self._sampler.refresh_tracked_sizes()  # here, not on the sampler's thread: see TrackedSizes
 

@@ -1,4 +1,9 @@
-"""A thread in each rank that reports its memory and CPU use about twice a second."""
+"""A thread in each rank that reports its memory and CPU use about twice a second.
+
+The rank's main thread also sends one snapshot at the end of a request that changed what a
+snapshot tells (`flush`), before its reply: what the cell logged, and the checkpointer it began
+tracking, are then in the kernel when the cell returns, not half a second later.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,12 @@ class ResourceSampler:
         self._interval_s = interval_s
         self._process = psutil.Process()
         self._stopped = threading.Event()
+        self._send_lock = threading.Lock()
+        """Held while a snapshot is taken and sent: a flush that finds nothing pending knows that
+        no points drained by the sampler's thread are still on their way behind it."""
+        self._reported: tuple[object, object] = (None, None)
+        """Rank 0: the tracked checkpointer and the Trainer listing that the last snapshot carried."""
+        self._flush_failed = False
         self._rss_peak = 0
         self._tracked_sizes = TrackedSizes()
         self._tracked_sizes_failed = False
@@ -53,6 +64,26 @@ class ResourceSampler:
                                  self._rank)
             self._tracked_sizes_failed = True
 
+    def flush(self) -> None:
+        """Send a snapshot now if the request that just ended changed what one tells: points
+        logged with `fsdp2nb.log`, or (rank 0) which checkpointer is tracked or the Trainer listing.
+        The rank calls it before its reply, on its main thread; it never raises."""
+        try:
+            with self._send_lock:
+                if process_metrics().pending() or self._tracking() != self._reported:
+                    self._send(self.sample())
+        except Exception:  # the reply must go out whatever this did; say why once
+            if not self._flush_failed:
+                logger.exception("rank %d: sending the request's snapshot failed (later failures are not logged)",
+                                 self._rank)
+            self._flush_failed = True
+
+    def _tracking(self) -> tuple[object, object]:
+        """What rank 0's snapshots report of checkpoints: the tracked checkpointer, the Trainer's listing."""
+        if self._rank != 0:
+            return (None, None)
+        return (current_checkpointer(), published_trainer_checkpoints())
+
     def reset_peak(self) -> None:
         """Start the peak readings afresh (RSS here, the CUDA allocator's peak on a GPU rank)."""
         self._rss_peak = 0
@@ -62,6 +93,7 @@ class ResourceSampler:
             torch.cuda.reset_peak_memory_stats(int(self._device.split(":")[1]))
 
     def sample(self) -> RankSnapshot:
+        self._reported = self._tracking()  # read first: a change while sampling is sent again
         rss = self._process.memory_info().rss
         busy = self._is_busy()
         self._rss_peak = max(self._rss_peak, rss)
@@ -77,7 +109,8 @@ class ResourceSampler:
         failed_before = False
         while True:
             try:
-                self._send(self.sample())
+                with self._send_lock:
+                    self._send(self.sample())
             except Exception:  # a failed reading must never take the rank down; say why once
                 if not failed_before:
                     logger.exception("rank %d: a resource reading failed (later failures are not logged)",

@@ -91,6 +91,22 @@ def test_metrics_magic_returns_the_logged_losses(dash):
     assert out.strip() == "[0, 1] True True", out
 
 
+def _stdout(messages: list[dict]) -> str:
+    return "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+
+
+def test_what_a_cell_logged_is_in_the_metrics_when_it_returns(dash):
+    """The points a cell logs reach the kernel with its reply, not with a later snapshot (the
+    next may come half a second later): the very next cell's `%fsdp2 metrics` has them, each time."""
+    read = ("rows = %fsdp2 metrics\nrows = rows.to_dict('records') if hasattr(rows, 'to_dict') else rows\n"
+            "print(sorted(r['rank'] for r in rows if r['step'] == {step}))")
+    for step in range(80_000, 80_006):
+        logged = dash.run(f"%%fsdp2\nfsdp2nb.log({step}, loss=float(rank))")
+        assert not [m for m in logged if m["msg_type"] == "error"], _stdout(logged)
+        seen = _stdout(dash.run(read.format(step=step))).strip()
+        assert seen == "[0, 1]", (step, seen)
+
+
 def test_terminal_ipython_prints_the_text_tables(tmp_path):
     """No kernel, no widget frontend: `%fsdp2 dashboard` prints the same facts as text."""
     import subprocess
@@ -223,16 +239,31 @@ def test_a_run_again_into_the_same_directory_says_saved(dash):
     assert (dash.root / "again" / "step-007000").is_dir()
 
 
+def test_a_save_clicked_right_after_the_cell_that_tracks_a_checkpointer_is_made(dash):
+    """The first click after the cell that tracks a checkpointer saves: the panel learns of the
+    checkpointer with the cell's reply, not from a snapshot that may come half a second later."""
+    save = dash.comm_of(_model_name="ButtonModel", description="Save now")
+    message_widget = dash.comm_of(_model_name="HTMLModel", _dom_classes=["fsdp2nb-message"])
+    for attempt in range(3):
+        dash.run("%%fsdp2\nckpt.close()")  # none tracked; wait until the panel says so
+        assert dash.wait_for_shown("no tracked checkpointer: run"), "the panel kept showing the closed checkpointer"
+        tracked = dash.run("%%fsdp2\nckpt = fsdp2nb.Checkpointer(ckpt_dir, keep=None).track(model=model, "
+                           f"optimizer=optimizer)\ntrain_step({8000 + attempt})\nckpt.maybe_save({8000 + attempt})")
+        assert not [m for m in tracked if m["msg_type"] == "error"], _stdout(tracked)
+        updates_before = len(dash.updates)
+        click(dash.kernel, save, None)  # at once: idle, so served on fsdp2nb's own subshell
+        said = dash.next_value(message_widget, "value", updates_before)
+        assert said is not None and "saved; the list shows the new step" in said, (attempt, said)
+        assert f"saved step {8000 + attempt}" in dash.wait_for(message_widget, "value", f"saved step {8000 + attempt}")
+    assert (dash.root / "ckpt" / "step-008002").is_dir()
+
+
 def test_a_click_sent_to_the_main_shell_is_served_during_the_cell(dash):
     """jupyter-distributed's proxy kernel forwards a click without its subshell id (the id names
     a subshell of the proxy), as frontends without subshells send it: it must not wait for the
     cell. The loop gives the save 30 s (a loaded machine starts the subshell slowly), then says
     it was not served."""
     save = dash.comm_of(_model_name="ButtonModel", description="Save now")
-    # As a user would: click once the panel shows the tracked checkpointer (a snapshot after the
-    # cell that tracked it; before, the panel refuses the click, saying none is tracked).
-    shows_ckpt = f'<b>checkpoints</b> in <code>{dash.root / "ckpt"}</code>'
-    assert dash.wait_for_shown(shows_ckpt), "the panel never showed the tracked checkpointer"
     clicked = []
 
     def on_message(message):

@@ -223,14 +223,20 @@ def test_a_background_run_goes_on_while_detached(kernels, tmpdir_env):
 
     b = kernels()
     assert "In[" in b.execute("%fsdp2 pools").result_text  # the run shows while detached
-    run = b.execute("%fsdp2 attach bg --no-dashboard")
-    assert run.status == "ok", run.stderr
-    assert "last lines of rank 0's log" in run.stdout and "  step " in run.stdout, run.stdout
-    assert "is still running" in run.stdout, run.stdout
+    attach = b.execute("%fsdp2 attach bg --no-dashboard")
+    assert attach.status == "ok", attach.stderr
+    assert "last lines of rank 0's log" in attach.stdout and "  step " in attach.stdout, attach.stdout
+    assert "is still running" in attach.stdout, attach.stdout
     run = b.execute("%fsdp2 wait")
     assert run.status == "ok", run.stderr
-    assert b.execute("%%fsdp2\nprint(done)").stdout == "[all] True\n"
+    # Its output streamed under the attach cell: the wait says, in one line, how and where it ended.
     logs = glob.glob(os.path.join(tmpdir_env["TMPDIR"], f"fsdp2nb-{os.getuid()}", "logs", "*", "rank-0.log"))
+    (line,) = run.stdout.splitlines()
+    attach_cell = attach.reply["content"]["execution_count"]
+    assert re.fullmatch(rf"In\[3\] of kernel {a.pid} \(train\) on ranks 0-1: done after \d+:\d\d; its output is "
+                        rf"under In\[{attach_cell}\], the attach cell, and in the rank logs in "
+                        rf"{re.escape(os.path.dirname(logs[0]))}", line), line
+    assert b.execute("%%fsdp2\nprint(done)").stdout == "[all] True\n"
     with open(logs[0]) as log:
         assert "step 5\n" in log.read()  # printed while no kernel held the pool: in the rank's log
     assert b.execute("%fsdp2 stop").status == "ok"
@@ -416,6 +422,9 @@ def test_a_run_that_failed_while_detached_shows_its_error_on_wait(kernels, tmpdi
     run = b.execute("%fsdp2 wait")
     assert run.status == "error", run.stdout + run.stderr
     assert "late failure on 0" in run.traceback_text and "late failure on 1" in run.traceback_text, run.traceback_text
+    assert re.fullmatch(rf"In\[3\] of kernel {a.pid} \(job\) on ranks 0-1: failed on ranks 0-1 after \d+:\d\d; "
+                        r"its output is under In\[\d+\], the attach cell, and in the rank logs in \S+\n",
+                        run.stdout), run.stdout
     assert b.execute("print(job.state)").stdout == "failed\n"
     assert b.execute("%%fsdp2\nprint('after')").stdout == "[all] after\n"  # its error was seen: cells run
     assert b.execute("%fsdp2 stop").status == "ok"

@@ -71,6 +71,20 @@ class Iopub:
                 continue
         return self.comms[comm_id].get(key, "")
 
+    def next_value(self, comm_id: str, key: str, after: int, timeout: float = 60) -> str | None:
+        """The first `key` the comm was sent after update number `after` (`len(self.updates)`
+        before the action), once it comes; None after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sent = [state[key] for cid, state in self.updates[after:] if cid == comm_id and key in state]
+            if sent:
+                return sent[0]
+            try:
+                self._track(self.kernel.client.get_iopub_msg(timeout=0.5))
+            except queue.Empty:
+                continue
+        return None
+
     def wait_for_shown(self, wanted: str, timeout: float = 60) -> str:
         """The id of a comm whose `value` contains `wanted`, once one does (None after `timeout`)."""
         deadline = time.monotonic() + timeout

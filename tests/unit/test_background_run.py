@@ -181,3 +181,27 @@ def test_a_prompt_relay_asks_only_while_a_cell_waits_and_hands_the_answer_over()
         runner.join(0.2)  # the waiting cell ends without answering (its stop button)
     runner.join(5)
     assert deferred == [True] and asked == ["[0] name? "]
+
+
+def test_a_taken_over_run_says_how_it_ended_and_where_its_output_is():
+    clock = FakeClock()
+    run = BackgroundRun(ranks=(0, 1), execution_count=3, name="job", clock=clock, origin="of kernel 4242",
+                        output_at="its output is under In[5], the attach cell, and in the rank logs in /logs/p")
+    clock.now += 95
+    run.rank_finished(0, failed=False)
+    run.rank_finished(1, failed=True)
+    run.finish(RankError([(1, ErrorInfo("ValueError", "boom", ()))], 2))
+    assert run.ending_line() == ("In[3] of kernel 4242 (job) on ranks 0-1: failed on rank 1 after 1:35; "
+                                 "its output is under In[5], the attach cell, and in the rank logs in /logs/p")
+
+
+def test_a_run_that_ended_while_no_kernel_held_the_pool_is_timed_to_its_end_not_the_attach():
+    import time
+
+    clock, now = FakeClock(), time.time()
+    run = BackgroundRun(ranks=(0,), execution_count=3, clock=clock, started_at=now - 60.5,
+                        ended_at=now - 50, origin="of another kernel")
+    run.rank_finished(0, failed=False)
+    run.finish(None)  # its held reply came at the attach, 50 s after it ended
+    assert run.elapsed_s == pytest.approx(10.5, abs=0.4)
+    assert run.ending_line() == "In[3] of another kernel on rank 0: done after 0:10"
