@@ -117,10 +117,6 @@ class BackgroundRun:
     def done(self) -> bool:
         return self._finished.is_set()
 
-    def ended_within(self, seconds: float) -> bool:
-        """Wait up to `seconds` for the end, without raising the run's error."""
-        return self._finished.wait(seconds)
-
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the run; True once it ended, False if `timeout` passed first. Raises the
         run's error as the blocking cell would have (the stop button ends the wait, not the run)."""
