@@ -18,8 +18,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_pool import cell_ms, cpu_ns  # noqa: E402
-from tests.support.kernel_client import WITHOUT_GPUS, Kernel  # noqa: E402
+from benchmarks.bench_pool import cell_ms, cpu_ns
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 # Every 10 ms each of 2 ranks prints 50 lines of 100 characters: about 1 MB/s in all.
 STREAM = ("import time\nline = f'{rank}' * 99\nend = time.monotonic() + {seconds}\n"

@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.support.kernel_client import WITHOUT_GPUS, Kernel  # noqa: E402
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 RANK_CELL = "%%fsdp2 --ranks 0\nimport time\nstarted = time.monotonic()\nbreakpoint()\nprint(repr(started))"
 # In a plain ipykernel cell breakpoint() calls debugpy's hook (it waits for a debug client, no

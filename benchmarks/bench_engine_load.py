@@ -49,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.gloo_harness import run_ranks  # noqa: E402
+from tests.support.gloo_harness import run_ranks
 
 logger = logging.getLogger("bench_engine_load")
 
@@ -236,7 +236,7 @@ def _local_bytes(model) -> int:
 
 def _measure(method: str, path: str) -> dict[str, float]:
     import torch.distributed as dist
-    import transformers  # noqa: F401
+    import transformers
     import transformers.models.llama.modeling_llama  # noqa: F401  (seconds of imports, not loading)
 
     import fsdp2nb.engine  # noqa: F401

@@ -30,7 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.support.kernel_client import Kernel  # noqa: E402
+from tests.support.kernel_client import Kernel
 
 TORCHRUN_SCRIPT = """
 import torch, torch.distributed as dist

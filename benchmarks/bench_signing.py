@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp2nb.wire.signing import KEY_BYTES, Signer  # noqa: E402
+from fsdp2nb.wire.signing import KEY_BYTES, Signer
 
 SignAndVerify = Callable[[bytes], bool]
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.support.kernel_client import Kernel  # noqa: E402
+from tests.support.kernel_client import Kernel
 
 NUM_RANKS = 2
 DIMS = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -84,7 +84,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def kernel_cpu_while(kernels: list[Kernel], action) -> tuple[list[float], object]:  # noqa: ANN001
+def kernel_cpu_while(kernels: list[Kernel], action) -> tuple[list[float], object]:
     """Each kernel's CPU use while `action()` runs, in % of a core, and what `action` returned."""
     before, started = [cpu_seconds(k.pid) for k in kernels], time.monotonic()
     result = action()

@@ -27,8 +27,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_train_step import print_paired_ratios  # noqa: E402
-from tests.support.kernel_client import WITHOUT_GPUS, Kernel  # noqa: E402
+from benchmarks.bench_train_step import print_paired_ratios
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 NUM_RANKS = 2
 WARMUP_STEPS = 5

@@ -34,9 +34,9 @@ import traceback
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_pool import torchrun_cold_start_s  # noqa: E402
-from benchmarks.peer_drivers import DRIVERS, Driver, JupyterDistributed  # noqa: E402
-from tests.support.kernel_client import CellRun, Kernel  # noqa: E402
+from benchmarks.bench_pool import torchrun_cold_start_s
+from benchmarks.peer_drivers import DRIVERS, Driver, JupyterDistributed
+from tests.support.kernel_client import CellRun, Kernel
 
 OUTPUT_LINES = 100_000
 """Lines of 100 bytes each rank prints: 10 MB."""
@@ -285,7 +285,7 @@ def measure(driver: Driver, result: PeerResult, num_ranks: int, args: argparse.N
 
     stuck: list[str] = []
 
-    def step(row: str, action) -> None:  # noqa: ANN001
+    def step(row: str, action) -> None:
         if result.errors.get(f"cold start, {num_ranks} ranks") and row != f"cold start, {num_ranks} ranks":
             result.errors[row] = "no group to run on (cold start failed)"
             return
@@ -294,7 +294,7 @@ def measure(driver: Driver, result: PeerResult, num_ranks: int, args: argparse.N
             return
         try:
             result.values[row] = action()
-        except Exception as error:  # noqa: BLE001 - any failure of a peer is reported, not raised
+        except Exception as error:  # any failure of a peer is reported, not raised
             result.errors[row] = _short(f"{type(error).__name__}: {error}")
             if isinstance(error, TimeoutError) and not interrupted(kernel):
                 stuck.append(row)
@@ -336,7 +336,7 @@ def stop_kernel(kernel: Kernel) -> None:
     kernel.client.stop_channels()
     try:
         kernel.manager.shutdown_kernel(now=False)
-    except Exception:  # noqa: BLE001 - whatever went wrong, the kernel must go
+    except Exception:  # whatever went wrong, the kernel must go
         kernel.manager.shutdown_kernel(now=True)
 
 
@@ -407,7 +407,7 @@ def installed(driver: Driver) -> str | None:
         if importlib.util.find_spec(driver.module.split(".")[0]) is None:
             return f"{driver.package} is not installed here (make bench-peers installs it in .venv-peers)"
         __import__(driver.module)
-    except Exception as error:  # noqa: BLE001 - an import that fails for any reason is reported
+    except Exception as error:  # an import that fails for any reason is reported
         return _short(f"{driver.package} does not import: {type(error).__name__}: {error}")
     return None
 

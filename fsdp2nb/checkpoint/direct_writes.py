@@ -86,7 +86,7 @@ class DirectWriteStream(io.RawIOBase):
     def fileno(self) -> int:
         return self._fd
 
-    def write(self, data) -> int:  # noqa: ANN001 - any bytes-like object
+    def write(self, data) -> int:  # any bytes-like object
         view = memoryview(data).cast("B")
         done = 0
         while done < len(view):
@@ -191,7 +191,7 @@ class ShardWriter(FileSystemWriter):
         self.fs = DirectFileSystem(task, checksums)
         self._owner_pid = os.getpid()
 
-    def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - signature of the base class
+    def write_data(self, plan, planner):  # signature of the base class
         if os.getpid() != self._owner_pid:
             torch.serialization.set_crc32_options(False)
             # Background work: training keeps the cores and the writer takes what is left.

@@ -239,7 +239,7 @@ def _write_owned(entries: list[_Entry], owners: list[int], out: Path, dtype: tor
 def _flush_into(written: list[_WrittenFile], tensors: dict[str, torch.Tensor], out: Path) -> Exception | None:
     try:
         written.append(_flush(tensors, out / f".part-rank{get_rank():05d}-{len(written):05d}.safetensors"))
-    except Exception as error:  # noqa: BLE001 - reported to every rank by all_ranks_succeeded
+    except Exception as error:  # reported to every rank by all_ranks_succeeded
         return error
     return None
 

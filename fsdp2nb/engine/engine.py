@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -178,19 +177,6 @@ class FSDP2Engine:
         move_buffers(model, self.device)
         verify_tied_embeddings(model)
         return model
-
-    def __getattr__(self, name: str) -> Any:
-        """Called only for a name the engine lacks: a removed method says what replaced it."""
-        if name in _REMOVED_METHODS:
-            raise AttributeError(f"FSDP2Engine.{name} was removed: call {_REMOVED_METHODS[name]} instead")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
-
-
-_REMOVED_METHODS = {
-    "clip_grad_norm_": "fsdp2nb.clip_grad_norm_(model, max_norm) (it needs no engine)",
-    "save_model": "fsdp2nb.export_hf(model, output_dir, processor=tokenizer, dtype=engine.compute_dtype)",
-}
-"""Methods that moved to the top level: each is called one way."""
 
 
 @torch.no_grad()

@@ -156,7 +156,7 @@ class _SafetensorsReader:
                 self._rows = self._closing.enter_context(closing(RowBlockReader(str(self._path))))
             self._rows.copy_blocks(rows)
 
-    def _map(self):  # noqa: ANN202 - a safetensors handle
+    def _map(self):  # a safetensors handle
         if self._mapped is None:
             from safetensors import safe_open
 

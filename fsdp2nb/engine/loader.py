@@ -35,7 +35,6 @@ def load_model(
     activation_checkpointing: bool = False,
     engine: FSDP2Engine | None = None,
     allow_missing: Sequence[str] = (),
-    **removed: Any,
 ) -> tuple[nn.Module, Any]:
     """Load a causal LM sharded over all ranks, plus its tokenizer or processor (None if it has none).
 
@@ -45,7 +44,6 @@ def load_model(
     compute), e.g. `engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32")`. `allow_missing` lists
     fnmatch patterns of keys that may be absent (init="meta").
     """
-    _refuse_removed_arguments(removed)
     check_choice("init", init, INIT_CHOICES)
     check_bool("activation_checkpointing", activation_checkpointing)
     engine = engine or FSDP2Engine()
@@ -90,16 +88,6 @@ def _whole_load_progress(directory: str, init: str) -> progress.AnyTask:
     files = find_checkpoint_files(directory)
     total = sum((files.directory / name).stat().st_size for name in set(files.key_to_file.values())) if reads else 0
     return progress.start_task("load_model", "loading model weights (from_pretrained)", total, 0)
-
-
-def _refuse_removed_arguments(removed: dict[str, Any]) -> None:
-    """`mixed_precision=` was load_model's second way to set what the engine sets: say where it went."""
-    if "mixed_precision" in removed:
-        value = removed["mixed_precision"]
-        raise TypeError(f"load_model(mixed_precision={value!r}) was removed: precision is the engine's; pass "
-                        f"engine=fsdp2nb.FSDP2Engine(mixed_precision={value!r})")
-    if removed:
-        raise TypeError(f"load_model() got unexpected keyword arguments: {', '.join(sorted(removed))}")
 
 
 def _build(directory: str, init: str) -> nn.Module:

@@ -124,10 +124,6 @@ class BackgroundRun:
     def done(self) -> bool:
         return self._finished.is_set()
 
-    def ended_within(self, seconds: float) -> bool:
-        """Wait up to `seconds` for the end, without raising the run's error."""
-        return self._finished.wait(seconds)
-
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the run; True once it ended, False if `timeout` passed first. Raises the
         run's error as the blocking cell would have (the stop button ends the wait, not the run)."""
@@ -319,7 +315,7 @@ def resume_background_run(runs: BackgroundRuns, wait: RequestWait, run: Backgrou
     thread.start()
 
 
-def _run(wait: RequestWait, run: BackgroundRun, shell, parent) -> None:  # noqa: ANN001
+def _run(wait: RequestWait, run: BackgroundRun, shell, parent) -> None:
     """The runner: the blocking cell's wait, on this thread. Its events come through the pool's
     receiving thread, its output goes to this thread's parent cell."""
     tokens = shell.set_thread_parent(parent) if parent is not None and hasattr(shell, "set_thread_parent") else None
@@ -339,7 +335,7 @@ def _run(wait: RequestWait, run: BackgroundRun, shell, parent) -> None:  # noqa:
         run.finish(error)
 
 
-def _show_error(shell, error: BaseException) -> None:  # noqa: ANN001 - an IPython shell
+def _show_error(shell, error: BaseException) -> None:  # an IPython shell
     """The run's error as an `error` output in its own cell (this thread's parent header)."""
     render = getattr(error, "_render_traceback_", None)
     lines = render() if render else traceback.format_exception(error)
@@ -359,7 +355,7 @@ def _flush_streams() -> None:
     sys.stderr.flush()
 
 
-def _shell():  # noqa: ANN202 - the running IPython shell
+def _shell():  # the running IPython shell
     from IPython import get_ipython
 
     return get_ipython()

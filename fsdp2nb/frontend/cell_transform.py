@@ -38,7 +38,7 @@ def _check_syntax(source: str) -> None:
         raise CellSyntaxError(error) from None
 
 
-def is_plain_python(shell, code: str) -> bool:  # noqa: ANN001 - an IPython shell
+def is_plain_python(shell, code: str) -> bool:  # an IPython shell
     """Whether IPython's input transformations would leave `code` as it is, so they can be
     skipped (a visible part of an empty cell's cost): none of the characters its syntax uses
     (`%`, `!`, `?`), no leading blank line, indent or prompt, and only IPython's own transformers."""

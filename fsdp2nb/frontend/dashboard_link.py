@@ -132,7 +132,7 @@ class DashboardLink:
         display({"text/plain": text, "application/vnd.jupyter.widget-view+json": {
             "version_major": 2, "version_minor": 0, "model_id": view.root.model_id}}, raw=True)
 
-    def metrics_table(self):  # noqa: ANN201 - a DataFrame when pandas is installed, else a list
+    def metrics_table(self):  # a DataFrame when pandas is installed, else a list
         """Every logged point (rank, step, time, values) for `%fsdp2 metrics`."""
         self.tick()
         rows = self.model.metrics.rows()

@@ -108,9 +108,6 @@ class LiveLines:
             known[0].update({"text/plain": text}, raw=True)
         return None
 
-    def is_open(self, rank: int, stream: str) -> bool:
-        return (rank, stream) in self._lines
-
     def _labelled(self, rank: int, text: str) -> str:
         label = self._label(rank)
         return f"{label} {text}" if label else text

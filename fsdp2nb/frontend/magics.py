@@ -342,7 +342,7 @@ class FSDP2Magics(Magics):
         if not options.no_dashboard:
             self._dashboard().show()
 
-    def _tell_of_resumed_run(self, pool: WorkerPool, run) -> None:  # noqa: ANN001 - a BackgroundRun
+    def _tell_of_resumed_run(self, pool: WorkerPool, run) -> None:  # a BackgroundRun
         """The run this kernel took over: bound to its --name here too, and whether it waits for input."""
         if run.name and run.name.isidentifier():
             self.shell.user_ns[run.name] = run
@@ -442,7 +442,7 @@ class FSDP2Magics(Magics):
         run.interrupt()
         print(f"interrupt sent to {run.label}")
 
-    def _background_runs(self):  # noqa: ANN202 - BackgroundRuns
+    def _background_runs(self):  # BackgroundRuns
         return self.session.background
 
     def _command_debug(self, options) -> None:
@@ -454,7 +454,7 @@ class FSDP2Magics(Magics):
     def _command_metrics(self, options):
         return self._dashboard().metrics_table()
 
-    def _dashboard(self):  # noqa: ANN202 - a DashboardLink, imported only when a dashboard is asked for
+    def _dashboard(self):  # a DashboardLink, imported only when a dashboard is asked for
         from fsdp2nb.frontend.dashboard_link import link_for
 
         return link_for(self.session)

@@ -24,7 +24,7 @@ PRINT_EVERY_S = 10.0
 class CellTaskBar:
     """Fed the cell's TaskProgress events by the thread that waits for the cell."""
 
-    def __init__(self, world_size: int, clock=time.monotonic) -> None:  # noqa: ANN001 - a clock
+    def __init__(self, world_size: int, clock=time.monotonic) -> None:  # a clock
         self._world_size = world_size
         self._clock = clock
         self._board = TaskBoard()

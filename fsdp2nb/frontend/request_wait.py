@@ -95,7 +95,7 @@ stop button is pressed meanwhile, EOFError at end of input, PromptDeferred when 
 wait for a later moment, another error where none can answer."""
 
 
-class PromptDeferred(Exception):  # noqa: N818 - what happened, not a failure
+class PromptDeferred(Exception):  # what happened, not a failure
     """No one can answer the prompt now; it stays pending and is asked again later."""
 
 

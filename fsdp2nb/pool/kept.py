@@ -331,7 +331,7 @@ class KeptPools(list):
     def __repr__(self) -> str:
         return "\n".join(map(str, self)) if self else "no kept pools"
 
-    def _repr_pretty_(self, printer, cycle: bool) -> None:  # noqa: ANN001 - IPython's pretty printer
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython's pretty printer
         printer.text(repr(self))
 
 

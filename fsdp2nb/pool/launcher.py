@@ -225,7 +225,7 @@ class LocalLauncher:
         return self._launch_cold(plan, request)
 
     def _launch_cold(self, plan: LaunchPlan, request: bytes) -> AgentProcess:
-        agent_log = open(os.path.join(plan.log_dir, "agent.log"), "ab")  # noqa: SIM115
+        agent_log = open(os.path.join(plan.log_dir, "agent.log"), "ab")
         with agent_log:
             process = subprocess.Popen(
                 self._command, stdin=subprocess.PIPE, stdout=agent_log,

@@ -225,7 +225,7 @@ def stop_grace(line: str) -> float:
     return float(json.loads(line)["stop"]) if line.strip() else DEFAULT_GRACE_S
 
 
-def kept_watch(driver: Driver, request: str):  # noqa: ANN201 - ray_kept.KeptWatch, imported only here
+def kept_watch(driver: Driver, request: str):  # ray_kept.KeptWatch, imported only here
     """The watch of a kept pool (ray_kept.py), or None for a pool that ends with its kernel."""
     from fsdp2nb.pool.ray_kept import KeptWatch
     from fsdp2nb.wire.protocol import LaunchPlan

@@ -118,7 +118,7 @@ def write_private(path: str, data: bytes) -> None:
 class KeptWatch:
     """The driver of a kept pool after launch: follows holders, and returns when the pool must end."""
 
-    def __init__(self, driver, plan: LaunchPlan, key: bytes) -> None:  # noqa: ANN001 - ray_driver.Driver
+    def __init__(self, driver, plan: LaunchPlan, key: bytes) -> None:  # ray_driver.Driver
         self._driver = driver
         self._plan = plan
         self._directory = Path(plan.kept_dir)

@@ -190,12 +190,12 @@ class DashboardView:
         self.delete_button.on_click(lambda _: self._ask_delete())
         self.export_button.on_click(lambda _: self._act(lambda: self._actions.export(self.export_path.value)))
 
-    def _ask(self, question: str, action) -> None:  # noqa: ANN001 - what Yes runs
+    def _ask(self, question: str, action) -> None:  # what Yes runs
         self._confirmed = action
         self.question.value = f"<b>{html.escape(question)}</b>"
         self.confirm.layout.display = "flex"
 
-    def _ask_about_step(self, question: str, action) -> None:  # noqa: ANN001 - takes the step
+    def _ask_about_step(self, question: str, action) -> None:  # takes the step
         step = self.steps.value
         if step is None:
             self.message.value = _line("select a checkpoint in the list first", "#dc2626")
@@ -223,7 +223,7 @@ class DashboardView:
         elif yes and action is not None:
             self._act(action)
 
-    def _act(self, action) -> None:  # noqa: ANN001 - a callable returning the panel's line
+    def _act(self, action) -> None:  # a callable returning the panel's line
         """Run one action, putting its outcome (or why it was refused) on the message line."""
         if _click_waits_for_cells():
             self.note.value = _note("clicks reach this kernel's main shell and it cannot move them to a "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import ssl
 
 from fsdp2nb.wire.tls import check_fingerprint, client_context
 
@@ -106,10 +105,6 @@ def connect(address: str, fingerprint: str = "") -> socket.socket:
         raise
     secure.settimeout(None)
     return secure
-
-
-def is_secure(sock: socket.socket) -> bool:
-    return isinstance(sock, ssl.SSLSocket)
 
 
 def _family(host: str) -> socket.AddressFamily:

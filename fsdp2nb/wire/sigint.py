@@ -28,7 +28,7 @@ class SigintNotes:
         """The handler this one replaced (what signal.signal returned)."""
         self._count = 0
 
-    def __call__(self, signum: int, frame) -> None:  # noqa: ANN001 - a frame or None
+    def __call__(self, signum: int, frame) -> None:  # a frame or None
         self._count += 1
 
     def take(self) -> bool:
@@ -63,7 +63,7 @@ def sigint_noted():
         _set_sigint_handler(notes.previous)
 
 
-def _set_sigint_handler(handler):  # noqa: ANN001, ANN202 - a signal handler
+def _set_sigint_handler(handler):  # a signal handler
     """signal.signal for SIGINT without its wrapper's enum conversion of the old handler, which
     for a Python handler raises and catches a ValueError, twice per cell."""
     return _c_signal.signal(signal.SIGINT, handler)
@@ -74,12 +74,12 @@ class SigintGate:
     to `handler` otherwise. A process that installs one (the ranks do) spares every such block
     two handler swaps, which a rank would pay on each reply."""
 
-    def __init__(self, handler) -> None:  # noqa: ANN001 - a signal handler
+    def __init__(self, handler) -> None:  # a signal handler
         self.handler = handler
         self._depth = 0
         self._pending = False
 
-    def __call__(self, signum: int, frame) -> None:  # noqa: ANN001 - a frame or None
+    def __call__(self, signum: int, frame) -> None:  # a frame or None
         if self._depth:
             self._pending = True
         else:
@@ -88,7 +88,7 @@ class SigintGate:
     def __enter__(self) -> None:
         self._depth += 1
 
-    def __exit__(self, error_type, error, traceback) -> None:  # noqa: ANN001
+    def __exit__(self, error_type, error, traceback) -> None:
         self._depth -= 1
         if self._depth or not self._pending:
             return
@@ -122,7 +122,7 @@ def _swapped_sigint_deferred():
         _deliver_sigint(notes.previous)
 
 
-def _deliver_sigint(handler) -> None:  # noqa: ANN001 - what signal.signal returned
+def _deliver_sigint(handler) -> None:  # what signal.signal returned
     if callable(handler):
         handler(signal.SIGINT, None)
     elif handler == signal.SIG_DFL:

@@ -52,11 +52,11 @@ def node_index() -> int:
 def _preload() -> None:
     """Import what every rank needs before forking, so that each rank skips it."""
     import IPython.core.interactiveshell  # noqa: F401
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
+    import torch
+    import torch.distributed
     import torch.distributed.device_mesh  # noqa: F401
 
-    import fsdp2nb.worker.rank  # noqa: F401
+    import fsdp2nb.worker.rank
     import fsdp2nb.worker.shell  # noqa: F401
 
 

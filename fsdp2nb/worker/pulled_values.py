@@ -57,7 +57,7 @@ def _world_shard_dim(tensor: DTensor) -> int | None:
     return placements[0].dim % tensor.ndim
 
 
-def _gather_shards(local: torch.Tensor, length: int, dim: int, mesh, destination: int) -> torch.Tensor | None:  # noqa: ANN001
+def _gather_shards(local: torch.Tensor, length: int, dim: int, mesh, destination: int) -> torch.Tensor | None:
     """Gather the shards of a tensor split along `dim` as torch.chunk splits it, onto `destination`.
 
     Shards differ in length only along `dim` (the last ones may be shorter, or empty): each is

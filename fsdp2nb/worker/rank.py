@@ -99,7 +99,7 @@ class Rank:
         kernel to go to: sent to the next kernel that attaches (`_rejoin`)."""
         self._reply_lock = threading.Lock()
         os.environ.update(network_environment(plan, rank_plan, self._channels.local_host()))
-        self._log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the rank
+        self._log = open(self.log_path, "ab", buffering=0)  # lives as long as the rank
         pipes = pipes or {}
         self._captures = {
             "stdout": FdCapture(1, lambda text: self._send_stream("stdout", text), self._log, pipes.get(1)),

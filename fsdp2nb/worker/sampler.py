@@ -199,7 +199,7 @@ class TrackedSizes:
         self._sizes = dict(param_bytes=self._param_bytes, grad_bytes=self._trainable_bytes if has_grads else 0,
                            optimizer_bytes=self._optimizer_bytes)
 
-    def _read_parameters(self, model) -> None:  # noqa: ANN001 - a torch module
+    def _read_parameters(self, model) -> None:  # a torch module
         if model is not self._model:
             self._num_states = -1
         params = list(model.parameters())
@@ -221,7 +221,7 @@ def _same_parameters(now: list, before: list) -> bool:
         p is q and trains == trained for (p, trains), (q, trained) in zip(now, before, strict=True))
 
 
-def _optimizer_bytes(optimizer) -> int:  # noqa: ANN001 - a torch optimizer or None
+def _optimizer_bytes(optimizer) -> int:  # a torch optimizer or None
     states = list(optimizer.state.values()) if optimizer is not None else []
     return _local_bytes([v for state in states for v in state.values() if hasattr(v, "element_size")])
 

@@ -100,7 +100,7 @@ class RankShell(InteractiveShell):
 
     last_error: ErrorInfo | None = None
 
-    def showtraceback(self, exc_tuple=None, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+    def showtraceback(self, exc_tuple=None, *args, **kwargs) -> None:
         """IPython's, without the frames of the rank's own SIGINT handling: an interrupted cell
         shows the user's line where it stopped, as a plain cell does (also where the interrupt
         is the cause or context of another error)."""

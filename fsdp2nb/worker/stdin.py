@@ -28,7 +28,7 @@ class InputUnavailable(RuntimeError):
         return [f"{type(self).__name__}: {self}"]
 
 
-class InterruptedAtPrompt(BaseException):  # noqa: N818 - read as what happened, like KeyboardInterrupt
+class InterruptedAtPrompt(BaseException):  # read as what happened, like KeyboardInterrupt
     """The stop button pressed while the rank waited at a prompt. Not a KeyboardInterrupt: pdb's
     command loop answers that with another prompt, where the cell must end as any cell does."""
 

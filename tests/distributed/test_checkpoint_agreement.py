@@ -69,7 +69,7 @@ def _agree_on_failures() -> dict:
                            OSError("read-only file system") if dist.get_rank() == 1 else None, "writing shards"))):
         try:
             call()
-        except Exception as error:  # noqa: BLE001 - what each rank raised is the result
+        except Exception as error:  # what each rank raised is the result
             seen[name] = f"{type(error).__name__}: {error}"
     return seen
 

@@ -94,7 +94,7 @@ def _export_failing_on_one_rank(root: str) -> dict[str, str]:
     seen = {}
     try:  # a step only rank 0 runs
         export_hf(model, out, processor=_FailingProcessor() if dist.get_rank() == 0 else None)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         seen["rank0_step"] = str(error)
     real_flush = hf_export._flush
 
@@ -106,7 +106,7 @@ def _export_failing_on_one_rank(root: str) -> dict[str, str]:
     hf_export._flush = full_disk_on_rank1
     try:  # a write on one rank while the others gather
         export_hf(model, out, max_shard_bytes=20_000)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         seen["rank1_write"] = str(error)
     finally:
         hf_export._flush = real_flush

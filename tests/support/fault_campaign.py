@@ -79,7 +79,7 @@ class Campaign:
 
     def __init__(self, *, seed: int, num_faults: int, num_ranks: int = 2, kinds: tuple[str, ...] = FAULT_KINDS,
                  collective_timeout_s: float = 5.0, cell_timeout_s: float | None = None, workdir: str | None = None,
-                 log=print) -> None:  # noqa: ANN001
+                 log=print) -> None:
         unknown = set(kinds) - set(FAULT_KINDS)
         if unknown:
             raise ValueError(f"kinds={sorted(unknown)} are unknown; choose from {FAULT_KINDS}")
@@ -223,7 +223,7 @@ class Campaign:
             record.struck = record.struck and finished.status == "error"
         return struck_at
 
-    def _finish_cell(self, record: FaultRecord, msg_id: str):  # noqa: ANN202
+    def _finish_cell(self, record: FaultRecord, msg_id: str):
         """The rest of a struck cell, or None where the kernel is gone or the cell hung."""
         if record.kind == "kill_kernel":
             return None
@@ -632,7 +632,7 @@ def _processes_marked(marker: str) -> list[psutil.Process]:
     return found
 
 
-def _outcome(run) -> str:  # noqa: ANN001
+def _outcome(run) -> str:
     if run.status == "ok":
         return "ok"
     restarted = "; the pool was restarted" if "pool was restarted" in run.traceback_text else ""

@@ -145,7 +145,7 @@ class Kernel:
         run.status = reply["content"]["status"]
         return run
 
-    def messages_for(self, msg_id: str, until, timeout: float = 120) -> list[dict]:  # noqa: ANN001
+    def messages_for(self, msg_id: str, until, timeout: float = 120) -> list[dict]:
         """iopub messages with parent `msg_id` (kept or still to come) until `until(messages)`."""
         deadline = time.monotonic() + timeout
         while True:

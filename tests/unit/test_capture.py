@@ -26,7 +26,7 @@ def test_output_is_synced_from_several_threads_at_once(tmp_path):
                     if i % 1000 == 0:
                         os.write(fd, f"{name} {i}\n".encode())
                     sync.sync()
-            except BaseException as error:  # noqa: BLE001 - any failure is the finding
+            except BaseException as error:  # any failure is the finding
                 errors.append(error)
 
         threads = [threading.Thread(target=print_and_sync, args=(name,)) for name in ("a", "b")]
@@ -51,7 +51,7 @@ def test_partial_marker_detection():
 def _captured_stream(tmp_path):
     fd = os.open(os.devnull, os.O_WRONLY)
     forwarded: list[str] = []
-    log = open(tmp_path / "rank.log", "ab", buffering=0)  # noqa: SIM115 - closed by the GC with the test
+    log = open(tmp_path / "rank.log", "ab", buffering=0)  # closed by the GC with the test
     flusher = PartialLineFlusher()
     stream = LineStream(fd, flusher)
     flusher.streams.append(stream)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
 
 from fsdp2nb.engine.config import EngineConfig, check_offload_supported
-from fsdp2nb.engine.engine import FSDP2Engine, drives_gpus, gpu_index
+from fsdp2nb.engine.engine import drives_gpus, gpu_index
 from fsdp2nb.engine.hf_files import Block, find_checkpoint_files, open_reader
 from fsdp2nb.engine.hub import resolve_model_dir
 from fsdp2nb.engine.key_mapping import checkpoint_to_model_keys, hf_key
@@ -42,18 +41,6 @@ def test_config_is_keyword_only():
     assert EngineConfig(mixed_precision="fp32").mixed_precision == "fp32"
 
 
-@pytest.mark.parametrize(("removed", "replacement"), [
-    ("clip_grad_norm_", "fsdp2nb.clip_grad_norm_(model, max_norm)"),
-    ("save_model", "fsdp2nb.export_hf(model, output_dir, processor=tokenizer"),
-])
-def test_a_removed_engine_method_names_its_replacement(removed, replacement):
-    engine = object.__new__(FSDP2Engine)  # no process group needed to look a name up
-    with pytest.raises(AttributeError, match=re.escape(f"FSDP2Engine.{removed} was removed: call {replacement}")):
-        getattr(engine, removed)
-    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
-        engine.no_such_name  # noqa: B018
-
-
 def test_offload_is_refused_on_cpu_and_without_a_cpu_backend():
     with pytest.raises(ValueError, match="offload_params=True is not allowed on CPU"):
         check_offload_supported(True, "cpu", "cpu:gloo")
@@ -69,14 +56,6 @@ def test_load_model_rejects_unknown_init_before_touching_the_process_group():
     with pytest.raises(ValueError, match=r"init='lazy' .*\('meta', 'rank0', 'default'\)"):
         load_model("unused", init="lazy")
 
-
-def test_load_model_says_where_mixed_precision_went():
-    from fsdp2nb.engine import load_model
-
-    with pytest.raises(TypeError, match=re.escape("pass engine=fsdp2nb.FSDP2Engine(mixed_precision='fp32')")):
-        load_model("unused", mixed_precision="fp32")
-    with pytest.raises(TypeError, match="unexpected keyword arguments: lroa"):
-        load_model("unused", lroa=None)
 
 
 def test_every_declared_block_class_is_found():

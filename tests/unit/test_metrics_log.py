@@ -90,7 +90,7 @@ class _WatchedParameter:
         self._readers = readers
 
     @property
-    def grad(self):  # noqa: ANN201 - mirrors torch's
+    def grad(self):  # mirrors torch's
         import threading
 
         self._readers.append(threading.current_thread().name)

@@ -10,7 +10,7 @@ def test_a_failed_reading_is_logged_once_and_sampling_goes_on(caplog):
     attempts: list[int] = []
     third_attempt = threading.Event()
 
-    def send(snapshot) -> None:  # noqa: ANN001 - a RankSnapshot
+    def send(snapshot) -> None:  # a RankSnapshot
         attempts.append(1)
         if len(attempts) >= 3:
             third_attempt.set()

@@ -8,12 +8,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from transformers import TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from fsdp2nb import progress  # noqa: E402
-from fsdp2nb.checkpoint.requests import post_save_request, process_stops  # noqa: E402
-from fsdp2nb.engine.trainer_callback import TrainerCallback  # noqa: E402
-from fsdp2nb.metrics import process_metrics  # noqa: E402
+from fsdp2nb import progress
+from fsdp2nb.checkpoint.requests import post_save_request, process_stops
+from fsdp2nb.engine.trainer_callback import TrainerCallback
+from fsdp2nb.metrics import process_metrics
 
 
 @pytest.fixture
