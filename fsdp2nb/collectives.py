@@ -19,11 +19,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from fsdp2nb.errors import FailedElsewhere
+
 _T = TypeVar("_T")
-
-
-class FailedElsewhere(RuntimeError):
-    """Another rank failed at a step this rank took part in."""
 
 
 COLLECTIVE_TIMEOUT_ENV = "FSDP2NB_COLLECTIVE_TIMEOUT_S"

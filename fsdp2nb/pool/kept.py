@@ -22,8 +22,9 @@ from pathlib import Path
 
 import psutil
 
+from fsdp2nb.errors import InvalidValue, KeptPoolUnreadable, LaunchError, PoolHeldError
 from fsdp2nb.pool import reaper
-from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, LaunchError, describe_exit
+from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, describe_exit
 from fsdp2nb.pool.spec import Placement, PoolSpec
 from fsdp2nb.wire.kept import (
     KEY_FILE,
@@ -58,13 +59,13 @@ class KeepOptions:
     def __post_init__(self) -> None:
         check_pool_name(self.name)
         if self.keep_for_s is not None and not 0 < self.keep_for_s < float("inf"):
-            raise ValueError(f"keep_for_s={self.keep_for_s!r} must be more than 0 seconds, or None")
+            raise InvalidValue(f"keep_for_s={self.keep_for_s!r} must be more than 0 seconds, or None")
 
 
 def check_pool_name(name: str) -> None:
     if not _NAME.fullmatch(name):
-        raise ValueError(f"--name {name!r} is not a pool name: use letters, digits, '_', '.', '-' "
-                         "(at most 64, starting with a letter or digit)")
+        raise InvalidValue(f"--name {name!r} is not a pool name: use letters, digits, '_', '.', '-' "
+                           "(at most 64, starting with a letter or digit)")
 
 
 def parse_keep_for(text: str) -> float | None:
@@ -73,8 +74,8 @@ def parse_keep_for(text: str) -> float | None:
         return None
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", text.lower())
     if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"--keep-for {text!r} is not a duration: give a number and a unit, "
-                         "e.g. 90s, 30m, 2h, 1d, or 'none' to keep the pool until `%fsdp2 stop`")
+        raise InvalidValue(f"--keep-for {text!r} is not a duration: give a number and a unit, "
+                           "e.g. 90s, 30m, 2h, 1d, or 'none' to keep the pool until `%fsdp2 stop`")
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
@@ -181,15 +182,11 @@ class KeptPool:
         return f"{self.name}: {self.spec}, {held}, {self.run or 'idle'}, {clock}"
 
 
-class PoolHeldError(RuntimeError):
-    """Another live kernel holds the pool; the message says which and how to take it."""
-
-
 def read_key(directory: Path) -> bytes:
     path = directory / KEY_FILE
     info = os.lstat(path)
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PermissionError(f"{path} must be this user's and readable by no one else (0600)")
+        raise KeptPoolUnreadable(f"{path} must be this user's and readable by no one else (0600)")
     return bytes.fromhex(path.read_text())
 
 

@@ -25,6 +25,7 @@ from typing import Literal
 
 import psutil
 
+from fsdp2nb.errors import LaunchError, PoolStartError
 from fsdp2nb.pool import kept, reaper
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.kept import KeepOptions
@@ -33,7 +34,6 @@ from fsdp2nb.pool.launcher import (
     AgentExit,
     LaunchedRanks,
     Launcher,
-    LaunchError,
     LocalLauncher,
     describe_exit,
 )
@@ -70,10 +70,6 @@ logger = logging.getLogger(__name__)
 PoolState = Literal["stopped", "starting", "ready", "broken"]
 DEFAULT_START_TIMEOUT_S = 300.0
 _RECEIVE_POLL_MS = 100
-
-
-class PoolStartError(RuntimeError):
-    """The ranks did not all come up; the message carries what the failing rank printed."""
 
 
 class WorkerPool(KeptPoolParts):
