@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fsdp2nb.errors import KeptPoolUnreadable, NoSuchPool, PoolHeldError, PoolNameTaken
+from fsdp2nb.errors import NoSuchPool, PoolHeldError, PoolNameTaken
 from fsdp2nb.pool import kept, ray_kept, reaper
 from fsdp2nb.pool.pool_log import open_pool_log
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels
@@ -81,10 +81,7 @@ class KeptPoolParts:
     def _take(self, directory: Path, meta: kept.KeptMeta, take: bool, timeout_s: float) -> None:
         key = kept.read_key(directory)
         signer = Signer(key)
-        if kept.read_attach_record(str(directory), signer) is None:
-            raise KeptPoolUnreadable(f"the key in {directory} does not verify the pool's attach record; "
-                                     "the pool cannot be attached (`kill` its agent, pid "
-                                     f"{meta.agent[0]}, to end it)")
+        kept.check_wire_version(directory, signer, meta)
         current = kept.held_here(directory, signer)
         if kept.holder_alive(current) and not take:
             raise PoolHeldError(f"pool {meta.name!r} is held by {kept.describe_holder(current)}; "

@@ -229,6 +229,8 @@ class WorkerPool(KeptPoolParts):
         deadline = time.monotonic() + timeout_s
         while not self._all_ready.wait(0.05):
             self._pass_rendezvous_on()
+            if self._channels.refused_version is not None:  # ranks of another fsdp2nb: they will not join
+                raise PoolStartError(self._channels.refused_version)
             if self.exited or not self._launched.is_running():
                 raise PoolStartError(self._start_failure())
             if time.monotonic() > deadline:

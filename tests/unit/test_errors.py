@@ -26,8 +26,8 @@ def _exception_classes() -> list[type[BaseException]]:
     found = []
     for module_info in pkgutil.walk_packages(fsdp2nb.__path__, "fsdp2nb."):
         module = importlib.import_module(module_info.name)
-        found += [value for value in vars(module).values()
-                  if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__ == module.__name__]
+        found += [value for value in vars(module).values() if inspect.isclass(value)
+                  and issubclass(value, BaseException) and value.__module__ == module.__name__]
     return found
 
 
