@@ -22,8 +22,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.support.kernel_client import WITHOUT_GPUS, Kernel  # noqa: E402
-from tests.support.training_cells import SETUP  # noqa: E402
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
+from tests.support.training_cells import SETUP
 
 NUM_RANKS = 4
 NEXT_CELL = "%%fsdp2\nt = torch.ones(1)\ndist.all_reduce(t)"

@@ -2,6 +2,8 @@
 
 `%load_ext fsdp2nb` registers the magics and imports no torch: the engine and checkpoint names
 below (and `TrainerCallback`, `trainer_for`, for a Hugging Face Trainer) are resolved on first use, so loading the extension costs milliseconds.
+Every error fsdp2nb raises derives from `Fsdp2nbError` (fsdp2nb/errors.py); a cell whose ranks
+raised raises `RankError`.
 """
 
 from __future__ import annotations
@@ -10,11 +12,16 @@ import atexit
 import importlib
 from typing import Any
 
+from fsdp2nb.errors import Fsdp2nbError, RankError, UsageMistake
+
 __all__ = [
     "Checkpointer",
     "FSDP2Engine",
     "FSDP2TrainerMixin",
+    "Fsdp2nbError",
+    "RankError",
     "TrainerCallback",
+    "UsageMistake",
     "clip_grad_norm_",
     "export_hf",
     "load_ipython_extension",

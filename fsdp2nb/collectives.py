@@ -19,11 +19,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from fsdp2nb.errors import FailedElsewhere
+
 _T = TypeVar("_T")
-
-
-class FailedElsewhere(RuntimeError):
-    """Another rank failed at a step this rank took part in."""
 
 
 COLLECTIVE_TIMEOUT_ENV = "FSDP2NB_COLLECTIVE_TIMEOUT_S"
@@ -58,9 +56,12 @@ def get_world_size() -> int:
 
 
 def all_max(values: tuple[int, ...], group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
-    """The largest of each value over the ranks of `group`, in one collective.
+    """The largest of each value over the ranks of `group`, in one collective; without a process
+    group, `values`.
 
     A CPU tensor, so a gloo group carries it; the minimum of x is `-all_max(-x)`."""
+    if not is_distributed():
+        return tuple(values)
     tensor = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tuple(tensor.tolist())

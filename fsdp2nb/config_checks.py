@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from fsdp2nb.errors import InvalidValue
+
 
 def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    """Raise ValueError naming `field`, `value` and `allowed` when `value` is not allowed."""
+    """Raise InvalidValue (a ValueError) naming `field`, `value` and `allowed` when `value` is not allowed."""
     if value not in allowed:
-        raise ValueError(f"{field}={value!r} is not allowed; choose one of {allowed}")
+        raise InvalidValue(f"{field}={value!r} is not allowed; choose one of {allowed}")
 
 
 def check_bool(field: str, value: Any) -> None:
-    """Raise ValueError unless `value` is a real bool (1 and "yes" are rejected, not coerced)."""
+    """Raise InvalidValue (a ValueError) unless `value` is a real bool (1 and "yes" are rejected, not coerced)."""
     if not isinstance(value, bool):
-        raise ValueError(f"{field}={value!r} is not allowed; choose one of (True, False)")
+        raise InvalidValue(f"{field}={value!r} is not allowed; choose one of (True, False)")

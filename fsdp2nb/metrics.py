@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 
+from fsdp2nb.errors import InvalidValue
 from fsdp2nb.wire.protocol import MetricPoint
 
 MAX_PENDING_POINTS = 5_000
@@ -59,5 +60,5 @@ def log(step: int, **values: float) -> None:
     Example: `fsdp2nb.log(step, loss=loss, grad_norm=norm)`; the dashboard plots rank 0's values.
     """
     if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
-        raise ValueError(f"step={step!r} must be an int")
+        raise InvalidValue(f"step={step!r} must be an int")
     _BUFFER.log(int(step), values)

@@ -16,10 +16,10 @@ from typing import Any
 
 _LAZY_NAMES = {
     "CheckpointEntry": "fsdp2nb.wire.protocol",
-    "CheckpointLoadError": "fsdp2nb.checkpoint.loadable_steps",
+    "CheckpointLoadError": "fsdp2nb.errors",
     "CheckpointMetadata": "fsdp2nb.checkpoint.layout",
-    "CheckpointMismatchError": "fsdp2nb.checkpoint.state",
-    "CheckpointSaveError": "fsdp2nb.checkpoint.manager",
+    "CheckpointMismatchError": "fsdp2nb.errors",
+    "CheckpointSaveError": "fsdp2nb.errors",
     "CheckpointStatus": "fsdp2nb.wire.protocol",
     "Checkpointer": "fsdp2nb.checkpoint.manager",
 }

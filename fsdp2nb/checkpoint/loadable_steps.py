@@ -19,13 +19,9 @@ import torch.distributed as dist
 
 from fsdp2nb.checkpoint import layout
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
+from fsdp2nb.errors import CheckpointLoadError
 
 logger = logging.getLogger(__name__)
-
-
-class CheckpointLoadError(ValueError):
-    """A load was refused before it changed anything: no such step, or a damaged one. Every rank
-    raises it with the same message."""
 
 
 class LoadableSteps:

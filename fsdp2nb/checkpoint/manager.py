@@ -48,7 +48,7 @@ from fsdp2nb.checkpoint.config import AsyncWriter, CheckpointerConfig
 from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
-from fsdp2nb.checkpoint.loadable_steps import CheckpointLoadError, LoadableSteps
+from fsdp2nb.checkpoint.loadable_steps import LoadableSteps
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
 from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state, rng_streams_not_restored
 from fsdp2nb.checkpoint.staging import StagedSavePlanner, make_stager
@@ -68,6 +68,7 @@ from fsdp2nb.collectives import (
     make_dir_everywhere,
     on_rank0_agreed,
 )
+from fsdp2nb.errors import CheckpointLoadError, CheckpointSaveError
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +79,6 @@ _in_flight_lock = threading.Lock()
 
 
 _NOTHING_LOST = "the checkpoints committed before are untouched; fix the cause and save again"
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save failed (possibly in the background); raised at the next call of the checkpointer."""
 
 
 @dataclass(frozen=True, slots=True)

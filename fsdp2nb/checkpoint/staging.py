@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.collectives import describe, get_rank
+from fsdp2nb.errors import Fsdp2nbError
 
 STAGING_FAILED_KEY = "fsdp2nb_staging_failed"
 """The only key of the state a failed copy stages; its value says why."""
@@ -112,7 +113,7 @@ class ReusedBufferStager(AsyncStager):
         return buffer.copy_(source.detach(), non_blocking=pinned)
 
 
-class StagingFailed(RuntimeError):
+class StagingFailed(Fsdp2nbError, RuntimeError):
     """This rank could not copy its state for an async save; DCP reports it to every rank."""
 
 

@@ -24,15 +24,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from fsdp2nb.errors import CheckpointMismatchError
+
 logger = logging.getLogger(__name__)
 
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
 _MAX_LISTED = 8
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint's keys or shapes do not match the model (or optimizer) being loaded into."""
 
 
 def has_frozen_params(model: nn.Module) -> bool:

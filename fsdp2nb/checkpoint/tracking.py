@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from fsdp2nb.errors import NoTrackedCheckpointer
 from fsdp2nb.wire.protocol import CheckpointStatus
 
 if TYPE_CHECKING:
@@ -58,11 +59,6 @@ def clear_tracked(checkpointer: TrackedCheckpointer) -> None:
 def current_checkpointer() -> TrackedCheckpointer | None:
     """The Checkpointer that most recently called `track()` in this process, or None."""
     return _tracked
-
-
-class NoTrackedCheckpointer(RuntimeError):
-    """`%fsdp2 save` or `load` ran before any Checkpointer called `track()`; the notebook shows
-    this error's message alone, as a usage mistake."""
 
 
 def tracked_checkpointer() -> TrackedCheckpointer:

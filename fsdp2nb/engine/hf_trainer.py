@@ -38,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp2nb.checkpoint.hf_export import export_hf
 from fsdp2nb.checkpoint.trainer_dirs import DCP_DIR
+from fsdp2nb.errors import WrongTrainerClass
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +150,6 @@ def trainer_for(trainer_class: type) -> type:
         return trainer_class
     return type(f"FSDP2{trainer_class.__name__}", (FSDP2TrainerMixin, trainer_class),
                 {"__module__": __name__, "__doc__": f"{trainer_class.__name__} for FSDP2 models (fsdp2nb)."})
-
-
-class WrongTrainerClass(ValueError):
-    """A model handed to a Trainer class that cannot train it as it is sharded; a rank shows the
-    message alone, as a usage mistake, since the traceback adds nothing to it."""
 
 
 USE_TRAINER_FOR = "build the trainer with fsdp2nb.trainer_for(Trainer)(...) (or trainer_for(SFTTrainer))"

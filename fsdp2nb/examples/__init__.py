@@ -18,6 +18,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from fsdp2nb.errors import InvalidValue
+
 # peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps or loads a model: a
 # warning for peft's authors, not for whoever runs the examples (ranks and kernel alike).
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -135,7 +137,7 @@ def text_batches(tokenizer: Any, text: str, *, seq_len: int = 64, batch_size: in
 
     ids = tokenizer(text, return_tensors="pt").input_ids[0]  # (num_tokens,)
     if len(ids) <= seq_len:
-        raise ValueError(f"seq_len={seq_len} must be shorter than the text ({len(ids)} tokens)")
+        raise InvalidValue(f"seq_len={seq_len} must be shorter than the text ({len(ids)} tokens)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     while True:

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from fsdp2nb.errors import InvalidValue
+
 Family = Literal["llama", "qwen2", "gemma"]
 CheckpointFormat = Literal["safetensors", "sharded", "bin"]
 TINY_FAMILIES: tuple[Family, ...] = ("llama", "qwen2", "gemma")
@@ -31,7 +33,7 @@ def tiny_config(family: Family = "llama", *, tie_word_embeddings: bool = False, 
 
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig}.get(family)
     if config_cls is None:
-        raise ValueError(f"family={family!r} is not one of {TINY_FAMILIES}")
+        raise InvalidValue(f"family={family!r} is not one of {TINY_FAMILIES}")
     dims = {**_TINY_DIMS, **overrides}
     if family == "gemma":  # its head size is set apart from hidden / heads (default 256); its
         # embedding scale is a buffer the checkpoint does not hold
@@ -81,7 +83,7 @@ def save_tiny_checkpoint(
         model.config.save_pretrained(directory)
         torch.save(model.state_dict(), directory / "pytorch_model.bin")
     else:
-        raise ValueError(f"checkpoint_format={checkpoint_format!r} is not one of safetensors, sharded, bin")
+        raise InvalidValue(f"checkpoint_format={checkpoint_format!r} is not one of safetensors, sharded, bin")
     if with_tokenizer:
         make_tiny_tokenizer(model.config.vocab_size).save_pretrained(directory)
     return directory

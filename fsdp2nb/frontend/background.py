@@ -23,7 +23,8 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
-from fsdp2nb.frontend.errors import RankError, alarm
+from fsdp2nb.errors import InvalidValue, NoSuchRun, RankError
+from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.pool.kept import describe_ranks
 
 if TYPE_CHECKING:
@@ -241,7 +242,7 @@ class BackgroundRuns:
             return self._latest
 
     def find(self, name: str | None) -> BackgroundRun:
-        """The run called `name`, or the latest run; ValueError (a usage error) if there is none."""
+        """The run called `name`, or the latest run; NoSuchRun (a usage mistake) if there is none."""
         with self._lock:
             if name is None and self._latest is not None:
                 return self._latest
@@ -249,8 +250,8 @@ class BackgroundRuns:
                 return self._named[name]
             known = ", ".join(sorted(self._named)) or "none"
         if name is None:
-            raise ValueError("no background run yet; start one with `%%fsdp2 --bg`")
-        raise ValueError(f"no background run is called {name!r} (named runs: {known})")
+            raise NoSuchRun("no background run yet; start one with `%%fsdp2 --bg`")
+        raise NoSuchRun(f"no background run is called {name!r} (named runs: {known})")
 
     def add(self, run: BackgroundRun) -> None:
         with self._lock:
@@ -287,7 +288,7 @@ def _queued_failure(run: BackgroundRun, error: BaseException) -> BaseException:
 def check_run_name(name: str | None) -> None:
     """A name binds the handle in the notebook, so it must be a plain identifier."""
     if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
-        raise ValueError(f"--name takes a Python identifier to bind the run's handle to, got {name!r}")
+        raise InvalidValue(f"--name takes a Python identifier to bind the run's handle to, got {name!r}")
 
 
 def start_background_run(runs: BackgroundRuns, wait: RequestWait, request: ControlMessage,

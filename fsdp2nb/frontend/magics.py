@@ -12,10 +12,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import MagicArgumentParser
 
+from fsdp2nb.errors import InvalidValue, NoPoolRunning, PoolStartError, RankError, UsageMistake
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.output import notebook_color_scheme
-from fsdp2nb.frontend.session import NotebookSession, PoolMismatchError
+from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.kept import (
     DEFAULT_KEEP_FOR_S,
     KeepOptions,
@@ -24,7 +25,7 @@ from fsdp2nb.pool.kept import (
     describe_ranks,
     parse_keep_for,
 )
-from fsdp2nb.pool.pool import PoolStartError, WorkerPool
+from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, parse_rank_list, spec_from_options
 from fsdp2nb.wire.protocol import (
     LoadCheckpoint,
@@ -76,11 +77,11 @@ def _keep_options(options, *, cell: bool = False) -> KeepOptions | None:
     """`--keep [--name NAME] [--keep-for DURATION]` as options; None without --keep."""
     if not options.keep:
         if options.keep_for is not None:
-            raise UsageError("--keep-for applies to a kept pool: add --keep")
+            raise InvalidValue("--keep-for applies to a kept pool: add --keep")
         return None
     if cell and options.bg and options.name is not None:
-        raise UsageError("--name is ambiguous with both --bg and --keep; start the kept pool first "
-                         "(`%fsdp2 start --keep --name NAME`), then run the cell with --bg --name")
+        raise InvalidValue("--name is ambiguous with both --bg and --keep; start the kept pool first "
+                           "(`%fsdp2 start --keep --name NAME`), then run the cell with --bg --name")
     keep_for = parse_keep_for(options.keep_for) if options.keep_for is not None else DEFAULT_KEEP_FOR_S
     return KeepOptions(name=options.name or default_pool_name(), keep_for_s=keep_for)
 
@@ -216,7 +217,7 @@ class FSDP2Magics(Magics):
             if cell is not None:
                 return self._run_cell(line, cell)
             return self._run_command(line)
-        except (ValueError, PoolMismatchError) as error:
+        except UsageMistake as error:  # one line; any other error is a failure, with its traceback
             raise UsageError(str(error)) from None
         except PoolStartError as error:
             raise UsageError(f"the pool did not start: {error}") from None
@@ -259,7 +260,7 @@ class FSDP2Magics(Magics):
         from fsdp2nb.frontend.notebook_input import refuse_in_background
 
         if not options.bg:
-            raise UsageError("--name names a background run; use it with --bg")
+            raise InvalidValue("--name names a background run; use it with --bg")
         check_run_name(options.name)
         pool = self.session.pool_for(self._with_running_devices(_spec_or_none(options), options), default_spec, keep)
         ranks = parse_rank_list(options.ranks, pool.world_size) if options.ranks else tuple(range(pool.world_size))
@@ -298,7 +299,7 @@ class FSDP2Magics(Magics):
         words = split_magic_line(line)
         if not words or words[0] not in _COMMANDS:
             given = f"'{words[0]}'" if words else "nothing"
-            raise UsageError(f"%fsdp2 takes one of {', '.join(_COMMANDS)}, got {given}; see %fsdp2?")
+            raise UsageMistake(f"%fsdp2 takes one of {', '.join(_COMMANDS)}, got {given}; see %fsdp2?")
         command, options = words[0], self._line_parsers[words[0]].parse_args(words[1:])
         return getattr(self, f"_command_{command}")(options)
 
@@ -380,7 +381,7 @@ class FSDP2Magics(Magics):
         pool = self._running_pool()
         missing = [name for name in options.names if name not in self.shell.user_ns]
         if missing:
-            raise UsageError(f"cannot push {missing[0]!r}: it is not defined in the notebook")
+            raise UsageMistake(f"cannot push {missing[0]!r}: it is not defined in the notebook")
         values = {name: self.shell.user_ns[name] for name in options.names}
         self.session.push(pool, _pickle_for_ranks(values))
 
@@ -389,10 +390,10 @@ class FSDP2Magics(Magics):
         pool = self._running_pool()
         reply_ranks = tuple(range(pool.world_size)) if options.all else (options.rank or 0,)
         if not 0 <= reply_ranks[0] < pool.world_size:
-            raise UsageError(f"--rank {reply_ranks[0]} does not exist: the pool has ranks 0-{pool.world_size - 1}")
+            raise InvalidValue(f"--rank {reply_ranks[0]} does not exist: the pool has ranks 0-{pool.world_size - 1}")
         for name in options.names:
             if not name.isidentifier():
-                raise UsageError(f"cannot pull {name!r}: it is not a Python name")
+                raise InvalidValue(f"cannot pull {name!r}: it is not a Python name")
         # Every value arrives before any name is set: a failed pull changes nothing.
         values = {name: self._pull_one(pool, name, reply_ranks, options.all) for name in options.names}
         if options.value:
@@ -411,20 +412,18 @@ class FSDP2Magics(Magics):
     def _command_load(self, options) -> None:
         target = options.target
         if target != "latest" and not (target.isascii() and target.isdigit()):
-            raise UsageError(f"%fsdp2 load takes 'latest' or a step number, got {target!r}")
+            raise InvalidValue(f"%fsdp2 load takes 'latest' or a step number, got {target!r}")
         self._run_checkpoint_command(LoadCheckpoint(target=int(target) if target.isdigit() else "latest"))
 
     def _run_checkpoint_command(self, command: RankCommand) -> None:
         """Save or load on the ranks. No tracked checkpointer, or a step that cannot be loaded
         (loading changed nothing), is shown as one line, without the ranks' tracebacks."""
-        from fsdp2nb.frontend.errors import RankError
-
         try:
             self._run_on_ranks(command)
         except RankError as error:
             refused = [info for _, info in error.errors if info.ename in _REFUSALS_IN_ONE_LINE]
             if refused:
-                raise UsageError(refused[0].evalue) from None
+                raise UsageMistake(refused[0].evalue) from None
             raise
 
     def _command_wait(self, options) -> None:
@@ -471,7 +470,7 @@ class FSDP2Magics(Magics):
             self.session.check_held()
         pool = self.session.pool
         if pool is None or pool.state != "ready":
-            raise UsageError("no pool is running; start one with `%fsdp2 start --cpu N` or a %%fsdp2 cell")
+            raise NoPoolRunning("no pool is running; start one with `%fsdp2 start --cpu N` or a %%fsdp2 cell")
         return pool
 
 
@@ -495,6 +494,6 @@ def _pickle_for_ranks(values: dict) -> bytes:
         try:
             cloudpickle.dumps(value)
         except Exception as error:
-            raise UsageError(f"cannot push {name!r}: it cannot be pickled ({type(error).__name__}: {error}); "
-                             "push data (numbers, tensors, dicts), not live objects") from None
-    raise UsageError(f"cannot push {', '.join(values)}: together they cannot be pickled")
+            raise UsageMistake(f"cannot push {name!r}: it cannot be pickled ({type(error).__name__}: {error}); "
+                               "push data (numbers, tensors, dicts), not live objects") from None
+    raise UsageMistake(f"cannot push {', '.join(values)}: together they cannot be pickled")

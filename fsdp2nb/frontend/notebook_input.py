@@ -17,13 +17,14 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
+from fsdp2nb.errors import Fsdp2nbError
 from fsdp2nb.wire.sigint import sigint_raises
 
 AskLine = Callable[[str, bool], str]
 """(prompt, password) -> the line typed."""
 
 
-class NoInputBox(RuntimeError):
+class NoInputBox(Fsdp2nbError, RuntimeError):
     """No one can answer a rank's prompt; the message says why and what to do."""
 
 

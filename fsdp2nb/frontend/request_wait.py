@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from fsdp2nb.errors import Fsdp2nbError
 from fsdp2nb.frontend.errors import PoolTakenError, RankError, alarm, rank_exit_error
 from fsdp2nb.frontend.output import (
     StreamMerger,
@@ -95,7 +96,7 @@ stop button is pressed meanwhile, EOFError at end of input, PromptDeferred when 
 wait for a later moment, another error where none can answer."""
 
 
-class PromptDeferred(Exception):  # what happened, not a failure
+class PromptDeferred(Fsdp2nbError):  # what happened, not a failure
     """No one can answer the prompt now; it stays pending and is asked again later."""
 
 

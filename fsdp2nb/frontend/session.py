@@ -16,15 +16,33 @@ import threading
 import time
 from collections.abc import Callable
 
+from fsdp2nb.errors import (
+    AttachFailed,
+    BackgroundRunActive,
+    InvalidValue,
+    KeepRefused,
+    NoPoolRunning,
+    NoSuchPool,
+    NothingToDebug,
+    PoolAlreadyRunning,
+    PoolBroken,
+    PoolHeldError,
+    PoolMismatchError,
+    PoolNameNeeded,
+    PoolNotKept,
+    PoolStartError,
+    RankError,
+    UsageMistake,
+)
 from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, resume_background_run
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
-from fsdp2nb.frontend.errors import RankError, alarm
+from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook, refuse_in_background
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
-from fsdp2nb.pool.kept import KeepOptions, PoolHeldError, list_pools, noted_runs
+from fsdp2nb.pool.kept import KeepOptions, list_pools, noted_runs
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
-from fsdp2nb.pool.pool import PoolStartError, WorkerPool
+from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import (
     ControlMessage,
@@ -43,10 +61,6 @@ logger = logging.getLogger(__name__)
 
 RESUME_HINT = ("to resume, run the cells that set up the ranks again (model, optimizer, Checkpointer); "
                "`ckpt.load(\"latest\")` then continues from the last checkpoint saved")
-
-
-class PoolMismatchError(RuntimeError):
-    """A cell asked for a pool other than the running one."""
 
 
 class NotebookSession:
@@ -97,8 +111,8 @@ class NotebookSession:
 
     def _start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> WorkerPool:
         if self.pool is not None and self.pool.state in ("ready", "starting"):
-            raise PoolMismatchError(
-                f"a pool ({self.pool.spec.describe()}) is already running; `%fsdp2 restart` replaces it")
+            raise PoolAlreadyRunning(
+                 f"a pool ({self.pool.spec.describe()}) is already running; `%fsdp2 restart` replaces it")
         if keep is not None:
             check_keepable(spec)
         self.stop(keep_standby=True)
@@ -108,7 +122,7 @@ class NotebookSession:
         elif self.launcher is not None:  # across hosts the spec's engine launches (launcher_for)
             pool = WorkerPool(spec, launcher=self.launcher if spec.placement is None else None, keep=keep)
         else:
-            raise PoolMismatchError("--keep needs the session's own launcher (this session was given a pool factory)")
+            raise KeepRefused("--keep needs the session's own launcher (this session was given a pool factory)")
         self._share_listeners(pool)  # before it starts: the first snapshots are heard too
         pool.start()
         self.pool = pool
@@ -149,13 +163,13 @@ class NotebookSession:
         with self.lifecycle_lock:
             spec = spec or (self.pool.spec if self.pool else None)
             if spec is None:
-                raise PoolMismatchError("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
+                raise NoPoolRunning("no pool to restart; start one with `%fsdp2 start --cpu N` or `--gpus N`")
             keep = self.check_held()
             self.stop(keep_standby=True)
             return self._start(spec, keep)
 
     def check_held(self) -> KeepOptions | None:
-        """The running pool's keep options; PoolMismatchError (and this kernel lets go) if another
+        """The running pool's keep options; PoolHeldError (and this kernel lets go) if another
         kernel took it."""
         pool = self.pool
         if pool is None or getattr(pool, "keep", None) is None:  # (a test's fake pool keeps nothing)
@@ -164,28 +178,26 @@ class NotebookSession:
             note = pool.holder_note()
             self.pool = None
             pool.release()
-            raise PoolMismatchError(f"kept pool {pool.keep.name!r} was taken by {note}; "
-                                    f"`%fsdp2 attach {pool.keep.name} --take` takes it back")
+            raise PoolHeldError(f"kept pool {pool.keep.name!r} was taken by {note}; "
+                                f"`%fsdp2 attach {pool.keep.name} --take` takes it back")
         return pool.keep
 
     # --- kept pools ---------------------------------------------------------------------------
 
     def attach(self, name: str | None, *, take: bool = False) -> tuple[WorkerPool, BackgroundRun | None]:
         """Hold the kept pool `name` (None: the only one) from this kernel; its background run,
-        if one is going, gets a handle here. Raises PoolMismatchError with one line, nothing changed."""
+        if one is going, gets a handle here. Raises a UsageMistake with one line, nothing changed."""
         with self.lifecycle_lock:
             if self.pool is not None and self.pool.state in ("ready", "starting", "broken"):
                 if self.pool.keep is not None and self.pool.keep.name == name and self.pool.held_here():
-                    raise PoolMismatchError(f"this kernel holds kept pool {name!r} already")
-                raise PoolMismatchError(f"this kernel runs a pool already ({self.pool.spec.describe()}); "
-                                        "`%fsdp2 detach` (a kept pool) or `%fsdp2 stop` first")
+                    raise PoolAlreadyRunning(f"this kernel holds kept pool {name!r} already")
+                raise PoolAlreadyRunning(f"this kernel runs a pool already ({self.pool.spec.describe()}); "
+                                         "`%fsdp2 detach` (a kept pool) or `%fsdp2 stop` first")
             name = name or _only_pool_name()
             try:
                 pool = WorkerPool.attach(name, take=take)
-            except (ValueError, PoolHeldError, PermissionError) as error:
-                raise PoolMismatchError(str(error)) from None
             except PoolStartError as error:
-                raise PoolMismatchError(f"kept pool {name!r} did not answer: {error}") from None
+                raise AttachFailed(f"kept pool {name!r} did not answer: {error}") from None
             self.stop(keep_standby=True)  # nothing to stop: drops a dead pool's leftovers
             self._share_listeners(pool)
             self.pool = pool
@@ -215,14 +227,14 @@ class NotebookSession:
         with self.lifecycle_lock:
             keep = self.check_held()
             if self.pool is None:
-                raise PoolMismatchError("no pool is running, so there is nothing to detach")
+                raise NoPoolRunning("no pool is running, so there is nothing to detach")
             if keep is None:
-                raise PoolMismatchError("the running pool is not kept: it ends with this kernel "
-                                        "(`%fsdp2 start --keep` starts one that outlives it)")
+                raise PoolNotKept("the running pool is not kept: it ends with this kernel "
+                                  "(`%fsdp2 start --keep` starts one that outlives it)")
             active = self.background.active
             if active is not None:
-                raise PoolMismatchError(f"{active.label} runs in this kernel; `%fsdp2 wait` for it first "
-                                        "(if this kernel ends instead, the run goes on in the kept pool)")
+                raise BackgroundRunActive(f"{active.label} runs in this kernel; `%fsdp2 wait` for it first "
+                                          "(if this kernel ends instead, the run goes on in the kept pool)")
             pool, self.pool = self.pool, None
             pool.detach()
             return keep.name
@@ -243,8 +255,8 @@ class NotebookSession:
         if pool is not None and not pool.check_agent():
             pool = self._replace_dead_pool(pool)
         if pool is not None and pool.state == "broken":
-            raise PoolMismatchError(f"the pool is broken ({self._broken_reason()}); "
-                                    "`%fsdp2 restart` starts a fresh one (rank state is lost)")
+            raise PoolBroken(f"the pool is broken ({self._broken_reason()}); "
+                             "`%fsdp2 restart` starts a fresh one (rank state is lost)")
         if pool is None:
             return self._start(spec or default(), keep)
         if spec is not None and spec != pool.spec:
@@ -258,8 +270,8 @@ class NotebookSession:
         note = self._restart_after_failure(pool.spec, f"{pool.broken_reason} while the pool was idle")
         write_to_kernel("stderr", note + "\n")
         if self.pool is None:
-            raise PoolMismatchError(f"{pool.broken_reason}, and a new pool did not start; "
-                                    f"`%fsdp2 start {pool.spec.describe()}` tries again")
+            raise PoolBroken(f"{pool.broken_reason}, and a new pool did not start; "
+                             f"`%fsdp2 start {pool.spec.describe()}` tries again")
         return self.pool
 
     def _broken_reason(self) -> str:
@@ -287,10 +299,10 @@ class NotebookSession:
         """A post-mortem of the last failed cell on `rank` (default: the rank whose error came first)."""
         rank = self.last_failed_rank if rank is None else rank
         if rank is None:
-            raise PoolMismatchError("no %%fsdp2 cell has failed yet, so there is nothing to debug; "
-                                    "`%fsdp2 debug --rank R` opens the last error of rank R")
+            raise NothingToDebug("no %%fsdp2 cell has failed yet, so there is nothing to debug; "
+                                 "`%fsdp2 debug --rank R` opens the last error of rank R")
         if rank not in range(pool.world_size):
-            raise PoolMismatchError(f"--rank {rank} is not a rank of this pool (ranks 0-{pool.world_size - 1})")
+            raise InvalidValue(f"--rank {rank} is not a rank of this pool (ranks 0-{pool.world_size - 1})")
         self.run_request(pool, (rank,), lambda cell_id: PostMortem(cell_id=cell_id))
 
     def push(self, pool: WorkerPool, payload: bytes) -> None:
@@ -346,12 +358,12 @@ class NotebookSession:
         """Replace the pool without asking its ranks (they are stuck or dead); the note to show."""
         try:
             keep = self.check_held()
-        except PoolMismatchError as taken:  # never end a pool another kernel holds now
+        except PoolHeldError as taken:  # never end a pool another kernel holds now
             return alarm(f"{what_happened}; {taken}")
         self.stop(polite=False, keep_standby=True)
         try:
             self.start(spec, keep)
-        except (PoolStartError, ValueError) as error:  # say so beside why the old pool went, not instead of it
+        except (PoolStartError, UsageMistake) as error:  # say so beside why the old pool went, not instead of it
             return (alarm(f"{what_happened}; all rank state was lost and a new pool did not start: {error}")
                 + f"\n`%fsdp2 start {spec.describe()}` tries again")
         return (alarm(f"{what_happened}; the pool was restarted ({spec.describe()}) and all rank state was lost")
@@ -362,8 +374,8 @@ class NotebookSession:
 def check_keepable(spec: PoolSpec) -> None:
     """Pools on this host and on Ray hosts can be kept; a Slurm step cannot outlive its job."""
     if spec.placement is not None and spec.placement.engine == "slurm":
-        raise PoolMismatchError("--keep is refused with --slurm: the ranks run in a job step, which ends "
-                                "with the allocation's job whatever the kernel does")
+        raise KeepRefused("--keep is refused with --slurm: the ranks run in a job step, which ends "
+                          "with the allocation's job whatever the kernel does")
 
 
 def _requests_at_attach(pool: WorkerPool) -> dict[int, int]:
@@ -412,5 +424,5 @@ def _only_pool_name() -> str:
     if len(names) == 1:
         return names[0]
     if not names:
-        raise PoolMismatchError("no kept pool exists on this host (`%fsdp2 start --keep` starts one)")
-    raise PoolMismatchError(f"{len(names)} kept pools exist ({', '.join(names)}); `%fsdp2 attach NAME` picks one")
+        raise NoSuchPool("no kept pool exists on this host (`%fsdp2 start --keep` starts one)")
+    raise PoolNameNeeded(f"{len(names)} kept pools exist ({', '.join(names)}); `%fsdp2 attach NAME` picks one")

@@ -22,20 +22,23 @@ from pathlib import Path
 
 import psutil
 
+from fsdp2nb.errors import InvalidValue, KeptPoolUnreadable, LaunchError, PoolHeldError, WireVersionMismatch
 from fsdp2nb.pool import reaper
-from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, LaunchError, describe_exit
+from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, describe_exit
 from fsdp2nb.pool.spec import Placement, PoolSpec
 from fsdp2nb.wire.kept import (
     KEY_FILE,
     META_FILE,
     RankWork,
     read_activity,
+    read_attach_envelope,
     read_attach_record,
     read_exit_reports,
     write_attach_record,
 )
 from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankExited
 from fsdp2nb.wire.signing import Signer
+from fsdp2nb.wire.versions import WireVersion, ours
 
 DEFAULT_KEEP_FOR_S = 3600.0
 """A kept pool that no kernel holds and that runs nothing ends after an hour unless told otherwise."""
@@ -58,13 +61,13 @@ class KeepOptions:
     def __post_init__(self) -> None:
         check_pool_name(self.name)
         if self.keep_for_s is not None and not 0 < self.keep_for_s < float("inf"):
-            raise ValueError(f"keep_for_s={self.keep_for_s!r} must be more than 0 seconds, or None")
+            raise InvalidValue(f"keep_for_s={self.keep_for_s!r} must be more than 0 seconds, or None")
 
 
 def check_pool_name(name: str) -> None:
     if not _NAME.fullmatch(name):
-        raise ValueError(f"--name {name!r} is not a pool name: use letters, digits, '_', '.', '-' "
-                         "(at most 64, starting with a letter or digit)")
+        raise InvalidValue(f"--name {name!r} is not a pool name: use letters, digits, '_', '.', '-' "
+                           "(at most 64, starting with a letter or digit)")
 
 
 def parse_keep_for(text: str) -> float | None:
@@ -73,8 +76,8 @@ def parse_keep_for(text: str) -> float | None:
         return None
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", text.lower())
     if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"--keep-for {text!r} is not a duration: give a number and a unit, "
-                         "e.g. 90s, 30m, 2h, 1d, or 'none' to keep the pool until `%fsdp2 stop`")
+        raise InvalidValue(f"--keep-for {text!r} is not a duration: give a number and a unit, "
+                           "e.g. 90s, 30m, 2h, 1d, or 'none' to keep the pool until `%fsdp2 stop`")
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
@@ -165,8 +168,13 @@ class KeptPool:
     log_dir: str
     died: str | None = None
     """Ranks that died while no kernel held the pool, e.g. "rank 1 died (exit code 3)"."""
+    wire: WireVersion | None = None
+    """The wire version it speaks where that is not this kernel's (it cannot be attached here)."""
 
     def __str__(self) -> str:
+        if self.wire is not None:
+            return (f"{self.name}: {self.spec}, speaks {self.wire.describe(ours())}, this kernel "
+                    f"{ours().describe(self.wire)}: it cannot be attached here")
         when = time.strftime("%H:%M:%S", time.localtime(self.since))
         held = f"held by kernel {self.holder_pid} (since {when})" if self.holder_pid else f"detached (since {when})"
         if self.died:
@@ -181,15 +189,11 @@ class KeptPool:
         return f"{self.name}: {self.spec}, {held}, {self.run or 'idle'}, {clock}"
 
 
-class PoolHeldError(RuntimeError):
-    """Another live kernel holds the pool; the message says which and how to take it."""
-
-
 def read_key(directory: Path) -> bytes:
     path = directory / KEY_FILE
     info = os.lstat(path)
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PermissionError(f"{path} must be this user's and readable by no one else (0600)")
+        raise KeptPoolUnreadable(f"{path} must be this user's and readable by no one else (0600)")
     return bytes.fromhex(path.read_text())
 
 
@@ -224,6 +228,25 @@ def wake_agent(meta: KeptMeta) -> None:
     if agent_alive(meta):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(meta.agent[0], signal.SIGUSR1)
+
+
+def check_wire_version(directory: Path, signer: Signer, meta: KeptMeta) -> None:
+    """Raise WireVersionMismatch (one line: both versions, and what to do) where the pool's attach
+    record was written by an fsdp2nb of another wire version; KeptPoolUnreadable where the key
+    verifies no record. Read before this kernel writes anything there."""
+    opened = read_attach_envelope(str(directory), signer)
+    if opened is None:
+        raise KeptPoolUnreadable(f"the key in {directory} does not verify the pool's attach record; the pool "
+                                 f"cannot be attached (`kill` its agent, pid {meta.agent[0]}, to end it)")
+    if opened.message is not None:
+        return
+    theirs = opened.version
+    attach = (f"`pip install fsdp2nb=={theirs.package}` and restart the kernel to attach it" if theirs.package
+              else "attach it from a kernel with the fsdp2nb that started it")
+    raise WireVersionMismatch(
+        f"kept pool {meta.name!r} speaks {theirs.describe(ours())}, this kernel speaks "
+        f"{ours().describe(theirs)}: {attach}, or end it with `kill {meta.agent[0]}` (its host agent; "
+        "rank state is lost)")
 
 
 def holder_alive(record: AttachRecord | None) -> bool:
@@ -356,6 +379,11 @@ def _describe(directory: Path, meta: KeptMeta) -> KeptPool:
         signer = Signer(read_key(directory))
     except (OSError, ValueError):
         signer = None
+    opened = read_attach_envelope(str(directory), signer) if signer is not None else None
+    if opened is not None and opened.message is None:  # another fsdp2nb's: its files may read otherwise
+        return KeptPool(name=meta.name, spec=meta.spec.describe(), holder_pid=None, since=meta.created,
+                        run=None, keep_for_s=meta.keep_for_s, seconds_left=None, log_dir=meta.log_dir,
+                        wire=opened.version)
     record = read_attach_record(str(directory), signer) if signer is not None else None
     died = read_exit_reports(str(directory), signer) if signer is not None else {}
     holder = record.holder_pid if record is not None and holder_alive(record) else None

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from fsdp2nb.errors import NoSuchPool, PoolHeldError, PoolNameTaken
 from fsdp2nb.pool import kept, ray_kept, reaper
 from fsdp2nb.pool.pool_log import open_pool_log
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels
@@ -36,10 +37,10 @@ class KeptPoolParts:
         if directory.exists():
             meta = kept.KeptMeta.read(directory)
             if meta is not None and kept.agent_alive(meta):
-                raise ValueError(f"a kept pool named {self.keep.name!r} exists already; "
-                                 f"`%fsdp2 attach {self.keep.name}` uses it, or pick another --name")
+                raise PoolNameTaken(f"a kept pool named {self.keep.name!r} exists already; "
+                                    f"`%fsdp2 attach {self.keep.name}` uses it, or pick another --name")
             if meta is None and time.time() - directory.stat().st_mtime < 60:
-                raise ValueError(f"a kept pool named {self.keep.name!r} is being started; pick another --name")
+                raise PoolNameTaken(f"a kept pool named {self.keep.name!r} is being started; pick another --name")
             shutil.rmtree(directory, ignore_errors=True)  # left by a pool whose agent died
         directory.mkdir(mode=0o700)
         self._kept_dir = directory
@@ -60,17 +61,17 @@ class KeptPoolParts:
     @classmethod
     def attach(cls, name: str, *, take: bool = False, timeout_s: float = ATTACH_TIMEOUT_S,
                stalled_frame_s: float = STALLED_FRAME_S) -> KeptPoolParts:
-        """This kernel takes the kept pool `name` (see pool/kept.py); ValueError or PoolHeldError
-        (one line each) when it cannot, with nothing changed."""
+        """This kernel takes the kept pool `name` (see pool/kept.py); a UsageMistake (NoSuchPool,
+        PoolHeldError, ...: one line each) when it cannot, with nothing changed."""
         directory = kept.kept_dir(name)
         meta = kept.KeptMeta.read(directory) if directory.exists() else None
         if meta is None:
             names = [pool.name for pool in kept.list_pools()]
-            raise ValueError(f"no kept pool is named {name!r}; " + (
+            raise NoSuchPool(f"no kept pool is named {name!r}; " + (
                 f"kept pools: {', '.join(names)}" if names else "there are none (`%fsdp2 pools` lists them)"))
         if not kept.agent_alive(meta):
             shutil.rmtree(directory, ignore_errors=True)
-            raise ValueError(f"kept pool {name!r} is gone: its host agent (pid {meta.agent[0]}) ended; "
+            raise NoSuchPool(f"kept pool {name!r} is gone: its host agent (pid {meta.agent[0]}) ended; "
                              f"its logs are in {meta.log_dir}")
         pool = cls(meta.spec, launcher=kept.AttachOnly(), stalled_frame_s=stalled_frame_s,
                    keep=kept.KeepOptions(name=name, keep_for_s=meta.keep_for_s))
@@ -80,14 +81,11 @@ class KeptPoolParts:
     def _take(self, directory: Path, meta: kept.KeptMeta, take: bool, timeout_s: float) -> None:
         key = kept.read_key(directory)
         signer = Signer(key)
-        if kept.read_attach_record(str(directory), signer) is None:
-            raise ValueError(f"the key in {directory} does not verify the pool's attach record; "
-                             "the pool cannot be attached (`kill` its agent, pid "
-                             f"{meta.agent[0]}, to end it)")
+        kept.check_wire_version(directory, signer, meta)
         current = kept.held_here(directory, signer)
         if kept.holder_alive(current) and not take:
-            raise kept.PoolHeldError(f"pool {meta.name!r} is held by {kept.describe_holder(current)}; "
-                                     f"`%fsdp2 attach {meta.name} --take` moves it to this kernel")
+            raise PoolHeldError(f"pool {meta.name!r} is held by {kept.describe_holder(current)}; "
+                                f"`%fsdp2 attach {meta.name} --take` moves it to this kernel")
         self.pool_id, self.log_dir, self._kept_dir = meta.pool_id, meta.log_dir, directory
         self._runtime_dir = meta.runtime_dir
         self.state = "starting"

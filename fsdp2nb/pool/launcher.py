@@ -32,10 +32,6 @@ logger = logging.getLogger(__name__)
 AGENT_COMMAND = (sys.executable, "-m", "fsdp2nb.worker.agent")
 
 
-class LaunchError(RuntimeError):
-    """The engine could not start the ranks (no Ray cluster, no srun, too few hosts); one line says why."""
-
-
 @dataclass(frozen=True)
 class AgentExit:
     """How a launch's host agent ended, and which one as far as the launcher can tell.

@@ -25,6 +25,7 @@ from typing import Literal
 
 import psutil
 
+from fsdp2nb.errors import LaunchError, PoolStartError
 from fsdp2nb.pool import kept, reaper
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.kept import KeepOptions
@@ -33,7 +34,6 @@ from fsdp2nb.pool.launcher import (
     AgentExit,
     LaunchedRanks,
     Launcher,
-    LaunchError,
     LocalLauncher,
     describe_exit,
 )
@@ -71,10 +71,6 @@ logger = logging.getLogger(__name__)
 PoolState = Literal["stopped", "starting", "ready", "broken"]
 DEFAULT_START_TIMEOUT_S = 300.0
 _RECEIVE_POLL_MS = 100
-
-
-class PoolStartError(RuntimeError):
-    """The ranks did not all come up; the message carries what the failing rank printed."""
 
 
 class WorkerPool(KeptPoolParts):
@@ -234,6 +230,8 @@ class WorkerPool(KeptPoolParts):
         deadline = time.monotonic() + timeout_s
         while not self._all_ready.wait(0.05):
             self._pass_rendezvous_on()
+            if self._channels.refused_version is not None:  # ranks of another fsdp2nb: they will not join
+                raise PoolStartError(self._channels.refused_version)
             if self.exited or not self._launched.is_running():
                 raise PoolStartError(self._start_failure())
             if time.monotonic() > deadline:

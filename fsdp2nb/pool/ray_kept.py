@@ -39,6 +39,7 @@ from fsdp2nb.wire.kept import (
     RECORD_FILE,
     SLOT_BYTES,
     create_activity_board,
+    decode_attach_record,
     host_kept_dir,
     write_attach_record,
 )
@@ -147,7 +148,7 @@ class KeptWatch:
     def record_bytes(self) -> bytes:
         """The record the starting kernel wrote (it holds the pool), for every host's directory."""
         raw = (self._directory / RECORD_FILE).read_bytes()
-        record = self._signer.unpack(raw)
+        record = decode_attach_record(self._signer, raw)
         assert isinstance(record, AttachRecord), "the kernel writes the record before it launches"
         self._serial = record.serial
         self._watch_holder(record)
@@ -225,7 +226,7 @@ class KeptWatch:
             raw = (self._directory / RECORD_FILE).read_bytes()
         except OSError:  # the directory was removed: the pool is being stopped
             return
-        record = self._signer.unpack(raw)
+        record = decode_attach_record(self._signer, raw)
         if not isinstance(record, AttachRecord) or record.serial <= self._serial:
             return
         self._serial = record.serial

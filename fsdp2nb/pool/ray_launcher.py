@@ -17,7 +17,8 @@ import subprocess
 import sys
 import threading
 
-from fsdp2nb.pool.launcher import AgentExit, LaunchError, describe_exit_code, end_process_group
+from fsdp2nb.errors import LaunchError
+from fsdp2nb.pool.launcher import AgentExit, describe_exit_code, end_process_group
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.endpoints import tcp_address
 from fsdp2nb.wire.protocol import LaunchPlan

@@ -14,7 +14,8 @@ import socket
 import subprocess
 import sys
 
-from fsdp2nb.pool.launcher import AgentExit, AgentProcess, LaunchError, describe_exit_code
+from fsdp2nb.errors import LaunchError
+from fsdp2nb.pool.launcher import AgentExit, AgentProcess, describe_exit_code
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.endpoints import tcp_address
 from fsdp2nb.wire.protocol import LaunchPlan

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from fsdp2nb.errors import InvalidValue
+
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 MAX_COLLECTIVE_TIMEOUT_S = 365 * 24 * 3600.0
 DEFAULT_NUM_CPU_RANKS = 2
@@ -30,9 +32,9 @@ class Placement:
 
     def __post_init__(self) -> None:
         if self.engine not in ("ray", "slurm"):
-            raise ValueError(f"engine={self.engine!r} must be 'ray' or 'slurm'")
+            raise InvalidValue(f"engine={self.engine!r} must be 'ray' or 'slurm'")
         if self.num_nodes < 1:
-            raise ValueError(f"--nodes {self.num_nodes} must be at least 1")
+            raise InvalidValue(f"--nodes {self.num_nodes} must be at least 1")
 
     def describe(self) -> str:
         text = f"--ray {self.address or 'auto'}" if self.engine == "ray" else "--slurm"
@@ -53,12 +55,12 @@ class PoolSpec:
 
     def __post_init__(self) -> None:
         if not self.devices:
-            raise ValueError("devices is empty: a pool needs at least one rank")
+            raise InvalidValue("devices is empty: a pool needs at least one rank")
         kinds = {device.split(":")[0] for device in self.devices}
         if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
-            raise ValueError(f"devices={self.devices!r} must be all 'cpu' or all 'cuda:N'")
+            raise InvalidValue(f"devices={self.devices!r} must be all 'cpu' or all 'cuda:N'")
         if not 0 < self.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S:
-            raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be more than 0 and at most a year")
+            raise InvalidValue(f"collective_timeout_s={self.collective_timeout_s!r} must be more than 0 and at most a year")
 
     @property
     def num_nodes(self) -> int:
@@ -112,17 +114,17 @@ def spec_from_options(
     one-line explanation."""
     timeout = DEFAULT_COLLECTIVE_TIMEOUT_S if collective_timeout_s is None else collective_timeout_s
     if not 0 < timeout <= MAX_COLLECTIVE_TIMEOUT_S:  # also nan and inf, which the ranks cannot use
-        raise ValueError(f"--timeout {timeout:g} is not usable; give the collective timeout in seconds, "
-                         f"more than 0 and at most {MAX_COLLECTIVE_TIMEOUT_S:.0f} (a year)")
+        raise InvalidValue(f"--timeout {timeout:g} is not usable; give the collective timeout in seconds, "
+                           f"more than 0 and at most {MAX_COLLECTIVE_TIMEOUT_S:.0f} (a year)")
     if hosts is not None and hosts.given:
         return multi_host_spec(hosts, gpus=gpus, cpu=cpu, collective_timeout_s=timeout)
     if gpus is not None and cpu is not None:
-        raise ValueError("--gpus and --cpu exclude each other: pick GPUs or CPU ranks")
+        raise InvalidValue("--gpus and --cpu exclude each other: pick GPUs or CPU ranks")
     if gpus is not None:
         return PoolSpec(devices=tuple(f"cuda:{i}" for i in _parse_gpus(gpus)), collective_timeout_s=timeout)
     num_ranks = DEFAULT_NUM_CPU_RANKS if cpu is None else cpu
     if num_ranks < 1:
-        raise ValueError(f"--cpu {num_ranks} must be at least 1 (the number of CPU ranks)")
+        raise InvalidValue(f"--cpu {num_ranks} must be at least 1 (the number of CPU ranks)")
     return PoolSpec(devices=("cpu",) * num_ranks, collective_timeout_s=timeout)
 
 
@@ -149,25 +151,25 @@ def multi_host_spec(hosts: HostOptions, *, gpus: str | None, cpu: int | None, co
     """A spec for ranks on other hosts; raises ValueError with a one-line explanation."""
     environ = os.environ if environ is None else environ
     if hosts.ray is None and not hosts.slurm:
-        raise ValueError("--nodes, --gpus-per-node, --cpu-per-node and --listen place ranks on other hosts: "
-                         "add --ray [auto|HOST:PORT] or --slurm")
+        raise InvalidValue("--nodes, --gpus-per-node, --cpu-per-node and --listen place ranks on other hosts: "
+                           "add --ray [auto|HOST:PORT] or --slurm")
     if hosts.ray is not None and hosts.slurm:
-        raise ValueError("--ray and --slurm exclude each other: pick the engine that provides the hosts")
+        raise InvalidValue("--ray and --slurm exclude each other: pick the engine that provides the hosts")
     if gpus is not None or cpu is not None:
-        raise ValueError("--gpus and --cpu place ranks on this host; across hosts use --gpus-per-node N "
-                         "or --cpu-per-node N")
+        raise InvalidValue("--gpus and --cpu place ranks on this host; across hosts use --gpus-per-node N "
+                           "or --cpu-per-node N")
     if (hosts.gpus_per_node is None) == (hosts.cpu_per_node is None):
-        raise ValueError("say what each host runs: --gpus-per-node N or --cpu-per-node N (one of them)")
+        raise InvalidValue("say what each host runs: --gpus-per-node N or --cpu-per-node N (one of them)")
     per_node = hosts.gpus_per_node if hosts.gpus_per_node is not None else hosts.cpu_per_node
     if per_node < 1:
-        raise ValueError(f"{per_node} ranks per host: give at least 1")
+        raise InvalidValue(f"{per_node} ranks per host: give at least 1")
     if hosts.slurm and not environ.get("SLURM_JOB_ID"):
-        raise ValueError("--slurm runs inside a Slurm allocation (salloc or sbatch), and SLURM_JOB_ID is not set")
+        raise InvalidValue("--slurm runs inside a Slurm allocation (salloc or sbatch), and SLURM_JOB_ID is not set")
     num_nodes = hosts.num_nodes
     if num_nodes is None and hosts.slurm:
         num_nodes = int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or 0) or None
     if num_nodes is None:
-        raise ValueError("--nodes N is needed: how many hosts the pool spans")
+        raise InvalidValue("--nodes N is needed: how many hosts the pool spans")
     if hosts.listen is not None:
         from fsdp2nb.wire.endpoints import check_listen_host
 
@@ -190,25 +192,25 @@ def _parse_gpus(text: str) -> list[int]:
     """`4` means the first four visible GPUs; `0,2,3` (or `1,`) names GPUs by index."""
     visible = visible_gpu_indices()
     if not visible:
-        raise ValueError(f"--gpus {text}: no CUDA GPU is visible here; use --cpu N for CPU ranks")
+        raise InvalidValue(f"--gpus {text}: no CUDA GPU is visible here; use --cpu N for CPU ranks")
     try:
         numbers = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ValueError(f"--gpus {text!r} is neither a count (4) nor a list of indices (0,2,3)") from None
+        raise InvalidValue(f"--gpus {text!r} is neither a count (4) nor a list of indices (0,2,3)") from None
     if not numbers:
-        raise ValueError("--gpus needs a count (4) or a list of indices (0,2,3)")
+        raise InvalidValue("--gpus needs a count (4) or a list of indices (0,2,3)")
     if "," not in text:
         count = numbers[0]
         if count < 1:
-            raise ValueError(f"--gpus {count} must be at least 1 (a count of GPUs)")
+            raise InvalidValue(f"--gpus {count} must be at least 1 (a count of GPUs)")
         if count > len(visible):
-            raise ValueError(f"--gpus {count} asks for more GPUs than the {len(visible)} visible")
+            raise InvalidValue(f"--gpus {count} asks for more GPUs than the {len(visible)} visible")
         return visible[:count]
     bad = [i for i in numbers if i not in visible]
     if bad:
-        raise ValueError(f"--gpus {text}: GPU index {bad[0]} is not among the visible GPUs {visible}")
+        raise InvalidValue(f"--gpus {text}: GPU index {bad[0]} is not among the visible GPUs {visible}")
     if len(set(numbers)) != len(numbers):
-        raise ValueError(f"--gpus {text} names a GPU twice")
+        raise InvalidValue(f"--gpus {text} names a GPU twice")
     return numbers
 
 
@@ -220,10 +222,10 @@ def parse_rank_list(text: str, world_size: int) -> tuple[int, ...]:
             low, _, high = part.partition("-")
             ranks.update(range(int(low), int(high or low) + 1))
     except ValueError:
-        raise ValueError(f"--ranks {text!r} is not a rank list such as 0 or 0,2 or 1-3") from None
+        raise InvalidValue(f"--ranks {text!r} is not a rank list such as 0 or 0,2 or 1-3") from None
     if not ranks:
-        raise ValueError("--ranks needs at least one rank, such as 0 or 0,2")
+        raise InvalidValue("--ranks needs at least one rank, such as 0 or 0,2")
     outside = sorted(r for r in ranks if not 0 <= r < world_size)
     if outside:
-        raise ValueError(f"--ranks {text}: rank {outside[0]} does not exist; the pool has ranks 0-{world_size - 1}")
+        raise InvalidValue(f"--ranks {text}: rank {outside[0]} does not exist; the pool has ranks 0-{world_size - 1}")
     return tuple(sorted(ranks))

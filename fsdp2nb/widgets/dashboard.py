@@ -18,13 +18,14 @@ from typing import Protocol
 
 import ipywidgets as widgets
 
+from fsdp2nb.errors import Fsdp2nbError
 from fsdp2nb.widgets import markup
 from fsdp2nb.widgets.model import DashboardModel
 
 logger = logging.getLogger(__name__)
 
 
-class ActionRefused(Exception):
+class ActionRefused(Fsdp2nbError):
     """Bad input or a wrong moment for an action: its one-line message goes to the panel, nothing changes."""
 
 

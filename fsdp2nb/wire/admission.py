@@ -1,8 +1,10 @@
 """Admitting connections to the pool's socket: each must answer a fresh challenge with a signed hello.
 
-The kernel greets every new connection with a random challenge; the peer's first frame must be
-a signed `ChannelHello` that carries it back, so a hello recorded from an earlier connection gets
-nothing. One thread with one epoll set introduces every connection, so a flood of idle or junk
+The kernel greets every new connection with a random challenge and its wire version; the peer's
+first frame must be a signed `ChannelHello` that carries the challenge back, so a hello recorded
+from an earlier connection gets nothing, and that speaks the kernel's version (wire/versions.py):
+a peer of another version is refused in one line naming both, kept in `refused_version` for the
+pool to report. One thread with one epoll set introduces every connection, so a flood of idle or junk
 connections costs no thread each: at most `MAX_PENDING` wait at once (the oldest is closed for a
 newcomer), each for `HELLO_TIMEOUT_S` at most. A hello is read no further than its own frame, and
 never into a buffer larger than a hello can be. Each refusal is one line in the pool's log.
@@ -29,6 +31,7 @@ from fsdp2nb.wire.endpoints import tune_tcp
 from fsdp2nb.wire.framing import FrameTooLong
 from fsdp2nb.wire.protocol import ChannelHello
 from fsdp2nb.wire.signing import Signer
+from fsdp2nb.wire.versions import WireVersion, install_hint, ours
 
 HELLO_TIMEOUT_S = 10.0
 """How long a new connection may take to answer its challenge."""
@@ -67,6 +70,8 @@ class Admission:
         self._wake_read, self._wake_write = os.pipe()
         self._epoll.register(self._wake_read, select.EPOLLIN)
         self._closed = False
+        self.refused_version: str | None = None
+        """The last connection refused for speaking another wire version, said in one line."""
         self._thread = threading.Thread(target=self._serve, daemon=True, name="fsdp2nb-admission")
         self._thread.start()
 
@@ -136,8 +141,9 @@ class Admission:
             self._send_challenge(pending)
 
     def _send_challenge(self, pending: _Pending) -> None:
-        try:  # a fresh socket's buffer takes the challenge whole
-            pending.sock.send(_LENGTH.pack(CHALLENGE_BYTES) + pending.challenge)
+        greeting = pending.challenge + ours().to_bytes()
+        try:  # a fresh socket's buffer takes the greeting whole
+            pending.sock.send(_LENGTH.pack(len(greeting)) + greeting)
         except OSError as error:
             self._refuse(pending, f"it closed before its challenge was sent ({error})")
 
@@ -177,19 +183,40 @@ class Admission:
         if payload is None:
             self._refuse(pending, "its hello failed signature verification (it was not sent with the pool's key)")
             return
-        hello = self._signer.decode(payload)
-        if not isinstance(hello, ChannelHello):
-            self._refuse(pending, f"its first message is a {type(hello).__name__}, not a hello")
+        opened = self._signer.decode_versioned(payload)
+        fields = opened.fields if opened is not None else {}
+        if opened is None or opened.type_name not in ("ChannelHello", ""):
+            self._refuse(pending, "its first message is not a hello")
             return
-        if not (isinstance(hello.challenge, bytes) and hmac.compare_digest(hello.challenge, pending.challenge)):
-            self._refuse(pending, f"its hello ({hello.role}, rank {hello.rank}) answers another connection's "
-                                  "challenge: a replayed hello")
+        challenge = fields.get("challenge")
+        answered = isinstance(challenge, bytes) and hmac.compare_digest(challenge, pending.challenge)
+        if opened.type_name and not answered:
+            self._refuse(pending, f"its hello ({fields.get('role')}, rank {fields.get('rank')}) answers "
+                                  "another connection's challenge: a replayed hello")
+            return
+        hello = opened.message
+        if not isinstance(hello, ChannelHello):  # another version's (an older one's hello has no type name)
+            self._refuse_version(pending, opened.version, fields)
             return
         self._forget(pending)
         refusal = self._admit(hello, pending.sock)
         if refusal is not None:
             pending.sock.close()
             self._log.warning("refused a connection to the pool: %s", refusal)
+
+    def _refuse_version(self, pending: _Pending, theirs: WireVersion, fields: dict) -> None:
+        if not fields:
+            sender = "a connection"
+        elif fields.get("rank") is None:
+            sender = f"the host agent of node {fields.get('node', 0)}"
+        else:
+            sender = f"rank {fields['rank']}"
+        host = _peer_host(pending.sock)
+        line = (f"{sender}{f' on {host}' if host else ''} speaks {theirs.describe(ours())}, this kernel "
+                f"speaks {ours().describe(theirs)}: install one fsdp2nb on every host"
+                + install_hint(ours(), f"on {host or 'its host'}"))
+        self.refused_version = line
+        self._refuse(pending, line)
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()
@@ -208,6 +235,14 @@ class Admission:
         del self._pending[pending.sock.fileno()]
         with contextlib.suppress(OSError):
             self._epoll.unregister(pending.sock.fileno())
+
+
+def _peer_host(sock: socket.socket) -> str:
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return ""
+    return peer[0] if isinstance(peer, tuple) else ""
 
 
 class _Pending:

@@ -2,7 +2,9 @@
 
 The kernel listens on one socket: a Unix socket in the pool's private (0700) runtime directory,
 or, for ranks on other hosts, TCP with TLS on its cluster-facing address (`endpoints`). Every rank
-opens three connections to it, each introduced by a signed `ChannelHello`:
+opens three connections to it, each greeted with a challenge and the kernel's wire version, and
+introduced by a signed `ChannelHello` that carries the challenge back and the sender's version
+(an end of another version is refused in one line on both sides: wire/versions.py):
 - requests: kernel -> rank, read by the rank's main thread (cells, push, pull, shutdown);
 - control: kernel -> rank, read by the rank's control thread (interrupts, save requests), so
   these act while a cell runs;
@@ -31,12 +33,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fsdp2nb.errors import WireVersionMismatch
 from fsdp2nb.wire import endpoints
 from fsdp2nb.wire.admission import CHALLENGE_BYTES, HELLO_TIMEOUT_S, Admission
 from fsdp2nb.wire.framing import FrameReader, Link
 from fsdp2nb.wire.protocol import ChannelHello, ChannelRole
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.tls import PoolCertificate, server_context
+from fsdp2nb.wire.versions import MAX_VERSION_BYTES, WireVersion, install_hint, ours
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +128,11 @@ class KernelChannels:
         """Where ranks connect (with the port the system picked for `tcp://HOST:0`)."""
         tls = server_context(certificate) if certificate is not None else None
         self._admission = Admission(server, signer, self._admit, log, tls=tls)
+
+    @property
+    def refused_version(self) -> str | None:
+        """Why the last connection of another wire version was refused (one line), if one was."""
+        return self._admission.refused_version
 
     def send(self, ranks: int | tuple[int, ...], message: Any, *, control: bool = False,
              connect_timeout_s: float = 5.0) -> None:
@@ -315,7 +324,7 @@ class RankChannels:
         try:
             for role in ("events", "requests", "control") if self._rank is not None else ("events",):
                 fresh.append(self._connect(address, role, self._rank))
-        except (OSError, EOFError) as error:
+        except (OSError, EOFError, WireVersionMismatch) as error:
             for link in fresh:
                 link.close()
             raise OSError(f"could not reconnect to {address}: {error}") from error
@@ -339,13 +348,23 @@ class RankChannels:
             return not self._closed
 
     def _connect(self, address: str, role: ChannelRole, rank: int | None) -> Link:
-        """A connection introduced by a signed hello that answers the kernel's challenge."""
+        """A connection introduced by a signed hello that answers the kernel's challenge; raises
+        WireVersionMismatch (after the hello, which tells the kernel too) if the kernel speaks
+        another version of the wire."""
         client = endpoints.connect(address, self._fingerprint)
         client.settimeout(HELLO_TIMEOUT_S)
         link = Link(client)
-        challenge = bytes(link.receive(max_bytes=CHALLENGE_BYTES))
+        greeting = bytes(link.receive(max_bytes=CHALLENGE_BYTES + MAX_VERSION_BYTES))
+        challenge, theirs = greeting[:CHALLENGE_BYTES], WireVersion.from_bytes(greeting[CHALLENGE_BYTES:])
         client.settimeout(None)
-        link.send(self._signer.pack(ChannelHello(role=role, rank=rank, challenge=challenge, node=self._node)))
+        link.send(self._signer.pack_versioned(ChannelHello(role=role, rank=rank, challenge=challenge,
+                                                           node=self._node)))
+        if not theirs.matches(ours()):
+            link.close()
+            raise WireVersionMismatch(
+                f"the kernel at {address} speaks {theirs.describe(ours())}, {peer_name(rank)} on "
+                f"{socket.gethostname()} speaks {ours().describe(theirs)}: install one fsdp2nb on every host"
+                + install_hint(theirs, "here"))
         return link
 
     def local_host(self) -> str | None:

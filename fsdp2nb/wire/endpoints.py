@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
+from fsdp2nb.errors import InvalidValue
 from fsdp2nb.wire.tls import check_fingerprint, client_context
 
 TCP_SCHEME = "tcp://"
@@ -43,11 +44,11 @@ def check_listen_host(host: str) -> None:
     try:
         parsed = ipaddress.ip_address(host)
     except ValueError:
-        raise ValueError(f"--listen {host!r} is not an IP address; give this host's address on the "
-                         "cluster network, e.g. 10.0.0.5") from None
+        raise InvalidValue(f"--listen {host!r} is not an IP address; give this host's address on the "
+                           "cluster network, e.g. 10.0.0.5") from None
     if parsed.is_unspecified:
-        raise ValueError(f"--listen {host} would listen on every interface; give this host's address "
-                         "on the cluster network instead")
+        raise InvalidValue(f"--listen {host} would listen on every interface; give this host's address "
+                           "on the cluster network instead")
 
 
 def listen(address: str) -> socket.socket:

@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 
+from fsdp2nb.errors import Fsdp2nbError
 from fsdp2nb.wire.sigint import sigint_deferred
 
 _LENGTH = struct.Struct("!Q")
@@ -96,7 +97,7 @@ def _receive_growing(sock: socket.socket, size: int) -> bytearray:
     return buffer
 
 
-class FrameTooLong(OSError):
+class FrameTooLong(Fsdp2nbError, OSError):
     """A peer announced a frame longer than the reader allows."""
 
 

@@ -3,10 +3,12 @@
 A kept pool (`%fsdp2 start --keep`) outlives its kernel. Its directory (0700, under the user's
 state directory) holds:
 - `key` (0600): the pool's HMAC key; whoever can read it may attach, as only this user can;
-- `attach`: the signed `AttachRecord` naming the holding kernel and its socket. A kernel that
-  attaches writes it, then wakes the agent (SIGUSR1), which wakes its ranks; each reads the
-  record, checks its signature and serial, and reconnects through the usual admission (a fresh
-  challenge per connection);
+- `attach`: the signed `AttachRecord` naming the holding kernel and its socket, in the envelope
+  that carries its writer's wire version (wire/versions.py). A kernel that attaches first reads
+  the version there and refuses a pool of another version; else it writes its own record, then
+  wakes the agent (SIGUSR1), which wakes its ranks; each reads the record, checks its signature,
+  version and serial, and reconnects through the usual admission (a fresh challenge per
+  connection);
 - `activity`: one fixed-size slot per rank, written by the rank through a shared mapping (a
   store to memory, no system call per cell): the request it runs, the last one it ran, when
   that changed, and whether it waits at a prompt. The agent's keep-for clock, `%fsdp2 pools`
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 from fsdp2nb.wire.protocol import AttachRecord, RankExited
 from fsdp2nb.wire.signing import Signer
+from fsdp2nb.wire.versions import Opened
 
 KEY_FILE = "key"
 RECORD_FILE = "attach"
@@ -60,19 +63,32 @@ def write_attach_record(kept_dir: str, signer: Signer, record: AttachRecord) -> 
     temporary = f"{target}.{os.getpid()}.tmp"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as out:
-        out.write(signer.pack(record))
+        out.write(signer.pack_versioned(record))
     os.replace(temporary, target)
 
 
 def read_attach_record(kept_dir: str, signer: Signer) -> AttachRecord | None:
-    """The record if its signature verifies under `signer`'s key; None otherwise (or none yet)."""
+    """The record if its signature verifies under `signer`'s key and it speaks this end's wire
+    version; None otherwise (or none yet)."""
+    opened = read_attach_envelope(kept_dir, signer)
+    return opened.message if opened is not None and isinstance(opened.message, AttachRecord) else None
+
+
+def read_attach_envelope(kept_dir: str, signer: Signer) -> Opened | None:
+    """The record as written, with its writer's wire version (its message None where that is
+    not this end's); None where there is none or its signature fails."""
     try:
         with open(os.path.join(kept_dir, RECORD_FILE), "rb") as record_file:
             frame = record_file.read(64 * 1024)
     except OSError:
         return None
-    record = signer.unpack(frame)
-    return record if isinstance(record, AttachRecord) else None
+    return signer.open_versioned(frame)
+
+
+def decode_attach_record(signer: Signer, frame: bytes) -> AttachRecord | None:
+    """A record's file content, as `read_attach_record` reads it."""
+    opened = signer.open_versioned(frame)
+    return opened.message if opened is not None and isinstance(opened.message, AttachRecord) else None
 
 
 @dataclass(frozen=True, slots=True)

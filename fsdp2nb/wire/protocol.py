@@ -1,7 +1,9 @@
 """Every message that crosses the boundary between the notebook kernel and the ranks.
 
-Messages are frozen dataclasses, pickled and signed by `signing`. They have no `__slots__`:
-pickle then takes its C path, where a slotted dataclass goes through Python-level
+This module is the wire's schema: a change to a message type, its fields or the types that
+travel raises `PROTOCOL_VERSION` (wire/versions.py compares the two ends' versions and tags the
+types). Messages are frozen dataclasses, pickled and signed by `signing`. They have no
+`__slots__`: pickle then takes its C path, where a slotted dataclass goes through Python-level
 `__getstate__`/`__setstate__` on every hop of every cell. Nothing here imports torch,
 so the kernel side stays light. User values (push/pull) travel as opaque pickled bytes inside a
 message and are unpickled only after the message's signature has been verified.
@@ -12,6 +14,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
+
+PROTOCOL_VERSION = 1
+"""The version of the messages below, exchanged with the schema's fingerprint in every
+connection's greeting and hello and in a kept pool's attach record; ends that differ are refused
+in one line naming both (wire/versions.py). Raise it with every change of this module's types:
+tests/unit/test_wire_versions.py pins each version's fingerprint. 0 is an fsdp2nb from before
+versions."""
 
 StreamName = Literal["stdout", "stderr"]
 ChannelRole = Literal["requests", "control", "events"]
@@ -488,11 +497,15 @@ class AttachRecord:
     """When this kernel took the pool, or (none holding) when the last one let go (time.time())."""
 
 
-WIRE_TYPES = (ChannelHello, RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
+WIRE_TYPES = (RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
               RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak,
               TaskProgress, ReportActivity, RankActivity, JoinRendezvous, RendezvousOpened,
-              PostMortem, AnswerInput, InputRequested, RunCommand, AttachRecord, ReleaseCollectives)
-"""Messages that travel as (index in this tuple, field values): see transport.Signer."""
+              PostMortem, AnswerInput, InputRequested, RunCommand, ReleaseCollectives)
+"""Messages that travel as (their type's tag, field values): see signing.Signer; the tag is a
+hash of the type's name and field names (wire/versions.py), not a position in this tuple."""
+VERSIONED_TYPES = (ChannelHello, AttachRecord)
+"""The version exchange itself: these travel in an envelope that every version reads, with the
+sender's version (wire/versions.py), so that an end of another version is told so, not ignored."""
 
 
 # --- launch plan (kernel -> host agent, once) --------------------------------------------------

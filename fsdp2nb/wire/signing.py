@@ -1,19 +1,19 @@
 """Signing: a frame's payload is `hmac_sha256(key, payload) + payload`.
 
-A message of `WIRE_TYPES` is pickled as its type's index and its field values; a frame whose
-signature fails is dropped without being unpickled.
+A message of `WIRE_TYPES` is pickled as its type's tag and its field values, a hello or an attach
+record as a versioned envelope (wire/versions.py); a frame whose signature fails is dropped
+without being unpickled.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import logging
 import pickle
 from typing import Any
 
-from fsdp2nb.wire.protocol import WIRE_TYPES
+from fsdp2nb.wire.versions import BY_TAG, TAGS, Opened, envelope, open_envelope
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +24,11 @@ _SIGNATURE_BYTES = hashlib.sha256().digest_size
 class Signer:
     """Packs messages into signed frames and unpacks only frames whose signature verifies.
 
-    A message of `WIRE_TYPES` is pickled as (its type's index, its field values): plain tuples
+    A message of `WIRE_TYPES` is pickled as (its type's tag, its field values): plain tuples
     take pickle's quickest path, where a dataclass is looked up by module and name on both
-    sides. The key is absorbed into an HMAC object once; each frame is signed by a copy of it.
+    sides. The tag names the type and its fields, so a message packed by another version of
+    the schema fails to decode instead of decoding as another type. The key is absorbed into
+    an HMAC object once; each frame is signed by a copy of it.
     """
 
     def __init__(self, key: bytes, *, log: logging.Logger = logger) -> None:
@@ -39,10 +41,33 @@ class Signer:
         self.num_undecodable = 0
 
     def pack(self, message: Any) -> bytes:
-        tag = _WIRE_TAGS.get(type(message))
+        tag = TAGS.get(type(message))
         encoded = (tag, tuple(vars(message).values())) if tag is not None else (None, message)
         payload = pickle.dumps(encoded, protocol=pickle.HIGHEST_PROTOCOL)
         return self._sign(payload) + payload
+
+    def pack_versioned(self, message: Any) -> bytes:
+        """A hello or an attach record, in the envelope every version reads (wire/versions.py)."""
+        payload = pickle.dumps(envelope(message), protocol=pickle.HIGHEST_PROTOCOL)
+        return self._sign(payload) + payload
+
+    def open_versioned(self, frame: bytes) -> Opened | None:
+        """The envelope in a frame: its sender's version, and its message if that is this end's;
+        None when the signature fails or the frame holds no envelope."""
+        payload = self.verify(frame)
+        if payload is None:
+            self._log.warning("dropped a message that failed signature verification")
+            return None
+        return self.decode_versioned(payload)
+
+    def decode_versioned(self, payload: bytes) -> Opened | None:
+        """The envelope in a verified payload (see `open_versioned`)."""
+        try:
+            return open_envelope(pickle.loads(payload))
+        except Exception:  # signed by the other end, yet no pickle this end reads
+            self.num_undecodable += 1
+            self._log.exception("dropped a signed message that could not be decoded")
+            return None
 
     def unpack(self, frame: bytes) -> Any | None:
         """The message, or None when the frame is malformed, its signature is wrong or it does
@@ -77,13 +102,13 @@ class Signer:
             return None
 
 
-_WIRE_TAGS = {cls: tag for tag, cls in enumerate(WIRE_TYPES)}
-_WIRE_FIELDS = tuple(tuple(field.name for field in dataclasses.fields(cls)) for cls in WIRE_TYPES)
-
-
 def _rebuild(tag: int, values: tuple) -> Any:
     """The message from its field values, without running its (frozen) __init__."""
-    cls, names = WIRE_TYPES[tag], _WIRE_FIELDS[tag]
+    known = BY_TAG.get(tag)
+    if known is None:
+        raise ValueError(f"no message type of this fsdp2nb has the tag {tag!r}: the sender speaks "
+                         "another version of the wire protocol")
+    cls, names = known
     if len(values) != len(names):
         raise ValueError(f"a {cls.__name__} needs {len(names)} fields, got {len(values)}")
     message = object.__new__(cls)

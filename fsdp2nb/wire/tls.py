@@ -18,8 +18,10 @@ import os
 import ssl
 from dataclasses import dataclass
 
+from fsdp2nb.errors import Fsdp2nbError
 
-class UntrustedPeer(ConnectionError):
+
+class UntrustedPeer(Fsdp2nbError, ConnectionError):
     """The peer's certificate is not the pool's."""
 
 

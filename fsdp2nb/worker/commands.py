@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from fsdp2nb.errors import UnknownRequest
 from fsdp2nb.wire.protocol import (
     DeleteCheckpoint,
     ExportHF,
@@ -25,8 +26,8 @@ def run_command(command: RankCommand) -> None:
     """Run `command` on this rank (every rank of the pool runs it: most are collective)."""
     handler = HANDLERS.get(type(command))
     if handler is None:
-        raise TypeError(f"{type(command).__name__} is not a command this rank knows; "
-                        f"it knows {', '.join(cls.__name__ for cls in HANDLERS)}")
+        raise UnknownRequest(f"{type(command).__name__} is not a command this rank knows; "
+                             f"it knows {', '.join(cls.__name__ for cls in HANDLERS)}")
     handler(command)
 
 

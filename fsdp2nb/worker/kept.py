@@ -35,12 +35,14 @@ from fsdp2nb.wire.kept import (
     META_FILE,
     mark_rank_ended,
     pool_is_idle_since,
+    read_attach_envelope,
     read_attach_record,
     write_attach_record,
     write_exit_report,
 )
 from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankExited
 from fsdp2nb.wire.signing import Signer
+from fsdp2nb.wire.versions import ours
 
 _BUSY_RECHECK_S = 5.0
 """While no kernel holds the pool and a rank runs something, how often the agent looks again
@@ -82,7 +84,7 @@ class RankFollower:
     def _woken(self) -> None:
         if not _drain(self._wake_fd):
             raise EOFError("the host agent is gone")
-        record = read_attach_record(self._kept_dir, self._signer)
+        record = _followed_record(self._kept_dir, self._signer, "fsdp2nb")
         if record is None or record.serial <= self._serial:
             return
         self._serial = record.serial
@@ -147,7 +149,7 @@ class AgentKeeper:
 
     def follow_record(self) -> bool:
         """Take a newer attach record into account; returns whether the holder changed."""
-        record = read_attach_record(self.directory, self._signer)
+        record = _followed_record(self.directory, self._signer, "fsdp2nb agent")
         if record is None or record.serial <= self._serial:
             return False
         self._serial = record.serial
@@ -196,6 +198,16 @@ class AgentKeeper:
         except (OSError, ValueError):
             pass
         shutil.rmtree(self.plan.kept_dir, ignore_errors=True)
+
+
+def _followed_record(directory: str, signer: Signer, who: str) -> AttachRecord | None:
+    """The attach record a wake-up asks to follow; one written by a kernel of another wire
+    version is ignored, with a line in the log (such a kernel refuses to attach, so none should be)."""
+    opened = read_attach_envelope(directory, signer)
+    if opened is not None and opened.message is None:
+        print(f"{who}: ignored an attach record of {opened.version.describe(ours())}; this pool speaks "
+              f"{ours().describe(opened.version)}", file=sys.stderr, flush=True)
+    return opened.message if opened is not None and isinstance(opened.message, AttachRecord) else None
 
 
 def _drain(fd: int) -> bool:

@@ -23,6 +23,7 @@ import psutil
 
 from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
+from fsdp2nb.errors import UnknownRequest
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.kept import ActivitySlot, host_kept_dir
 from fsdp2nb.wire.protocol import (
@@ -60,6 +61,8 @@ from fsdp2nb.worker.stdin import NotebookStdin
 _BLOCK = -1
 """Wait for a message without a timeout: a rank whose loops woke to poll would steal a core
 from training ranks on a host with no core spare; EOF ends the wait once the kernel is gone."""
+_REQUESTS = (RunCell, PushValues, PullValue, RunCommand, PostMortem)
+"""What the requests channel carries, besides Shutdown."""
 
 
 def torchrun_environment(plan: LaunchPlan, rank_plan: RankPlan) -> dict[str, str]:
@@ -209,6 +212,9 @@ class Rank:
             if isinstance(request, Shutdown):
                 self._finish_background_work()
                 return
+            if not isinstance(request, _REQUESTS):
+                self._refuse(request)
+                continue
             if self._activity is not None:
                 self._activity.started(request.cell_id, getattr(request, "execution_count", None))
                 with self._reply_lock:  # a kernel sent this, so the one before got the held reply
@@ -268,7 +274,20 @@ class Rank:
             return self._push(request)
         if isinstance(request, RunCommand):
             return self._run_command(request)
-        return self._pull(request)
+        if isinstance(request, PullValue):
+            return self._pull(request)
+        raise _unknown(request)
+
+    def _refuse(self, message: object) -> None:
+        """A message that is no request of this channel (a bug, or a kernel of another fsdp2nb):
+        its request fails, saying so, where it names one; the rank and its state live on."""
+        error = _unknown(message)
+        cell_id = getattr(message, "cell_id", None)
+        if isinstance(cell_id, int):
+            self._send_reply(self._failure(cell_id, ErrorInfo(ename=type(error).__name__, evalue=str(error),
+                                                              traceback=())))
+        else:
+            print(f"fsdp2nb: rank {self.rank} ignored a message: {error}", file=sys.stderr, flush=True)
 
     def _run_command(self, request: RunCommand) -> CellFinished:
         """One of fsdp2nb's commands; an error (an interrupt included) comes with IPython's
@@ -411,3 +430,8 @@ def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
         rank.serve()
     finally:
         rank.close()
+
+
+def _unknown(message: object) -> UnknownRequest:
+    return UnknownRequest(f"{type(message).__name__} is not a request a rank runs; it runs "
+                          f"{', '.join(cls.__name__ for cls in _REQUESTS)}")

@@ -17,15 +17,8 @@ import queue
 import sys
 from collections.abc import Callable
 
+from fsdp2nb.errors import InputUnavailable
 from fsdp2nb.wire.protocol import AnswerInput, InputRequested
-
-
-class InputUnavailable(RuntimeError):
-    """No one can answer the prompt (a frontend without stdin, a background run, a rank's own
-    thread). Shown as its one line: the rank's traceback through pdb would only hide it."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {self}"]
 
 
 class InterruptedAtPrompt(BaseException):  # read as what happened, like KeyboardInterrupt

@@ -37,8 +37,8 @@ def test_a_peer_without_the_key_is_not_heard(pool):
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.connect(os.path.join(pool._runtime_dir, "pool.sock"))
     link = Link(client)  # the pool's own framing: only the signature can give the forger away
-    challenge = bytes(link.receive(max_bytes=64))
-    link.send(forger.pack(ChannelHello(role="events", rank=None, challenge=challenge)))
+    challenge = bytes(link.receive(max_bytes=512))[:32]  # then the kernel's wire version
+    link.send(forger.pack_versioned(ChannelHello(role="events", rank=None, challenge=challenge)))
     # The pool drops the connection once the hello fails verification, which may be before this
     # send (then it fails with EPIPE); either way the forged line must not reach the notebook.
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -89,12 +89,13 @@ def test_hostile_connections_each_get_one_log_line_and_the_pool_goes_on(pool):
 
     genuine_signer = pool._channels._signer  # what a real peer signs with, for the replay below
     recorder = _connect(pool)
-    challenge = bytes(recorder.receive(max_bytes=64))
-    recorded_hello = genuine_signer.pack(ChannelHello(role="events", rank=7, challenge=challenge))
+    challenge = bytes(recorder.receive(max_bytes=512))[:32]
+    recorded_hello = genuine_signer.pack_versioned(ChannelHello(role="events", rank=7, challenge=challenge))
     recorder.send(recorded_hello)
     recorded_event = genuine_signer.pack(StreamOutput(rank=0, cell_id=2, stream="stdout", text="replayed\n"))
     hostile = {
-        "bad signature": _framed(Signer(os.urandom(32)).pack(ChannelHello(role="events", rank=0, challenge=b""))),
+        "bad signature": _framed(Signer(os.urandom(32)).pack_versioned(
+            ChannelHello(role="events", rank=0, challenge=b""))),
         "truncated": struct.pack("!Q", 300) + b"t" * 100,
         "length 2**63": struct.pack("!Q", 2**63) + b"x" * 100,
         "random bytes": os.urandom(2000),

@@ -151,6 +151,54 @@ def test_detach_attach_take_and_the_old_holder(kernels, tmpdir_env):
     assert a.execute("%fsdp2 stop").status == "ok"
 
 
+def test_a_pool_of_another_wire_version_is_refused_in_one_line_and_left_alone(kernels, tmpdir_env):
+    """A kept pool whose attach record was written by an fsdp2nb from before wire protocol
+    versions (forged here as that release wrote it: AttachRecord by its place, 23, in the tuple of
+    types) is refused by a kernel that attaches, which writes nothing there."""
+    import pickle
+
+    from fsdp2nb.wire.kept import read_attach_record
+    from fsdp2nb.wire.protocol import PROTOCOL_VERSION
+    from fsdp2nb.wire.signing import Signer
+
+    a = kernels()
+    assert a.execute("%fsdp2 start --cpu 2 --keep --name older --no-dashboard").status == "ok"
+    assert a.execute("%%fsdp2\nz = rank + 5").status == "ok"
+    assert a.execute("%fsdp2 detach").status == "ok"
+    root = tmpdir_env["TMPDIR"]
+    directory = os.path.join(root, f"fsdp2nb-{os.getuid()}", "kept", "older")
+    with open(os.path.join(directory, "key")) as key_file:
+        signer = Signer(bytes.fromhex(key_file.read()))
+    record_path = os.path.join(directory, "attach")
+    with open(record_path, "rb") as record_file:
+        genuine = record_file.read()
+    record = read_attach_record(directory, signer)
+    payload = pickle.dumps((23, tuple(vars(record).values())))
+    forged = signer._sign(payload) + payload
+    with open(record_path, "wb") as record_file:
+        record_file.write(forged)
+
+    b = kernels()
+    run = b.execute("%fsdp2 attach older --no-dashboard")
+    lines = _usage_lines(run)
+    assert run.status == "error" and len(lines) == 1, run.stderr
+    assert ("kept pool 'older' speaks wire protocol 0 (an fsdp2nb from before protocol versions), "
+            f"this kernel speaks wire protocol {PROTOCOL_VERSION}") in lines[0], lines[0]
+    assert f"`kill {_agent_pid(root, 'older')}` (its host agent; rank state is lost)" in lines[0]
+    assert "Traceback" not in run.stderr
+    with open(record_path, "rb") as record_file:
+        assert record_file.read() == forged  # nothing written: the pool is as its own release left it
+    listing = b.execute("%fsdp2 pools").result_text
+    assert listing.startswith("older: --cpu 2, speaks wire protocol 0"), listing
+
+    with open(record_path, "wb") as record_file:  # its own version's record again: it attaches, state kept
+        record_file.write(genuine)
+    run = b.execute("%fsdp2 attach older --no-dashboard")
+    assert run.status == "ok", run.stderr + run.traceback_text
+    assert b.execute("%%fsdp2\nprint(z)").stdout == "[0] 5\n[1] 6\n"
+    assert b.execute("%fsdp2 stop").status == "ok"
+
+
 def test_restart_keeps_a_kept_pool_kept(kernels, tmpdir_env):
     a = kernels()
     assert a.execute("%fsdp2 start --cpu 2 --keep --name again --no-dashboard").status == "ok"

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from fsdp2nb.errors import KeptPoolUnreadable
 from fsdp2nb.pool import kept
 from fsdp2nb.wire.channels import KernelChannels, RankChannels
 from fsdp2nb.wire.kept import (
@@ -66,7 +67,7 @@ def test_the_key_file_must_be_private(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "key").st_mode) == 0o600
     assert kept.read_key(tmp_path) == b"k" * 32
     os.chmod(tmp_path / "key", 0o644)
-    with pytest.raises(PermissionError, match="0600"):
+    with pytest.raises(KeptPoolUnreadable, match="0600"):
         kept.read_key(tmp_path)
 
 

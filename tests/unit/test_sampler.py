@@ -47,7 +47,7 @@ def test_flush_on_rank_0_sends_a_checkpointer_it_began_tracking():
     from fsdp2nb.checkpoint import tracking
 
     class Tracked:
-        def status(self):  # noqa: ANN202 - what a Checkpointer reports
+        def status(self):
             from fsdp2nb.wire.protocol import CheckpointStatus
 
             return CheckpointStatus(directory="/ckpt", latest_step=None, saving_step=None, last_error=None, entries=())

@@ -208,8 +208,8 @@ def _introduce(address: str, signer: Signer, role: str = "events", rank: int | N
     from fsdp2nb.wire.protocol import ChannelHello
 
     link = _connect_raw(address)
-    challenge = bytes(link.receive(max_bytes=64))
-    hello = signer.pack(ChannelHello(role=role, rank=rank, challenge=challenge))
+    challenge = bytes(link.receive(max_bytes=512))[:32]  # then the kernel's wire version
+    hello = signer.pack_versioned(ChannelHello(role=role, rank=rank, challenge=challenge))
     link.send(hello)
     return link, hello
 
@@ -419,7 +419,7 @@ def test_a_connection_without_a_hello_is_closed_at_its_deadline(tmp_path):
     admission, server, signer, address, log, admitted = _admission(tmp_path, hello_timeout_s=0.3)
     try:
         idle = _connect_raw(address)
-        assert len(bytes(idle.receive(max_bytes=64))) == 32  # its challenge, then nothing from it
+        assert len(bytes(idle.receive(max_bytes=512))) > 32  # its challenge and version, then nothing
         with pytest.raises(EOFError):
             idle.receive()  # closed by the kernel
         assert wait_until(lambda: log.matching("sent no hello within 0.3 s")) and admission.num_pending == 0
@@ -435,7 +435,7 @@ def test_waiting_connections_are_bounded_and_the_oldest_goes_first(tmp_path):
     try:
         for _ in range(10):
             idle.append(_connect_raw(address))
-            idle[-1].receive(max_bytes=64)  # greeted: it is pending now
+            idle[-1].receive(max_bytes=512)  # greeted: it is pending now
         assert admission.num_pending == 4
         for link in idle[:6]:
             with pytest.raises(EOFError):
