@@ -117,11 +117,20 @@ class RankShell(InteractiveShell):
         ename = getattr(etype, "__name__", str(etype))
         if ename == "InterruptedAtPrompt":  # the stop button, as any other cell's
             ename = "KeyboardInterrupt"
-        mistake = _wrong_trainer_class(evalue) if isinstance(evalue, BaseException) else None
+        mistake = _one_line_mistake(evalue) if isinstance(evalue, BaseException) else None
         if mistake is not None:  # said in one line: the traceback would only bury it
             self.last_error = ErrorInfo(ename=ename, evalue=mistake, traceback=())
             return
         self.last_error = ErrorInfo(ename=ename, evalue=str(evalue), traceback=tuple(stb))
+
+
+def _one_line_mistake(error: BaseException) -> str | None:
+    """The one line for an error that says all there is to say, or None: bad input to
+    `fsdp2nb.generate` / `fsdp2nb.evaluate`, or a Trainer given a model it cannot train."""
+    inference = sys.modules.get("fsdp2nb.engine.inference")
+    if inference is not None and isinstance(error, inference.InferenceInputError):
+        return str(error)
+    return _wrong_trainer_class(error)
 
 
 def _wrong_trainer_class(error: BaseException) -> str | None:
