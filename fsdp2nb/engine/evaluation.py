@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from fsdp2nb import metrics, progress
-from fsdp2nb.collectives import all_ranks_succeeded, get_rank, get_world_size, is_distributed
+from fsdp2nb.collectives import gathered_if_all_succeeded, get_rank, get_world_size
 from fsdp2nb.engine.inference import (
     InferenceInputError,
     as_planned,
@@ -84,8 +83,7 @@ def evaluate(model: nn.Module, dataset: Sequence, *, batch_size: int = 8,
         except Exception as exc:  # every rank hears of it below, rather than waiting in the gather
             error = exc
         task.finish(error)
-    all_ranks_succeeded(error, "fsdp2nb.evaluate")
-    result = _combined(sums, num_examples)
+    result = _combined(gathered_if_all_succeeded(sums, error, "fsdp2nb.evaluate"), num_examples)
     if step is not None:
         metrics.log(step, eval_loss=result.loss, eval_perplexity=result.perplexity)
     return result
@@ -174,14 +172,10 @@ def collate_examples(examples: list) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _combined(sums: list, num_examples: int) -> Evaluation:
+def _combined(sums: list[list], num_examples: int) -> Evaluation:
     """The token-weighted mean over every rank's sums, added in rank order (the same on every rank)."""
-    everyone = [sums]
-    if is_distributed():
-        everyone = [None] * get_world_size()
-        dist.all_gather_object(everyone, sums)
-    loss_sum = math.fsum(entry[0] for entry in everyone)
-    num_tokens = sum(entry[1] for entry in everyone)
+    loss_sum = math.fsum(entry[0] for entry in sums)
+    num_tokens = sum(entry[1] for entry in sums)
     if num_tokens == 0:
         raise EvaluationInputError("no token was scored: every label is -100 or every example has one token")
     loss = loss_sum / num_tokens

@@ -7,7 +7,7 @@ whole model gathered once (`inference.gathered_units`): no collective per token,
 own pace. Where the whole model does not fit, the ranks generate sharded with `synced_gpus=True`:
 a rank whose sequences are done (or that has no prompt) keeps running forward passes until every
 rank is done, so all run the same number and none waits in an all-gather the others never reach.
-Then one all_gather_object brings every rank's completions to all, in prompt order.
+Then one all_gather_object brings every rank's completions (or its error) to all, in prompt order.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from fsdp2nb.collectives import all_ranks_succeeded, get_rank, get_world_size, is_distributed
+from fsdp2nb.collectives import gathered_if_all_succeeded, get_rank, get_world_size
 from fsdp2nb.engine.inference import (
     GatherPlan,
     InferenceInputError,
@@ -69,8 +68,8 @@ def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, 
                 completions = _generate_share(model, tokenizer, prompt_list, share, plan, stream, kwargs)
         except Exception as exc:  # every rank hears of it below, rather than waiting in the gather
             error = exc
-    all_ranks_succeeded(error, "fsdp2nb.generate")
-    everyone = _gathered_lists(completions)
+    everyone = [text for share_texts in gathered_if_all_succeeded(completions, error, "fsdp2nb.generate")
+                for text in share_texts]  # the shares are contiguous, in rank order: prompt order
     return everyone[0] if isinstance(prompts, str) else everyone
 
 
@@ -128,15 +127,6 @@ def _generate_share(model: nn.Module, tokenizer: Any, prompts: list[str], share:
     output = model.generate(**inputs, synced_gpus=plan.lockstep, streamer=streamer, **kwargs)
     new_tokens = output[:, inputs["input_ids"].shape[1]:]  # (batch, new tokens): the text after the prompt
     return tokenizer.batch_decode(new_tokens, skip_special_tokens=True) if share else []
-
-
-def _gathered_lists(mine: list[str]) -> list[str]:
-    """Every rank's completions, concatenated in rank order (the shares are contiguous in prompt order)."""
-    if not is_distributed():
-        return mine
-    everyone: list[list[str] | None] = [None] * get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return [text for completions in everyone for text in completions]
 
 
 class FirstPromptLine:

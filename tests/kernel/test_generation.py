@@ -25,10 +25,13 @@ if rank == 0:
 dist.barrier()
 model, tokenizer = fsdp2nb.load_model(model_dir, engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32"))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-local_shapes = [tuple(p.to_local().shape) for p in model.parameters()]
+def hook_tables():
+    return [list(table) for m in model.modules() for table in (m._forward_pre_hooks, m._forward_hooks)]
 
-def sharded_as_loaded():
-    return all(isinstance(p, DTensor) for p in model.parameters()) and \\
+local_shapes, hooks = [tuple(p.to_local().shape) for p in model.parameters()], hook_tables()
+
+def sharded_as_loaded():  # FSDP2's forward hooks too, which generation sets aside while gathered
+    return all(isinstance(p, DTensor) for p in model.parameters()) and hook_tables() == hooks and \\
         [tuple(p.to_local().shape) for p in model.parameters()] == local_shapes
 
 initial = [p.detach().to_local().clone() for p in model.parameters()]
