@@ -93,18 +93,26 @@ def post_all_max(values: tuple[int, ...], group: dist.ProcessGroup | None = None
 def all_ranks_succeeded(error: BaseException | None, what: str, group: dist.ProcessGroup | None = None) -> None:
     """Raise on every rank if `error` is set on any: its own error where it failed, else
     FailedElsewhere("`what` failed on rank R: cause")."""
-    reason = None if error is None else describe(error)
-    reasons: list[str | None] = [reason]
+    gathered_if_all_succeeded(None, error, what, group)
+
+
+def gathered_if_all_succeeded(value: _T, error: BaseException | None, what: str,
+                              group: dist.ProcessGroup | None = None) -> list[_T]:
+    """Every rank's `value`, in rank order, when no rank has an `error`; else raise on every rank as
+    `all_ranks_succeeded` does. One collective for both the agreement and the values."""
+    outcome = (None if error is None else describe(error), None if error is not None else value)
+    outcomes = [outcome]
     if is_distributed():
-        reasons = [None] * dist.get_world_size(group)
-        dist.all_gather_object(reasons, reason, group=group)
+        outcomes = [None] * dist.get_world_size(group)
+        dist.all_gather_object(outcomes, outcome, group=group)
     if error is not None:
         raise error
-    failed = [(rank, text) for rank, text in enumerate(reasons) if text is not None]
+    failed = [(rank, reason) for rank, (reason, _) in enumerate(outcomes) if reason is not None]
     if failed:
         rank, text = failed[0]
         source = dist.get_global_rank(group, rank) if group is not None else rank
         raise FailedElsewhere(f"{what} failed on rank {source}: {text}")
+    return [entry for _, entry in outcomes]
 
 
 def on_rank0_agreed(action: Callable[[], _T], what: str, group: dist.ProcessGroup | None = None) -> _T:

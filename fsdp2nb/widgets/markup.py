@@ -208,8 +208,8 @@ def task_text(task: ProgressUpdate) -> str:
     """`saving step 40: 1.2 GiB of 3 GiB (40%) · 12 of 30 tensors · 210 MiB/s · 9 s left`."""
     if task.error:
         return f"{task.label} failed: {task.error}"
-    if task.kind == "train":
-        return _training_text(task)
+    if task.kind in COUNTED_UNITS:
+        return _counted_text(task, *COUNTED_UNITS[task.kind])
     amount = f"{size(task.done_bytes)} of {size(task.total_bytes)}" if task.total_bytes else ""
     if task.finished:
         rate = f" ({size(int(task.rate))}/s)" if task.rate else ""
@@ -224,15 +224,19 @@ def task_text(task: ProgressUpdate) -> str:
     return f"{task.label}: {' · '.join(parts)}"
 
 
-def _training_text(task: ProgressUpdate) -> str:
-    """`training: step 40 of 100 (40%) · 2.1 steps/s · 29 s left`, from a Trainer's progress."""
-    steps_per_s = task.done_items / task.elapsed_s if task.elapsed_s > 0 else 0.0
+COUNTED_UNITS = {"train": ("step", "steps"), "evaluate": ("batch", "batches")}
+"""Tasks counted in units rather than bytes: a Trainer's steps, `fsdp2nb.evaluate`'s batches."""
+
+
+def _counted_text(task: ProgressUpdate, unit: str, units: str) -> str:
+    """`training: step 40 of 100 (40%) · 2.1 steps/s · 29 s left`, or the same in batches."""
+    per_s = task.done_items / task.elapsed_s if task.elapsed_s > 0 else 0.0
     if task.finished:
-        return f"{task.label}: done, {task.done_items} steps in {task.elapsed_s:.1f} s"
-    parts = [f"step {task.done_items} of {task.total_items} ({task.fraction:.0%})"]
-    if steps_per_s:
-        parts.append(f"{steps_per_s:.2g} steps/s")
-        parts.append(f"{max(0, task.total_items - task.done_items) / steps_per_s:.0f} s left")
+        return f"{task.label}: done, {task.done_items} {units} in {task.elapsed_s:.1f} s"
+    parts = [f"{unit} {task.done_items} of {task.total_items} ({task.fraction:.0%})"]
+    if per_s:
+        parts.append(f"{per_s:.2g} {units}/s")
+        parts.append(f"{max(0, task.total_items - task.done_items) / per_s:.0f} s left")
     return f"{task.label}: {' · '.join(parts)}"
 
 

@@ -413,7 +413,7 @@ class ProgressUpdate:
     task_id: int
     """Counts the rank's tasks; collective work has the same id on every rank."""
     kind: str
-    """"load_model", "save", "load" or "export"."""
+    """"load_model", "save", "load", "export", "train" (a Trainer's steps) or "evaluate" (batches)."""
     label: str
     done_bytes: int
     total_bytes: int

@@ -123,7 +123,7 @@ class RankShell(InteractiveShell):
         ename = getattr(etype, "__name__", str(etype))
         if ename == "InterruptedAtPrompt":  # the stop button, as any other cell's
             ename = "KeyboardInterrupt"
-        mistake = _wrong_trainer_class(evalue) if isinstance(evalue, BaseException) else None
+        mistake = _one_line_mistake(evalue) if isinstance(evalue, BaseException) else None
         kind = _kind_of(evalue)
         if mistake is not None:  # said in one line: the traceback would only bury it
             self.last_error = ErrorInfo(ename=ename, evalue=mistake, traceback=(), kind=kind)
@@ -139,6 +139,15 @@ def _kind_of(error: object) -> ErrorKind:
     from fsdp2nb.worker.reformable_groups import was_released
 
     return error_kind(error, released=was_released())
+
+
+def _one_line_mistake(error: BaseException) -> str | None:
+    """The one line for an error that says all there is to say, or None: bad input to
+    `fsdp2nb.generate` / `fsdp2nb.evaluate`, or a Trainer given a model it cannot train."""
+    inference = sys.modules.get("fsdp2nb.engine.inference")
+    if inference is not None and isinstance(error, inference.InferenceInputError):
+        return str(error)
+    return _wrong_trainer_class(error)
 
 
 def _wrong_trainer_class(error: BaseException) -> str | None:

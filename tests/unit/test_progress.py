@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -136,6 +137,14 @@ def test_progress_text_has_bytes_tensors_rate_and_time_left():
     text = markup.task_text(board.latest(1))
     assert text == "saving step 5: 25 MiB of 100 MiB (25%) · 5 of 20 tensors · 12.5 MiB/s · 6 s left"
     assert 'data-finished="false"' in markup.task_html(board.latest(1))
+
+
+def test_evaluation_progress_counts_batches():
+    update = ProgressUpdate(task_id=1, kind="evaluate", label="evaluating", done_bytes=0, total_bytes=0,
+                            done_items=3, total_items=12, elapsed_s=1.5)
+    assert markup.task_text(update) == "evaluating: batch 3 of 12 (25%) · 2 batches/s · 4 s left"
+    done = dataclasses.replace(update, done_items=12, finished=True, elapsed_s=6.0)
+    assert markup.task_text(done) == "evaluating: done, 12 batches in 6.0 s"
 
 
 def test_terminal_bar_prints_a_few_lines_for_hundreds_of_updates(capsys):

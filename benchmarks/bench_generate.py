@@ -1,0 +1,213 @@
+"""Tokens per second of `fsdp2nb.generate` on CPU ranks against the same weights whole in one
+process, and against a plain `model.generate` on the sharded model; `fsdp2nb.evaluate` against a
+plain loop in one process.
+
+`generate`: 8 prompts, 32 new tokens each (greedy, `min_new_tokens` so every run makes as many),
+a Llama-style model of 4 M parameters (fp32). Three ways, alternating round by round:
+  * whole: this process loads the checkpoint with `from_pretrained` and generates the 8 prompts as
+    one left-padded batch, once with torch's threads over every core and once with one thread; the
+    faster of the two is the baseline (on a machine shared with other work, torch's threads can
+    wait for each other far longer than they save: 2.4-13 s against 0.33 s here);
+  * fsdp2nb: `fsdp2nb.generate` in a `%%fsdp2` cell: the prompts spread over the ranks, the model
+    gathered once on each;
+  * plain sharded: `model.generate` on every rank of the sharded model, each rank all 8 prompts,
+    as a user would call it without `fsdp2nb.generate`: every token all-gathers every unit.
+`evaluate`: 64 examples of 128 tokens, batches of 8: `fsdp2nb.evaluate` in the cell against this
+process summing the cross-entropy batch by batch with the model whole.
+The cell's figure is rank 0's wall time between two barriers. Per comparison: the medians and
+the median of the paired ratios (the runs of one round are next to each other, so drift of a
+shared machine hits both).
+Run: .venv/bin/python -m benchmarks.bench_generate [--rounds 5] [--ranks 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_trainer import load_average
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
+
+NUM_NEW_TOKENS = 32
+PROMPTS = ["The light", "Once upon a time there", "A keeper", "Every night the lamp", "Stairs", "Far out at sea",
+           "The ships saw it and", "Rain"]
+NUM_EXAMPLES, EXAMPLE_LEN, EVAL_BATCH = 64, 128, 8
+DIMS = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=4, vocab_size=2048, max_position_embeddings=256)
+GENERATE_KWARGS = dict(max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS, do_sample=False)
+
+# Reads MODEL_DIR, PROMPTS, GENERATE_KWARGS, EXAMPLES on the ranks; defines timed(kind).
+RANK_SETUP = """
+import time, torch, fsdp2nb
+model, tokenizer = fsdp2nb.load_model(MODEL_DIR, engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32"))
+every_prompt = tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+
+def run_fsdp2nb():
+    fsdp2nb.generate(model, tokenizer, PROMPTS, **GENERATE_KWARGS)
+
+def run_plain():
+    model.generate(**every_prompt, pad_token_id=tokenizer.pad_token_id, **GENERATE_KWARGS)
+
+def run_evaluate():
+    fsdp2nb.evaluate(model, EXAMPLES, batch_size=EVAL_BATCH)
+
+def timed(kind):
+    run = {"fsdp2nb": run_fsdp2nb, "plain": run_plain, "evaluate": run_evaluate}[kind]
+    dist.barrier()
+    started = time.perf_counter()
+    run()
+    dist.barrier()
+    return time.perf_counter() - started
+
+for kind in ("fsdp2nb", "plain", "evaluate"):  # untimed: first calls build caches
+    timed(kind)
+"""
+
+
+def examples() -> list[dict]:
+    import torch
+
+    ids = torch.randint(3, DIMS["vocab_size"], (NUM_EXAMPLES, EXAMPLE_LEN), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": row.tolist()} for row in ids]
+
+
+class Whole:
+    """The checkpoint whole in this process: batched generate, and a plain evaluation loop."""
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.inputs = self.tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+        self.generate_s(), self.evaluate_s()  # untimed, as on the ranks
+
+    def generate_s(self) -> float:
+        return self._faster(self._generate_s)
+
+    def evaluate_s(self) -> float:
+        return self._faster(self._evaluate_s)
+
+    @staticmethod
+    def _faster(measure) -> float:
+        """The faster of a run on torch's default threads and one on a single thread."""
+        import torch
+
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            single = measure()
+        finally:
+            torch.set_num_threads(threads)
+        return min(single, measure())
+
+    def _generate_s(self) -> float:
+        started = time.perf_counter()
+        self.model.generate(**self.inputs, pad_token_id=self.tokenizer.pad_token_id, **GENERATE_KWARGS)
+        return time.perf_counter() - started
+
+    def _evaluate_s(self) -> float:
+        import torch
+        import torch.nn.functional as F
+
+        started = time.perf_counter()
+        ids = torch.tensor([example["input_ids"] for example in EXAMPLES])
+        total = 0.0
+        with torch.no_grad():
+            for start in range(0, len(ids), EVAL_BATCH):
+                batch = ids[start:start + EVAL_BATCH]  # (batch, length)
+                logits = self.model(input_ids=batch).logits
+                total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                               reduction="sum"))
+        return time.perf_counter() - started
+
+
+EXAMPLES = examples()
+
+
+def in_cell(kernel: Kernel, kind: str) -> float:
+    run = kernel.execute(f"%%fsdp2\nseconds = timed({kind!r})\nif rank == 0: print('SECONDS', seconds)", timeout=600)
+    if run.status != "ok":
+        raise RuntimeError(f"the {kind} cell failed:\n{run.traceback_text}")
+    return float(re.search(r"SECONDS ([0-9.e-]+)", run.stdout).group(1))
+
+
+def start_pool(num_ranks: int, model_dir: str) -> Kernel:
+    kernel = Kernel(env=WITHOUT_GPUS)
+    kernel.execute("%load_ext fsdp2nb")
+    if kernel.execute(f"%fsdp2 start --cpu {num_ranks} --no-dashboard").status != "ok":
+        raise RuntimeError("the pool did not start")
+    settings = (f"MODEL_DIR = {model_dir!r}\nPROMPTS = {PROMPTS!r}\nGENERATE_KWARGS = {GENERATE_KWARGS!r}\n"
+                f"EVAL_BATCH = {EVAL_BATCH}\nEXAMPLES = {EXAMPLES!r}\n")
+    run = kernel.execute("%%fsdp2\n" + settings + RANK_SETUP, timeout=600)
+    if run.status != "ok":
+        raise RuntimeError(f"the set-up cell failed:\n{run.traceback_text}")
+    return kernel
+
+
+def measure(num_ranks: int, model_dir: str, whole: Whole, rounds: int) -> dict[str, list[float]]:
+    """Seconds per run of each way, `rounds` alternating rounds on a pool of `num_ranks`."""
+    runs: dict[str, list[float]] = {"whole": [], "fsdp2nb": [], "plain": [], "whole_evaluate": [], "evaluate": []}
+    kernel = start_pool(num_ranks, model_dir)
+    try:
+        for _ in range(rounds):
+            runs["whole"].append(whole.generate_s())
+            runs["fsdp2nb"].append(in_cell(kernel, "fsdp2nb"))
+            runs["plain"].append(in_cell(kernel, "plain"))
+            runs["whole_evaluate"].append(whole.evaluate_s())
+            runs["evaluate"].append(in_cell(kernel, "evaluate"))
+    finally:
+        kernel.stop()
+    return runs
+
+
+def print_rates(runs: dict[str, list[float]], num_ranks: int) -> None:
+    tokens = len(PROMPTS) * NUM_NEW_TOKENS
+    rate = {name: [tokens / seconds for seconds in times] for name, times in runs.items() if "evaluate" not in name}
+    print(f"\n{num_ranks} CPU ranks, {len(runs['whole'])} alternating rounds; tokens/s (median): "
+          + ", ".join(f"{name} {statistics.median(values):.0f}" for name, values in rate.items()))
+    for first, second, goal in (("fsdp2nb", "whole", ">= 0.8"), ("plain", "whole", "(0.15 measured before)"),
+                                ("fsdp2nb", "plain", "")):
+        print_ratio(rate[first], rate[second], f"generate {first} / {second}", goal)
+    eval_tokens = NUM_EXAMPLES * (EXAMPLE_LEN - 1)
+    evaluate = [eval_tokens / s for s in runs["evaluate"]]
+    whole = [eval_tokens / s for s in runs["whole_evaluate"]]
+    print(f"  evaluate, scored tokens/s (median): fsdp2nb {statistics.median(evaluate):.0f}, "
+          f"whole in one process {statistics.median(whole):.0f}")
+    print_ratio(evaluate, whole, "evaluate fsdp2nb / whole", "")
+
+
+def print_ratio(first: list[float], second: list[float], label: str, goal: str) -> None:
+    paired = sorted(a / b for a, b in zip(first, second, strict=True))
+    print(f"  {label:>28}: ratio of medians {statistics.median(first) / statistics.median(second):.2f}, "
+          f"paired {' '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f})"
+          + (f"  goal {goal}" if goal else ""))
+
+
+def main() -> None:
+    from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per pool size")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="pool sizes (CPU ranks)")
+    args = parser.parse_args()
+    model_dir = str(save_tiny_checkpoint(os.path.join(tempfile.mkdtemp(prefix="fsdp2nb-bench-gen-"), "model"),
+                                         "llama", **DIMS))
+    whole = Whole(model_dir)
+    print(f"load average before: {load_average()}")
+    results = {num_ranks: measure(num_ranks, model_dir, whole, args.rounds) for num_ranks in args.ranks}
+    print(json.dumps(results))
+    print(f"load average after: {load_average()}")
+    for num_ranks, runs in results.items():
+        print_rates(runs, num_ranks)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""What generation and evaluation share: each rank's share of the items, and forward passes on the
+whole model, gathered once, or sharded in lockstep where the whole model does not fit.
+
+A sharded FSDP2 model all-gathers every unit for every forward pass and frees it again; a token of
+generation then costs as many all-gathers as the model has units. `gathered_units(model)` instead
+unshards every unit once and turns resharding after forward off until it exits, so forward passes
+run on plain tensors and need no collective: each rank works through its own share at its own
+pace. On exit the settings are put back as they were and every unit is resharded, so training goes
+on unchanged and the memory is freed.
+
+Where the gathered model would not fit (its bytes in the dtype it is gathered in, against what the
+device, or this rank's part of the host's memory, has free; or against `max_gathered_bytes` /
+FSDP2NB_MAX_GATHERED_BYTES), every rank runs sharded. `plan_gathering` decides, the same on every
+rank, and `as_planned` acts on it. Sharded, forward passes are collective, so the caller must run as
+many on every rank (`GatherPlan.lockstep`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fsdp2nb.collectives import get_rank, get_world_size, is_distributed
+
+logger = logging.getLogger(__name__)
+
+MAX_GATHERED_BYTES_ENV = "FSDP2NB_MAX_GATHERED_BYTES"
+"""Bytes a rank may spend on the gathered model; above it, generation and evaluation run sharded."""
+
+GATHER_HEADROOM = 0.8
+"""The share of a rank's free memory the gathered model may take: the rest is left for the KV
+cache, activations, logits and the all-gather's staging."""
+
+
+class InferenceInputError(ValueError):
+    """Input that `fsdp2nb.generate` or `fsdp2nb.evaluate` cannot use: raised before any rank
+    changes anything, with one line saying what was wrong and what to do."""
+
+
+def rank_share(num_items: int, rank: int, world_size: int) -> range:
+    """The items of `rank` when `num_items` are spread over `world_size` ranks in order: contiguous,
+    the first `num_items % world_size` ranks one more. 5 items on 2 ranks: range(0, 3), range(3, 5)."""
+    base, extra = divmod(num_items, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+@dataclass(frozen=True, slots=True)
+class GatherPlan:
+    """Whether every rank gathers the whole model, and the figures that decided it."""
+
+    gathered: bool
+    """True: every FSDP unit is unsharded for the duration, so forward passes need no collective."""
+    lockstep: bool
+    """True: the model stays sharded over several ranks, so every forward pass is collective and
+    every rank must run as many as the others."""
+    needed_bytes: int
+    """What the gathered parameters take on a rank, in the dtype they are gathered in."""
+    available_bytes: tuple[int, ...]
+    """Per rank: free device memory, or its part of the host's available memory on CPU ranks."""
+    limit_bytes: int | None
+    """`max_gathered_bytes` (or FSDP2NB_MAX_GATHERED_BYTES) where one was given."""
+    reason: str = ""
+    """Why the model stays sharded, with the figures; empty when it is gathered."""
+
+
+def fsdp_units(model: nn.Module) -> list[FSDPModule]:
+    """The modules `fully_shard` was applied to, outermost first."""
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def gathered_bytes(model: nn.Module) -> int:
+    """Bytes the model's parameters take gathered on one rank: whole tensors, in the dtype the
+    FSDP2 mixed-precision policy gathers them in (else their own)."""
+    param_dtype = _gather_dtype(model)
+    total = 0
+    for param in model.parameters():
+        dtype = param_dtype if param_dtype is not None and param.is_floating_point() else param.dtype
+        total += param.numel() * torch.empty((), dtype=dtype).element_size()  # DTensor: the global numel
+    return total
+
+
+def _gather_dtype(model: nn.Module) -> torch.dtype | None:
+    # FSDP2 has no public getter for a unit's MixedPrecisionPolicy (torch 2.13); the engine gives
+    # every unit the same one, so the root's stands for all.
+    if not isinstance(model, FSDPModule):
+        return None
+    policy = getattr(model._get_fsdp_state(), "_mp_policy", None)
+    return getattr(policy, "param_dtype", None)
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory this rank may use: the GPU's free memory plus what torch's allocator holds unused;
+    on CPU ranks the host's MemAvailable divided among the ranks of this host."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return host_available_bytes() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what the kernel could give without swapping)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where forward passes run: the device of the mesh the model is sharded on, else of its parameters."""
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            mesh_type = param.device_mesh.device_type
+            return torch.device(mesh_type, torch.cuda.current_device()) if mesh_type == "cuda" else torch.device(mesh_type)
+        return param.device
+    return torch.device("cpu")
+
+
+def max_gathered_bytes_from(value: int | None) -> int | None:
+    """The limit a call asked for, else FSDP2NB_MAX_GATHERED_BYTES, else None (no limit)."""
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InferenceInputError(f"max_gathered_bytes={value!r} must be an int >= 0 (bytes), or None")
+        return value
+    text = os.environ.get(MAX_GATHERED_BYTES_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return int(float(text))
+    except ValueError:
+        raise InferenceInputError(
+            f"{MAX_GATHERED_BYTES_ENV}={text!r} must be a number of bytes, e.g. 8e9") from None
+
+
+def plan_gathering(model: nn.Module, limit_bytes: int | None, local_fact: object = None) -> tuple[GatherPlan, list]:
+    """Decide, the same on every rank, whether the whole model is gathered.
+
+    Collective (one all_gather_object). `local_fact` travels with this rank's figures, so that a
+    caller can compare what the ranks were given (their prompts) in the same collective; every
+    rank's fact comes back, in rank order. A model without FSDP units is whole on every rank already."""
+    sharded = bool(fsdp_units(model))
+    needed = gathered_bytes(model) if sharded else 0
+    mine = (available_bytes(model_device(model)) if sharded else 0, local_fact)
+    everyone = [mine]
+    if is_distributed():
+        everyone = [None] * get_world_size()
+        dist.all_gather_object(everyone, mine)
+    available = tuple(int(entry[0]) for entry in everyone)
+    reason = _why_sharded(needed, available, limit_bytes) if sharded else ""
+    plan = GatherPlan(gathered=sharded and not reason, lockstep=bool(reason) and get_world_size() > 1,
+                      needed_bytes=needed, available_bytes=available, limit_bytes=limit_bytes, reason=reason)
+    return plan, [entry[1] for entry in everyone]
+
+
+def _why_sharded(needed: int, available: tuple[int, ...], limit_bytes: int | None) -> str:
+    if limit_bytes is not None and needed > limit_bytes:
+        return (f"the gathered model needs {_size(needed)} per rank, over the limit of {_size(limit_bytes)} "
+                f"(max_gathered_bytes / {MAX_GATHERED_BYTES_ENV})")
+    tightest = min(range(len(available)), key=lambda rank: available[rank])
+    if needed > GATHER_HEADROOM * available[tightest]:
+        return (f"the gathered model needs {_size(needed)} per rank, more than {GATHER_HEADROOM:.0%} of the "
+                f"{_size(available[tightest])} rank {tightest} has free")
+    return ""
+
+
+@contextlib.contextmanager
+def as_planned(model: nn.Module, plan: GatherPlan, what: str) -> Iterator[None]:
+    """Run the body with every unit of `model` gathered where `plan` says so. Where the model stays
+    sharded for want of memory, rank 0 logs why, once, with the figures; on exit every unit is
+    resharded then too (a unit set not to reshard after forward, as the engine sets the output
+    head, would otherwise keep its gathered weights until the next backward)."""
+    if plan.gathered:
+        with gathered_units(model), fsdp_forward_hooks_set_aside(model):
+            yield
+        return
+    if plan.reason and get_rank() == 0:
+        logger.warning("%s runs sharded, in lockstep: %s", what, plan.reason)
+    try:
+        yield
+    finally:
+        for unit in fsdp_units(model):
+            unit.reshard()
+
+
+@contextlib.contextmanager
+def gathered_units(model: nn.Module) -> Iterator[None]:
+    """Unshard every FSDP unit once and keep it so until exit; then settings back and reshard."""
+    units = fsdp_units(model)
+    saved = [_reshard_settings(unit) for unit in units]
+    try:
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        pending = [unit.unshard(async_op=True) for unit in units]  # posted together: one wait, not one per unit
+        for handle in pending:
+            if handle is not None:
+                handle.wait()
+        yield
+    finally:
+        for unit, settings in zip(units, saved, strict=True):
+            _restore_reshard_settings(unit, settings)
+        for unit in units:
+            unit.reshard()
+
+
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+@contextlib.contextmanager
+def fsdp_forward_hooks_set_aside(model: nn.Module) -> Iterator[None]:
+    """FSDP2's own forward hooks left out of forward passes until exit; for gathered units without
+    gradients only, where they have nothing to do: unsharding and resharding are no-ops, and
+    nothing prepares a backward. They cost about a third of a small model's decoding step on CPU
+    and append to FSDP's post-forward order, which only a backward clears. Other hooks stay; on
+    exit each hook table is as it was, in its order. (The first forward with the hooks back does
+    FSDP's lazy initialisation, if none did before.)"""
+    fsdp_ids: set[int] = set()
+    for unit in fsdp_units(model):
+        state = unit._get_fsdp_state()  # FSDP2 keeps its hooks' handles there (torch 2.13)
+        for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
+            fsdp_ids.update(entry.id for entry in getattr(handle, "handles", (handle,)))
+    saved = []
+    for module in model.modules():
+        for name in _FORWARD_HOOK_DICTS:
+            table = getattr(module, name)
+            if not fsdp_ids.isdisjoint(table):
+                saved.append((table, list(table.items())))
+                for hook_id in fsdp_ids.intersection(table):
+                    del table[hook_id]
+    try:
+        yield
+    finally:
+        for table, items in saved:
+            table.clear()
+            table.update(items)
+
+
+def _reshard_settings(unit: FSDPModule) -> tuple:
+    # FSDP2 offers `set_reshard_after_forward` but no getter (torch 2.13): the previous setting
+    # is read from the unit's state so that it comes back exactly (a root's automatic False, a
+    # resharding to a smaller group), not as the nearest bool.
+    state = unit._get_fsdp_state()
+    return (state._auto_reshard_after_forward,
+            [group.post_forward_mesh_info for group in state._fsdp_param_groups])
+
+
+def _restore_reshard_settings(unit: FSDPModule, settings: tuple) -> None:
+    state = unit._get_fsdp_state()
+    state._auto_reshard_after_forward = settings[0]
+    for group, mesh_info in zip(state._fsdp_param_groups, settings[1], strict=True):
+        group.post_forward_mesh_info = mesh_info
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Every module in eval mode and no gradients, until exit; then each module's mode as it was."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _size(num_bytes: float) -> str:
+    """`512 MiB`, `1.5 GiB`: binary units, three significant figures."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} TiB"
