@@ -130,3 +130,26 @@ def test_the_text_dashboard_lists_the_trainers_checkpoints(dash):
     text = _stream(dash.run(code))
     assert f"Trainer checkpoints in {dash.root / 'out'}" in text, text
     assert re.search(r"^checkpoint-\d+ · .* · 2 ranks$", text, re.MULTILINE), text
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_failing_inside_trainer_train_costs_no_state(dash):
+    """Rank 1 raises at a step's end while rank 0 goes on into the next step's all-gathers: rank 0
+    is released, the groups are re-formed in place, and the model trains on in the next cell."""
+    trained = dash.run("%%fsdp2\nimport os\nmodel = load()\ntrainer = fsdp2nb.trainer_for(transformers.Trainer)("
+                       "model=model, args=arguments(max_steps=2), train_dataset=data)\ntrainer.train()\n"
+                       "kept, pid = 'kept', os.getpid()")
+    assert not [m for m in trained if m["msg_type"] == "error"], _error_lines(trained)
+    messages = dash.run(
+        "%%fsdp2\nclass Fail(transformers.TrainerCallback):\n"
+        "    def on_step_end(self, args, state, control, **kwargs):\n"
+        "        if state.global_step == 1 and rank == 1:\n            raise RuntimeError('bad batch on rank 1')\n"
+        "fsdp2nb.trainer_for(transformers.Trainer)(model=model, args=arguments(max_steps=4), train_dataset=data, "
+        "callbacks=[Fail()]).train()")
+    text = "\n".join(_error_lines(messages))
+    assert "rank 1 raised RuntimeError" in text and "re-formed in place" in text, text
+    assert "restarted" not in text
+    after = dash.run("%%fsdp2\ntrainer.train()\nprint(kept, pid == os.getpid())")
+    out = _stream(after)
+    assert not _error_lines(after) and all(f"[{rank}] kept True" in out or "[all] kept True" in out
+                                           for rank in (0, 1)), out
