@@ -123,8 +123,14 @@ def reform_groups(generation: int) -> None:
     reshard the FSDP2 modules whose iteration failed (those in the user's namespace, a Trainer's,
     the tracked checkpointer's). The user's variables, parameters and optimizer state stay."""
     from fsdp2nb.worker.reformable_groups import reform_groups as reform
+    from fsdp2nb.worker.reformable_groups import unreformable_groups
 
     reform(generation)
+    plain = unreformable_groups()
+    if plain and _is_rank0():
+        print(f"process group(s) {', '.join(plain)} were made with another backend and cannot be re-formed: "
+              "their next collective fails; make groups with the pool's default backend "
+              "(dist.new_group(ranks), without backend=)", file=sys.stderr)
     if "torch.distributed.fsdp" not in sys.modules:  # no FSDP2 module exists: nothing to reshard
         return
     from IPython import get_ipython

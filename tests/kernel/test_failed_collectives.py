@@ -118,3 +118,13 @@ def test_a_user_error_that_mentions_a_timeout_is_a_user_error(trained):
     assert "collective" not in run.traceback_text and "restart" not in run.traceback_text
     after = trained.execute("%%fsdp2\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(keep_me, t.item())")
     assert after.stdout == "[all] kept 2.0\n", after.traceback_text
+
+
+def test_a_group_made_with_plain_gloo_is_named_as_one_that_cannot_be_re_formed(trained):
+    made = trained.execute("%%fsdp2\nplain = dist.new_group(backend='gloo')")
+    assert made.status == "ok", made.traceback_text
+    run = trained.execute("%%fsdp2\nt = torch.ones(1)\nif rank == 1:\n    raise ValueError('bad')\ndist.all_reduce(t)")
+    assert run.status == "error" and "re-formed in place" in run.traceback_text
+    assert "(gloo) were made with another backend and cannot be re-formed" in run.stderr, run.stderr
+    after = trained.execute("%%fsdp2\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(keep_me, t.item())")
+    assert after.stdout == "[all] kept 2.0\n", after.traceback_text
