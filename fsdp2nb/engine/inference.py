@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp2nb.collectives import get_rank, get_world_size, is_distributed
+from fsdp2nb.errors import UsageMistake
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ GATHER_HEADROOM = 0.8
 cache, activations, logits and the all-gather's staging."""
 
 
-class InferenceInputError(ValueError):
+class InferenceInputError(UsageMistake):
     """Input that `fsdp2nb.generate` or `fsdp2nb.evaluate` cannot use: raised before any rank
     changes anything, with one line saying what was wrong and what to do."""
 
