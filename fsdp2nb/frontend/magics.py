@@ -13,9 +13,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_exp
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from fsdp2nb.errors import InvalidValue, NoPoolRunning, PoolStartError, RankError, UsageMistake
-from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.errors import alarm
-from fsdp2nb.frontend.output import notebook_color_scheme
 from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.kept import (
     DEFAULT_KEEP_FOR_S,
@@ -30,7 +28,6 @@ from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, parse_rank_li
 from fsdp2nb.wire.protocol import (
     LoadCheckpoint,
     RankCommand,
-    RunCell,
     RunCommand,
     SaveCheckpoint,
     SaveIfRequested,
@@ -256,24 +253,14 @@ class FSDP2Magics(Magics):
 
     def _run_in_background(self, options, cell: str, keep: KeepOptions | None = None):
         """`%%fsdp2 --bg`: start the run and return its handle (bound to --name if given)."""
-        from fsdp2nb.frontend.background import BackgroundRun, check_run_name, start_background_run
-        from fsdp2nb.frontend.notebook_input import refuse_in_background
+        from fsdp2nb.frontend.background import check_run_name
 
         if not options.bg:
             raise InvalidValue("--name names a background run; use it with --bg")
         check_run_name(options.name)
         pool = self.session.pool_for(self._with_running_devices(_spec_or_none(options), options), default_spec, keep)
         ranks = parse_rank_list(options.ranks, pool.world_size) if options.ranks else tuple(range(pool.world_size))
-        code = cell if cell.strip() else ""
-        transformed = transform_and_check(code)
-        count = notebook_execution_count()
-        run = BackgroundRun(ranks=ranks, execution_count=count, name=options.name)
-        scheme = notebook_color_scheme()
-        wait = self.session.request_wait(pool, ranks, ask_input=refuse_in_background, stop_presses=run.stops,
-                                         on_rank_finished=run.rank_finished)
-        start_background_run(self.session.background, wait, RunCell(
-            cell_id=wait.cell_id, code=code, transformed=transformed, execution_count=count, color_scheme=scheme), run)
-        pool.note_background_run(wait.cell_id, count, options.name)
+        run = self.session.run_in_background(pool, cell if cell.strip() else "", ranks, options.name)
         if options.name:
             self.shell.user_ns[options.name] = run
         return run

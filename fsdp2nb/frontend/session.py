@@ -34,7 +34,12 @@ from fsdp2nb.errors import (
     RankError,
     UsageMistake,
 )
-from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, resume_background_run
+from fsdp2nb.frontend.background import (
+    BackgroundRun,
+    BackgroundRuns,
+    resume_background_run,
+    start_background_run,
+)
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook, refuse_in_background
@@ -286,14 +291,24 @@ class NotebookSession:
 
     def run_cell(self, pool: WorkerPool, code: str, ranks: tuple[int, ...]) -> None:
         """Run `code` on `ranks`, streaming output; raises RankError if any rank raised."""
-        transformed = transform_and_check(code)
-        count, scheme = notebook_execution_count(), notebook_color_scheme()
         try:
-            self.run_request(pool, ranks, lambda cell_id: RunCell(cell_id=cell_id, code=code, transformed=transformed,
-                                                                  execution_count=count, color_scheme=scheme))
+            self.run_request(pool, ranks, _cell_request(code, notebook_execution_count()))
         except RankError as error:
             self.last_failed_rank = error.errors[0][0]  # the root cause: reported first
             raise
+
+    def run_in_background(self, pool: WorkerPool, code: str, ranks: tuple[int, ...],
+                          name: str | None) -> BackgroundRun:
+        """`%%fsdp2 --bg`: send `code` to `ranks` and return the run's handle at once; a runner
+        thread waits for the replies (frontend/background.py)."""
+        count = notebook_execution_count()
+        make_request = _cell_request(code, count)
+        run = BackgroundRun(ranks=ranks, execution_count=count, name=name)
+        wait = self.request_wait(pool, ranks, ask_input=refuse_in_background, stop_presses=run.stops,
+                                 on_rank_finished=run.rank_finished)
+        start_background_run(self.background, wait, make_request(wait.cell_id), run)
+        pool.note_background_run(wait.cell_id, count, name)
+        return run
 
     def debug(self, pool: WorkerPool, rank: int | None) -> None:
         """A post-mortem of the last failed cell on `rank` (default: the rank whose error came first)."""
@@ -369,6 +384,15 @@ class NotebookSession:
         return (alarm(f"{what_happened}; the pool was restarted ({spec.describe()}) and all rank state was lost")
                 + f"\n{RESUME_HINT}")
 
+
+
+def _cell_request(code: str, execution_count: int | None) -> Callable[[int], RunCell]:
+    """The request that runs a notebook cell, for the request id a wait takes; the cell is
+    transformed here, once (a SyntaxError is raised before anything is sent)."""
+    transformed = transform_and_check(code)
+    scheme = notebook_color_scheme()
+    return lambda cell_id: RunCell(cell_id=cell_id, code=code, transformed=transformed,
+                                   execution_count=execution_count, color_scheme=scheme)
 
 
 def check_keepable(spec: PoolSpec) -> None:
