@@ -1,6 +1,6 @@
 """Connects the session's pool to the dashboard: feeds its model, serves its buttons.
 
-One link per session. A daemon thread wakes every REFRESH_S, takes the snapshots the pool's
+One link per session, which holds it. A daemon thread wakes every REFRESH_S, takes the snapshots the pool's
 receiving side queued for it, updates the model and sets the traits of every view that
 changed: background work only sets traits, at most twice a second. Button handlers run on the
 thread the click arrived on (a subshell thread during a busy cell): what they call here is
@@ -48,7 +48,8 @@ def _refused(text: str) -> Exception:
 
 
 class DashboardLink:
-    """Feeds one DashboardModel from `session`'s pool; implements the dashboard's Actions."""
+    """Feeds one DashboardModel from `session`'s pool; implements the dashboard's Actions. The session
+    makes it (`NotebookSession.dashboard_link`) and holds it."""
 
     def __init__(self, session: NotebookSession) -> None:
         self.session = session
@@ -302,21 +303,3 @@ def _host_memory() -> int:
     import psutil
 
     return psutil.virtual_memory().total
-
-
-_LINKS: dict[int, DashboardLink] = {}
-_LINKS_LOCK = threading.Lock()
-
-
-def existing_link(session: NotebookSession) -> DashboardLink | None:
-    link = _LINKS.get(id(session))
-    return link if link is not None and link.session is session else None
-
-
-def link_for(session: NotebookSession) -> DashboardLink:
-    """The session's link, made on first use (its thread starts then); one, whichever threads ask."""
-    with _LINKS_LOCK:
-        link = _LINKS.get(id(session))
-        if link is None or link.session is not session:
-            link = _LINKS[id(session)] = DashboardLink(session)
-        return link

@@ -7,6 +7,7 @@ import functools
 import pickle
 import shlex
 import sys
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
@@ -32,6 +33,9 @@ from fsdp2nb.wire.protocol import (
     SaveCheckpoint,
     SaveIfRequested,
 )
+
+if TYPE_CHECKING:
+    from fsdp2nb.frontend.dashboard_link import DashboardLink
 
 _COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
              "wait", "interrupt", "debug", "pools", "attach", "detach")
@@ -275,8 +279,7 @@ class FSDP2Magics(Magics):
 
     def _serve_dashboard_save(self, pool: WorkerPool) -> None:
         """A save clicked during the cell that no maybe_save reached is made now, on this thread."""
-        dashboard_link = sys.modules.get("fsdp2nb.frontend.dashboard_link")  # none shown: not imported
-        link = dashboard_link.existing_link(self.session) if dashboard_link is not None else None
+        link = self.session.dashboard  # None: no dashboard was shown
         if link is not None and link.take_unserved_request():
             self._run_on_ranks(SaveIfRequested())
 
@@ -440,10 +443,8 @@ class FSDP2Magics(Magics):
     def _command_metrics(self, options):
         return self._dashboard().metrics_table()
 
-    def _dashboard(self):  # a DashboardLink, imported only when a dashboard is asked for
-        from fsdp2nb.frontend.dashboard_link import link_for
-
-        return link_for(self.session)
+    def _dashboard(self) -> DashboardLink:
+        return self.session.dashboard_link()
 
     def _run_on_ranks(self, command: RankCommand) -> None:
         """Run one of fsdp2nb's commands (worker/commands.py) on every rank, without touching the

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fsdp2nb.errors import (
     AttachFailed,
@@ -62,6 +63,9 @@ from fsdp2nb.wire.protocol import (
 )
 from fsdp2nb.wire.sigint import sigint_noted
 
+if TYPE_CHECKING:
+    from fsdp2nb.frontend.dashboard_link import DashboardLink
+
 logger = logging.getLogger(__name__)
 
 RESUME_HINT = ("to resume, run the cells that set up the ranks again (model, optimizer, Checkpointer); "
@@ -93,6 +97,19 @@ class NotebookSession:
         this session starts or attaches is given this list itself, so a listener is added once
         (`add_snapshot_listener`) and hears the running pool and every later one from its start."""
         self._listeners_lock = threading.Lock()
+        self.dashboard: DashboardLink | None = None
+        """The dashboard's link to this session's pools, once one was asked for (`dashboard_link`)."""
+        self._dashboard_lock = threading.Lock()
+
+    def dashboard_link(self) -> DashboardLink:
+        """The session's dashboard link, made on first use (its thread starts then): one, whichever
+        threads ask. Imported only then: a notebook that shows no dashboard loads none of it."""
+        with self._dashboard_lock:
+            if self.dashboard is None:
+                from fsdp2nb.frontend.dashboard_link import DashboardLink
+
+                self.dashboard = DashboardLink(self)
+            return self.dashboard
 
     def add_snapshot_listener(self, listener: Callable[[RankSnapshot | TaskProgress], None]) -> None:
         """Have `listener` hear every snapshot of this session's pools; a second add is no second call."""

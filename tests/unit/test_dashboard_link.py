@@ -6,7 +6,6 @@ import sys
 import threading
 import time
 
-from fsdp2nb.frontend.dashboard_link import link_for
 from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.widgets.model import MetricsHistory
@@ -66,7 +65,7 @@ def test_threads_after_a_restart_register_the_dashboard_once():
 
     def bring_up_to_date() -> None:
         start.wait()
-        link_for(session).tick()
+        session.dashboard_link().tick()
 
     threads = [threading.Thread(target=bring_up_to_date) for _ in range(8)]
     for thread in threads:
@@ -79,7 +78,7 @@ def test_threads_after_a_restart_register_the_dashboard_once():
     assert len(made) == 2 and len(pool.snapshot_listeners) == 1, pool.snapshot_listeners
     point = MetricPoint(step=1, time=0.0, values={"loss": 2.0})
     pool.dispatch(RankSnapshot(rank=0, time=0.0, busy=False, rss_bytes=1, cpu_percent=0.0, metrics=(point,)))
-    link = link_for(session)
+    link = session.dashboard_link()
     link.tick()
     assert link.model.metrics.rows() == [dict(rank=0, step=1, time=0.0, loss=2.0)]
 
