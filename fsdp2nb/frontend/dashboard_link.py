@@ -17,8 +17,8 @@ import tempfile
 import threading
 from typing import TYPE_CHECKING
 
+from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.launcher import describe_exit
-from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.widgets.model import DashboardModel, PoolFacts
 from fsdp2nb.wire.protocol import (
     CheckpointStatus,
@@ -84,7 +84,7 @@ class DashboardLink:
                 break
         self.model.set_facts(self._facts(pool))
 
-    def _facts(self, pool: WorkerPool | None) -> PoolFacts:
+    def _facts(self, pool: PoolHandle | None) -> PoolFacts:
         if pool is None:
             return PoolFacts(state="starting" if self._restarting else "stopped",
                              world_size=self.model.facts.world_size)
@@ -241,14 +241,14 @@ class DashboardLink:
 
     # --- checks ---------------------------------------------------------------------------------
 
-    def _ready_pool(self) -> WorkerPool:
+    def _ready_pool(self) -> PoolHandle:
         pool = self.session.pool
         if pool is None or pool.state != "ready":
             state = "stopped" if pool is None else pool.state
             raise _refused(f"the pool is {state}: start one with `%fsdp2 start` or `%fsdp2 restart`")
         return pool
 
-    def _idle_pool(self, what: str) -> WorkerPool:
+    def _idle_pool(self, what: str) -> PoolHandle:
         pool = self._ready_pool()
         if pool.busy_ranks:
             raise _refused(f"{what} acts while the pool is idle: a cell is running")
@@ -261,7 +261,7 @@ class DashboardLink:
             raise _refused(_HOW_TO_TRACK)
         return view
 
-    def _run_on_ranks(self, pool: WorkerPool, command: RankCommand) -> None:
+    def _run_on_ranks(self, pool: PoolHandle, command: RankCommand) -> None:
         """One of fsdp2nb's commands (worker/commands.py) on every rank; a rank's error becomes
         the panel's line."""
         from fsdp2nb.frontend.errors import RankError

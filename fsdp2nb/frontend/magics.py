@@ -16,6 +16,7 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from fsdp2nb.errors import InvalidValue, NoPoolRunning, PoolStartError, RankError, UsageMistake
 from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.session import NotebookSession
+from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.kept import (
     DEFAULT_KEEP_FOR_S,
     KeepOptions,
@@ -24,7 +25,6 @@ from fsdp2nb.pool.kept import (
     describe_ranks,
     parse_keep_for,
 )
-from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, parse_rank_list, spec_from_options
 from fsdp2nb.wire.protocol import (
     LoadCheckpoint,
@@ -277,7 +277,7 @@ class FSDP2Magics(Magics):
                 return
         self.session.background.wait_for_active(sys.stdout.write)
 
-    def _serve_dashboard_save(self, pool: WorkerPool) -> None:
+    def _serve_dashboard_save(self, pool: PoolHandle) -> None:
         """A save clicked during the cell that no maybe_save reached is made now, on this thread."""
         link = self.session.dashboard  # None: no dashboard was shown
         if link is not None and link.take_unserved_request():
@@ -333,7 +333,7 @@ class FSDP2Magics(Magics):
         if not options.no_dashboard:
             self._dashboard().show()
 
-    def _tell_of_resumed_run(self, pool: WorkerPool, run) -> None:  # a BackgroundRun
+    def _tell_of_resumed_run(self, pool: PoolHandle, run) -> None:  # a BackgroundRun
         """The run this kernel took over: bound to its --name here too, and whether it waits for input."""
         if run.name and run.name.isidentifier():
             self.shell.user_ns[run.name] = run
@@ -391,7 +391,7 @@ class FSDP2Magics(Magics):
         self.shell.user_ns.update(values)
         return None
 
-    def _pull_one(self, pool: WorkerPool, name: str, reply_ranks: tuple[int, ...], every_rank: bool) -> object:
+    def _pull_one(self, pool: PoolHandle, name: str, reply_ranks: tuple[int, ...], every_rank: bool) -> object:
         payloads = self.session.pull(pool, name, reply_ranks)
         values = {rank: pickle.loads(payload) for rank, payload in payloads.items()}
         return values if every_rank else values[reply_ranks[0]]
@@ -453,7 +453,7 @@ class FSDP2Magics(Magics):
         self.session.run_request(pool, tuple(range(pool.world_size)),
                                  lambda cell_id: RunCommand(cell_id=cell_id, command=command))
 
-    def _running_pool(self) -> WorkerPool:
+    def _running_pool(self) -> PoolHandle:
         with self.session.lifecycle_lock:
             self.session.check_held()
         pool = self.session.pool

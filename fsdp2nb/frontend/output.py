@@ -20,7 +20,7 @@ from fsdp2nb.frontend.line_updates import LiveLines, collapsed, counted_chars
 from fsdp2nb.wire.protocol import RankActivity, RichOutput, StreamOutput
 
 if TYPE_CHECKING:
-    from fsdp2nb.pool.pool import WorkerPool
+    from fsdp2nb.pool.handle import PoolHandle
 
 MERGE_WINDOW_S = 0.5
 PARTIAL_LINE_WINDOW_S = 0.5
@@ -202,7 +202,7 @@ def show_display(event: RichOutput, merger: StreamMerger, world_size: int) -> No
     publish_display_data(event.data, event.metadata)
 
 
-def show_held_output(pool: WorkerPool) -> None:
+def show_held_output(pool: PoolHandle) -> None:
     """What ranks' own threads printed or displayed since the last cell, labelled as such."""
     if not pool.held_output:
         return

@@ -44,7 +44,7 @@ from fsdp2nb.wire.protocol import (
 )
 
 if TYPE_CHECKING:
-    from fsdp2nb.pool.pool import WorkerPool
+    from fsdp2nb.pool.handle import PoolHandle
     from fsdp2nb.pool.spec import PoolSpec
 
 ERROR_GRACE_S = 3.0
@@ -150,7 +150,7 @@ class CellProgress:
 class RequestWait:
     """Sends one request to `ranks` and takes their events until each replied."""
 
-    def __init__(self, pool: WorkerPool, cell_id: int, ranks: tuple[int, ...], *, recover: Recover,
+    def __init__(self, pool: PoolHandle, cell_id: int, ranks: tuple[int, ...], *, recover: Recover,
                  ask_input: AskInput, stop_presses: StopPresses | None = None,
                  on_rank_finished: Callable[[int, bool], None] | None = None,
                  cell_ids: dict[int, int] | None = None, before_prompt: Callable[[], bool] | None = None,
@@ -237,15 +237,14 @@ class RequestWait:
     def _check_still_held(self) -> None:
         """End the request if another kernel took the kept pool: the ranks go on there and reply
         to it, so this kernel would wait forever."""
-        progress, now = self.progress, time.monotonic()
-        held_here = getattr(self.pool, "held_here", None)  # (a test's fake pool keeps nothing)
-        if held_here is None or now - progress.holder_checked_at < _HOLDER_CHECK_S:
+        progress, now, keep = self.progress, time.monotonic(), self.pool.keep
+        if keep is None or now - progress.holder_checked_at < _HOLDER_CHECK_S:
             return
         progress.holder_checked_at = now
-        if held_here():
+        if self.pool.held_here():
             return
         self._merger.flush()
-        name = self.pool.keep.name
+        name = keep.name
         raise PoolTakenError(f"kept pool {name!r} was taken by {self.pool.holder_note()} while this request ran; "
                              f"its ranks go on there (`%fsdp2 attach {name} --take` takes it back)")
 

@@ -46,6 +46,7 @@ from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook, refuse_in_background
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
+from fsdp2nb.pool.handle import PoolHandle, SnapshotListener
 from fsdp2nb.pool.kept import KeepOptions, list_pools, noted_runs
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
 from fsdp2nb.pool.pool import WorkerPool
@@ -55,11 +56,9 @@ from fsdp2nb.wire.protocol import (
     PostMortem,
     PullValue,
     PushValues,
-    RankSnapshot,
     ReformGroups,
     RunCell,
     RunCommand,
-    TaskProgress,
 )
 from fsdp2nb.wire.sigint import sigint_noted
 
@@ -75,8 +74,8 @@ RESUME_HINT = ("to resume, run the cells that set up the ranks again (model, opt
 class NotebookSession:
     """Owns the pool of one kernel; the magics call its methods."""
 
-    def __init__(self, pool_factory: Callable[[PoolSpec], WorkerPool] | None = None) -> None:
-        self.pool: WorkerPool | None = None
+    def __init__(self, pool_factory: Callable[[PoolSpec], PoolHandle] | None = None) -> None:
+        self.pool: PoolHandle | None = None
         self.launcher: LocalLauncher | None = None
         """Starts this session's pools, and keeps a standby agent for the next (None where
         `pool_factory` was given: that factory launches its own)."""
@@ -92,7 +91,7 @@ class NotebookSession:
         self.lifecycle_lock = threading.RLock()
         """Held while the pool is started, stopped or replaced: the dashboard's Restart runs on a
         subshell thread, and a cell started meanwhile must get the new pool, not a half-stopped one."""
-        self.snapshot_listeners: list[Callable[[RankSnapshot | TaskProgress], None]] = []
+        self.snapshot_listeners: list[SnapshotListener] = []
         """Called on a pool's receiving thread with its snapshots and progress events. Every pool
         this session starts or attaches is given this list itself, so a listener is added once
         (`add_snapshot_listener`) and hears the running pool and every later one from its start."""
@@ -111,27 +110,27 @@ class NotebookSession:
                 self.dashboard = DashboardLink(self)
             return self.dashboard
 
-    def add_snapshot_listener(self, listener: Callable[[RankSnapshot | TaskProgress], None]) -> None:
+    def add_snapshot_listener(self, listener: SnapshotListener) -> None:
         """Have `listener` hear every snapshot of this session's pools; a second add is no second call."""
         with self._listeners_lock:  # threads may ask at once: the dashboard's, a click's, the main one
             if listener not in self.snapshot_listeners:
                 self.snapshot_listeners.append(listener)
 
-    def _share_listeners(self, pool: WorkerPool) -> None:
+    def _share_listeners(self, pool: PoolHandle) -> None:
         pool.snapshot_listeners = self.snapshot_listeners  # the same list: see `snapshot_listeners`
 
     # --- pool lifecycle -----------------------------------------------------------------------
 
-    def _pool_with_standby(self, spec: PoolSpec) -> WorkerPool:
+    def _pool_with_standby(self, spec: PoolSpec) -> PoolHandle:
         """A pool on this host launches through the session's launcher (and its standby agent);
         one across hosts through the engine its spec names."""
         return WorkerPool(spec, launcher=self.launcher if spec.placement is None else None)
 
-    def start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> WorkerPool:
+    def start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> PoolHandle:
         with self.lifecycle_lock:
             return self._start(spec, keep)
 
-    def _start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> WorkerPool:
+    def _start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> PoolHandle:
         if self.pool is not None and self.pool.state in ("ready", "starting"):
             raise PoolAlreadyRunning(
                  f"a pool ({self.pool.spec.describe()}) is already running; `%fsdp2 restart` replaces it")
@@ -160,7 +159,7 @@ class NotebookSession:
         running; stop any other. Safe to call twice."""
         with self.lifecycle_lock:
             pool = self.pool
-            if pool is not None and getattr(pool, "keep", None) is not None:
+            if pool is not None and pool.keep is not None:
                 self.pool = None
                 pool.detach()
         self.stop()
@@ -180,7 +179,7 @@ class NotebookSession:
         pool.stop(polite=polite and not pool.busy_ranks)
         return True
 
-    def restart(self, spec: PoolSpec | None = None) -> WorkerPool:
+    def restart(self, spec: PoolSpec | None = None) -> PoolHandle:
         """A fresh pool; a kept one stays kept, under its name."""
         with self.lifecycle_lock:
             spec = spec or (self.pool.spec if self.pool else None)
@@ -194,7 +193,7 @@ class NotebookSession:
         """The running pool's keep options; PoolHeldError (and this kernel lets go) if another
         kernel took it."""
         pool = self.pool
-        if pool is None or getattr(pool, "keep", None) is None:  # (a test's fake pool keeps nothing)
+        if pool is None or pool.keep is None:
             return None
         if not pool.held_here():
             note = pool.holder_note()
@@ -206,7 +205,7 @@ class NotebookSession:
 
     # --- kept pools ---------------------------------------------------------------------------
 
-    def attach(self, name: str | None, *, take: bool = False) -> tuple[WorkerPool, BackgroundRun | None]:
+    def attach(self, name: str | None, *, take: bool = False) -> tuple[PoolHandle, BackgroundRun | None]:
         """Hold the kept pool `name` (None: the only one) from this kernel; its background run,
         if one is going, gets a handle here. Raises a UsageMistake with one line, nothing changed."""
         with self.lifecycle_lock:
@@ -227,7 +226,7 @@ class NotebookSession:
             self._cell_ids = itertools.count(max((slot.last_cell_id for slot in work), default=0) + 1)
             return pool, self._resume_run(pool)
 
-    def _resume_run(self, pool: WorkerPool) -> BackgroundRun | None:
+    def _resume_run(self, pool: PoolHandle) -> BackgroundRun | None:
         """What the ranks ran when this kernel attached (a `--bg` run or a cell of a kernel that
         was lost), as one handle that waits here for all of it; its prompts are asked in the
         cell that waits for it (PromptRelay)."""
@@ -262,13 +261,13 @@ class NotebookSession:
             return keep.name
 
     def pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec],
-                 keep: KeepOptions | None = None) -> WorkerPool:
+                 keep: KeepOptions | None = None) -> PoolHandle:
         """The running pool if it matches `spec` (None: any), else a new one. Never drops state silently."""
         with self.lifecycle_lock:
             return self._pool_for(spec, default, keep)
 
     def _pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec],
-                  keep: KeepOptions | None = None) -> WorkerPool:
+                  keep: KeepOptions | None = None) -> PoolHandle:
         self.check_held()
         pool = self.pool
         if pool is not None and keep is not None and pool.keep is None:
@@ -287,7 +286,7 @@ class NotebookSession:
                 f"`%fsdp2 restart {spec.describe()}` replaces it (rank state is lost)")
         return pool
 
-    def _replace_dead_pool(self, pool: WorkerPool) -> WorkerPool:
+    def _replace_dead_pool(self, pool: PoolHandle) -> PoolHandle:
         """The host agent died between cells, taking the ranks with it: start afresh and say so."""
         note = self._restart_after_failure(pool.spec, f"{pool.broken_reason} while the pool was idle")
         write_to_kernel("stderr", note + "\n")
@@ -306,7 +305,7 @@ class NotebookSession:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def run_cell(self, pool: WorkerPool, code: str, ranks: tuple[int, ...]) -> None:
+    def run_cell(self, pool: PoolHandle, code: str, ranks: tuple[int, ...]) -> None:
         """Run `code` on `ranks`, streaming output; raises RankError if any rank raised."""
         try:
             self.run_request(pool, ranks, _cell_request(code, notebook_execution_count()))
@@ -314,7 +313,7 @@ class NotebookSession:
             self.last_failed_rank = error.errors[0][0]  # the root cause: reported first
             raise
 
-    def run_in_background(self, pool: WorkerPool, code: str, ranks: tuple[int, ...],
+    def run_in_background(self, pool: PoolHandle, code: str, ranks: tuple[int, ...],
                           name: str | None) -> BackgroundRun:
         """`%%fsdp2 --bg`: send `code` to `ranks` and return the run's handle at once; a runner
         thread waits for the replies (frontend/background.py)."""
@@ -327,7 +326,7 @@ class NotebookSession:
         pool.note_background_run(wait.cell_id, count, name)
         return run
 
-    def debug(self, pool: WorkerPool, rank: int | None) -> None:
+    def debug(self, pool: PoolHandle, rank: int | None) -> None:
         """A post-mortem of the last failed cell on `rank` (default: the rank whose error came first)."""
         rank = self.last_failed_rank if rank is None else rank
         if rank is None:
@@ -337,11 +336,11 @@ class NotebookSession:
             raise InvalidValue(f"--rank {rank} is not a rank of this pool (ranks 0-{pool.world_size - 1})")
         self.run_request(pool, (rank,), lambda cell_id: PostMortem(cell_id=cell_id))
 
-    def push(self, pool: WorkerPool, payload: bytes) -> None:
+    def push(self, pool: PoolHandle, payload: bytes) -> None:
         self.run_request(pool, tuple(range(pool.world_size)),
                          lambda cell_id: PushValues(cell_id=cell_id, payload=payload))
 
-    def pull(self, pool: WorkerPool, name: str, reply_ranks: tuple[int, ...]) -> dict[int, bytes]:
+    def pull(self, pool: PoolHandle, name: str, reply_ranks: tuple[int, ...]) -> dict[int, bytes]:
         progress = self.run_request(pool, tuple(range(pool.world_size)),
                                     lambda cell_id: PullValue(cell_id=cell_id, name=name, reply_ranks=reply_ranks))
         return {rank: progress.finished[rank].value for rank in reply_ranks}
@@ -350,7 +349,7 @@ class NotebookSession:
         """A fresh request id (itertools.count: atomic, so any thread may take one)."""
         return next(self._cell_ids)
 
-    def request_wait(self, pool: WorkerPool, ranks: tuple[int, ...], *, ask_input: AskInput = ask_notebook,
+    def request_wait(self, pool: PoolHandle, ranks: tuple[int, ...], *, ask_input: AskInput = ask_notebook,
                      stop_presses: StopPresses | None = None,
                      on_rank_finished: Callable[[int, bool], None] | None = None) -> RequestWait:
         """The wait for one request to `ranks`, with a fresh id; recovery restarts this session's pool."""
@@ -358,7 +357,7 @@ class NotebookSession:
                            ask_input=ask_input, stop_presses=stop_presses, on_rank_finished=on_rank_finished,
                            reform=lambda: self._reform_groups(pool))
 
-    def run_request(self, pool: WorkerPool, ranks: tuple[int, ...],
+    def run_request(self, pool: PoolHandle, ranks: tuple[int, ...],
                     make_request: Callable[[int], ControlMessage]) -> CellProgress:
         """Send a request to `ranks` and wait for their replies on this (the kernel's main) thread."""
         # The stop button only takes note while a request is sent and waited for: sent to all
@@ -368,7 +367,7 @@ class NotebookSession:
             wait.send(make_request(wait.cell_id))  # sent first: what follows runs while the ranks wake up
             return wait.wait_for_replies()
 
-    def _reform_groups(self, pool: WorkerPool) -> str:
+    def _reform_groups(self, pool: PoolHandle) -> str:
         """After a released or failed collective: every rank connects its process groups afresh
         and reshards the FSDP2 modules whose iteration failed. The note to show; if the ranks
         cannot re-form, the pool is restarted and the note says what was lost."""
@@ -419,7 +418,7 @@ def check_keepable(spec: PoolSpec) -> None:
                           "with the allocation's job whatever the kernel does")
 
 
-def _requests_at_attach(pool: WorkerPool) -> dict[int, int]:
+def _requests_at_attach(pool: PoolHandle) -> dict[int, int]:
     """Rank -> the request this kernel waits for: every rank the board showed running (ranks
     mark a request ended before replying, so each replies to this kernel), whatever request it
     runs, and every rank that holds the reply to one that ended while no kernel held the pool."""
@@ -430,7 +429,7 @@ def _requests_at_attach(pool: WorkerPool) -> dict[int, int]:
     return cell_ids
 
 
-def _taken_over_run(pool: WorkerPool, cell_ids: dict[int, int], relay: PromptRelay,
+def _taken_over_run(pool: PoolHandle, cell_ids: dict[int, int], relay: PromptRelay,
                     ) -> tuple[BackgroundRun, dict[int, float]]:
     """The handle, named as the kernel that started the run noted it (else from the board), and
     when each rank still running started."""

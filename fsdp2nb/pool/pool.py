@@ -19,14 +19,13 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 import psutil
 
 from fsdp2nb.errors import LaunchError, PoolStartError
 from fsdp2nb.pool import kept, reaper
+from fsdp2nb.pool.handle import PoolState, SnapshotListener
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.kept_pool import KeptPoolParts
@@ -68,13 +67,12 @@ from fsdp2nb.wire.tls import PoolCertificate
 
 logger = logging.getLogger(__name__)
 
-PoolState = Literal["stopped", "starting", "ready", "broken"]
 DEFAULT_START_TIMEOUT_S = 300.0
 _RECEIVE_POLL_MS = 100
 
 
 class WorkerPool(KeptPoolParts):
-    """N ranks forming one torch.distributed job, owned by the notebook kernel."""
+    """N ranks forming one torch.distributed job, owned by the notebook kernel (a PoolHandle)."""
 
     def __init__(self, spec: PoolSpec, launcher: Launcher | None = None, *,
                  stalled_frame_s: float = STALLED_FRAME_S, keep: KeepOptions | None = None) -> None:
@@ -88,7 +86,7 @@ class WorkerPool(KeptPoolParts):
         self.exited: dict[int, RankExited] = {}
         self._busy_ranks: frozenset[int] = frozenset()
         self._busy_lock = threading.Lock()
-        self.snapshot_listeners: list[Callable[[RankSnapshot | TaskProgress], None]] = []
+        self.snapshot_listeners: list[SnapshotListener] = []
         """Called on the receiving thread with every snapshot and every progress event."""
         self.held_output = HeldOutput()
         self.broken_reason: str | None = None

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 
 from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, StopRequests, check_run_name
 from fsdp2nb.frontend.errors import RankError
+from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import CellFinished, ErrorInfo
+from tests.support.fake_pools import FakePool
 
 
 class FakeClock:
@@ -105,7 +106,7 @@ def test_finished_ranks_are_counted_by_the_handle():
     from fsdp2nb.frontend.request_wait import RequestWait
 
     run = _run()
-    pool = SimpleNamespace(world_size=2, ranks={}, spec=SimpleNamespace(uses_gpus=False))
+    pool = FakePool(PoolSpec(devices=("cpu", "cpu")), with_ranks=False)
     wait = RequestWait(pool, 1, run.ranks, recover=lambda spec, what: "", ask_input=lambda prompt, password: "",
                        on_rank_finished=run.rank_finished)
     wait._handle(CellFinished(cell_id=1, rank=1, status="error", error=ErrorInfo("ValueError", "x", ())))

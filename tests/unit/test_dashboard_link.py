@@ -7,42 +7,30 @@ import threading
 import time
 
 from fsdp2nb.frontend.session import NotebookSession
+from fsdp2nb.pool.handle import SnapshotListener
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.widgets.model import MetricsHistory
 from fsdp2nb.wire.protocol import MetricPoint, RankSnapshot
+from tests.support.fake_pools import FakePool
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))
 
 
-class SlowListPool:
+class SlowListPool(FakePool):
     """A started pool whose listener list takes a while to reach, as if every thread that
     reaches for it were switched out right there: the worst moment for a check-then-append."""
 
     def __init__(self, spec: PoolSpec) -> None:
-        self.spec = spec
-        self.world_size = spec.world_size
-        self.state = "ready"
-        self.ranks: dict = {}
-        self.exited: dict = {}
-        self.busy_ranks: frozenset[int] = frozenset()
-        self.busy_since: dict[int, float] = {}
-        self.start_notes: list[str] = []
-        self._listeners: list = []
+        super().__init__(spec, with_ranks=False)
 
     @property
-    def snapshot_listeners(self) -> list:
+    def snapshot_listeners(self) -> list[SnapshotListener]:
         time.sleep(0.05)
         return self._listeners
 
     @snapshot_listeners.setter
-    def snapshot_listeners(self, listeners: list) -> None:
+    def snapshot_listeners(self, listeners: list[SnapshotListener]) -> None:
         self._listeners = listeners
-
-    def start(self) -> None:
-        pass
-
-    def stop(self, *, polite: bool = True) -> None:
-        pass
 
     def dispatch(self, snapshot: RankSnapshot) -> None:
         """What the pool's receiving thread does with a snapshot."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -14,52 +13,22 @@ from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.pool import PoolStartError
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, RankExited, RankReady, RichOutput, StreamOutput
+from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, RankExited, RichOutput, StreamOutput
+from tests.support.fake_pools import FakePool
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))
 
 
-class ScriptedPool:
-    """Hands out the events it was given, in order; records what the session sends and does."""
+class ScriptedPool(FakePool):
+    """Hands out the events it was given, in order; a pool that fails to start where asked."""
 
     def __init__(self, spec: PoolSpec, events=(), fails_to_start: bool = False) -> None:
-        self.spec = spec
-        self.world_size = spec.world_size
-        self.ranks = {r: RankReady(rank=r, pid=1000 + r, create_time=0.0, device="cpu", hostname="host",
-                                   log_path=f"/logs/rank-{r}.log") for r in range(spec.world_size)}
-        self.busy_ranks: frozenset[int] = frozenset()
-        self.busy_since: dict[int, float] = {}
-        self.exited: dict = {}
-        self.state = "ready"
-        self.sent: list = []
-        self.snapshot_listeners: list = []
-        self.held_output = HeldOutput()
-        self.stopped = False
-        self.start_notes: list[str] = []
-        self._events = deque(events)
+        super().__init__(spec, events)
         self._fails_to_start = fails_to_start
 
     def start(self) -> None:
         if self._fails_to_start:
             raise PoolStartError("rank 1 exited while starting (exit code 1)")
-
-    def stop(self, *, polite: bool = True) -> None:
-        self.stopped = True
-
-    def check_agent(self) -> bool:
-        return True
-
-    def mark_busy(self, ranks) -> None:
-        self.busy_ranks |= frozenset(ranks)
-
-    def mark_idle(self, ranks) -> None:
-        self.busy_ranks -= frozenset(ranks)
-
-    def send(self, ranks, message, connect_timeout_s: float = 5.0) -> None:
-        self.sent.append(message)
-
-    def next_event(self, timeout_s: float):
-        return self._events.popleft() if self._events else None
 
 
 def test_a_rank_returning_as_the_interrupt_deadline_passes_ends_the_cell_normally():
@@ -73,7 +42,7 @@ def test_a_rank_returning_as_the_interrupt_deadline_passes_ends_the_cell_normall
     progress.errors.append((0, error))
     progress.first_error_at = time.monotonic() - 10
     progress.interrupted_at = time.monotonic() - INTERRUPT_GRACE_S - 1
-    pool._events.append(CellFinished(rank=1, cell_id=wait.cell_id, status="ok"))
+    pool.add_event(CellFinished(rank=1, cell_id=wait.cell_id, status="ok"))
     with pytest.raises(RankError):  # rank 0's error, once rank 1 returned
         wait.wait_for_replies()
     assert not pool.stopped and progress.running == []
