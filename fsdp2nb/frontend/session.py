@@ -47,7 +47,7 @@ from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook, refuse_in
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
 from fsdp2nb.pool.handle import PoolHandle, SnapshotListener
-from fsdp2nb.pool.kept import KeepOptions, list_pools, noted_runs
+from fsdp2nb.pool.kept import KeepOptions, list_pools
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
@@ -434,7 +434,7 @@ def _taken_over_run(pool: PoolHandle, cell_ids: dict[int, int], relay: PromptRel
     """The handle, named as the kernel that started the run noted it (else from the board), and
     when each rank still running started."""
     first = min(cell_ids.values())
-    noted = noted_runs(pool.kept_directory).get(first)
+    noted = pool.noted_background_run(first)
     running = {rank: slot for rank, slot in enumerate(pool.work_at_attach)
                if rank in cell_ids and slot.running_cell_id is not None}
     busy_since = {rank: slot.since for rank, slot in running.items()}

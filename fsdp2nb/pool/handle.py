@@ -8,11 +8,10 @@ written against this protocol alone, so a test drives them with a stand-in that 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Literal, Protocol
 
 from fsdp2nb.pool.held_output import HeldOutput
-from fsdp2nb.pool.kept import KeepOptions
+from fsdp2nb.pool.kept import KeepOptions, NotedRun
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.protocol import (
@@ -61,9 +60,6 @@ class PoolHandle(Protocol):
     @property
     def start_notes(self) -> list[str]: ...
 
-    @property
-    def kept_directory(self) -> Path | None: ...
-
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None: ...
@@ -106,3 +102,5 @@ class PoolHandle(Protocol):
     def new_save_request_id(self) -> int: ...
 
     def note_background_run(self, cell_id: int, execution_count: int | None, name: str | None) -> None: ...
+
+    def noted_background_run(self, cell_id: int) -> NotedRun | None: ...

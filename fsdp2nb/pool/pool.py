@@ -19,16 +19,15 @@ import socket
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import psutil
 
 from fsdp2nb.errors import LaunchError, PoolStartError
-from fsdp2nb.pool import kept, reaper
+from fsdp2nb.pool import kept, ray_kept, reaper
 from fsdp2nb.pool.handle import PoolState, SnapshotListener
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.kept import KeepOptions
-from fsdp2nb.pool.kept_pool import KeptPoolParts
+from fsdp2nb.pool.kept_pool import ATTACH_TIMEOUT_S, KeptHold, first_save_request_id
 from fsdp2nb.pool.launcher import (
     AgentExit,
     LaunchedRanks,
@@ -40,7 +39,7 @@ from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
-from fsdp2nb.wire.kept import RankWork, create_activity_board
+from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.protocol import (
     AnswerInput,
     ControlMessage,
@@ -71,7 +70,7 @@ DEFAULT_START_TIMEOUT_S = 300.0
 _RECEIVE_POLL_MS = 100
 
 
-class WorkerPool(KeptPoolParts):
+class WorkerPool:
     """N ranks forming one torch.distributed job, owned by the notebook kernel (a PoolHandle)."""
 
     def __init__(self, spec: PoolSpec, launcher: Launcher | None = None, *,
@@ -106,7 +105,8 @@ class WorkerPool(KeptPoolParts):
         self._socket_dir = ""
         """Where this kernel's socket lives: the runtime directory, except for a kept pool, whose
         runtime directory (the process group's store) outlives every kernel."""
-        self._kept_dir: Path | None = None
+        self._kept: KeptHold | None = None
+        """A kept pool's directory, once made or opened (pool/kept_pool.py)."""
         self._signer: Signer | None = None
         self._stalled_frame_s = stalled_frame_s
         self._log: logging.Logger | None = None
@@ -181,17 +181,10 @@ class WorkerPool(KeptPoolParts):
             self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
             address = self._launcher.listen_address(self._socket_dir, self.log_dir)
             certificate = _pool_certificate(address, self._runtime_dir)
-            self._signer = Signer(key, log=self._log)
-            self._channels = KernelChannels(self._signer, address, log=self._log,
-                                            stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled,
-                                            certificate=certificate, on_agent_lost=self._agent_lost)
-            if self._kept_dir is not None:
-                kept.write_key(self._kept_dir, key)
-                create_activity_board(str(self._kept_dir), self.world_size)
-                kept.hold(self._kept_dir, self._signer, self._channels.address, take=False, name=self.keep.name)
-            plan = self._plan(self._channels.address, certificate.fingerprint if certificate else "")
-            self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
-            self._receiver.start()
+            signer, channels = self._listen(key, address, certificate)
+            if self._kept is not None:
+                self._kept.hold_new(key, signer, channels.address, self.world_size)
+            plan = self._plan(channels.address, certificate.fingerprint if certificate else "")
             self._launched = self._launcher.launch(plan, key)
             self._register()
             self._wait_until_ready(timeout_s)
@@ -204,11 +197,22 @@ class WorkerPool(KeptPoolParts):
             raise
         self.state = "ready"
 
+    def _listen(self, key: bytes, address: str, certificate: PoolCertificate | None) -> tuple[Signer, KernelChannels]:
+        """Listen for the ranks at `address`, signing with `key`, and start the receiving thread."""
+        signer = self._signer = Signer(key, log=self._log)
+        channels = self._channels = KernelChannels(
+            signer, address, log=self._log, certificate=certificate, stalled_frame_s=self._stalled_frame_s,
+            on_stalled=self._report_stalled, on_agent_lost=self._agent_lost)
+        self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
+        self._receiver.start()
+        return signer, channels
+
     def _make_directories(self) -> None:
         self._socket_dir = tempfile.mkdtemp(prefix="fsdp2nb-")  # mkdtemp makes it 0700
         self._runtime_dir = self._socket_dir
         if self.keep is not None:
-            self._make_kept_directory()
+            self._kept = KeptHold.create(self.keep)
+            self._runtime_dir = self._kept.runtime_dir
         self.log_dir = str(reaper.state_dir() / "logs" / self.pool_id)
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
 
@@ -221,7 +225,7 @@ class WorkerPool(KeptPoolParts):
             address=address, runtime_dir=self._runtime_dir, log_dir=self.log_dir,
             collective_timeout_s=self.spec.collective_timeout_s, kernel_pid=os.getpid(),
             master_port=_unused_loopback_port(), num_nodes=self.spec.num_nodes, tls_fingerprint=tls_fingerprint,
-            kept_dir=str(self._kept_dir or ""), keep_for_s=self.keep.keep_for_s if self.keep else None,
+            kept_dir=str(self._kept.directory) if self._kept else "", keep_for_s=self.keep.keep_for_s if self.keep else None,
         )
 
     def _wait_until_ready(self, timeout_s: float) -> None:
@@ -253,13 +257,82 @@ class WorkerPool(KeptPoolParts):
         return f"the host agent exited while starting the ranks; see {self.log_dir}/agent.log"
 
     def _register(self) -> None:
-        if self._kept_dir is not None:  # no reaper: a kept pool outlives its kernel on purpose
-            self._write_kept_meta()
+        if self._kept is not None:  # no reaper: a kept pool outlives its kernel on purpose
+            self._write_kept_meta(self._kept)
             return
         processes = [reaper.process_key(pid) for pid in self._launched.process_ids()]
         processes += [(info.pid, info.create_time) for info in self.ranks.values() if not info.address]
         reaper.record_pool(self.pool_id, reaper.process_key(os.getpid()), [p for p in processes if p],
                            runtime_dir=self._runtime_dir)
+
+    # --- kept pools (the directory's part is KeptHold's) ------------------------------------
+
+    def _write_kept_meta(self, hold: KeptHold) -> None:
+        agent = reaper.process_key(self._launched.process_ids()[0])
+        if agent is None:
+            return  # it ended already: the start fails on that
+        listen = ray_kept.listen_host(self._channels.address) if self.spec.placement is not None else ""
+        hold.write_meta(spec=self.spec, pool_id=self.pool_id, agent=agent, log_dir=self.log_dir, listen=listen)
+
+    @classmethod
+    def attach(cls, name: str, *, take: bool = False, timeout_s: float = ATTACH_TIMEOUT_S,
+               stalled_frame_s: float = STALLED_FRAME_S) -> WorkerPool:
+        """This kernel takes the kept pool `name` (see pool/kept.py); a UsageMistake (NoSuchPool,
+        PoolHeldError, ...: one line each) when it cannot, with nothing changed."""
+        hold, meta = KeptHold.open(name)
+        key = hold.key_to_take(meta, take)
+        pool = cls(meta.spec, launcher=kept.AttachOnly(), stalled_frame_s=stalled_frame_s, keep=hold.keep)
+        pool._attach(hold, meta, key, take, timeout_s)
+        return pool
+
+    def _attach(self, hold: KeptHold, meta: kept.KeptMeta, key: bytes, take: bool, timeout_s: float) -> None:
+        self._kept, self.pool_id, self.log_dir, self._runtime_dir = hold, meta.pool_id, meta.log_dir, meta.runtime_dir
+        self.state = "starting"
+        try:
+            self._socket_dir = tempfile.mkdtemp(prefix="fsdp2nb-")
+            self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
+            address, certificate = os.path.join(self._socket_dir, "pool.sock"), None
+            if meta.listen:  # across hosts: TCP with the pool's certificate, the driver for an agent
+                address, certificate = ray_kept.attach_endpoint(meta.listen, meta.runtime_dir)
+            signer, channels = self._listen(key, address, certificate)
+            self._launched = (ray_kept.KeptRayDriver if meta.listen else kept.KeptAgent)(meta.agent)
+            record = hold.hold(signer, channels.address, take=take)
+            self._save_request_ids = itertools.count(first_save_request_id(record))
+            self.work_at_attach, died = hold.ranks_at_attach()
+            self._ranks_to_join = self.world_size - len(died)
+            kept.wake_agent(meta)
+            self._wait_until_ready(timeout_s)
+        except BaseException:
+            hold.let_go()
+            self.release()
+            raise
+        self.state = "ready"
+        if died:
+            self.exited.update(died)
+            self.mark_broken(kept.describe_deaths(died.values()) + " while no kernel held the pool")
+
+    def held_here(self) -> bool:
+        """Whether this kernel still holds its kept pool (always, for a pool that is not kept)."""
+        return self._kept is None or self._kept.held_here()
+
+    def holder_note(self) -> str:
+        """Who took this kernel's kept pool, for the line that says so."""
+        return self._kept.holder_note() if self._kept is not None else "another kernel"
+
+    def note_background_run(self, cell_id: int, execution_count: int | None, name: str | None) -> None:
+        """A kept pool keeps what names a background run, for a kernel that takes it over."""
+        if self._kept is not None:
+            self._kept.note_run(cell_id, execution_count, name)
+
+    def noted_background_run(self, cell_id: int) -> kept.NotedRun | None:
+        """What the kernel that started the background run `cell_id` of a kept pool noted of it."""
+        return self._kept.noted_run(cell_id) if self._kept is not None else None
+
+    def detach(self) -> None:
+        """Let go of a kept pool: its ranks keep running and wait for the next kernel."""
+        if self._kept is not None:
+            self._kept.detach()
+        self.release()
 
     def release(self) -> None:
         """Close this kernel's end without ending the ranks (a kept pool); safe to call twice."""
@@ -295,8 +368,8 @@ class WorkerPool(KeptPoolParts):
         self._wait_for_rank_processes()
         self.release()
         shutil.rmtree(self._runtime_dir, ignore_errors=True)
-        if self._kept_dir is not None:
-            shutil.rmtree(self._kept_dir, ignore_errors=True)
+        if self._kept is not None:
+            self._kept.remove()
         reaper.forget_pool(self.pool_id)
         self.state = "stopped"
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from pathlib import Path
 
 from fsdp2nb.pool.handle import PoolHandle, PoolState, SnapshotListener
 from fsdp2nb.pool.held_output import HeldOutput
-from fsdp2nb.pool.kept import KeepOptions
+from fsdp2nb.pool.kept import KeepOptions, NotedRun
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.protocol import ControlMessage, EventMessage, RankExited, RankReady, RankSnapshot
@@ -50,10 +49,6 @@ class FakePool:
     @property
     def start_notes(self) -> list[str]:
         return []
-
-    @property
-    def kept_directory(self) -> Path | None:
-        return None
 
     def start(self) -> None:
         pass
@@ -108,6 +103,9 @@ class FakePool:
 
     def note_background_run(self, cell_id: int, execution_count: int | None, name: str | None) -> None:
         pass
+
+    def noted_background_run(self, cell_id: int) -> NotedRun | None:
+        return None
 
 
 def _implements_the_protocol(pool: FakePool) -> PoolHandle:
