@@ -110,41 +110,60 @@ def kept_dir(name: str) -> Path:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KeptMeta:
-    """What `pool.json` says of a kept pool: written by the kernel that started it."""
+    """What `pool.json` says of a kept pool: written by the kernel that started it.
 
-    name: str
+    The file keeps its flat layout (`to_json`): a kernel of an earlier release lists pools by
+    reading it, and removes the directory of a pool whose file it cannot read."""
+
+    keep: KeepOptions
+    """Its name and --keep-for."""
+    spec: PoolSpec
+    """Its ranks: devices, collective timeout and, across hosts, the placement."""
     pool_id: str
-    devices: tuple[str, ...]
-    collective_timeout_s: float
-    keep_for_s: float | None
     agent: tuple[int, float]
-    """The host agent's (pid, start time)."""
+    """The host agent's (pid, start time); across hosts, the Ray driver's."""
     log_dir: str
     runtime_dir: str
     created: float
-    placement: dict | None = None
-    """A pool across hosts: its `Placement`'s fields (`agent` is then the Ray driver's)."""
     listen: str = ""
     """A pool across hosts: the address kernels that attach listen on (pool/ray_kept.py)."""
 
     @property
-    def spec(self) -> PoolSpec:
-        placement = Placement(**self.placement) if self.placement else None
-        return PoolSpec(devices=tuple(self.devices), collective_timeout_s=self.collective_timeout_s,
+    def name(self) -> str:
+        return self.keep.name
+
+    @property
+    def keep_for_s(self) -> float | None:
+        return self.keep.keep_for_s
+
+    def to_json(self) -> dict:
+        """The file's fields, as every release has written them."""
+        spec = self.spec
+        return {"name": self.keep.name, "pool_id": self.pool_id, "devices": list(spec.devices),
+                "collective_timeout_s": spec.collective_timeout_s, "keep_for_s": self.keep.keep_for_s,
+                "agent": list(self.agent), "log_dir": self.log_dir, "runtime_dir": self.runtime_dir,
+                "created": self.created, "placement": asdict(spec.placement) if spec.placement else None,
+                "listen": self.listen}
+
+    @classmethod
+    def from_json(cls, fields: dict) -> KeptMeta:
+        placement = Placement(**fields["placement"]) if fields.get("placement") else None
+        spec = PoolSpec(devices=tuple(fields["devices"]), collective_timeout_s=fields["collective_timeout_s"],
                         placement=placement)
+        pid, create_time = fields["agent"]
+        return cls(keep=KeepOptions(name=fields["name"], keep_for_s=fields["keep_for_s"]), spec=spec,
+                   pool_id=fields["pool_id"], agent=(pid, create_time), log_dir=fields["log_dir"],
+                   runtime_dir=fields["runtime_dir"], created=fields["created"], listen=fields.get("listen", ""))
 
     def write(self, directory: Path) -> None:
         temporary = directory / f"{META_FILE}.tmp"
-        temporary.write_text(json.dumps(asdict(self)))
+        temporary.write_text(json.dumps(self.to_json()))
         os.replace(temporary, directory / META_FILE)
 
     @classmethod
     def read(cls, directory: Path) -> KeptMeta | None:
         try:
-            fields = json.loads((directory / META_FILE).read_text())
-            fields["devices"] = tuple(fields["devices"])
-            fields["agent"] = tuple(fields["agent"])
-            return cls(**fields)
+            return cls.from_json(json.loads((directory / META_FILE).read_text()))
         except (OSError, ValueError, TypeError, KeyError):
             return None
 

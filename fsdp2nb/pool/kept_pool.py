@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from fsdp2nb.errors import NoSuchPool, PoolHeldError, PoolNameTaken
@@ -71,11 +70,8 @@ class KeptHold:
     def write_meta(self, *, spec: PoolSpec, pool_id: str, agent: tuple[int, float], log_dir: str,
                    listen: str) -> None:
         """`pool.json`, once the agent runs: what a kernel that attaches later starts from."""
-        placement = asdict(spec.placement) if spec.placement is not None else None
-        KeptMeta(name=self.keep.name, pool_id=pool_id, devices=spec.devices,
-                 collective_timeout_s=spec.collective_timeout_s, keep_for_s=self.keep.keep_for_s, agent=agent,
-                 log_dir=log_dir, runtime_dir=self.runtime_dir, created=time.time(), placement=placement,
-                 listen=listen).write(self.directory)
+        KeptMeta(keep=self.keep, spec=spec, pool_id=pool_id, agent=agent, log_dir=log_dir,
+                 runtime_dir=self.runtime_dir, created=time.time(), listen=listen).write(self.directory)
 
     # --- a pool this kernel attaches -------------------------------------------------------------
 
@@ -93,7 +89,7 @@ class KeptHold:
             shutil.rmtree(directory, ignore_errors=True)
             raise NoSuchPool(f"kept pool {name!r} is gone: its host agent (pid {meta.agent[0]}) ended; "
                              f"its logs are in {meta.log_dir}")
-        return cls(KeepOptions(name=name, keep_for_s=meta.keep_for_s), directory), meta
+        return cls(meta.keep, directory), meta
 
     def key_to_take(self, meta: KeptMeta, take: bool) -> bytes:
         """The pool's key, once its wire version is this kernel's and no live kernel holds it (or
