@@ -33,6 +33,7 @@ from fsdp2nb.wire.protocol import (
     SaveCheckpoint,
     SaveIfRequested,
 )
+from fsdp2nb.wire.rank_logs import rank_log_path
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.dashboard_link import DashboardLink
@@ -326,7 +327,7 @@ class FSDP2Magics(Magics):
                         "afresh (rank state is lost)"), file=sys.stderr)
         for rank, lines in log_tails(pool.log_dir, pool.world_size).items():
             if lines:
-                print(f"last lines of rank {rank}'s log ({pool.log_dir}/rank-{rank}.log):")
+                print(f"last lines of rank {rank}'s log ({rank_log_path(pool.log_dir, rank)}):")
                 print("\n".join(f"  {line}" for line in lines))
         if run is not None:
             self._tell_of_resumed_run(pool, run)

@@ -37,6 +37,7 @@ from fsdp2nb.wire.kept import (
     write_attach_record,
 )
 from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankExited
+from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.versions import WireVersion, ours
 
@@ -426,17 +427,8 @@ def _mtime(path: Path) -> float:
 
 def log_tails(log_dir: str, world_size: int, num_lines: int = 5) -> dict[int, list[str]]:
     """The last lines each rank wrote to its log (what it printed while no kernel held it)."""
-    tails = {}
-    for rank in range(world_size):
-        try:
-            with open(os.path.join(log_dir, f"rank-{rank}.log"), "rb") as log:
-                log.seek(0, os.SEEK_END)
-                log.seek(max(0, log.tell() - 4096))
-                lines = log.read().decode("utf-8", errors="replace").splitlines()
-        except OSError:
-            continue
-        tails[rank] = [line for line in lines if line.strip()][-num_lines:]
-    return tails
+    tails = {rank: read_tail(rank_log_path(log_dir, rank), 4096) for rank in range(world_size)}
+    return {rank: [line for line in lines if line.strip()][-num_lines:] for rank, lines in tails.items()}
 
 
 class AttachOnly:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fsdp2nb.pool import reaper
+from fsdp2nb.wire.pid_watch import PidWatch
 from fsdp2nb.wire.protocol import LaunchPlan, RankExited
 
 logger = logging.getLogger(__name__)
@@ -255,19 +256,16 @@ class LocalLauncher:
 def _wait_for_exit(process: subprocess.Popen, timeout_s: float) -> None:
     """Wait up to `timeout_s` for `process` to end, waking as it does: Popen.wait with a timeout
     polls, up to 50 ms late, and a restart waits for the old agent."""
-    try:
-        pidfd = os.pidfd_open(process.pid)
-    except (AttributeError, OSError):  # before Linux 5.3 (or gone already)
-        pidfd = None
-    if pidfd is not None:
+    poller = select.poll()
+    ended = PidWatch(poller)
+    watched = ended.watch(process.pid)  # False before Linux 5.3 (or gone already)
+    if watched:
         try:
-            poller = select.poll()
-            poller.register(pidfd, select.POLLIN)
             poller.poll(int(timeout_s * 1000))
         finally:
-            os.close(pidfd)
+            ended.close()
     try:
-        process.wait(0 if pidfd is not None else timeout_s)
+        process.wait(0 if watched else timeout_s)
     except subprocess.TimeoutExpired:
         pass
 

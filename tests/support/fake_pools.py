@@ -12,6 +12,7 @@ from fsdp2nb.pool.kept import KeepOptions, NotedRun
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.protocol import ControlMessage, EventMessage, RankExited, RankReady, RankSnapshot
+from fsdp2nb.wire.rank_logs import rank_log_path
 
 
 class FakePool:
@@ -26,7 +27,7 @@ class FakePool:
         self.log_dir = "/logs"
         self.ranks: dict[int, RankReady] = {
             r: RankReady(rank=r, pid=1000 + r, create_time=0.0, device="cpu", hostname="host",
-                         log_path=f"/logs/rank-{r}.log") for r in range(spec.world_size)} if with_ranks else {}
+                         log_path=rank_log_path("/logs", r)) for r in range(spec.world_size)} if with_ranks else {}
         self.snapshots: dict[int, RankSnapshot] = {}
         self.exited: dict[int, RankExited] = {}
         self.busy_since: dict[int, float] = {}
