@@ -12,6 +12,7 @@ import math
 import os
 import time
 
+from fsdp2nb.sizes import size
 from fsdp2nb.widgets.model import MemoryReading, RankRow
 from fsdp2nb.wire.protocol import CheckpointEntry, CheckpointStatus, ProgressUpdate
 
@@ -19,16 +20,6 @@ _OK, _WARN, _PEAK, _RESERVED = "#3b82f6", "#dc2626", "#111827", "#bfdbfe"
 _STATE_COLOURS = {"idle": "#15803d", "busy": "#b45309", "dead": "#dc2626", "starting": "#6b7280",
                   "stopped": "#6b7280"}
 SPARK_POINTS = 120
-
-
-def size(num_bytes: int) -> str:
-    """`512 MiB`, `1.5 GiB`: binary units, three significant figures."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.3g} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 # --- memory -------------------------------------------------------------------------------------
