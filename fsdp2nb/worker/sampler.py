@@ -177,8 +177,8 @@ class TrackedSizes:
             return
         self._model, self._parameters_key = model, key
         trainable = [p for p in params if p.requires_grad]
-        self._param_bytes = _local_bytes(params)
-        self._trainable_bytes = _local_bytes(trainable)
+        self._param_bytes = held_bytes(params)
+        self._trainable_bytes = held_bytes(trainable)
         self._probe = trainable[0] if trainable else None
 
 
@@ -190,10 +190,19 @@ def _same_parameters(now: list, before: list) -> bool:
 
 def _optimizer_bytes(optimizer) -> int:  # noqa: ANN001 - a torch optimizer or None
     states = list(optimizer.state.values()) if optimizer is not None else []
-    return _local_bytes([v for state in states for v in state.values() if hasattr(v, "element_size")])
+    return held_bytes([v for state in states for v in state.values()])
 
 
-def _local_bytes(tensors: list) -> int:
-    """Bytes this rank holds: a DTensor counts its local shard, not the whole tensor."""
-    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
-    return sum(t.numel() * t.element_size() for t in local)
+def held_bytes(tensors: list) -> int:
+    """Bytes of the storages behind `tensors`, each counted once: what this rank holds for them.
+
+    A DTensor counts its local shard's storage, which FSDP2 pads to the first rank's chunk;
+    FSDP2's gradients are views into one buffer per unit, counted once."""
+    storages = {}
+    for tensor in tensors:
+        if tensor is None or not hasattr(tensor, "untyped_storage"):
+            continue
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        storages[id(storage)] = storage  # held here, so no id is reused while counting
+    return sum(storage.nbytes() for storage in storages.values())

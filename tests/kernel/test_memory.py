@@ -1,0 +1,113 @@
+"""Memory from a notebook on 3 CPU ranks (uneven shards: the tiny model's 131-token vocabulary and
+70-wide MLP split 44/44/43 and 24/24/22): `%fsdp2 plan` against what the ranks hold after a step.
+Five layers, of which the plan builds and traces two (the second standing for the other four).
+
+One pool serves the module.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
+
+WORLD_SIZE = 3
+BATCH, SEQ = 2, 32
+
+_RANK_SETUP = """%%fsdp2
+import fsdp2nb
+from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
+from fsdp2nb.worker.sampler import held_bytes
+if rank == 0:
+    save_tiny_checkpoint(model_dir, "llama", num_hidden_layers=5)  # the plan traces 2 blocks for the 5
+dist.barrier()
+
+def measured_step(mixed_precision, lora_rank):
+    \"\"\"Load, run one step, and say what this rank held: the storages of the parameters, of the
+    gradients after backward, of the optimizer state after the step, and those autograd saved in
+    forward (at its end, less the parameters: FSDP2 has freed the gathered blocks by then).\"\"\"
+    from peft import LoraConfig
+    lora = None if not lora_rank else LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                                                  target_modules="all-linear", lora_dropout=0.0)
+    engine = fsdp2nb.FSDP2Engine(mixed_precision=mixed_precision)
+    model, _ = fsdp2nb.load_model(model_dir, engine=engine, lora=lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ids = torch.randint(0, 131, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+    params = list(model.parameters())  # the sharded ones: after forward the head and root are gathered
+    saved = {}
+    def pack(tensor):
+        saved[id(tensor.untyped_storage())] = tensor.untyped_storage()
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=ids, labels=ids).loss
+    held_params = {id((p.to_local() if hasattr(p, "to_local") else p).untyped_storage())
+                   for p in [*params, *model.parameters()]}
+    activations = sum(s.nbytes() for key, s in saved.items() if key not in held_params)
+    del saved
+    loss.backward()
+    gradients = held_bytes([p.grad for p in params])
+    optimizer.step()
+    return dict(parameters=held_bytes(params), gradients=gradients, activations=activations,
+                optimizer=held_bytes([v for state in optimizer.state.values() for v in state.values()]))
+""".replace("BATCH, SEQ", f"{BATCH}, {SEQ}")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("memory") / "model"
+    k = Kernel(env=WITHOUT_GPUS)
+    assert k.execute("%load_ext fsdp2nb").status == "ok"
+    run = k.execute(f"%fsdp2 start --cpu {WORLD_SIZE} --no-dashboard")
+    assert run.status == "ok", run.traceback_text
+    run = k.execute(f"model_dir = {str(model_dir)!r}\n%fsdp2 push model_dir")
+    assert run.status == "ok", run.traceback_text
+    run = k.execute(_RANK_SETUP, timeout=300)
+    assert run.status == "ok", run.traceback_text + run.stderr
+    yield k
+    k.stop()
+
+
+def _plan_and_measure(kernel, mixed_precision: str, lora_rank: int) -> tuple[list[dict], list[dict]]:
+    """(plan per rank, measured per rank): the plan made in the kernel by `%fsdp2 plan`."""
+    run = kernel.execute(f"%%fsdp2\nmeasured = measured_step({mixed_precision!r}, {lora_rank})", timeout=300)
+    assert run.status == "ok", run.traceback_text + run.stderr
+    options = f"--cpu {WORLD_SIZE} --batch {BATCH} --seq {SEQ}" + (" --fp32" if mixed_precision == "fp32" else "")
+    options += f" --lora {lora_rank}" if lora_rank else ""
+    run = kernel.execute("import json\nmeasured = %fsdp2 pull measured --all --value\n"
+                         f"plan = %fsdp2 plan {{model_dir}} {options}\n"
+                         "print(json.dumps([list(plan.per_rank), [measured[r] for r in range(len(measured))]]))")
+    assert run.status == "ok", run.traceback_text + run.stderr
+    planned, measured = json.loads(run.stdout.strip().splitlines()[-1])
+    return planned, measured
+
+
+@pytest.mark.parametrize(("mixed_precision", "lora_rank"), [("fp32", 0), ("bf16", 0), ("bf16", 4), ("fp32", 4)],
+                         ids=["full-fp32", "full-bf16", "lora-bf16", "lora-fp32"])
+def test_the_plan_matches_what_each_rank_holds_after_a_step(kernel, mixed_precision, lora_rank):
+    planned, measured = _plan_and_measure(kernel, mixed_precision, lora_rank)
+    assert len(planned) == len(measured) == WORLD_SIZE
+    for rank in range(WORLD_SIZE):
+        errors = {category: planned[rank][category] / measured[rank][category] - 1 for category in measured[rank]}
+        print(f"{mixed_precision} lora={lora_rank} rank {rank}: " + ", ".join(
+            f"{c} {planned[rank][c]} planned / {measured[rank][c]} held ({e:+.1%})" for c, e in errors.items()))
+        for category in ("parameters", "gradients", "optimizer"):
+            assert abs(errors[category]) <= 0.03, (rank, category, planned[rank], measured[rank])
+        assert abs(errors["activations"]) <= 0.25, (rank, planned[rank], measured[rank])
+    # uneven shards: the last rank's optimizer state is smaller, its padded parameters are not
+    assert measured[2]["optimizer"] < measured[0]["optimizer"] and planned[2]["optimizer"] < planned[0]["optimizer"]
+    assert measured[2]["parameters"] == measured[0]["parameters"]
+
+
+def test_plan_needs_no_pool_and_refuses_bad_options_in_one_line(kernel):
+    run = kernel.execute("p = %fsdp2 plan {model_dir} --gpus 8 --memory 80GiB --lora 8 --ac\n"
+                         "print(p.settings.world_size, p.settings.device, p.capacity_bytes, p.verdict[:9])")
+    assert run.status == "ok", run.traceback_text
+    assert run.stdout.strip() == f"8 cuda {80 * 2**30} fits with"
+    for line, words in (("{model_dir} --cpu 2 --offload", "offload_params=True is not allowed on CPU ranks"),
+                        ("/no/such/model --cpu 2", "does not exist"),
+                        ("{model_dir} --memory lots", "not a memory size")):
+        run = kernel.execute(f"%fsdp2 plan {line}")
+        assert run.status == "error" and run.stderr.startswith("UsageError: ") and words in run.stderr, run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1, run.stderr
