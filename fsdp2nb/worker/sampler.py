@@ -161,7 +161,7 @@ class TrackedSizes:
         num_states = len(tracked.optimizer.state) if tracked.optimizer is not None else 0
         if num_states != self._num_states:  # the first step creates the state
             self._num_states = num_states
-            self._optimizer_bytes = _optimizer_bytes(tracked.optimizer)
+            self._optimizer_bytes = optimizer_bytes(tracked.optimizer)
         has_grads = self._probe is not None and self._probe.grad is not None
         self._sizes = dict(param_bytes=self._param_bytes, grad_bytes=self._trainable_bytes if has_grads else 0,
                            optimizer_bytes=self._optimizer_bytes)
@@ -188,7 +188,7 @@ def _same_parameters(now: list, before: list) -> bool:
         p is q and trains == trained for (p, trains), (q, trained) in zip(now, before, strict=True))
 
 
-def _optimizer_bytes(optimizer) -> int:  # noqa: ANN001 - a torch optimizer or None
+def optimizer_bytes(optimizer) -> int:  # noqa: ANN001 - a torch optimizer or None
     states = list(optimizer.state.values()) if optimizer is not None else []
     return held_bytes([v for state in states for v in state.values()])
 

@@ -21,6 +21,7 @@ from traitlets.config import Config
 
 from fsdp2nb.wire.protocol import ErrorInfo, RichKind
 from fsdp2nb.wire.sigint import SigintGate
+from fsdp2nb.worker.memory_failure import shortage_of
 from fsdp2nb.worker.stdin import InputUnavailable, InterruptedAtPrompt
 
 RichSink = Callable[[RichKind, dict, dict], None]
@@ -121,7 +122,8 @@ class RankShell(InteractiveShell):
         if mistake is not None:  # said in one line: the traceback would only bury it
             self.last_error = ErrorInfo(ename=ename, evalue=mistake, traceback=())
             return
-        self.last_error = ErrorInfo(ename=ename, evalue=str(evalue), traceback=tuple(stb))
+        memory = shortage_of(evalue) if isinstance(evalue, BaseException) else None
+        self.last_error = ErrorInfo(ename=ename, evalue=str(evalue), traceback=tuple(stb), memory=memory)
 
 
 def _wrong_trainer_class(error: BaseException) -> str | None:

@@ -111,3 +111,51 @@ def test_plan_needs_no_pool_and_refuses_bad_options_in_one_line(kernel):
         run = kernel.execute(f"%fsdp2 plan {line}")
         assert run.status == "error" and run.stderr.startswith("UsageError: ") and words in run.stderr, run.stderr
         assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_a_failed_allocation_says_what_each_failing_rank_asked_for_had_and_held(kernel):
+    """Rank 1 asks the CPU allocator for 9 TiB, rank 2 numpy for 7 PiB (a MemoryError), rank 0
+    succeeds; the ranks keep their state."""
+    run = kernel.execute("%%fsdp2\nmodel, _ = fsdp2nb.load_model(model_dir)\n"
+                         "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+                         "ids = torch.randint(0, 131, (2, 8))\nmodel(input_ids=ids, labels=ids).loss.backward()\n"
+                         "optimizer.step()\nimport tempfile\n"
+                         "ckpt = fsdp2nb.Checkpointer(tempfile.mkdtemp()).track(model=model, optimizer=optimizer)",
+                         timeout=300)
+    assert run.status == "ok", run.traceback_text + run.stderr
+    run = kernel.execute("%%fsdp2\nimport numpy\nkept_before = 'still here'\n"
+                         "if rank == 1:\n    torch.empty(10**13, dtype=torch.uint8)\n"
+                         "if rank == 2:\n    numpy.empty(10**15)")
+    assert run.status == "error"
+    text = run.traceback_text
+    assert "rank 1 ran out of memory: it asked for 9.09 TiB; the host had " in text, text
+    assert "rank 2 ran out of memory: it asked for 7.11 PiB" in text, text
+    assert "rank 0 ran out" not in text
+    plan = kernel.execute("from fsdp2nb.sizes import size\n"
+                          f"p = %fsdp2 plan {{model_dir}} --cpu {WORLD_SIZE}\n"
+                          "print(size(p.per_rank[1]['parameters']), size(p.per_rank[1]['optimizer']))")
+    params, optimizer = _two_sizes(plan.stdout)
+    assert ("rank 1 held " in text and f"the tracked model's parameters {params}, gradients {params}, "
+            f"optimizer state {optimizer}, the rest " in text), (text, plan.stdout)
+    after = kernel.execute("%%fsdp2\nprint(kept_before, type(model).__name__)")
+    assert after.status == "ok" and after.stdout == "[all] still here FSDPLlamaForCausalLM\n", after.traceback_text
+
+
+def _two_sizes(line: str) -> tuple[str, str]:
+    words = line.split()  # "69 KiB 131 KiB"
+    return f"{words[0]} {words[1]}", f"{words[2]} {words[3]}"
+
+
+def test_a_rank_killed_by_sigkill_says_whether_the_oom_killer_sent_it(kernel):
+    """Last in the module: the pool restarts after the death."""
+    from fsdp2nb.host_memory import kernel_log_names_oom_kill, oom_kill_count
+
+    run = kernel.execute("%%fsdp2\nimport os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                         "import time\ntime.sleep(30)", timeout=120)
+    assert run.status == "error"
+    text = run.traceback_text
+    assert "killed by SIGKILL" in text, text
+    if oom_kill_count() is not None or kernel_log_names_oom_kill(0) is not None:  # readable here, as on the rank's host
+        assert "the kernel's OOM killer did not send it" in text, text
+    else:
+        assert "the kernel's OOM killer is the usual sender of a SIGKILL" in text, text
