@@ -36,7 +36,7 @@ from fsdp2nb.wire.protocol import (
 )
 
 _COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
-             "wait", "interrupt", "debug", "pools", "attach", "detach", "plan")
+             "wait", "interrupt", "debug", "pools", "attach", "detach", "plan", "memory")
 _WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load", "debug"))
 """Commands that need the ranks, so wait for a background run as a later cell does."""
 _REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError"))
@@ -135,6 +135,8 @@ def _line_parsers() -> dict[str, MagicArgumentParser]:
     parsers["debug"].add_argument("--rank", type=int, default=None,
                                   help="the rank whose last error to open (default: the rank that failed first)")
     _add_plan_options(parsers["plan"])
+    parsers["memory"].add_argument("action", choices=("record",), help="record: CUDA allocations for the memory viewer")
+    parsers["memory"].add_argument("--steps", type=int, default=None, metavar="N", help="how many steps to record")
     for command in ("wait", "interrupt"):
         parsers[command].add_argument("name", nargs="?", default=None, metavar="NAME",
                                       help="the background run's --name (default: the latest run)")
@@ -233,6 +235,7 @@ class FSDP2Magics(Magics):
 
             %fsdp2 plan meta-llama/Llama-3.1-8B --gpus 8 [--lora 16] [--batch 4] [--seq 4096]
             %fsdp2 plan ./my-model --cpu 4 [--fp32] [--ac] [--offload] [--memory 80GiB]
+            %fsdp2 memory record                    # CUDA ranks only (not available yet)
 
         Kept pools outlive the kernel (docs/usage.md, "Kept pools")::
 
@@ -492,6 +495,15 @@ class FSDP2Magics(Magics):
         return plan_memory(options.model, world_size, lora=options.lora, engine=engine, activation_checkpointing=options.ac,
                            batch_size=options.batch, seq_len=options.seq, optimizer=options.optimizer, device=device,
                            capacity_bytes=capacity)
+
+    def _command_memory(self, options) -> None:
+        """`%fsdp2 memory record`: PyTorch's allocation history needs CUDA ranks."""
+        pool = self._running_pool()
+        if not any(device.startswith("cuda") for device in pool.spec.devices):
+            raise UsageError("%fsdp2 memory record needs CUDA ranks: this pool's ranks are CPU ranks, whose "
+                             "allocations PyTorch does not record (`%fsdp2 plan` and the dashboard cover them)")
+        raise UsageError("%fsdp2 memory record on CUDA ranks is not available in this version; "
+                         "torch.cuda.memory._record_memory_history() in a %%fsdp2 cell records the same")
 
     def _command_dashboard(self, options) -> None:
         self._dashboard().show()

@@ -146,6 +146,11 @@ def _two_sizes(line: str) -> tuple[str, str]:
     return f"{words[0]} {words[1]}", f"{words[2]} {words[3]}"
 
 
+def test_memory_record_says_in_one_line_that_it_needs_cuda_ranks(kernel):
+    run = kernel.execute("%fsdp2 memory record --steps 3")
+    assert run.status == "error" and run.stderr.startswith("UsageError: %fsdp2 memory record needs CUDA ranks")
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
 def test_a_rank_killed_by_sigkill_says_whether_the_oom_killer_sent_it(kernel):
     """Last in the module: the pool restarts after the death."""
     from fsdp2nb.host_memory import kernel_log_names_oom_kill, oom_kill_count
@@ -159,3 +164,4 @@ def test_a_rank_killed_by_sigkill_says_whether_the_oom_killer_sent_it(kernel):
         assert "the kernel's OOM killer did not send it" in text, text
     else:
         assert "the kernel's OOM killer is the usual sender of a SIGKILL" in text, text
+
