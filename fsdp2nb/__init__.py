@@ -29,6 +29,7 @@ __all__ = [
     "load_ipython_extension",
     "load_model",
     "log",
+    "plan_memory",
     "trainer_for",
     "unload_ipython_extension",
 ]
@@ -45,6 +46,7 @@ _LAZY_NAMES = {
     "FSDP2TrainerMixin": "fsdp2nb.engine.hf_trainer",
     "trainer_for": "fsdp2nb.engine.hf_trainer",
     "log": "fsdp2nb.metrics",
+    "plan_memory": "fsdp2nb.engine.memory_plan",
 }
 _session = None
 

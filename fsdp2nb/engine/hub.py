@@ -35,7 +35,7 @@ def _default_download(repo_id: str, *, local_files_only: bool) -> str:
     return directory
 
 
-def _looks_like_a_path(name: str) -> bool:
+def looks_like_a_path(name: str) -> bool:
     """Hub ids are `name` or `owner/name`; anything else is meant as a local path."""
     return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.path.exists(name)
 
@@ -52,7 +52,7 @@ def resolve_model_dir(
     path = os.fspath(name_or_path)
     if os.path.isdir(path):
         return path
-    if _looks_like_a_path(path):
+    if looks_like_a_path(path):
         raise FileNotFoundError(f"{path!r} is not a model directory (it {'is a file' if os.path.exists(path) else 'does not exist'}); "
                                 "give the directory holding config.json and the weights, or a Hub id like 'owner/name'")
     distributed = is_distributed()

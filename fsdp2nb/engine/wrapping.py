@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -95,6 +97,30 @@ def embedding_and_head(model: nn.Module) -> tuple[nn.Module | None, nn.Module | 
     return embedding, head, tied
 
 
+@dataclass(frozen=True, slots=True)
+class ShardUnit:
+    """Modules that `fully_shard` makes one unit of: gathered together, resharded together."""
+
+    modules: tuple[nn.Module, ...]
+    kind: Literal["block", "embedding", "head", "root"]
+    """The head (with the final norm) is never resharded after forward, and FSDP2 never reshards
+    the root then either: backward starts with them."""
+
+
+def shard_unit_list(model: nn.Module) -> list[ShardUnit]:
+    """The units `shard_units` makes, innermost first and the root last; memory plans read it too."""
+    units = [ShardUnit((block,), "block") for block in find_blocks(model)]
+    embedding, head, tied = embedding_and_head(model)
+    if not tied:
+        if embedding is not None:
+            units.append(ShardUnit((embedding,), "embedding"))
+        if head is not None:
+            norm = _final_norm(_base_model(model), [u.modules[0] for u in units if u.kind == "block"])
+            units.append(ShardUnit((norm, head) if norm is not None else (head,), "head"))
+    units.append(ShardUnit((model,), "root"))
+    return units
+
+
 def shard_units(
     model: nn.Module,
     *,
@@ -105,22 +131,17 @@ def shard_units(
 ) -> nn.Module:
     """Apply fully_shard to blocks, embedding, head (+ final norm) and finally the root."""
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy())
-    blocks = find_blocks(model)
-    if not blocks:
+    units = shard_unit_list(model)
+    if units[0].kind != "block":
         logger.warning("%s declares no _no_split_modules blocks; sharding it as one unit", type(model).__name__)
-    for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
-    embedding, head, tied = embedding_and_head(model)
-    if not tied:
-        if embedding is not None:
-            fully_shard(embedding, reshard_after_forward=reshard_after_forward, **common)
-        if head is not None:
-            norm = _final_norm(_base_model(model), blocks)
-            group: nn.Module | list[nn.Module] = [norm, head] if norm is not None else head
-            # Backward starts with the head, so resharding it after forward would only re-gather it.
-            fully_shard(group, reshard_after_forward=False, **common)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **common)
-    logger.info("sharded %d blocks (%s), tied embeddings: %s", len(blocks), sorted(block_class_names(model)), tied)
+    for unit in units:
+        # Backward starts with the head, so resharding it after forward would only re-gather it.
+        reshard = reshard_after_forward if unit.kind != "head" else False
+        fully_shard(unit.modules[0] if len(unit.modules) == 1 else list(unit.modules),
+                    reshard_after_forward=reshard, **common)
+    _, _, tied = embedding_and_head(model)
+    num_blocks = sum(unit.kind == "block" for unit in units)
+    logger.info("sharded %d blocks (%s), tied embeddings: %s", num_blocks, sorted(block_class_names(model)), tied)
     return model
 
 

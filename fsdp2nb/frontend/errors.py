@@ -9,6 +9,7 @@ catches (`%fsdp2` cells and background runs raise it); IPython draws it through 
 from __future__ import annotations
 
 from fsdp2nb.errors import Fsdp2nbError, RankError
+from fsdp2nb.frontend.memory_notes import shortage_lines, sigkill_line
 from fsdp2nb.frontend.output import rank_label
 from fsdp2nb.pool.launcher import describe_exit
 from fsdp2nb.wire.protocol import ErrorInfo, RankExited
@@ -29,6 +30,7 @@ def render_rank_error(rank_error: RankError) -> list[str]:
             what = f" raised {error.ename}" + ("" if error.traceback else f": {error.evalue}")
         lines.append(f"\x1b[1m{label} {noun} {', '.join(map(str, sorted(ranks)))}{what}\x1b[0m")
         lines.extend(error.traceback)
+    lines.extend(shortage_lines(rank_error.errors))
     lines.extend(rank_error.notes)
     return lines
 
@@ -62,6 +64,7 @@ def alarm(text: str) -> str:
 
 def rank_exit_error(event: RankExited) -> ErrorInfo:
     lines = (f"rank {event.rank} (pid {event.pid}) died: {describe_exit(event)}",
+             *((killer,) if (killer := sigkill_line(event)) else ()),
              *(("last output lines:", *tail) if (tail := _last_words(event.stderr_tail)) else ()))
     return ErrorInfo(ename="RankDied", evalue=describe_exit(event), traceback=tuple(lines))
 

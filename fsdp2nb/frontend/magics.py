@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from fsdp2nb.frontend.dashboard_link import DashboardLink
 
 _COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
-             "wait", "interrupt", "debug", "pools", "attach", "detach")
+             "wait", "interrupt", "debug", "pools", "attach", "detach", "plan", "memory")
 _WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load", "debug"))
 """Commands that need the ranks, so wait for a background run as a later cell does."""
 _REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError"))
@@ -138,10 +138,42 @@ def _line_parsers() -> dict[str, MagicArgumentParser]:
     parsers["load"].add_argument("target", nargs="?", default="latest", help="'latest' (default) or a step")
     parsers["debug"].add_argument("--rank", type=int, default=None,
                                   help="the rank whose last error to open (default: the rank that failed first)")
+    _add_plan_options(parsers["plan"])
+    parsers["memory"].add_argument("action", choices=("record",), help="record: CUDA allocations for the memory viewer")
+    parsers["memory"].add_argument("--steps", type=int, default=None, metavar="N", help="how many steps to record")
     for command in ("wait", "interrupt"):
         parsers[command].add_argument("name", nargs="?", default=None, metavar="NAME",
                                       help="the background run's --name (default: the latest run)")
     return parsers
+
+
+def _add_plan_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="PATH_OR_ID", help="a model directory, its config.json, or a cached Hub id")
+    ranks = parser.add_mutually_exclusive_group()
+    ranks.add_argument("--gpus", metavar="N|I,J,..", help="N GPU ranks (default: the pool's, else every visible GPU)")
+    ranks.add_argument("--cpu", type=int, metavar="N", help="N CPU ranks")
+    parser.add_argument("--lora", type=int, metavar="R", help="LoRA adapters of rank R on every Linear but the head")
+    parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences per rank per step (default 1)")
+    parser.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence (default 2048)")
+    parser.add_argument("--fp32", action="store_true", help="fp32 compute (default: bf16 mixed precision)")
+    parser.add_argument("--offload", action="store_true", help="sharded state in host memory (GPU ranks)")
+    parser.add_argument("--ac", action="store_true", help="activation checkpointing")
+    parser.add_argument("--optimizer", default="adamw", metavar="NAME", help="adamw (default), adam, sgd_momentum, sgd")
+    parser.add_argument("--memory", metavar="SIZE", help="memory per rank, e.g. 80GiB (default: the GPU's, or the host's)")
+
+
+def _plan_ranks(options, pool: PoolHandle | None) -> tuple[int, str]:
+    """(world size, "cuda" or "cpu") for `%fsdp2 plan`: as given, else the running pool's, else the
+    default pool's. `--gpus` counts GPUs without needing them here: a plan is for any machine."""
+    if options.cpu is not None:
+        return options.cpu, "cpu"
+    if options.gpus is not None:
+        parts = [part.strip() for part in options.gpus.split(",") if part.strip()]
+        if not parts or not all(part.isdigit() for part in parts):
+            raise UsageError(f"--gpus {options.gpus!r} is neither a count (8) nor a list of indices (0,2,3)")
+        return (int(parts[0]) if "," not in options.gpus else len(parts)), "cuda"
+    spec = pool.spec if pool is not None else default_spec()
+    return spec.world_size, "cuda" if spec.devices[0].startswith("cuda") else "cpu"
 
 
 def _non_negative_int(text: str) -> int:
@@ -389,6 +421,29 @@ class FSDP2Magics(Magics):
 
     def _command_debug(self, options) -> None:
         self.session.debug(self._running_pool(), options.rank)
+
+    def _command_plan(self, options):
+        """A memory plan (`fsdp2nb.plan_memory`), computed in the kernel: it needs no pool."""
+        from fsdp2nb.sizes import parse_size
+
+        world_size, device = _plan_ranks(options, self.session.pool)
+        capacity = parse_size(options.memory) if options.memory is not None else None
+        from fsdp2nb.engine.config import EngineConfig
+        from fsdp2nb.engine.memory_plan import plan_memory
+
+        engine = EngineConfig(mixed_precision="fp32" if options.fp32 else "bf16", offload_params=options.offload)
+        return plan_memory(options.model, world_size, lora=options.lora, engine=engine, activation_checkpointing=options.ac,
+                           batch_size=options.batch, seq_len=options.seq, optimizer=options.optimizer, device=device,
+                           capacity_bytes=capacity)
+
+    def _command_memory(self, options) -> None:
+        """`%fsdp2 memory record`: PyTorch's allocation history needs CUDA ranks."""
+        pool = self._running_pool()
+        if not any(device.startswith("cuda") for device in pool.spec.devices):
+            raise UsageError("%fsdp2 memory record needs CUDA ranks: this pool's ranks are CPU ranks, whose "
+                             "allocations PyTorch does not record (`%fsdp2 plan` and the dashboard cover them)")
+        raise UsageError("%fsdp2 memory record on CUDA ranks is not available in this version; "
+                         "torch.cuda.memory._record_memory_history() in a %%fsdp2 cell records the same")
 
     def _command_dashboard(self, options) -> None:
         self._dashboard().show()

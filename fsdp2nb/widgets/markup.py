@@ -12,6 +12,7 @@ import math
 import os
 import time
 
+from fsdp2nb.sizes import size
 from fsdp2nb.widgets.model import MemoryReading, RankRow
 from fsdp2nb.wire.protocol import CheckpointEntry, CheckpointStatus, ProgressUpdate
 
@@ -19,16 +20,6 @@ _OK, _WARN, _PEAK, _RESERVED = "#3b82f6", "#dc2626", "#111827", "#bfdbfe"
 _STATE_COLOURS = {"idle": "#15803d", "busy": "#b45309", "dead": "#dc2626", "starting": "#6b7280",
                   "stopped": "#6b7280"}
 SPARK_POINTS = 120
-
-
-def size(num_bytes: int) -> str:
-    """`512 MiB`, `1.5 GiB`: binary units, three significant figures."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.3g} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 # --- memory -------------------------------------------------------------------------------------
@@ -45,25 +36,65 @@ def memory_text(memory: MemoryReading | None) -> str:
     return f"RSS {size(memory.used)}{total} · peak {size(memory.peak)}"
 
 
+PART_COLOURS = {"params": "#2563eb", "grads": "#f59e0b", "optimizer": "#7c3aed", "other": "#94a3b8"}
+"""One colour per part of a rank's memory, in its bar and its legend."""
+_PART_NAMES = {"params": "the tracked model's parameters", "grads": "its gradients",
+               "optimizer": "its optimizer state", "other": "everything else"}
+
+
 def tracked_text(memory: MemoryReading | None) -> str:
+    """`params 1 MiB · grads 1 MiB · optimizer 2 MiB · other 1.2 GiB`; empty before a model is tracked."""
     if memory is None or not any(memory.tracked):
         return ""
-    params, grads, optimizer = memory.tracked
-    return f"params {size(params)} · grads {size(grads)} · optimizer {size(optimizer)}"
+    return " · ".join(f"{part} {size(value)}" for part, value in memory.parts)
+
+
+def tracked_html(memory: MemoryReading | None) -> str:
+    """`tracked_text` with each part's colour as a square before it, the bar's legend."""
+    if memory is None or not any(memory.tracked):
+        return ""
+    return " · ".join(f'<span style="white-space:nowrap"><span style="color:{PART_COLOURS[part]}">■</span> '
+                      f'{part} {html.escape(size(value))}</span>' for part, value in memory.parts)
 
 
 def memory_bar(memory: MemoryReading | None, width: int = 146, height: int = 12) -> str:
-    """A bar of `used` (and `reserved`) against the total, red past 90%, a tick at the peak."""
+    """A bar of `used` against the total, split by part (`MemoryReading.parts`) once a model is
+    tracked, over `reserved`; red past 90%; a tick at the peak. Under it a strip as wide as the bar
+    shows the parts as shares of `used`: a small model on a large host is a sliver above and
+    still readable below. Each part says its name and size on hover."""
     if memory is None or not memory.total:
         return f'<svg width="{width}" height="{height}"><rect width="{width}" height="{height}" fill="#e5e7eb"/></svg>'
     x = lambda value: min(width, round(width * value / memory.total))  # noqa: E731
-    fill = _WARN if memory.warning else _OK
-    parts = [f'<rect width="{width}" height="{height}" fill="#e5e7eb" rx="2"/>',
-             f'<rect width="{x(memory.reserved)}" height="{height}" fill="{_RESERVED}" rx="2"/>',
-             f'<rect width="{x(memory.used)}" height="{height}" fill="{fill}" rx="2"/>']
+    split = any(memory.tracked)
+    strip = 4 if split else 0
+    outline = f' stroke="{_WARN}" stroke-width="2"' if memory.warning else ""
+    parts = [f'<rect width="{width}" height="{height}" fill="#e5e7eb" rx="2"{outline}/>',
+             f'<rect width="{x(memory.reserved)}" height="{height}" fill="{_RESERVED}" rx="2"/>']
+    if split:
+        parts += _stacked(memory.parts, memory.total, width, 0, height, "fsdp2nb-used", warn=memory.warning)
+        parts += _stacked(memory.parts, max(memory.used, 1), width, height + 2, strip, "fsdp2nb-part")
+    else:
+        parts.append(f'<rect class="fsdp2nb-used" width="{x(memory.used)}" height="{height}" '
+                     f'fill="{_WARN if memory.warning else _OK}" rx="2"/>')
     if memory.peak:
         parts.append(f'<rect x="{max(0, x(memory.peak) - 2)}" width="2" height="{height}" fill="{_PEAK}"/>')
-    return f'<svg width="{width}" height="{height}" class="fsdp2nb-bar">{"".join(parts)}</svg>'
+    total_height = height + (strip + 2 if split else 0)
+    return f'<svg width="{width}" height="{total_height}" class="fsdp2nb-bar">{"".join(parts)}</svg>'
+
+
+def _stacked(parts: tuple[tuple[str, int], ...], scale: int, width: int, y: int, height: int, css: str,
+             warn: bool = False) -> list[str]:
+    """One rect per part, left to right, each `width * bytes / scale` wide (cumulative rounding,
+    so the pieces add up to the whole)."""
+    rects, done, left = [], 0, 0
+    for part, value in parts:
+        done += value
+        right = min(width, round(width * done / scale))
+        colour = _WARN if warn and part == "other" else PART_COLOURS[part]
+        rects.append(f'<rect class="{css}" data-part="{part}" x="{left}" y="{y}" width="{right - left}" '
+                     f'height="{height}" fill="{colour}"><title>{_PART_NAMES[part]}: {size(value)}</title></rect>')
+        left = right
+    return rects
 
 
 def sparkline(values: tuple[float, ...], width: int = 104, height: int = 22) -> str:
@@ -101,14 +132,14 @@ _TRACKED_WHEN = '"as the last cell on this rank left them"'
 def rank_row_html(row: RankRow) -> str:
     colour = _STATE_COLOURS.get(row.state, "#6b7280")
     warn = ' style="color:#dc2626;font-weight:600"' if row.memory is not None and row.memory.warning else ""
-    tracked = tracked_text(row.memory)
+    tracked = tracked_html(row.memory)
     return (f'<div class="fsdp2nb-rank" data-rank="{row.rank}" data-state="{row.state}" style="{_ROW_STYLE}">'
             f'<span><b>rank {row.rank}</b><br><span style="color:#6b7280">{html.escape(row.device)} · '
             f'pid {row.pid or "-"}</span></span>'
             f'<span style="color:{colour}">● {html.escape(row.state_text)}</span>'
             f'{memory_bar(row.memory)}{sparkline(row.history)}'
             f'<span class="fsdp2nb-mem"><span{warn}>{html.escape(memory_text(row.memory))}</span>'
-            f'{"<br><span style=color:#6b7280 title=" + _TRACKED_WHEN + ">" + html.escape(tracked) + "</span>" if tracked else ""}'
+            f'{"<br><span style=color:#6b7280 title=" + _TRACKED_WHEN + ">" + tracked + "</span>" if tracked else ""}'
             '</span></div>')
 
 

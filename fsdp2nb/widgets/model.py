@@ -64,6 +64,15 @@ class MemoryReading:
     """Bytes of the tracked model's parameters, gradients and optimizer state on the rank."""
 
     @property
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        """What `used` is made of: ("params" | "grads" | "optimizer" | "other", bytes). The tracked
+        sizes are those the last cell left; "other" is the rest of `used` (never below 0, as when
+        offloaded state in host memory is set against a GPU's allocation)."""
+        params, grads, optimizer = self.tracked
+        return (("params", params), ("grads", grads), ("optimizer", optimizer),
+                ("other", max(0, self.used - params - grads - optimizer)))
+
+    @property
     def fraction(self) -> float:
         return max(self.used, self.reserved) / self.total if self.total else 0.0
 

@@ -268,6 +268,28 @@ class RichOutput:
 
 
 @dataclass(frozen=True)
+class MemoryShortage:
+    """What a rank had when an allocation failed (torch's OutOfMemoryError, the CPU allocator's
+    "can't allocate memory", MemoryError): what was asked for, what was free, what it held."""
+
+    device: str
+    """Where the allocation failed: "cpu" (host memory) or "cuda:N"."""
+    requested_bytes: int | None
+    """The size asked for, as the allocator's message gives it; None where it gives none."""
+    free_bytes: int | None
+    """Free on the device, or available on the host (its memory cgroup's limit counted)."""
+    capacity_bytes: int | None
+    """The device's memory, or the host's (its cgroup's limit if lower)."""
+    used_bytes: int
+    """What the rank held there: the CUDA allocator's allocated bytes, or the process's RSS."""
+    tracked: bool
+    """Whether a Checkpointer tracks a model on the rank (the three figures below are its)."""
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class ErrorInfo:
     """An exception raised by a cell, with IPython's formatted traceback lines."""
 
@@ -277,6 +299,8 @@ class ErrorInfo:
     kind: ErrorKind = "raised"
     """What the exception was, decided on the rank from its type and where it was raised (see
     `worker.error_kinds`): never guessed from the words of its message."""
+    memory: MemoryShortage | None = None
+    """Set when the cell failed to allocate memory."""
 
 
 @dataclass(frozen=True)
@@ -390,6 +414,10 @@ class RankExited:
     exit_code: int | None
     signal_name: str | None
     stderr_tail: tuple[str, ...]
+    oom_killer: bool | None = None
+    """For a SIGKILL: True when the kernel's OOM killer sent it (the memory cgroup counted an OOM
+    kill meanwhile, or the kernel log names the pid), False when those say it did not, None
+    where neither can be read."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 
+from fsdp2nb.host_memory import kernel_log_names_oom_kill, oom_kill_count
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.kept import host_kept_dir
 from fsdp2nb.wire.pid_watch import PidWatch
@@ -60,6 +61,15 @@ def _preload() -> None:
 
     import fsdp2nb.worker.rank
     import fsdp2nb.worker.shell  # noqa: F401
+
+
+def oom_killer_sent(kills_before: int | None, kills_after: int | None, in_kernel_log: bool | None) -> bool | None:
+    """Whether the kernel's OOM killer sent a SIGKILL: its memory cgroup counted a kill since the
+    last look, or the kernel log names the process; None where neither can be read."""
+    rose = None if kills_before is None or kills_after is None else kills_after > kills_before
+    if rose or in_kernel_log:
+        return True
+    return None if rose is None and in_kernel_log is None else False
 
 
 def _die_with_parent() -> None:
@@ -132,6 +142,9 @@ class Agent:
         self.stop_requested = False
         self.keeper: AgentKeeper | None = None
         """A kept pool's holder, wake pipes and keep-for clock (worker/kept.py)."""
+        self.oom_kills = oom_kill_count()
+        """The memory cgroup's OOM-kill count when last read (None: unreadable), to tell whether
+        the kernel's OOM killer sent a rank's SIGKILL."""
 
     def run(self) -> int:
         """Returns the agent's exit code: 143 (as for SIGTERM) when asked to stop, so the kernel
@@ -236,8 +249,13 @@ class Agent:
             signal_name = signal.Signals(os.WTERMSIG(status)).name
         else:
             exit_code = os.waitstatus_to_exitcode(status)
+        oom_killer = None
+        if signal_name == "SIGKILL":
+            before, self.oom_kills = self.oom_kills, oom_kill_count()
+            oom_killer = oom_killer_sent(before, self.oom_kills, kernel_log_names_oom_kill(pid))
         return RankExited(rank=rank, pid=pid, exit_code=exit_code, signal_name=signal_name,
-                          stderr_tail=tuple(read_tail(rank_log_path(self.plan.log_dir, rank), 8192)[-_STDERR_TAIL_LINES:]))
+                          stderr_tail=tuple(read_tail(rank_log_path(self.plan.log_dir, rank), 8192)[-_STDERR_TAIL_LINES:]),
+                          oom_killer=oom_killer)
 
     def _stop(self) -> None:
         """SIGTERM every rank, then SIGKILL those still there after a grace period."""

@@ -194,7 +194,7 @@ class TrackedSizes:
         num_states = len(tracked.optimizer.state) if tracked.optimizer is not None else 0
         if num_states != self._num_states:  # the first step creates the state
             self._num_states = num_states
-            self._optimizer_bytes = _optimizer_bytes(tracked.optimizer)
+            self._optimizer_bytes = optimizer_bytes(tracked.optimizer)
         has_grads = self._probe is not None and self._probe.grad is not None
         self._sizes = dict(param_bytes=self._param_bytes, grad_bytes=self._trainable_bytes if has_grads else 0,
                            optimizer_bytes=self._optimizer_bytes)
@@ -210,8 +210,8 @@ class TrackedSizes:
             return
         self._model, self._parameters_key = model, key
         trainable = [p for p in params if p.requires_grad]
-        self._param_bytes = _local_bytes(params)
-        self._trainable_bytes = _local_bytes(trainable)
+        self._param_bytes = held_bytes(params)
+        self._trainable_bytes = held_bytes(trainable)
         self._probe = trainable[0] if trainable else None
 
 
@@ -221,12 +221,21 @@ def _same_parameters(now: list, before: list) -> bool:
         p is q and trains == trained for (p, trains), (q, trained) in zip(now, before, strict=True))
 
 
-def _optimizer_bytes(optimizer) -> int:  # a torch optimizer or None
+def optimizer_bytes(optimizer) -> int:  # a torch optimizer or None
     states = list(optimizer.state.values()) if optimizer is not None else []
-    return _local_bytes([v for state in states for v in state.values() if hasattr(v, "element_size")])
+    return held_bytes([v for state in states for v in state.values()])
 
 
-def _local_bytes(tensors: list) -> int:
-    """Bytes this rank holds: a DTensor counts its local shard, not the whole tensor."""
-    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
-    return sum(t.numel() * t.element_size() for t in local)
+def held_bytes(tensors: list) -> int:
+    """Bytes of the storages behind `tensors`, each counted once: what this rank holds for them.
+
+    A DTensor counts its local shard's storage, which FSDP2 pads to the first rank's chunk;
+    FSDP2's gradients are views into one buffer per unit, counted once."""
+    storages = {}
+    for tensor in tensors:
+        if tensor is None or not hasattr(tensor, "untyped_storage"):
+            continue
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()  # one wrapper per call: views meet by address
+    return sum(storages.values())

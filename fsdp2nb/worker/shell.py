@@ -22,6 +22,7 @@ from traitlets.config import Config
 from fsdp2nb.wire.protocol import ErrorInfo, ErrorKind, RichKind
 from fsdp2nb.wire.sigint import SigintGate
 from fsdp2nb.worker.error_kinds import error_kind
+from fsdp2nb.worker.memory_failure import shortage_of
 from fsdp2nb.worker.stdin import InputUnavailable, InterruptedAtPrompt
 
 RichSink = Callable[[RichKind, dict, dict], None]
@@ -128,7 +129,8 @@ class RankShell(InteractiveShell):
         if mistake is not None:  # said in one line: the traceback would only bury it
             self.last_error = ErrorInfo(ename=ename, evalue=mistake, traceback=(), kind=kind)
             return
-        self.last_error = ErrorInfo(ename=ename, evalue=str(evalue), traceback=tuple(stb), kind=kind)
+        self.last_error = ErrorInfo(ename=ename, evalue=str(evalue), traceback=tuple(stb), kind=kind,
+                                    memory=shortage_of(evalue) if isinstance(evalue, BaseException) else None)
 
 
 def _kind_of(error: object) -> ErrorKind:

@@ -149,8 +149,8 @@ def _check_memory_bars(dash) -> None:
     """Each rank's bar has a used part wider than nothing, and a history of at least two readings."""
     for rank in (0, 1):
         row = dash.locator(f".fsdp2nb-rank[data-rank='{rank}']")
-        used = row.locator("svg.fsdp2nb-bar rect").nth(2).get_attribute("width")
-        assert int(used) > 0, (rank, used)
+        used = [int(rect.get_attribute("width")) for rect in row.locator("svg.fsdp2nb-bar rect.fsdp2nb-used").all()]
+        assert sum(used) > 0, (rank, used)
         history = row.locator("svg.fsdp2nb-spark polyline").get_attribute("points")
         assert len(history.split()) >= 2, (rank, history)
 

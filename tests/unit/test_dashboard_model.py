@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fsdp2nb.widgets import markup
@@ -76,9 +78,30 @@ def test_cpu_rank_shows_rss_and_tracked_bytes_against_host_memory():
                                rss_peak_bytes=3 * GiB, param_bytes=2**20, grad_bytes=2**20, optimizer_bytes=2**21))
     (row,) = model.rows()
     assert row.memory.kind == "cpu" and row.memory.total == 16 * GiB and row.memory.peak == 3 * GiB
-    assert markup.tracked_text(row.memory) == "params 1 MiB · grads 1 MiB · optimizer 2 MiB"
+    assert markup.tracked_text(row.memory) == "params 1 MiB · grads 1 MiB · optimizer 2 MiB · other 2 GiB"
     # Read when a cell ends, not live: the row says so on hover.
-    assert 'title="as the last cell on this rank left them">params 1 MiB' in markup.rank_row_html(row)
+    assert ('title="as the last cell on this rank left them"><span style="white-space:nowrap">'
+            '<span style="color:#2563eb">■</span> params 1 MiB') \
+        in markup.rank_row_html(row)
+
+
+def test_the_bar_splits_used_memory_into_the_tracked_models_parts_and_the_rest():
+    model = _model(world_size=2)
+    model.observe(_gpu(0, allocated=40))
+    model.observe(RankSnapshot(rank=1, time=1.0, busy=False, rss_bytes=GiB, cpu_percent=0.0, device_allocated_bytes=40 * GiB,
+                               device_reserved_bytes=48 * GiB, device_total_bytes=80 * GiB,
+                               param_bytes=10 * GiB, grad_bytes=10 * GiB, optimizer_bytes=16 * GiB))
+    plain, split = model.rows()
+    assert split.memory.parts == (("params", 10 * GiB), ("grads", 10 * GiB), ("optimizer", 16 * GiB), ("other", 4 * GiB))
+    bar = markup.memory_bar(split.memory, width=160)
+    widths = {part: [int(w) for w in re.findall(rf'class="fsdp2nb-used" data-part="{part}" x="\d+" y="0" width="(\d+)"', bar)]
+              for part in ("params", "grads", "optimizer", "other")}
+    assert widths == {"params": [20], "grads": [20], "optimizer": [32], "other": [8]}  # of 80 GiB in 160 px
+    strip = [int(w) for w in re.findall(r'class="fsdp2nb-part" data-part="\w+" x="\d+" y="14" width="(\d+)"', bar)]
+    assert strip == [40, 40, 64, 16]  # shares of the 40 GiB used, the strip as wide as the bar
+    assert "<title>the tracked model's parameters: 10 GiB</title>" in bar
+    assert "fsdp2nb-part" not in markup.memory_bar(plain.memory)  # nothing tracked: one used bar
+    assert "other 4 GiB" in markup.text_tables(model.rows(), None, "pool")
 
 
 def test_dead_and_busy_ranks_are_told_apart():

@@ -99,6 +99,11 @@ class _WatchedParameter:
     def numel(self) -> int:
         return 4
 
+    def untyped_storage(self):  # mirrors torch's: the 16 bytes behind the parameter
+        from types import SimpleNamespace
+
+        return SimpleNamespace(data_ptr=lambda: id(self), nbytes=lambda: 16)
+
     def element_size(self) -> int:
         return 4
 
