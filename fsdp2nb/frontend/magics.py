@@ -2,31 +2,33 @@
 
 from __future__ import annotations
 
-import argparse
-import functools
 import pickle
-import shlex
 import sys
 from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
-from IPython.core.magic_arguments import MagicArgumentParser
 
 from fsdp2nb.errors import InvalidValue, NoPoolRunning, PoolStartError, RankError, UsageMistake
 from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.magic_help import HELP
+from fsdp2nb.frontend.magic_options import (
+    COMMANDS,
+    cell_options,
+    keep_options,
+    line_parsers,
+    plan_ranks,
+    spec_or_none,
+    split_magic_line,
+)
 from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.kept import (
-    DEFAULT_KEEP_FOR_S,
     KeepOptions,
-    default_pool_name,
     describe_deaths,
     describe_ranks,
-    parse_keep_for,
 )
-from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, parse_rank_list, spec_from_options
+from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list
 from fsdp2nb.wire.protocol import (
     LoadCheckpoint,
     RankCommand,
@@ -39,147 +41,10 @@ from fsdp2nb.wire.rank_logs import rank_log_path
 if TYPE_CHECKING:
     from fsdp2nb.frontend.dashboard_link import DashboardLink
 
-_COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
-             "wait", "interrupt", "debug", "pools", "attach", "detach", "plan", "memory")
 _WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load", "debug"))
 """Commands that need the ranks, so wait for a background run as a later cell does."""
 _REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError"))
 """Errors of `%fsdp2 save`/`load` that changed nothing and say what to do: shown without tracebacks."""
-
-
-def _add_pool_options(parser: argparse.ArgumentParser) -> None:
-    """The options that choose a pool, shared by `%%fsdp2`, `start` and `restart`."""
-    group = parser.add_argument_group("pool")
-    group.add_argument("--gpus", metavar="N|I,J,..", help="N GPUs (the first N visible) or a list of GPU indices")
-    group.add_argument("--cpu", type=int, metavar="N", help="N CPU ranks joined by gloo")
-    group.add_argument("--timeout", type=float, metavar="SECONDS", help="collective timeout (default 600 s)")
-    group.add_argument("--no-dashboard", action="store_true", help="do not show the dashboard when the pool starts")
-    hosts = parser.add_argument_group("ranks on several hosts")
-    hosts.add_argument("--ray", nargs="?", const="auto", metavar="auto|HOST:PORT",
-                       help="hosts from a Ray cluster (default: the one this machine belongs to)")
-    hosts.add_argument("--slurm", action="store_true", help="hosts of the Slurm allocation this kernel runs in")
-    hosts.add_argument("--nodes", type=int, metavar="N", help="how many hosts (with --slurm: the allocation's)")
-    hosts.add_argument("--gpus-per-node", type=int, metavar="N", help="N GPU ranks on each host")
-    hosts.add_argument("--cpu-per-node", type=int, metavar="N", help="N CPU ranks on each host")
-    hosts.add_argument("--listen", metavar="ADDRESS",
-                       help="this host's address on the cluster network (default: found from the route)")
-
-
-def _add_keep_options(parser: argparse.ArgumentParser, *, with_name: bool) -> None:
-    """The options that keep a pool beyond its kernel, shared by `%%fsdp2` and `start`."""
-    group = parser.add_argument_group("kept pools")
-    group.add_argument("--keep", action="store_true",
-                       help="the ranks outlive this kernel; `%%fsdp2 attach NAME` in another kernel uses them")
-    if with_name:  # on a %%fsdp2 line, --name is shared with --bg (see _keep_options)
-        group.add_argument("--name", metavar="NAME", help="with --keep: the pool's name (default pool-N)")
-    group.add_argument("--keep-for", metavar="DURATION",
-                       help="with --keep: unheld and idle this long (90s, 30m, 2h, none), the pool ends (default 1h)")
-
-
-def _keep_options(options, *, cell: bool = False) -> KeepOptions | None:
-    """`--keep [--name NAME] [--keep-for DURATION]` as options; None without --keep."""
-    if not options.keep:
-        if options.keep_for is not None:
-            raise InvalidValue("--keep-for applies to a kept pool: add --keep")
-        return None
-    if cell and options.bg and options.name is not None:
-        raise InvalidValue("--name is ambiguous with both --bg and --keep; start the kept pool first "
-                           "(`%fsdp2 start --keep --name NAME`), then run the cell with --bg --name")
-    keep_for = parse_keep_for(options.keep_for) if options.keep_for is not None else DEFAULT_KEEP_FOR_S
-    return KeepOptions(name=options.name or default_pool_name(), keep_for_s=keep_for)
-
-
-def _parser(prog: str, description: str) -> MagicArgumentParser:
-    return MagicArgumentParser(prog=prog, description=description, add_help=False)
-
-
-@functools.lru_cache(maxsize=64)  # a line that fails raises, so it is not kept
-def _cell_options(line: str) -> argparse.Namespace:
-    """The options of a `%%fsdp2` line; a notebook repeats a few lines, so each is parsed once
-    (argparse is a good part of an empty cell's cost). Callers only read the result."""
-    return _cell_parser().parse_args(split_magic_line(line))
-
-
-def split_magic_line(line: str) -> list[str]:
-    """The words of a magic's line; a trailing `# comment` is not an argument, as in Python."""
-    return shlex.split(line, comments=True)
-
-
-@functools.cache
-def _cell_parser() -> MagicArgumentParser:
-    parser = _parser("%%fsdp2", "Run the cell on every rank of the pool.")
-    _add_pool_options(parser)
-    parser.add_argument("--ranks", metavar="R,..", help="run on these ranks only, e.g. 0 or 0,2 or 1-3")
-    parser.add_argument("--bg", action="store_true", help="run in the background: return a handle at once")
-    parser.add_argument("--name", metavar="NAME",
-                        help="with --bg: bind the run's handle to NAME; with --keep: the pool's name")
-    _add_keep_options(parser, with_name=False)
-    return parser
-
-
-def _line_parsers() -> dict[str, MagicArgumentParser]:
-    parsers = {name: _parser(f"%fsdp2 {name}", "") for name in _COMMANDS}
-    _add_pool_options(parsers["start"])
-    _add_keep_options(parsers["start"], with_name=True)
-    parsers["attach"].add_argument("name", nargs="?", default=None, metavar="NAME",
-                                   help="the kept pool (default: the only one)")
-    parsers["attach"].add_argument("--take", action="store_true", help="take it from the kernel that holds it")
-    parsers["attach"].add_argument("--no-dashboard", action="store_true", help="do not show the dashboard")
-    _add_pool_options(parsers["restart"])
-    parsers["push"].add_argument("names", nargs="+", metavar="NAME")
-    parsers["pull"].add_argument("names", nargs="+", metavar="NAME", help="names on the ranks to pull")
-    parsers["pull"].add_argument("--value", action="store_true",
-                                 help="return the value (several names: a tuple) instead of defining the names")
-    target = parsers["pull"].add_mutually_exclusive_group()
-    target.add_argument("--rank", type=int, default=None, help="the rank to pull from (default 0)")
-    target.add_argument("--all", action="store_true", help="pull from every rank: a dict rank -> value")
-    parsers["save"].add_argument("step", nargs="?", type=_non_negative_int, default=None,
-                                 help="step to save as (default: the last step the checkpointer saw)")
-    parsers["load"].add_argument("target", nargs="?", default="latest", help="'latest' (default) or a step")
-    parsers["debug"].add_argument("--rank", type=int, default=None,
-                                  help="the rank whose last error to open (default: the rank that failed first)")
-    _add_plan_options(parsers["plan"])
-    parsers["memory"].add_argument("action", choices=("record",), help="record: CUDA allocations for the memory viewer")
-    parsers["memory"].add_argument("--steps", type=int, default=None, metavar="N", help="how many steps to record")
-    for command in ("wait", "interrupt"):
-        parsers[command].add_argument("name", nargs="?", default=None, metavar="NAME",
-                                      help="the background run's --name (default: the latest run)")
-    return parsers
-
-
-def _add_plan_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="PATH_OR_ID", help="a model directory, its config.json, or a cached Hub id")
-    ranks = parser.add_mutually_exclusive_group()
-    ranks.add_argument("--gpus", metavar="N|I,J,..", help="N GPU ranks (default: the pool's, else every visible GPU)")
-    ranks.add_argument("--cpu", type=int, metavar="N", help="N CPU ranks")
-    parser.add_argument("--lora", type=int, metavar="R", help="LoRA adapters of rank R on every Linear but the head")
-    parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences per rank per step (default 1)")
-    parser.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence (default 2048)")
-    parser.add_argument("--fp32", action="store_true", help="fp32 compute (default: bf16 mixed precision)")
-    parser.add_argument("--offload", action="store_true", help="sharded state in host memory (GPU ranks)")
-    parser.add_argument("--ac", action="store_true", help="activation checkpointing")
-    parser.add_argument("--optimizer", default="adamw", metavar="NAME", help="adamw (default), adam, sgd_momentum, sgd")
-    parser.add_argument("--memory", metavar="SIZE", help="memory per rank, e.g. 80GiB (default: the GPU's, or the host's)")
-
-
-def _plan_ranks(options, pool: PoolHandle | None) -> tuple[int, str]:
-    """(world size, "cuda" or "cpu") for `%fsdp2 plan`: as given, else the running pool's, else the
-    default pool's. `--gpus` counts GPUs without needing them here: a plan is for any machine."""
-    if options.cpu is not None:
-        return options.cpu, "cpu"
-    if options.gpus is not None:
-        parts = [part.strip() for part in options.gpus.split(",") if part.strip()]
-        if not parts or not all(part.isdigit() for part in parts):
-            raise UsageError(f"--gpus {options.gpus!r} is neither a count (8) nor a list of indices (0,2,3)")
-        return (int(parts[0]) if "," not in options.gpus else len(parts)), "cuda"
-    spec = pool.spec if pool is not None else default_spec()
-    return spec.world_size, "cuda" if spec.devices[0].startswith("cuda") else "cpu"
-
-
-def _non_negative_int(text: str) -> int:
-    if not (text.isascii() and text.isdigit()):
-        raise argparse.ArgumentTypeError(f"STEP must be a whole number >= 0, got {text!r}")
-    return int(text)
 
 
 @magics_class
@@ -189,7 +54,7 @@ class FSDP2Magics(Magics):
     def __init__(self, shell, session: NotebookSession) -> None:
         super().__init__(shell)
         self.session = session
-        self._line_parsers = _line_parsers()
+        self._line_parsers = line_parsers()
 
     @no_var_expand  # done by _expand_variables, only for a line that asks for it
     @line_cell_magic
@@ -222,11 +87,11 @@ class FSDP2Magics(Magics):
     # --- %%fsdp2 --------------------------------------------------------------------------------
 
     def _run_cell(self, line: str, cell: str):
-        options = _cell_options(line)
-        keep = _keep_options(options, cell=True)
+        options = cell_options(line)
+        keep = keep_options(options, cell=True)
         if options.bg or (options.name is not None and keep is None):
             return self._run_in_background(options, cell, keep)
-        spec = _spec_or_none(options)
+        spec = spec_or_none(options)
         spec = self._with_running_devices(spec, options)
         world_size = self.session.pool.world_size if self.session.pool and spec is None else None
         world_size = world_size or (spec or default_spec()).world_size
@@ -247,7 +112,7 @@ class FSDP2Magics(Magics):
         if not options.bg:
             raise InvalidValue("--name names a background run; use it with --bg")
         check_run_name(options.name)
-        pool = self.session.pool_for(self._with_running_devices(_spec_or_none(options), options), default_spec, keep)
+        pool = self.session.pool_for(self._with_running_devices(spec_or_none(options), options), default_spec, keep)
         ranks = parse_rank_list(options.ranks, pool.world_size) if options.ranks else tuple(range(pool.world_size))
         run = self.session.run_in_background(pool, cell if cell.strip() else "", ranks, options.name)
         if options.name:
@@ -272,9 +137,9 @@ class FSDP2Magics(Magics):
 
     def _run_command(self, line: str):
         words = split_magic_line(line)
-        if not words or words[0] not in _COMMANDS:
+        if not words or words[0] not in COMMANDS:
             given = f"'{words[0]}'" if words else "nothing"
-            raise UsageMistake(f"%fsdp2 takes one of {', '.join(_COMMANDS)}, got {given}; see %fsdp2?")
+            raise UsageMistake(f"%fsdp2 takes one of {', '.join(COMMANDS)}, got {given}; see %fsdp2?")
         command, options = words[0], self._line_parsers[words[0]].parse_args(words[1:])
         return getattr(self, f"_command_{command}")(options)
 
@@ -286,8 +151,8 @@ class FSDP2Magics(Magics):
         return PoolSpec(devices=base.devices, collective_timeout_s=spec.collective_timeout_s, placement=base.placement)
 
     def _command_start(self, options) -> None:
-        keep = _keep_options(options)
-        pool = self.session.start(self._with_running_devices(_spec_or_none(options), options) or default_spec(), keep)
+        keep = keep_options(options)
+        pool = self.session.start(self._with_running_devices(spec_or_none(options), options) or default_spec(), keep)
         print(f"started {pool.world_size} ranks ({pool.spec.describe()})"
               + (f", kept as {keep.name!r}: `%fsdp2 attach {keep.name}` in another kernel uses it" if keep else ""))
         if not options.no_dashboard:
@@ -339,7 +204,7 @@ class FSDP2Magics(Magics):
         print(f"detached: kept pool {name!r} runs on; `%fsdp2 attach {name}` in any kernel of yours uses it")
 
     def _command_restart(self, options) -> None:
-        pool = self.session.restart(self._with_running_devices(_spec_or_none(options), options))
+        pool = self.session.restart(self._with_running_devices(spec_or_none(options), options))
         print(f"restarted: {pool.world_size} fresh ranks ({pool.spec.describe()}); rank state was cleared")
 
     def _command_stop(self, options) -> None:
@@ -426,7 +291,7 @@ class FSDP2Magics(Magics):
         """A memory plan (`fsdp2nb.plan_memory`), computed in the kernel: it needs no pool."""
         from fsdp2nb.sizes import parse_size
 
-        world_size, device = _plan_ranks(options, self.session.pool)
+        world_size, device = plan_ranks(options, self.session.pool)
         capacity = parse_size(options.memory) if options.memory is not None else None
         from fsdp2nb.engine.config import EngineConfig
         from fsdp2nb.engine.memory_plan import plan_memory
@@ -468,14 +333,6 @@ class FSDP2Magics(Magics):
         if pool is None or pool.state != "ready":
             raise NoPoolRunning("no pool is running; start one with `%fsdp2 start --cpu N` or a %%fsdp2 cell")
         return pool
-
-
-def _spec_or_none(options) -> PoolSpec | None:
-    hosts = HostOptions(ray=options.ray, slurm=options.slurm, num_nodes=options.nodes,
-                        gpus_per_node=options.gpus_per_node, cpu_per_node=options.cpu_per_node, listen=options.listen)
-    if options.gpus is None and options.cpu is None and options.timeout is None and not hosts.given:
-        return None
-    return spec_from_options(gpus=options.gpus, cpu=options.cpu, collective_timeout_s=options.timeout, hosts=hosts)
 
 
 def _pickle_for_ranks(values: dict) -> bytes:
