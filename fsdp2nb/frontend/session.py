@@ -45,7 +45,8 @@ from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_
 from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook, refuse_in_background
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
-from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
+from fsdp2nb.frontend.rank_prompts import AskInput
+from fsdp2nb.frontend.request_wait import CellProgress, RequestWait, StopPresses
 from fsdp2nb.pool.handle import PoolHandle, SnapshotListener
 from fsdp2nb.pool.kept import KeepOptions, list_pools
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit

@@ -152,7 +152,7 @@ def test_a_run_taken_over_on_attach_counts_from_its_real_start_and_is_named_for_
 
 def test_a_prompt_relay_asks_only_while_a_cell_waits_and_hands_the_answer_over():
     from fsdp2nb.frontend.notebook_input import PromptRelay
-    from fsdp2nb.frontend.request_wait import PromptDeferred
+    from fsdp2nb.frontend.rank_prompts import PromptDeferred
 
     asked = []
     relay = PromptRelay(ask=lambda prompt, password: asked.append(prompt) or "Ada")
