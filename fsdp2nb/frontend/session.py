@@ -38,8 +38,10 @@ from fsdp2nb.errors import (
 from fsdp2nb.frontend.background import (
     BackgroundRun,
     BackgroundRuns,
+    requests_at_attach,
     resume_background_run,
     start_background_run,
+    taken_over_run,
 )
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.errors import alarm
@@ -231,11 +233,11 @@ class NotebookSession:
         """What the ranks ran when this kernel attached (a `--bg` run or a cell of a kernel that
         was lost), as one handle that waits here for all of it; its prompts are asked in the
         cell that waits for it (PromptRelay)."""
-        cell_ids = _requests_at_attach(pool)
+        cell_ids = requests_at_attach(pool)
         if not cell_ids:
             return None
         relay = PromptRelay()
-        run, busy_since = _taken_over_run(pool, cell_ids, relay)
+        run, busy_since = taken_over_run(pool, cell_ids, relay)
         wait = RequestWait(pool, min(cell_ids.values()), run.ranks, cell_ids=cell_ids,
                            recover=self._restart_after_failure, ask_input=relay.ask,
                            before_prompt=relay.can_answer, stop_presses=run.stops,
@@ -417,47 +419,6 @@ def check_keepable(spec: PoolSpec) -> None:
     if spec.placement is not None and spec.placement.engine == "slurm":
         raise KeepRefused("--keep is refused with --slurm: the ranks run in a job step, which ends "
                           "with the allocation's job whatever the kernel does")
-
-
-def _requests_at_attach(pool: PoolHandle) -> dict[int, int]:
-    """Rank -> the request this kernel waits for: every rank the board showed running (ranks
-    mark a request ended before replying, so each replies to this kernel), whatever request it
-    runs, and every rank that holds the reply to one that ended while no kernel held the pool."""
-    cell_ids = {rank: slot.running_cell_id for rank, slot in enumerate(pool.work_at_attach)
-                if slot.running_cell_id is not None and rank not in pool.exited}
-    cell_ids.update({rank: ready.held_reply for rank, ready in pool.ranks.items()
-                     if ready.held_reply is not None and rank not in cell_ids})
-    return cell_ids
-
-
-def _taken_over_run(pool: PoolHandle, cell_ids: dict[int, int], relay: PromptRelay,
-                    ) -> tuple[BackgroundRun, dict[int, float]]:
-    """The handle, named as the kernel that started the run noted it (else from the board), and
-    when each rank still running started."""
-    first = min(cell_ids.values())
-    noted = pool.noted_background_run(first)
-    running = {rank: slot for rank, slot in enumerate(pool.work_at_attach)
-               if rank in cell_ids and slot.running_cell_id is not None}
-    busy_since = {rank: slot.since for rank, slot in running.items()}
-    count = next((slot.execution_count for slot in running.values() if slot.running_cell_id == first), None)
-    # A rank that holds its reply ended the run while no kernel held the pool, when its slot last changed.
-    ended = [slot.since for rank, slot in enumerate(pool.work_at_attach) if rank in cell_ids and rank not in running]
-    run = BackgroundRun(
-        ranks=tuple(sorted(cell_ids)), prompts=relay,
-        started_at=noted.started if noted else min(busy_since.values(), default=time.time()),
-        execution_count=noted.execution_count if noted else count, name=noted.name if noted else None,
-        origin=f"of kernel {noted.kernel_pid}" if noted else "of another kernel",
-        ended_at=max(ended) if ended and not running else None,
-        output_at=_taken_over_output(pool.log_dir))
-    return run, busy_since
-
-
-def _taken_over_output(log_dir: str) -> str:
-    """Where a run taken over by the running (attach) cell shows its output: under that cell from
-    now on, and in the ranks' logs all along (what it printed while no kernel held the pool too)."""
-    count = notebook_execution_count()
-    cell = f"In[{count}], the attach cell," if count is not None else "the attach cell"
-    return f"its output is under {cell} and in the rank logs in {log_dir}"
 
 
 def _only_pool_name() -> str:
