@@ -8,19 +8,15 @@ between cells is held, bounded, for the next cell.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
 import queue
 import secrets
 import shutil
-import socket
 import tempfile
 import threading
 import time
-
-import psutil
 
 from fsdp2nb.errors import LaunchError, PoolStartError
 from fsdp2nb.pool import kept, ray_kept, reaper
@@ -32,10 +28,13 @@ from fsdp2nb.pool.launcher import (
     AgentExit,
     LaunchedRanks,
     Launcher,
-    LocalLauncher,
+    describe_agent_exit,
     describe_exit,
+    launch_plan,
+    launcher_for,
 )
 from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
+from fsdp2nb.pool.rank_processes import end_leftover_ranks, rank_process_state
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
@@ -46,9 +45,7 @@ from fsdp2nb.wire.protocol import (
     EventMessage,
     Interrupt,
     JoinRendezvous,
-    LaunchPlan,
     RankExited,
-    RankPlan,
     RankReady,
     RankSnapshot,
     ReleaseCollectives,
@@ -184,7 +181,11 @@ class WorkerPool:
             signer, channels = self._listen(key, address, certificate)
             if self._kept is not None:
                 self._kept.hold_new(key, signer, channels.address, self.world_size)
-            plan = self._plan(channels.address, certificate.fingerprint if certificate else "")
+            plan = launch_plan(self.spec, pool_id=self.pool_id, address=channels.address,
+                               runtime_dir=self._runtime_dir, log_dir=self.log_dir,
+                               tls_fingerprint=certificate.fingerprint if certificate else "",
+                               kept_dir=str(self._kept.directory) if self._kept else "",
+                               keep_for_s=self.keep.keep_for_s if self.keep else None)
             self._launched = self._launcher.launch(plan, key)
             self._register()
             self._wait_until_ready(timeout_s)
@@ -216,18 +217,6 @@ class WorkerPool:
         self.log_dir = str(reaper.state_dir() / "logs" / self.pool_id)
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
 
-    def _plan(self, address: str, tls_fingerprint: str) -> LaunchPlan:
-        per_node = self.spec.devices
-        ranks = tuple(RankPlan(rank=node * len(per_node) + local, local_rank=local, device=device, node=node)
-                      for node in range(self.spec.num_nodes) for local, device in enumerate(per_node))
-        return LaunchPlan(
-            pool_id=self.pool_id, world_size=self.world_size, backend=self.spec.backend, ranks=ranks,
-            address=address, runtime_dir=self._runtime_dir, log_dir=self.log_dir,
-            collective_timeout_s=self.spec.collective_timeout_s, kernel_pid=os.getpid(),
-            master_port=_unused_loopback_port(), num_nodes=self.spec.num_nodes, tls_fingerprint=tls_fingerprint,
-            kept_dir=str(self._kept.directory) if self._kept else "", keep_for_s=self.keep.keep_for_s if self.keep else None,
-        )
-
     def _wait_until_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._all_ready.wait(0.05):
@@ -252,7 +241,7 @@ class WorkerPool:
             return f"rank {exit_report.rank} exited while starting ({describe_exit(exit_report)}):\n{tail}"
         if self.spec.placement is not None:
             ended = self._launched.agent_exit() if self._launched is not None else None
-            which = self._describe_agent_exit(ended) if ended is not None else "the host agent ended"
+            which = self._agent_exit_text(ended) if ended is not None else "the host agent ended"
             return f"{which} while starting the ranks; see the agent logs in {self.log_dir}"
         return f"the host agent exited while starting the ranks; see {self.log_dir}/agent.log"
 
@@ -365,27 +354,13 @@ class WorkerPool:
             self._ask_ranks_to_exit(grace_s)
         if self._launched is not None:
             self._launched.terminate(grace_s=3.0)
-        self._wait_for_rank_processes()
+        end_leftover_ranks(self.ranks.values())
         self.release()
         shutil.rmtree(self._runtime_dir, ignore_errors=True)
         if self._kept is not None:
             self._kept.remove()
         reaper.forget_pool(self.pool_id)
         self.state = "stopped"
-
-    def _wait_for_rank_processes(self, grace_s: float = 3.0) -> None:
-        """Make sure no rank outlives its pool: each leads a session of its own, so ending the
-        agent reaches them only through PR_SET_PDEATHSIG, which is not immediate. Left running
-        they would hold memory and be found later as orphans."""
-        local = [info for info in self.ranks.values() if not info.address]
-        processes = [p for p in map(_same_process, local) if p is not None]
-        deadline = time.monotonic() + grace_s
-        while (processes := [p for p in processes if _still_running(p)]) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for process in processes:
-            with contextlib.suppress(psutil.Error):
-                process.kill()
-                logger.warning("fsdp2nb: rank pid %d outlived its agent and was killed", process.pid)
 
     def check_agent(self) -> bool:
         """Whether the host agent runs; if it ended unasked, the pool is broken: its ranks die with it."""
@@ -398,23 +373,11 @@ class WorkerPool:
             return True
         self.agent_died = True
         self.state = "broken"
-        self.broken_reason = f"{self._describe_agent_exit(ended)}; its ranks ended with it"
+        self.broken_reason = f"{self._agent_exit_text(ended)}; its ranks ended with it"
         return False
 
-    def _describe_agent_exit(self, ended: AgentExit) -> str:
-        """Which agent ended, where and how: one wording for every launcher."""
-        if ended.every_host:
-            return f"every host's agent {ended.how}"
-        if ended.pid is not None:
-            return f"the host agent (pid {ended.pid}) {ended.how}"
-        node, host = ended.node, ended.host
-        if node is None and self._lost_agents:  # the launcher cannot tell; the connection that ended can
-            node, host = next(iter(self._lost_agents.items()))
-        if node is None:
-            return f"the host agent {ended.how}"
-        per_node = len(self.spec.devices)
-        ranks = ", ".join(str(rank) for rank in range(node * per_node, (node + 1) * per_node))
-        return f"the host agent on host {host} (node {node}, ranks {ranks}) {ended.how}"
+    def _agent_exit_text(self, ended: AgentExit) -> str:
+        return describe_agent_exit(ended, self._lost_agents, len(self.spec.devices))
 
     def _agent_lost(self, node: int, host: str) -> None:
         """Called on the reading thread when an agent's connection ended."""
@@ -422,16 +385,8 @@ class WorkerPool:
             self._lost_agents.setdefault(node, host)
 
     def rank_process_state(self, rank: int) -> str:
-        """A rank process's state as the OS reports it ("stopped", "running", ...), or "" once it
-        has ended; "remote" for a rank on another host, which this host cannot see."""
-        info = self.ranks.get(rank)
-        if info is not None and info.address:
-            return "remote"
-        process = _same_process(info) if info is not None else None
-        try:
-            return process.status() if process is not None else ""
-        except psutil.Error:
-            return ""
+        """A rank process's state as the OS reports it (see pool/rank_processes.py)."""
+        return rank_process_state(self.ranks.get(rank))
 
     def _ask_ranks_to_exit(self, grace_s: float) -> None:
         for rank in self.ranks:
@@ -525,22 +480,6 @@ class WorkerPool:
         self._events.put(event)
 
 
-def _same_process(info: RankReady) -> psutil.Process | None:
-    """The rank's process, unless its pid now belongs to another process (or to none)."""
-    try:
-        process = psutil.Process(info.pid)
-        return process if abs(process.create_time() - info.create_time) < 0.01 else None
-    except psutil.Error:
-        return None
-
-
-def _still_running(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE  # a zombie is dead, waiting for its reaper
-    except psutil.Error:
-        return False
-
-
 def _pool_certificate(address: str, runtime_dir: str) -> PoolCertificate | None:
     """A fresh certificate for a pool whose ranks connect over TCP; None for a Unix socket."""
     if not is_tcp(address):
@@ -548,23 +487,3 @@ def _pool_certificate(address: str, runtime_dir: str) -> PoolCertificate | None:
     from fsdp2nb.wire.tls import make_pool_certificate
 
     return make_pool_certificate(runtime_dir)
-
-
-def _unused_loopback_port() -> int:
-    """A loopback port for MASTER_PORT, for code that builds its own store; the pool itself uses none."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def launcher_for(spec: PoolSpec) -> Launcher:
-    """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
-    if spec.placement is None:
-        return LocalLauncher()
-    if spec.placement.engine == "ray":
-        from fsdp2nb.pool.ray_launcher import RayLauncher
-
-        return RayLauncher(spec)
-    from fsdp2nb.pool.slurm_launcher import SlurmLauncher
-
-    return SlurmLauncher(spec)
