@@ -43,8 +43,6 @@ class PoolHandle(Protocol):
     snapshots: dict[int, RankSnapshot]
     """Each rank's latest snapshot."""
     exited: dict[int, RankExited]
-    busy_since: dict[int, float]
-    """Rank -> when it started what it runs now (time.time())."""
     held_output: HeldOutput
     """What ranks' own threads printed between cells, for the next cell."""
     snapshot_listeners: list[SnapshotListener]
@@ -56,6 +54,10 @@ class PoolHandle(Protocol):
 
     @property
     def busy_ranks(self) -> frozenset[int]: ...
+
+    @property
+    def busy_since(self) -> dict[int, float]:
+        """Rank -> when it started what it runs now (time.time())."""
 
     @property
     def start_notes(self) -> list[str]: ...

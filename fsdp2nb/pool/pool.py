@@ -1,9 +1,8 @@
-"""The kernel's handle on a pool of ranks: start, send requests, receive events, stop.
+"""The kernel's handle on a pool of ranks: start (or attach a kept one), send requests, stop.
 
-Events never wait unread: a receiver thread drains them, so snapshots keep flowing and a
-rank's output never backs up while the notebook is idle. Cell events go to a queue that the
-running cell consumes; snapshots update `snapshots` in place; what ranks' own threads print
-between cells is held, bounded, for the next cell.
+A receiving thread drains the ranks' events as they arrive and sorts them (pool/rank_events.py);
+a kept pool's directory is its `KeptHold` (pool/kept_pool.py); the ranks as processes of this
+host are pool/rank_processes.py's. The notebook side uses what pool/handle.py declares.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import secrets
 import shutil
 import tempfile
@@ -20,8 +18,8 @@ import time
 
 from fsdp2nb.errors import LaunchError, PoolStartError
 from fsdp2nb.pool import kept, ray_kept, reaper
+from fsdp2nb.pool.busy_ranks import BusyRanks
 from fsdp2nb.pool.handle import PoolState, SnapshotListener
-from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.kept_pool import ATTACH_TIMEOUT_S, KeptHold, first_save_request_id
 from fsdp2nb.pool.launcher import (
@@ -34,29 +32,21 @@ from fsdp2nb.pool.launcher import (
     launcher_for,
 )
 from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
+from fsdp2nb.pool.rank_events import RankEvents
 from fsdp2nb.pool.rank_processes import end_leftover_ranks, rank_process_state
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
 from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.protocol import (
-    AnswerInput,
+    FOR_CONTROL_THREAD,
     ControlMessage,
     EventMessage,
-    Interrupt,
     JoinRendezvous,
     RankExited,
-    RankReady,
-    RankSnapshot,
-    ReleaseCollectives,
-    RendezvousOpened,
-    ReportActivity,
     RequestSave,
-    ResetPeak,
-    RichOutput,
     Shutdown,
     StreamOutput,
-    TaskProgress,
 )
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
 from fsdp2nb.wire.tls import PoolCertificate
@@ -77,22 +67,16 @@ class WorkerPool:
         """Set for a kept pool: it outlives this kernel (pool/kept.py)."""
         self.pool_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.state: PoolState = "stopped"
-        self.ranks: dict[int, RankReady] = {}
-        self.snapshots: dict[int, RankSnapshot] = {}
-        self.exited: dict[int, RankExited] = {}
-        self._busy_ranks: frozenset[int] = frozenset()
-        self._busy_lock = threading.Lock()
-        self.snapshot_listeners: list[SnapshotListener] = []
-        """Called on the receiving thread with every snapshot and every progress event."""
-        self.held_output = HeldOutput()
+        self._events = RankEvents(spec.world_size, self._rank_exited)
+        self.ranks, self.snapshots, self.exited = self._events.ranks, self._events.snapshots, self._events.exited
+        self.held_output = self._events.held_output  # the receiving thread's records, shared
+        self._busy = BusyRanks()
         self.broken_reason: str | None = None
         """Why the pool can run no more cells, besides a rank's exit (a dead host agent, a
         collective that timed out)."""
         self.agent_died = False
         self.log_dir = ""
         self._launcher = launcher or launcher_for(spec)
-        self._events: queue.SimpleQueue[EventMessage] = queue.SimpleQueue()  # C: far cheaper than Queue
-        self._all_ready = threading.Event()
         self._stop_receiving = threading.Event()
         self._channels: KernelChannels | None = None
         self._launched: LaunchedRanks | None = None
@@ -110,39 +94,39 @@ class WorkerPool:
         """This pool's own log (pool.log in `log_dir`): what its connections went through."""
         self._lost_agents: dict[int, str] = {}
         """Node -> host address of agents whose connection ended (pools across hosts)."""
-        self._rendezvous: RendezvousOpened | None = None
-        """Rank 0's store address, until `_wait_until_ready` passes it on."""
         self._last_cell_ids: dict[int, int] = {}
         """Per rank, the request id it was last sent (a stalled rank is reported to that cell)."""
-        self._ranks_to_join = spec.world_size
-        """How many RankReady make the pool ready: fewer when attaching a kept pool a rank of
-        which died while no kernel held it."""
         self.work_at_attach: list[RankWork] = []
         """A kept pool attached: what each rank ran then (its activity board); else empty."""
-        self.busy_since: dict[int, float] = {}
-        """Rank -> when it started what it runs now (time.time()), for the dashboard's clocks."""
 
     @property
     def world_size(self) -> int:
         return self.spec.world_size
 
     @property
+    def snapshot_listeners(self) -> list[SnapshotListener]:
+        """Called on the receiving thread with every snapshot and every progress event."""
+        return self._events.listeners
+
+    @snapshot_listeners.setter
+    def snapshot_listeners(self, listeners: list[SnapshotListener]) -> None:
+        self._events.listeners = listeners
+
+    @property
     def busy_ranks(self) -> frozenset[int]:
         """Ranks running a request from this kernel: a cell, or a background run."""
-        return self._busy_ranks
+        return self._busy.ranks
+
+    @property
+    def busy_since(self) -> dict[int, float]:
+        return self._busy.since
 
     def mark_busy(self, ranks: tuple[int, ...], since: dict[int, float] | None = None) -> None:
-        """Called before a request is sent (a Save or Stop click meanwhile sees it running);
-        `since`: when ranks started a request sent before (a kept pool's run, on attach)."""
-        now = time.time()
-        with self._busy_lock:  # cells, background runners and the dashboard's threads all write
-            self._busy_ranks = self._busy_ranks | frozenset(ranks)
-            self.busy_since = {**self.busy_since, **{rank: (since or {}).get(rank, now) for rank in ranks}}
+        """Called before a request is sent (a Save or Stop click meanwhile sees it running)."""
+        self._busy.mark(ranks, since)
 
     def mark_idle(self, ranks: tuple[int, ...]) -> None:
-        with self._busy_lock:
-            self._busy_ranks = self._busy_ranks - frozenset(ranks)
-            self.busy_since = {rank: at for rank, at in self.busy_since.items() if rank not in ranks}
+        self._busy.clear(ranks)
 
     def mark_broken(self, reason: str) -> None:
         """The pool can run no more cells (its process group is unusable); `reason` says why."""
@@ -219,7 +203,7 @@ class WorkerPool:
 
     def _wait_until_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while not self._all_ready.wait(0.05):
+        while not self._events.all_joined.wait(0.05):
             self._pass_rendezvous_on()
             if self._channels.refused_version is not None:  # ranks of another fsdp2nb: they will not join
                 raise PoolStartError(self._channels.refused_version)
@@ -230,7 +214,7 @@ class WorkerPool:
 
     def _pass_rendezvous_on(self) -> None:
         """Tell ranks 1.. where rank 0's store listens, once it says so (multi-host pools)."""
-        opened, self._rendezvous = self._rendezvous, None
+        opened = self._events.take_rendezvous()
         if opened is not None:
             self.send(tuple(range(1, self.world_size)), JoinRendezvous(host=opened.host, port=opened.port),
                       connect_timeout_s=DEFAULT_START_TIMEOUT_S)
@@ -288,7 +272,7 @@ class WorkerPool:
             record = hold.hold(signer, channels.address, take=take)
             self._save_request_ids = itertools.count(first_save_request_id(record))
             self.work_at_attach, died = hold.ranks_at_attach()
-            self._ranks_to_join = self.world_size - len(died)
+            self._events.ranks_to_join = self.world_size - len(died)
             kept.wake_agent(meta)
             self._wait_until_ready(timeout_s)
         except BaseException:
@@ -404,8 +388,7 @@ class WorkerPool:
     def send(self, ranks: int | tuple[int, ...], message: ControlMessage, connect_timeout_s: float = 5.0) -> None:
         """Send `message` to one rank or to several."""
         assert self._channels is not None, "the pool is not running"
-        control = isinstance(message, (Interrupt, RequestSave, ResetPeak, ReportActivity, AnswerInput,
-                                       ReleaseCollectives))
+        control = isinstance(message, FOR_CONTROL_THREAD)
         cell_id = getattr(message, "cell_id", None)
         if cell_id is not None:
             for rank in (ranks,) if isinstance(ranks, int) else ranks:
@@ -425,15 +408,12 @@ class WorkerPool:
 
     def next_event(self, timeout_s: float) -> EventMessage | None:
         """The next event for a waiting request, in arrival order; None after `timeout_s`."""
-        try:
-            return self._events.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
+        return self._events.next_event(timeout_s)
 
     def _receive_loop(self) -> None:
         while not self._stop_receiving.is_set():
             try:
-                self._channels.receive(_RECEIVE_POLL_MS, self._dispatch_safely)
+                self._channels.receive(_RECEIVE_POLL_MS, self._events.sort)
             except Exception:  # nothing known raises here (bad frames are dropped, handlers guarded):
                 logger.exception("fsdp2nb: failed to read an event from the ranks")  # keep serving
 
@@ -446,38 +426,11 @@ class WorkerPool:
                 "(stopped by a signal or a debugger?); the other ranks go on. Resume it "
                 f"(kill -CONT {pid}) or interrupt the cell to restart the pool.\n")
         cell_id = self._last_cell_ids.get(rank) if rank in self.busy_ranks else None
-        self._dispatch_safely(StreamOutput(rank=rank, cell_id=cell_id, stream="stderr", text=text))
+        self._events.sort(StreamOutput(rank=rank, cell_id=cell_id, stream="stderr", text=text))
 
-    def _dispatch_safely(self, event: EventMessage) -> None:
-        try:
-            self._dispatch(event)
-        except Exception:  # one bad event or listener must not silence every rank
-            logger.exception("fsdp2nb: failed to handle an event from the ranks")
-
-    def _dispatch(self, event: EventMessage) -> None:
-        if isinstance(event, (RankSnapshot, TaskProgress)):
-            if isinstance(event, RankSnapshot):
-                self.snapshots[event.rank] = event
-            for listener in list(self.snapshot_listeners):
-                listener(event)
-            if isinstance(event, RankSnapshot) or event.cell_id is None:
-                return  # a progress event of a cell also goes to the cell, for its own bar
-        if isinstance(event, RendezvousOpened):
-            self._rendezvous = event
-            return
-        if isinstance(event, RankReady):
-            self.ranks[event.rank] = event
-            if len(self.ranks) >= self._ranks_to_join:
-                self._all_ready.set()
-            return
-        if isinstance(event, RankExited):
-            self.exited[event.rank] = event
-            if self.state != "stopped":
-                self.state = "broken"
-        if isinstance(event, (StreamOutput, RichOutput)) and event.cell_id is None:
-            self.held_output.add(event)  # a rank's own thread, between cells
-            return
-        self._events.put(event)
+    def _rank_exited(self, event: RankExited) -> None:
+        if self.state != "stopped":
+            self.state = "broken"
 
 
 def _pool_certificate(address: str, runtime_dir: str) -> PoolCertificate | None:

@@ -30,7 +30,6 @@ class FakePool:
                          log_path=rank_log_path("/logs", r)) for r in range(spec.world_size)} if with_ranks else {}
         self.snapshots: dict[int, RankSnapshot] = {}
         self.exited: dict[int, RankExited] = {}
-        self.busy_since: dict[int, float] = {}
         self.held_output = HeldOutput()
         self.snapshot_listeners: list[SnapshotListener] = []
         self.work_at_attach: list[RankWork] = []
@@ -46,6 +45,10 @@ class FakePool:
     @property
     def busy_ranks(self) -> frozenset[int]:
         return self._busy
+
+    @property
+    def busy_since(self) -> dict[int, float]:
+        return {}
 
     @property
     def start_notes(self) -> list[str]:
