@@ -160,7 +160,7 @@ class FSDP2Magics(Magics):
 
     def _command_pools(self, options):
         """This user's kept pools: a list (`x = %fsdp2 pools`) that shows as one line per pool."""
-        from fsdp2nb.pool.kept import list_pools
+        from fsdp2nb.pool.kept_listing import list_pools
 
         return list_pools()
 

@@ -50,7 +50,8 @@ from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.rank_prompts import AskInput
 from fsdp2nb.frontend.request_wait import CellProgress, RequestWait, StopPresses
 from fsdp2nb.pool.handle import PoolHandle, SnapshotListener
-from fsdp2nb.pool.kept import KeepOptions, list_pools
+from fsdp2nb.pool.kept import KeepOptions
+from fsdp2nb.pool.kept_listing import list_pools
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec

@@ -1,4 +1,5 @@
-"""Kept pools on the kernel's side: their directories, who holds them, listing and handing over.
+"""Kept pools on the kernel's side: their directories, who holds them, and handing over (what
+`%fsdp2 pools` lists is pool/kept_listing.py's).
 
 A kept pool (`%fsdp2 start --keep`) lives in `<state dir>/kept/<name>/` (0700; see wire/kept.py
 for what the directory holds). Only this user can read its key, so only this user can list or
@@ -13,7 +14,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import signal
 import time
 from collections.abc import Iterable, Iterator
@@ -29,17 +29,14 @@ from fsdp2nb.pool.spec import Placement, PoolSpec
 from fsdp2nb.wire.kept import (
     KEY_FILE,
     META_FILE,
-    RankWork,
-    read_activity,
     read_attach_envelope,
     read_attach_record,
-    read_exit_reports,
     write_attach_record,
 )
 from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankExited
 from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
 from fsdp2nb.wire.signing import Signer
-from fsdp2nb.wire.versions import WireVersion, ours
+from fsdp2nb.wire.versions import ours
 
 DEFAULT_KEEP_FOR_S = 3600.0
 """A kept pool that no kernel holds and that runs nothing ends after an hour unless told otherwise."""
@@ -80,15 +77,6 @@ def parse_keep_for(text: str) -> float | None:
         raise InvalidValue(f"--keep-for {text!r} is not a duration: give a number and a unit, "
                            "e.g. 90s, 30m, 2h, 1d, or 'none' to keep the pool until `%fsdp2 stop`")
     return float(match.group(1)) * _UNITS[match.group(2)]
-
-
-def describe_duration(seconds: float) -> str:
-    seconds = max(0, round(seconds))
-    if seconds < 120:
-        return f"{seconds}s"
-    if seconds < 2 * 3600:
-        return f"{seconds // 60}m"
-    return f"{seconds / 3600:.1f}h"
 
 
 def kept_root() -> Path:
@@ -167,46 +155,6 @@ class KeptMeta:
             return cls.from_json(json.loads((directory / META_FILE).read_text()))
         except (OSError, ValueError, TypeError, KeyError):
             return None
-
-
-@dataclass(frozen=True, slots=True)
-class KeptPool:
-    """One line of `%fsdp2 pools`: a kept pool of this user on this host."""
-
-    name: str
-    spec: str
-    """The options that describe its ranks and devices, e.g. `--cpu 2`."""
-    holder_pid: int | None
-    """The kernel that holds it; None while detached."""
-    since: float
-    """Held since, or detached since (time.time())."""
-    run: str | None
-    """What its ranks run now, e.g. "In[7] running on ranks 0-1 for 42s"; None when idle."""
-    keep_for_s: float | None
-    seconds_left: float | None
-    """Until it ends itself (only while detached and idle)."""
-    log_dir: str
-    died: str | None = None
-    """Ranks that died while no kernel held the pool, e.g. "rank 1 died (exit code 3)"."""
-    wire: WireVersion | None = None
-    """The wire version it speaks where that is not this kernel's (it cannot be attached here)."""
-
-    def __str__(self) -> str:
-        if self.wire is not None:
-            return (f"{self.name}: {self.spec}, speaks {self.wire.describe(ours())}, this kernel "
-                    f"{ours().describe(self.wire)}: it cannot be attached here")
-        when = time.strftime("%H:%M:%S", time.localtime(self.since))
-        held = f"held by kernel {self.holder_pid} (since {when})" if self.holder_pid else f"detached (since {when})"
-        if self.died:
-            restart = "`%fsdp2 restart` there" if self.holder_pid else f"`%fsdp2 attach {self.name}`, then `%fsdp2 restart`"
-            held += f", {self.died} ({restart} starts its ranks afresh)"
-        if self.keep_for_s is None:
-            clock = "kept until `%fsdp2 stop`"
-        elif self.seconds_left is not None:
-            clock = f"ends in {describe_duration(self.seconds_left)} (--keep-for {describe_duration(self.keep_for_s)})"
-        else:
-            clock = f"--keep-for {describe_duration(self.keep_for_s)} once detached and idle"
-        return f"{self.name}: {self.spec}, {held}, {self.run or 'idle'}, {clock}"
 
 
 def read_key(directory: Path) -> bytes:
@@ -312,18 +260,6 @@ def held_here(directory: Path, signer: Signer) -> AttachRecord | None:
     return None if current is not None and current.holder_pid == os.getpid() else current
 
 
-def describe_run(work: list[RankWork]) -> str | None:
-    running = [rank for rank, slot in enumerate(work) if slot.running_cell_id is not None]
-    if not running:
-        return None
-    first = work[running[0]]
-    what = f"In[{first.execution_count}]" if first.execution_count is not None else "a request"
-    started = min(work[rank].since for rank in running)
-    line = f"{what} running on {describe_ranks(running)} for {describe_duration(time.time() - started)}"
-    waiting = [rank for rank in running if work[rank].waiting_for_input]
-    return line + (f", {describe_ranks(waiting)} waiting for input" if waiting else "")
-
-
 def describe_ranks(ranks: list[int]) -> str:
     """`rank 0`, `ranks 0-3` (consecutive) or `ranks 0, 2`."""
     if len(ranks) == 1:
@@ -366,63 +302,6 @@ def noted_runs(directory: Path) -> dict[int, NotedRun]:
                 for cell_id, fields in json.loads((directory / RUNS_FILE).read_text()).items()}
     except (OSError, ValueError, TypeError, AttributeError):
         return {}
-
-
-class KeptPools(list):
-    """What `%fsdp2 pools` returns: the pools as data, shown as one line each."""
-
-    def __repr__(self) -> str:
-        return "\n".join(map(str, self)) if self else "no kept pools"
-
-    def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython's pretty printer
-        printer.text(repr(self))
-
-
-def list_pools() -> KeptPools:
-    """This user's kept pools on this host; the directory of one whose agent is gone is removed."""
-    pools = KeptPools()
-    for directory in sorted(kept_root().iterdir()):
-        meta = KeptMeta.read(directory)
-        if meta is None:
-            if time.time() - _mtime(directory) > 60:  # not one being made right now
-                shutil.rmtree(directory, ignore_errors=True)
-            continue
-        if not agent_alive(meta):
-            shutil.rmtree(directory, ignore_errors=True)
-            continue
-        pools.append(_describe(directory, meta))
-    return pools
-
-
-def _describe(directory: Path, meta: KeptMeta) -> KeptPool:
-    try:
-        signer = Signer(read_key(directory))
-    except (OSError, ValueError):
-        signer = None
-    opened = read_attach_envelope(str(directory), signer) if signer is not None else None
-    if opened is not None and opened.message is None:  # another fsdp2nb's: its files may read otherwise
-        return KeptPool(name=meta.name, spec=meta.spec.describe(), holder_pid=None, since=meta.created,
-                        run=None, keep_for_s=meta.keep_for_s, seconds_left=None, log_dir=meta.log_dir,
-                        wire=opened.version)
-    record = read_attach_record(str(directory), signer) if signer is not None else None
-    died = read_exit_reports(str(directory), signer) if signer is not None else {}
-    holder = record.holder_pid if record is not None and holder_alive(record) else None
-    since = record.since if record is not None else meta.created
-    work = read_activity(str(directory))
-    run = describe_run(work)
-    left = None
-    if holder is None and run is None and meta.keep_for_s is not None and work:
-        left = max(since, max(slot.since for slot in work)) + meta.keep_for_s - time.time()
-    return KeptPool(name=meta.name, spec=meta.spec.describe(), holder_pid=holder, since=since, run=run,
-                    keep_for_s=meta.keep_for_s, seconds_left=left, log_dir=meta.log_dir,
-                    died=describe_deaths(died.values()) if died else None)
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0
 
 
 def log_tails(log_dir: str, world_size: int, num_lines: int = 5) -> dict[int, list[str]]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from fsdp2nb.errors import NoSuchPool, PoolHeldError, PoolNameTaken
 from fsdp2nb.pool import kept
 from fsdp2nb.pool.kept import KeepOptions, KeptMeta
+from fsdp2nb.pool.kept_listing import list_pools
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.kept import RUN_DIR, RankWork, create_activity_board, read_activity, read_exit_reports
 from fsdp2nb.wire.protocol import AttachRecord, RankExited
@@ -82,7 +83,7 @@ class KeptHold:
         directory = kept.kept_dir(name)
         meta = KeptMeta.read(directory) if directory.exists() else None
         if meta is None:
-            names = [pool.name for pool in kept.list_pools()]
+            names = [pool.name for pool in list_pools()]
             raise NoSuchPool(f"no kept pool is named {name!r}; " + (
                 f"kept pools: {', '.join(names)}" if names else "there are none (`%fsdp2 pools` lists them)"))
         if not kept.agent_alive(meta):
