@@ -265,7 +265,7 @@ class BackgroundRuns:
             if run.name:
                 self._named[run.name] = run
 
-    def wait_for_active(self, say: Callable[[str], None]) -> None:
+    def wait_for_active(self, say: Callable[[str], object]) -> None:
         """Before a request for the ranks: wait for the run going (saying so in one line), then
         raise its error if it failed unseen. On the main thread the stop button ends the wait."""
         run = self.active
@@ -275,7 +275,7 @@ class BackgroundRuns:
         with self._lock:
             latest = self._latest
         error = latest.unseen_error() if latest is not None else None
-        if error is not None:
+        if latest is not None and error is not None:
             latest.mark_error_seen()
             raise _queued_failure(latest, error)
 
@@ -388,7 +388,7 @@ def _show_error(shell, error: BaseException) -> None:  # an IPython shell
     lines = render() if render else traceback.format_exception(error)
     _flush_streams()
     hook = getattr(shell, "displayhook", None)
-    if getattr(hook, "session", None) is None:  # not ipykernel: plain text
+    if hook is None or getattr(hook, "session", None) is None:  # not ipykernel: plain text
         sys.stderr.write("\n".join(lines) + "\n")
         return
     from ipykernel.jsonutil import json_clean

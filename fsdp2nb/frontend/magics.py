@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 
 from fsdp2nb.errors import InvalidValue, NoPoolRunning, PoolStartError, RankError, UsageMistake
@@ -51,8 +52,10 @@ _REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError
 class FSDP2Magics(Magics):
     """Registers `%fsdp2` / `%%fsdp2` on a shell; all state lives in the session."""
 
-    def __init__(self, shell, session: NotebookSession) -> None:
+    def __init__(self, shell: InteractiveShell, session: NotebookSession) -> None:
         super().__init__(shell)
+        self._shell = shell
+        """The shell the magics serve (IPython's `self.shell` may be None, by its types)."""
         self.session = session
         self._line_parsers = line_parsers()
 
@@ -82,7 +85,7 @@ class FSDP2Magics(Magics):
         """
         if "$" not in line and "{" not in line:
             return line
-        return self.shell.var_expand(line, depth=3)
+        return self._shell.var_expand(line, depth=3)
 
     # --- %%fsdp2 --------------------------------------------------------------------------------
 
@@ -116,7 +119,7 @@ class FSDP2Magics(Magics):
         ranks = parse_rank_list(options.ranks, pool.world_size) if options.ranks else tuple(range(pool.world_size))
         run = self.session.run_in_background(pool, cell if cell.strip() else "", ranks, options.name)
         if options.name:
-            self.shell.user_ns[options.name] = run
+            self._shell.user_ns[options.name] = run
         return run
 
     def _wait_for_background_run(self, line: str, cell: str | None) -> None:
@@ -168,6 +171,7 @@ class FSDP2Magics(Magics):
         from fsdp2nb.pool.kept import log_tails
 
         pool, run = self.session.attach(options.name, take=options.take)
+        assert pool.keep is not None, "an attached pool is kept"
         print(f"attached kept pool {pool.keep.name!r}: {pool.world_size} ranks ({pool.spec.describe()}), "
               "rank state as it was")
         if pool.exited:
@@ -186,7 +190,7 @@ class FSDP2Magics(Magics):
     def _tell_of_resumed_run(self, pool: PoolHandle, run) -> None:  # a BackgroundRun
         """The run this kernel took over: bound to its --name here too, and whether it waits for input."""
         if run.name and run.name.isidentifier():
-            self.shell.user_ns[run.name] = run
+            self._shell.user_ns[run.name] = run
         work = dict(enumerate(pool.work_at_attach))
         running = [rank for rank in run.ranks if rank in work and work[rank].running_cell_id is not None]
         if not running:
@@ -219,10 +223,10 @@ class FSDP2Magics(Magics):
 
     def _command_push(self, options) -> None:
         pool = self._running_pool()
-        missing = [name for name in options.names if name not in self.shell.user_ns]
+        missing = [name for name in options.names if name not in self._shell.user_ns]
         if missing:
             raise UsageMistake(f"cannot push {missing[0]!r}: it is not defined in the notebook")
-        values = {name: self.shell.user_ns[name] for name in options.names}
+        values = {name: self._shell.user_ns[name] for name in options.names}
         self.session.push(pool, _pickle_for_ranks(values))
 
     def _command_pull(self, options):
@@ -238,7 +242,7 @@ class FSDP2Magics(Magics):
         values = {name: self._pull_one(pool, name, reply_ranks, options.all) for name in options.names}
         if options.value:
             return values[options.names[0]] if len(values) == 1 else tuple(values.values())
-        self.shell.user_ns.update(values)
+        self._shell.user_ns.update(values)
         return None
 
     def _pull_one(self, pool: PoolHandle, name: str, reply_ranks: tuple[int, ...], every_rank: bool) -> object:

@@ -91,9 +91,9 @@ class StreamMerger:
         if len(pieces) > 1 and not state.partial:
             state.partial_since = now
         for line in pieces[:-1]:
-            line = self._live.end(rank, stream, line)  # None: it ended in its display
-            if line is not None:
-                state.lines.append((line + "\n", now))
+            left = self._live.end(rank, stream, line)  # None: it ended in its display
+            if left is not None:
+                state.lines.append((left + "\n", now))
         if pieces[-1] and (len(pieces) > 1 or not state.partial):
             state.partial_since = now
         state.partial = collapsed(pieces[-1])

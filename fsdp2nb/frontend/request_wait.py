@@ -43,6 +43,7 @@ from fsdp2nb.wire.protocol import (
 )
 
 if TYPE_CHECKING:
+    from fsdp2nb.frontend.progress_bar import CellTaskBar
     from fsdp2nb.pool.handle import PoolHandle
     from fsdp2nb.pool.spec import PoolSpec
 
@@ -95,7 +96,7 @@ class CellProgress:
     results: list[tuple[int, RichOutput]] = field(default_factory=list)
     first_error_at: float | None = None
     interrupted_at: float | None = None
-    task_bar: object | None = None
+    task_bar: CellTaskBar | None = None
     """The cell's progress bar (frontend.progress_bar), made when the ranks first report progress."""
     started_at: float = field(default_factory=time.monotonic)
     holder_checked_at: float = 0.0

@@ -56,6 +56,7 @@ from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import (
+    CellFinished,
     ControlMessage,
     PostMortem,
     PullValue,
@@ -347,7 +348,7 @@ class NotebookSession:
     def pull(self, pool: PoolHandle, name: str, reply_ranks: tuple[int, ...]) -> dict[int, bytes]:
         progress = self.run_request(pool, tuple(range(pool.world_size)),
                                     lambda cell_id: PullValue(cell_id=cell_id, name=name, reply_ranks=reply_ranks))
-        return {rank: progress.finished[rank].value for rank in reply_ranks}
+        return {rank: _pulled(progress.finished[rank]) for rank in reply_ranks}
 
     def next_cell_id(self) -> int:
         """A fresh request id (itertools.count: atomic, so any thread may take one)."""
@@ -404,6 +405,11 @@ class NotebookSession:
         return (alarm(f"{what_happened}; the pool was restarted ({spec.describe()}) and all rank state was lost")
                 + f"\n{RESUME_HINT}")
 
+
+
+def _pulled(reply: CellFinished) -> bytes:
+    assert reply.value is not None, "a rank asked for a value replies with it, or fails"
+    return reply.value
 
 
 def _cell_request(code: str, execution_count: int | None) -> Callable[[int], RunCell]:

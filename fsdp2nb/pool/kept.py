@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import psutil
 
@@ -217,7 +218,7 @@ def check_wire_version(directory: Path, signer: Signer, meta: KeptMeta) -> None:
         "rank state is lost)")
 
 
-def holder_alive(record: AttachRecord | None) -> bool:
+def holder_alive(record: AttachRecord | None) -> TypeGuard[AttachRecord]:
     if record is None or not record.holder_pid:
         return False
     return reaper._is_alive((record.holder_pid, record.holder_create_time))

@@ -167,6 +167,13 @@ def _unused_loopback_port() -> int:
         return probe.getsockname()[1]
 
 
+def write_and_close(process: subprocess.Popen, data: bytes) -> None:
+    """Write `data` to the stdin of `process` (started with stdin=PIPE), then close it."""
+    assert process.stdin is not None, "started with stdin=PIPE"
+    process.stdin.write(data)
+    process.stdin.close()
+
+
 def describe_exit_code(code: int) -> str:
     """How a process ended, from its Popen return code: "killed by SIGKILL", "exited with code 3"."""
     if code < 0:
@@ -212,7 +219,7 @@ class StandbyAgent:
         except OSError:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             raise
-        reaper.record_pool(self.standby_id, reaper.process_key(os.getpid()),
+        reaper.record_pool(self.standby_id, reaper.own_process_key(),
                            [key for key in [reaper.process_key(self.process.pid)] if key],
                            runtime_dir=str(self.log_dir))
 

@@ -159,10 +159,10 @@ class WorkerPool:
         try:
             key = secrets.token_bytes(KEY_BYTES)
             self._make_directories()
-            self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
+            log = self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
             address = self._launcher.listen_address(self._socket_dir, self.log_dir)
             certificate = _pool_certificate(address, self._runtime_dir)
-            signer, channels = self._listen(key, address, certificate)
+            signer, channels = self._listen(key, address, certificate, log)
             if self._kept is not None:
                 self._kept.hold_new(key, signer, channels.address, self.world_size)
             plan = launch_plan(self.spec, pool_id=self.pool_id, address=channels.address,
@@ -170,10 +170,10 @@ class WorkerPool:
                                tls_fingerprint=certificate.fingerprint if certificate else "",
                                kept_dir=str(self._kept.directory) if self._kept else "",
                                keep_for_s=self.keep.keep_for_s if self.keep else None)
-            self._launched = self._launcher.launch(plan, key)
-            self._register()
+            launched = self._launched = self._launcher.launch(plan, key)
+            self._register(launched, channels.address)
             self._wait_until_ready(timeout_s)
-            self._register()
+            self._register(launched, channels.address)
         except LaunchError as error:
             self.stop(polite=False)
             raise PoolStartError(str(error)) from None
@@ -182,13 +182,15 @@ class WorkerPool:
             raise
         self.state = "ready"
 
-    def _listen(self, key: bytes, address: str, certificate: PoolCertificate | None) -> tuple[Signer, KernelChannels]:
+    def _listen(self, key: bytes, address: str, certificate: PoolCertificate | None,
+                log: logging.Logger) -> tuple[Signer, KernelChannels]:
         """Listen for the ranks at `address`, signing with `key`, and start the receiving thread."""
-        signer = self._signer = Signer(key, log=self._log)
+        signer = self._signer = Signer(key, log=log)
         channels = self._channels = KernelChannels(
-            signer, address, log=self._log, certificate=certificate, stalled_frame_s=self._stalled_frame_s,
+            signer, address, log=log, certificate=certificate, stalled_frame_s=self._stalled_frame_s,
             on_stalled=self._report_stalled, on_agent_lost=self._agent_lost)
-        self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
+        self._receiver = threading.Thread(target=self._receive_loop, args=(channels,), daemon=True,
+                                          name="fsdp2nb-receiver")
         self._receiver.start()
         return signer, channels
 
@@ -202,12 +204,14 @@ class WorkerPool:
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
 
     def _wait_until_ready(self, timeout_s: float) -> None:
+        channels, launched = self._channels, self._launched
+        assert channels is not None and launched is not None, "listening, and the ranks launched"
         deadline = time.monotonic() + timeout_s
         while not self._events.all_joined.wait(0.05):
             self._pass_rendezvous_on()
-            if self._channels.refused_version is not None:  # ranks of another fsdp2nb: they will not join
-                raise PoolStartError(self._channels.refused_version)
-            if self.exited or not self._launched.is_running():
+            if channels.refused_version is not None:  # ranks of another fsdp2nb: they will not join
+                raise PoolStartError(channels.refused_version)
+            if self.exited or not launched.is_running():
                 raise PoolStartError(self._start_failure())
             if time.monotonic() > deadline:
                 raise PoolStartError(f"the ranks did not start within {timeout_s:.0f} s (logs: {self.log_dir})")
@@ -229,22 +233,22 @@ class WorkerPool:
             return f"{which} while starting the ranks; see the agent logs in {self.log_dir}"
         return f"the host agent exited while starting the ranks; see {self.log_dir}/agent.log"
 
-    def _register(self) -> None:
+    def _register(self, launched: LaunchedRanks, address: str) -> None:
         if self._kept is not None:  # no reaper: a kept pool outlives its kernel on purpose
-            self._write_kept_meta(self._kept)
+            self._write_kept_meta(self._kept, launched, address)
             return
-        processes = [reaper.process_key(pid) for pid in self._launched.process_ids()]
+        processes = [reaper.process_key(pid) for pid in launched.process_ids()]
         processes += [(info.pid, info.create_time) for info in self.ranks.values() if not info.address]
-        reaper.record_pool(self.pool_id, reaper.process_key(os.getpid()), [p for p in processes if p],
+        reaper.record_pool(self.pool_id, reaper.own_process_key(), [p for p in processes if p],
                            runtime_dir=self._runtime_dir)
 
     # --- kept pools (the directory's part is KeptHold's) ------------------------------------
 
-    def _write_kept_meta(self, hold: KeptHold) -> None:
-        agent = reaper.process_key(self._launched.process_ids()[0])
+    def _write_kept_meta(self, hold: KeptHold, launched: LaunchedRanks, address: str) -> None:
+        agent = reaper.process_key(launched.process_ids()[0])
         if agent is None:
             return  # it ended already: the start fails on that
-        listen = ray_kept.listen_host(self._channels.address) if self.spec.placement is not None else ""
+        listen = ray_kept.listen_host(address) if self.spec.placement is not None else ""
         hold.write_meta(spec=self.spec, pool_id=self.pool_id, agent=agent, log_dir=self.log_dir, listen=listen)
 
     @classmethod
@@ -263,11 +267,11 @@ class WorkerPool:
         self.state = "starting"
         try:
             self._socket_dir = tempfile.mkdtemp(prefix="fsdp2nb-")
-            self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
+            log = self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
             address, certificate = os.path.join(self._socket_dir, "pool.sock"), None
             if meta.listen:  # across hosts: TCP with the pool's certificate, the driver for an agent
                 address, certificate = ray_kept.attach_endpoint(meta.listen, meta.runtime_dir)
-            signer, channels = self._listen(key, address, certificate)
+            signer, channels = self._listen(key, address, certificate, log)
             self._launched = (ray_kept.KeptRayDriver if meta.listen else kept.KeptAgent)(meta.agent)
             record = hold.hold(signer, channels.address, take=take)
             self._save_request_ids = itertools.count(first_save_request_id(record))
@@ -335,7 +339,7 @@ class WorkerPool:
             self.release()
             return
         if polite and self._launched is not None:
-            self._ask_ranks_to_exit(grace_s)
+            self._ask_ranks_to_exit(self._launched, grace_s)
         if self._launched is not None:
             self._launched.terminate(grace_s=3.0)
         end_leftover_ranks(self.ranks.values())
@@ -372,7 +376,7 @@ class WorkerPool:
         """A rank process's state as the OS reports it (see pool/rank_processes.py)."""
         return rank_process_state(self.ranks.get(rank))
 
-    def _ask_ranks_to_exit(self, grace_s: float) -> None:
+    def _ask_ranks_to_exit(self, launched: LaunchedRanks, grace_s: float) -> None:
         for rank in self.ranks:
             if rank not in self.exited:
                 try:
@@ -380,7 +384,7 @@ class WorkerPool:
                 except ConnectionError:
                     pass
         deadline = time.monotonic() + grace_s
-        while self._launched.is_running() and time.monotonic() < deadline:
+        while launched.is_running() and time.monotonic() < deadline:
             time.sleep(0.02)
 
     # --- messages -----------------------------------------------------------------------------
@@ -410,10 +414,10 @@ class WorkerPool:
         """The next event for a waiting request, in arrival order; None after `timeout_s`."""
         return self._events.next_event(timeout_s)
 
-    def _receive_loop(self) -> None:
+    def _receive_loop(self, channels: KernelChannels) -> None:
         while not self._stop_receiving.is_set():
             try:
-                self._channels.receive(_RECEIVE_POLL_MS, self._events.sort)
+                channels.receive(_RECEIVE_POLL_MS, self._events.sort)
             except Exception:  # nothing known raises here (bad frames are dropped, handlers guarded):
                 logger.exception("fsdp2nb: failed to read an event from the ranks")  # keep serving
 

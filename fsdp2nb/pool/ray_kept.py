@@ -197,6 +197,8 @@ class KeptWatch:
         """The holding kernel is gone: write that no kernel holds the pool (unless another took
         it meanwhile), and tell every host."""
         ended = self._holder
+        if ended is None:
+            return  # no kernel was watched
         self._watch_holder(None)
         print(f"fsdp2nb driver: kernel {ended.holder_pid} is gone; the pool keeps running", file=sys.stderr, flush=True)
         try:

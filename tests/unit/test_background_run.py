@@ -79,7 +79,8 @@ def test_interrupt_after_the_end_sends_nothing():
 
 
 def test_a_queued_request_fails_once_with_the_runs_error_saying_it_did_not_run():
-    runs, said = BackgroundRuns(), []
+    runs = BackgroundRuns()
+    said: list[str] = []
     run = _run()
     runs.add(run)
     run.finish(_rank_error("ValueError"))
@@ -91,7 +92,8 @@ def test_a_queued_request_fails_once_with_the_runs_error_saying_it_did_not_run()
 
 
 def test_a_queued_request_waits_for_the_run_and_says_for_which():
-    runs, said = BackgroundRuns(), []
+    runs = BackgroundRuns()
+    said: list[str] = []
     run = _run("train")
     runs.add(run)
     waiter = threading.Thread(target=runs.wait_for_active, args=(said.append,))
@@ -154,8 +156,13 @@ def test_a_prompt_relay_asks_only_while_a_cell_waits_and_hands_the_answer_over()
     from fsdp2nb.frontend.notebook_input import PromptRelay
     from fsdp2nb.frontend.rank_prompts import PromptDeferred
 
-    asked = []
-    relay = PromptRelay(ask=lambda prompt, password: asked.append(prompt) or "Ada")
+    asked: list[str] = []
+
+    def ask(prompt: str, password: bool) -> str:
+        asked.append(prompt)
+        return "Ada"
+
+    relay = PromptRelay(ask=ask)
     assert not relay.can_answer()
     with pytest.raises(PromptDeferred):
         relay.ask("[0] name? ", False)

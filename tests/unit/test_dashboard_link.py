@@ -88,7 +88,7 @@ def test_metric_rows_read_while_points_arrive_are_one_moment_of_the_history():
     sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter will
     writer = threading.Thread(target=log_points)
     writer.start()
-    torn = []
+    torn: list[list[int]] = []
     try:
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline and not torn:
