@@ -114,6 +114,19 @@ def write_durable(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def why_unwritable(directory: Path, rank: int) -> OSError | None:
+    """Why files cannot be created in `directory` (created if missing), or None when they can."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # os.access is not enough as root; a real write also catches read-only mounts and /proc.
+        probe = directory / f".probe-{rank}-{os.getpid()}"
+        write_durable(probe, b"ok")
+        probe.unlink()
+    except OSError as exc:
+        return exc
+    return None
+
+
 def replace_atomically(path: Path, data: bytes) -> None:
     """Replace `path` with `data` so a reader sees the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

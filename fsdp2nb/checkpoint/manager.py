@@ -6,23 +6,23 @@ buffers on CPU, pinned memory on GPU); the tracked optimizer's next step waits f
 In the background, DCP serializes, writes and fsyncs the shards (from a thread, or with
 async_writer="process" in its persistent writer process, which receives the staged buffers
 through shared memory and leaves the training process's GIL alone). A thread of this process
-then adds the rank's RNG/scheduler file, the ranks agree that all succeeded, and rank 0 writes
-the metadata, renames the directory into place and replaces LATEST. A crash at any point
-leaves LATEST naming the previous, complete checkpoint.
+then adds the rank's own file (rank_file.py: RNG, scheduler, extras), the ranks agree that all
+succeeded, and rank 0 commits (commit.py: metadata, rename into place, LATEST, retention). A
+crash at any point leaves LATEST naming the previous, complete checkpoint.
 
 Background work talks over its own gloo group and the calling thread over another, so a save in
 flight never interleaves its collectives with `maybe_save`'s or the training step's.
 
-The module is one class on purpose: save, commit, load and close share the two groups, the lock
-and the pending save, and read best in one place. What does not need that state lives beside it
-(layout, loadable_steps, direct_writes, staging, state, collectives).
+The class stays whole on purpose: save, maybe_save, wait, load and close share the two groups,
+the lock and the pending save, and read best in one place (so the module is near 500 lines).
+What does not need that state lives beside it: the rank's file (rank_file), the commit
+(commit), the saves in flight (in_flight), layout, loadable_steps, direct_writes, staging,
+state, collectives.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import io
 import logging
 import os
 import secrets
@@ -31,7 +31,6 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,19 +42,25 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsdp2nb import collectives, progress
-from fsdp2nb.checkpoint import layout, provenance, tracking
+from fsdp2nb.checkpoint import in_flight, layout, tracking
+from fsdp2nb.checkpoint.commit import SaveJob, commit_step
 from fsdp2nb.checkpoint.config import AsyncWriter, CheckpointerConfig
 from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
-from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
+from fsdp2nb.checkpoint.layout import CheckpointEntry
 from fsdp2nb.checkpoint.loadable_steps import LoadableSteps
+from fsdp2nb.checkpoint.rank_file import (
+    Tracked,
+    capture_rank_state,
+    read_rank_state_collectively,
+    restore_rank_state,
+    write_rank_state,
+)
 from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
-from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state, rng_streams_not_restored
 from fsdp2nb.checkpoint.staging import StagedSavePlanner, make_stager
 from fsdp2nb.checkpoint.state import (
     checked_training_state,
     get_training_state,
-    has_frozen_params,
     read_dcp_metadata,
     set_training_state,
 )
@@ -68,35 +73,11 @@ from fsdp2nb.collectives import (
     make_dir_everywhere,
     on_rank0_agreed,
 )
-from fsdp2nb.errors import CheckpointLoadError, CheckpointSaveError
+from fsdp2nb.errors import CheckpointSaveError
 
 logger = logging.getLogger(__name__)
 
-# Temporary directories of saves in flight in this process, by any checkpointer: the sweep for
-# abandoned ones (on creation and before each save) must not take a live one for a leftover.
-_in_flight: set[Path] = set()
-_in_flight_lock = threading.Lock()
-
-
 _NOTHING_LOST = "the checkpoints committed before are untouched; fix the cause and save again"
-
-
-@dataclass(frozen=True, slots=True)
-class _SaveJob:
-    step: int
-    token: str
-    tmp_dir: Path
-    wall_time: float
-
-
-@dataclass(slots=True)
-class _Tracked:
-    model: nn.Module
-    optimizer: torch.optim.Optimizer | None
-    scheduler: Any
-    extra: dict[str, Any]
-
-
 
 
 class Checkpointer:
@@ -135,7 +116,7 @@ class Checkpointer:
         self._bg_group = collectives.new_gloo_group() if self._distributed else None
         self._closed = False
         self._check_writable()
-        self._tracked: _Tracked | None = None
+        self._tracked: Tracked | None = None
         self._last_step: int | None = None
         self._lock = threading.Lock()
         self._steps = LoadableSteps(self.directory, checksums=self.config.checksums, rank=self._rank,
@@ -152,13 +133,13 @@ class Checkpointer:
         save, in the next optimizer step's wait for the copy. An async save's writing is not
         counted: it overlaps training (and competes with it for CPU where no core is spare)."""
         if self._rank == 0:
-            _sweep(self.directory)
+            in_flight.sweep(self.directory)
 
     # ---- setup -------------------------------------------------------------------------------
 
     def _check_writable(self) -> None:
         try:
-            all_ranks_succeeded(_unwritable_error(self.directory, self._rank), "writing a file", self._fg_group)
+            all_ranks_succeeded(layout.why_unwritable(self.directory, self._rank), "writing a file", self._fg_group)
         except (OSError, FailedElsewhere) as exc:
             self._destroy_groups()
             where = f"on rank {self._rank}: {describe(exc)}" if isinstance(exc, OSError) else f"({exc})"
@@ -171,7 +152,7 @@ class Checkpointer:
         for name, obj in {"scheduler": scheduler, **extra_stateful}.items():
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ValueError(f"{name}={type(obj).__name__} has no state_dict/load_state_dict")
-        self._tracked = _Tracked(model, optimizer, scheduler, dict(extra_stateful))
+        self._tracked = Tracked(model, optimizer, scheduler, dict(extra_stateful))
         tracking.set_tracked(self)
         self._gate_optimizer_step(optimizer)
         return self
@@ -220,12 +201,12 @@ class Checkpointer:
         finally:
             self.blocked_s += time.perf_counter() - started
 
-    def _save(self, tracked: _Tracked, step: int, request_id: int) -> None:
+    def _save(self, tracked: Tracked, step: int, request_id: int) -> None:
         self.wait()
         job = self._begin(step)
         state = get_training_state(tracked.model, tracked.optimizer)
         self._last_step = step
-        rank_state = self._capture_rank_state(tracked, step)
+        rank_state = capture_rank_state(tracked, step)
         task = start_state_task("save", f"saving step {step}", state)
         writer = ShardWriter(job.tmp_dir, task=task, checksums=self.config.checksums)
         if not self.async_save:
@@ -252,18 +233,17 @@ class Checkpointer:
             self._pending = (step, future)
 
     @contextlib.contextmanager
-    def _abandoned_on_failure(self, job: _SaveJob, task: progress.AnyTask):
+    def _abandoned_on_failure(self, job: SaveJob, task: progress.AnyTask):
         """A save that DCP failed (on every rank alike) leaves no temporary directory."""
         try:
             yield
         except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
             task.finish(exc)
-            with _in_flight_lock:
-                _in_flight.discard(job.tmp_dir)
+            in_flight.ended(job.tmp_dir)
             shutil.rmtree(job.tmp_dir, ignore_errors=True)
             raise self._save_failed(job, exc) from exc
 
-    def _save_failed(self, job: _SaveJob, cause: BaseException) -> CheckpointSaveError:
+    def _save_failed(self, job: SaveJob, cause: BaseException) -> CheckpointSaveError:
         return CheckpointSaveError(f"rank {self._rank}: save of step {job.step} failed: {describe(cause)}; "
                                    f"{_NOTHING_LOST}")
 
@@ -299,7 +279,7 @@ class Checkpointer:
             pending[1].exception()  # waits without raising; the error is raised below
         self._raise_background_error()
 
-    def _begin(self, step: int) -> _SaveJob:
+    def _begin(self, step: int) -> SaveJob:
         """Agree on the step and a fresh temporary directory; rank 0 first sweeps away abandoned ones."""
         highest, negated_lowest = self._all_max((step, -step), self._fg_group)
         if highest != -negated_lowest:
@@ -313,27 +293,17 @@ class Checkpointer:
         except (OSError, FailedElsewhere) as exc:
             raise CheckpointSaveError(f"rank {self._rank}: save of step {step} could not start: {describe(exc)}; "
                                       f"{_NOTHING_LOST}") from exc
-        with _in_flight_lock:
-            _in_flight.add(tmp_dir)
-        return _SaveJob(step=step, token=token, tmp_dir=tmp_dir, wall_time=wall_time)
+        in_flight.started(tmp_dir)
+        return SaveJob(step=step, token=token, tmp_dir=tmp_dir, wall_time=wall_time)
 
     def _make_tmp_dir(self, step: int) -> tuple[str, float]:
         """Rank 0: a fresh temporary directory for `step` (after sweeping abandoned ones)."""
-        _sweep(self.directory)
+        in_flight.sweep(self.directory)
         token = secrets.token_hex(4)
         (self.directory / layout.tmp_dir_name(step, token)).mkdir()
         return token, time.time()
 
-    def _capture_rank_state(self, tracked: _Tracked, step: int) -> dict[str, Any]:
-        # Deep copies: training goes on mutating the live objects while this is written.
-        return {
-            "step": step,
-            "rng": capture_rng_state(),
-            "scheduler": copy.deepcopy(tracked.scheduler.state_dict()) if tracked.scheduler else None,
-            "extra": {name: copy.deepcopy(obj.state_dict()) for name, obj in tracked.extra.items()},
-        }
-
-    def _finish(self, job: _SaveJob, rank_state: dict[str, Any], upload: Future | None,
+    def _finish(self, job: SaveJob, rank_state: dict[str, Any], upload: Future | None,
                 model: nn.Module, task: progress.AnyTask, request_id: int = 0) -> None:
         """Wait for the shards, add this rank's file, then commit once every rank succeeded."""
         try:
@@ -347,20 +317,16 @@ class Checkpointer:
                 self._requests.mark_failed(request_id, describe(error))
             raise
         finally:
-            with _in_flight_lock:
-                _in_flight.discard(job.tmp_dir)
+            in_flight.ended(job.tmp_dir)
 
-    def _finish_and_commit(self, job: _SaveJob, rank_state: dict[str, Any], upload: Future | None,
+    def _finish_and_commit(self, job: SaveJob, rank_state: dict[str, Any], upload: Future | None,
                            model: nn.Module) -> None:
         error: BaseException | None = None
         try:
             if upload is not None:
                 upload.result()
             fault_point("write_shards", self._rank)  # this rank's shards are on disk
-            buffer = io.BytesIO()
-            torch.save(rank_state, buffer)
-            layout.write_durable(job.tmp_dir / layout.rank_file_name(self._rank), buffer.getvalue())
-            layout.fsync_dir(job.tmp_dir)
+            write_rank_state(job.tmp_dir, self._rank, rank_state)
         except (Exception, CheckpointException) as exc:  # reported to every rank below, then raised
             error = exc
         try:
@@ -368,39 +334,13 @@ class Checkpointer:
         except (Exception, CheckpointException) as exc:
             raise self._save_failed(job, exc) from exc
         try:
-            on_rank0_agreed(lambda: self._commit(job, model), f"commit of step {job.step}", self._bg_group)
+            on_rank0_agreed(lambda: commit_step(job, self.directory, model, world_size=self._world_size,
+                                                keep=self.keep, rank=self._rank),
+                            f"commit of step {job.step}", self._bg_group)
         except Exception as exc:
             raise CheckpointSaveError(f"rank {self._rank}: commit of step {job.step} failed: {describe(exc)}; "
                                       "LATEST still names the step it named before") from exc
         logger.info("checkpoint step %d committed to %s", job.step, self.directory)
-
-    def _commit(self, job: _SaveJob, model: nn.Module) -> None:
-        """Rank 0 only: metadata, rename into place, LATEST, retention."""
-        fault_point("before_metadata", self._rank)
-        missing = layout.missing_files(job.tmp_dir, self._world_size)
-        if missing:  # LATEST must never name a step that cannot be loaded
-            raise FileNotFoundError(f"{job.tmp_dir} lacks {', '.join(missing)} (is {self.directory} the same "
-                                    "directory on every host?)")
-        layout.write_metadata(job.tmp_dir, self._metadata(job, model, layout.record_files(job.tmp_dir)))
-        fault_point("before_rename", self._rank)
-        layout.commit_step_dir(self.directory, job.tmp_dir, job.step, job.token)
-        fault_point("before_latest", self._rank)
-        layout.write_latest(self.directory, job.step)
-        try:  # step N is committed whatever happens here
-            deleted = layout.apply_retention(self.directory, self.keep, job.step, frozenset({job.step}))
-        except OSError as exc:
-            logger.warning("checkpoint step %d is committed, but removing older steps failed: %s", job.step, exc)
-            return
-        if deleted:
-            logger.info("retention removed steps %s", deleted)
-
-    def _metadata(self, job: _SaveJob, model: nn.Module, files: dict[str, list[int | None]]) -> CheckpointMetadata:
-        trainable_only = has_frozen_params(model)
-        return CheckpointMetadata(
-            step=job.step, world_size=self._world_size, wall_time=job.wall_time,
-            trainable_only=trainable_only, versions=provenance.library_versions(),
-            rebuild=provenance.rebuild_info(model) if trainable_only else {}, files=files,
-        )
 
     # ---- load ----------------------------------------------------------------------------------
 
@@ -415,7 +355,7 @@ class Checkpointer:
         self.wait()
         tracked = self._require_tracked()
         step_dir, metadata = self._steps.intact_step_collectively(target, self._fg_group)
-        rank_state = self._read_rank_state_collectively(step_dir, metadata)
+        rank_state = read_rank_state_collectively(step_dir, metadata, self._rank, self._fg_group)
         state = checked_training_state(tracked.model, tracked.optimizer, read_dcp_metadata(step_dir), step_dir)
         task = start_state_task("load", f"loading step {metadata.step}", state)
         try:
@@ -431,44 +371,10 @@ class Checkpointer:
             raise
         task.finish()
         set_training_state(tracked.model, tracked.optimizer, state)
-        self._restore_rank_state(tracked, rank_state, metadata)
+        restore_rank_state(tracked, rank_state, metadata, self._rank, self._world_size)
         self._last_step = metadata.step
         logger.info("loaded checkpoint step %d from %s", metadata.step, step_dir)
         return metadata.step
-
-    def _read_rank_state_collectively(self, step_dir: Path, metadata: CheckpointMetadata) -> dict[str, Any]:
-        """This rank's file of the step; a rank that cannot read its file fails the load on every
-        rank, before the collective load that the others would otherwise wait in."""
-        # A rank that did not exist at save time takes rank 0's file (scheduler and extras are the
-        # same on every rank) and keeps its own generators (see _restore_rank_state).
-        source_rank = self._rank if self._rank < metadata.world_size else 0
-        path = step_dir / layout.rank_file_name(source_rank)
-        state, error = None, None
-        try:
-            state = torch.load(path, weights_only=True)
-        except Exception as exc:  # damaged or unreadable; torch's advice (weights_only=False) is wrong here
-            error = ValueError(f"{path} could not be read ({describe(exc)})")
-        try:
-            all_ranks_succeeded(error, "reading the checkpoint", self._fg_group)
-        except (ValueError, FailedElsewhere) as exc:
-            raise CheckpointLoadError(f"checkpoint step {metadata.step} is damaged: {exc}; nothing was loaded. "
-                                      "Load another step (see list())") from None
-        return state
-
-    def _restore_rank_state(self, tracked: _Tracked, rank_state: dict[str, Any],
-                            metadata: CheckpointMetadata) -> None:
-        if tracked.scheduler is not None and rank_state["scheduler"] is not None:
-            tracked.scheduler.load_state_dict(rank_state["scheduler"])
-        for name, obj in tracked.extra.items():
-            if name in rank_state["extra"]:
-                obj.load_state_dict(rank_state["extra"][name])
-            else:
-                logger.warning("checkpoint step %d has no state for %r", metadata.step, name)
-        if self._rank < metadata.world_size:
-            restore_rng_state(rank_state["rng"])
-        unmapped = rng_streams_not_restored(metadata.world_size, self._world_size)
-        if unmapped and self._rank == 0:
-            logger.warning("checkpoint step %d: %s", metadata.step, unmapped)
 
     # ---- inspection --------------------------------------------------------------------------
 
@@ -564,7 +470,7 @@ class Checkpointer:
         if error is not None:
             raise CheckpointSaveError(f"an earlier background save failed: {error}") from error
 
-    def _require_tracked(self) -> _Tracked:
+    def _require_tracked(self) -> Tracked:
         if self._tracked is None:
             raise RuntimeError("nothing to checkpoint: call ckpt.track(model=..., optimizer=...) first")
         return self._tracked
@@ -585,28 +491,3 @@ class Checkpointer:
     def _all_max(self, values: tuple[int, ...], group: dist.ProcessGroup | None) -> tuple[int, ...]:
         """The largest of each value over the ranks, in one collective."""
         return collectives.all_max(values, group) if self._distributed else values
-
-
-def _sweep(directory: Path) -> None:
-    """Clean abandoned temporary directories, sparing those of saves in flight in this process.
-
-    Cleaning only tidies: rank 0 failing at it alone must not fail (and desynchronise) a save."""
-    with _in_flight_lock:
-        live = frozenset(p.name for p in _in_flight if p.parent == directory)
-    try:
-        layout.recover_and_clean(directory, keep_names=live)
-    except OSError as exc:
-        logger.warning("could not clean abandoned temporary directories in %s: %s", directory, exc)
-
-
-def _unwritable_error(directory: Path, rank: int) -> OSError | None:
-    """Why files cannot be created in `directory` (created if missing), or None when they can."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        # os.access is not enough as root; a real write also catches read-only mounts and /proc.
-        probe = directory / f".probe-{rank}-{os.getpid()}"
-        layout.write_durable(probe, b"ok")
-        probe.unlink()
-    except OSError as exc:
-        return exc
-    return None

@@ -16,9 +16,9 @@ from fsdp2nb.checkpoint import (
     CheckpointMismatchError,
     CheckpointSaveError,
     CheckpointStatus,
+    in_flight,
     tracking,
 )
-from fsdp2nb.checkpoint import manager as manager_module
 from fsdp2nb.checkpoint.layout import METADATA_FILE, file_crc32, read_latest, read_metadata
 from fsdp2nb.checkpoint.requests import RequestOutcome, SaveRequests
 from fsdp2nb.checkpoint.staging import ReusedBufferStager
@@ -246,7 +246,7 @@ def test_a_failed_synchronous_save_leaves_no_temporary_directory(tmp_path, train
         assert "AttributeError: Can't pickle local object" in message and "FrameSummary" not in message
         del first_state["unwritable"]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-000001"]
-        assert not any(p.parent == tmp_path for p in manager_module._in_flight)
+        assert not in_flight.live_in(tmp_path)
         assert ckpt.latest() == 1
 
 
@@ -354,11 +354,11 @@ def test_a_new_checkpointer_spares_a_save_in_flight(tmp_path):
     abandoned = tmp_path / ".tmp-step-000002-0badf00d"
     live.mkdir()
     abandoned.mkdir()
-    manager_module._in_flight.add(live)  # what Checkpointer.save registers until its commit ends
+    in_flight.started(live)  # what Checkpointer.save registers until its commit ends
     try:
         Checkpointer(tmp_path).close()
     finally:
-        manager_module._in_flight.discard(live)
+        in_flight.ended(live)
     assert live.exists() and not abandoned.exists()
 
 
