@@ -8,7 +8,7 @@ the matrix products count), fp32. Three ways, alternating round by round:
   * whole: this process loads the checkpoint with `from_pretrained` and generates the 8 prompts as
     one left-padded batch, with torch's threads over every core or with one thread, whichever was
     faster at the start (on a machine shared with other work torch's threads can wait for each
-    other far longer than they save: 2.4-13 s against 0.33 s here); the same choice for evaluate;
+    other far longer than they save); the same choice for evaluate;
   * fsdp2nb: `fsdp2nb.generate` in a `%%fsdp2` cell: the prompts spread over the ranks, the model
     gathered once on each;
   * plain sharded: `model.generate` on every rank of the sharded model, each rank all 8 prompts,

@@ -220,15 +220,16 @@ _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "
 def fsdp_forward_hooks_set_aside(model: nn.Module) -> Iterator[None]:
     """FSDP2's own forward hooks left out of forward passes until exit; for gathered units without
     gradients only, where they have nothing to do: unsharding and resharding are no-ops, and
-    nothing prepares a backward. They cost about a third of a small model's decoding step on CPU
-    and append to FSDP's post-forward order, which only a backward clears. Other hooks stay; on
-    exit each hook table is as it was, in its order. (The first forward with the hooks back does
-    FSDP's lazy initialisation, if none did before.)"""
+    nothing prepares a backward. They cost a good part of a small model's decoding step on CPU
+    (docs/benchmarks.md) and append to FSDP's post-forward order, which only a backward clears.
+    Other hooks stay; on exit each hook table is as it was, in its order. (The first forward with
+    the hooks back does FSDP's lazy initialisation, if none did before.)"""
     fsdp_ids: set[int] = set()
     for unit in fsdp_units(model):
-        state = unit._get_fsdp_state()  # FSDP2 keeps its hooks' handles there (torch 2.13)
-        for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
-            fsdp_ids.update(entry.id for entry in getattr(handle, "handles", (handle,)))
+        state = unit._get_fsdp_state()
+        # FSDP2 keeps its hooks' handles there (torch 2.13); should a later torch not, the hooks stay.
+        for handle in (getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None)):
+            fsdp_ids.update(entry.id for entry in getattr(handle, "handles", (handle,)) if hasattr(entry, "id"))
     saved = []
     for module in model.modules():
         for name in _FORWARD_HOOK_DICTS:
