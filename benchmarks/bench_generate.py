@@ -15,7 +15,7 @@ the matrix products count), fp32. Three ways, alternating round by round:
     as a user would call it without `fsdp2nb.generate`: every token all-gathers every unit.
 `evaluate`: 32 examples of 64 tokens, batches of 8: `fsdp2nb.evaluate` in the cell against this
 process summing the cross-entropy batch by batch with the model whole.
-The cell's figure is rank 0's wall time between two barriers. Per comparison: the medians, the
+The cell's figure is rank 0's wall time from a barrier to the call's return. Per comparison: the medians, the
 best runs (the least disturbed by other work), and the median of the paired ratios (the runs of
 one round are next to each other, so drift of a shared machine hits both).
 Run: .venv/bin/python -m benchmarks.bench_generate [--rounds 5] [--ranks 2 4] [--sizes tiny small]
@@ -70,8 +70,7 @@ def timed(kind):
     run = {"fsdp2nb": run_fsdp2nb, "plain": run_plain, "evaluate": run_evaluate}[kind]
     dist.barrier()
     started = time.perf_counter()
-    run()
-    dist.barrier()
+    run()  # each ends in a collective (a gather, or the last token's all-gathers): every rank is done
     return time.perf_counter() - started
 
 for kind in ("fsdp2nb", "plain", "evaluate"):  # untimed: first calls build caches

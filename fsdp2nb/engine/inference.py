@@ -142,24 +142,28 @@ def max_gathered_bytes_from(value: int | None) -> int | None:
             f"{MAX_GATHERED_BYTES_ENV}={text!r} must be a number of bytes, e.g. 8e9") from None
 
 
-def plan_gathering(model: nn.Module, limit_bytes: int | None, local_fact: object = None) -> tuple[GatherPlan, list]:
+def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple[int, ...] = ()
+                   ) -> tuple[GatherPlan, list[tuple[int, ...]]]:
     """Decide, the same on every rank, whether the whole model is gathered.
 
-    Collective (one all_gather_object). `local_fact` travels with this rank's figures, so that a
-    caller can compare what the ranks were given (their prompts) in the same collective; every
-    rank's fact comes back, in rank order. A model without FSDP units is whole on every rank already."""
+    Collective: one all_gather of a few integers, on the model's device. `local_facts` travel with
+    this rank's figures, so that a caller can compare what the ranks were given (their prompts) in
+    the same collective; every rank's facts come back, in rank order. A model without FSDP units is
+    whole on every rank already."""
     sharded = bool(fsdp_units(model))
     needed = gathered_bytes(model) if sharded else 0
-    mine = (available_bytes(model_device(model)) if sharded else 0, local_fact)
+    device = model_device(model)
+    mine = torch.tensor([available_bytes(device) if sharded else 0, *local_facts], dtype=torch.int64, device=device)
     everyone = [mine]
     if is_distributed():
-        everyone = [None] * get_world_size()
-        dist.all_gather_object(everyone, mine)
-    available = tuple(int(entry[0]) for entry in everyone)
+        everyone = [torch.empty_like(mine) for _ in range(get_world_size())]
+        dist.all_gather(everyone, mine)
+    rows = [tuple(row.tolist()) for row in everyone]
+    available = tuple(row[0] for row in rows)
     reason = _why_sharded(needed, available, limit_bytes) if sharded else ""
     plan = GatherPlan(gathered=sharded and not reason, lockstep=bool(reason) and get_world_size() > 1,
                       needed_bytes=needed, available_bytes=available, limit_bytes=limit_bytes, reason=reason)
-    return plan, [entry[1] for entry in everyone]
+    return plan, [row[1:] for row in rows]
 
 
 def _why_sharded(needed: int, available: tuple[int, ...], limit_bytes: int | None) -> str:
