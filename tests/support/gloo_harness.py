@@ -1,9 +1,11 @@
 """Run a function on N CPU ranks joined by gloo, and collect what each rank returns.
 
-`fn` must be importable (a module-level function of a test module) because ranks are spawned
-fresh processes. Each rank gets RANK/WORLD_SIZE/LOCAL_RANK set and an initialised process group;
-its return value must be picklable. An exception on any rank fails the call with that rank's
-traceback.
+`fn` must be importable (a module-level function of a test module): ranks are new processes that
+ran no test code, forked from a fork server that imported torch and transformers once for the whole
+session (PRELOAD), so that a call does not pay those imports on every rank (seconds each). The fork
+server keeps the environment of the first call: `fn` sets what it needs in os.environ itself. Each
+rank gets RANK/WORLD_SIZE/LOCAL_RANK set and an initialised process group; its return value must be
+picklable. An exception on any rank fails the call with that rank's traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers")
+"""What the fork server imports before it forks any rank (a module that fails to import is skipped)."""
 
 
 def _rank_main(rank: int, fn: Callable, world_size: int, workdir: str, args: tuple, kwargs: dict) -> None:
@@ -55,10 +60,11 @@ def _exit_without_finalizing() -> None:
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results in rank order."""
+    mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # no effect once the server runs
     with tempfile.TemporaryDirectory(prefix="fsdp2nb-ranks-") as workdir:
         mp.start_processes(
             _rank_main, args=(fn, world_size, workdir, args, kwargs), nprocs=world_size,
-            join=True, start_method="spawn",
+            join=True, start_method="forkserver",
         )
         outcomes = []
         for rank in range(world_size):
