@@ -241,24 +241,3 @@ def test_pulling_an_unpicklable_value_says_why_in_one_line(kernel):
     assert run.status == "error"
     assert "'lock' cannot be sent to the notebook" in run.traceback_text, run.traceback_text
     assert kernel.execute("%%fsdp2\nprint(lock.locked())").stdout == "[all] False\n"
-
-
-# --- nothing left behind ---------------------------------------------------------------------------
-
-
-def test_kernel_shutdown_leaves_no_rank_process_and_no_registry_entry():
-    from fsdp2nb.pool import reaper
-    from tests.support.kernel_client import WITHOUT_GPUS, Kernel
-
-    own = Kernel(env=WITHOUT_GPUS)
-    try:
-        assert own.execute("%load_ext fsdp2nb").status == "ok"
-        assert own.execute("%fsdp2 start --cpu 2").status == "ok"
-        ranks, agent = _rank_pids(own), _agent_pid(own)
-        pool_id = own.execute("from fsdp2nb import _session\nprint(_session.pool.pool_id)").stdout.strip()
-    finally:
-        own.stop()
-    left = [pid for pid in [*ranks, agent] if psutil.pid_exists(pid)
-            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    assert left == [], "processes of the pool outlived its kernel"
-    assert not (reaper.state_dir() / "pools" / f"{pool_id}.json").exists()
