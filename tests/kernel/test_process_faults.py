@@ -60,9 +60,14 @@ def test_waiting_cell_shows_where_each_rank_is(kernel):
 
 def test_a_quiet_loop_of_collectives_shows_no_waiting_line(kernel):
     """Every rank in the same collective, over and over, is a loop at work, not a hang."""
-    code = ("%%fsdp2\nimport time\nt = torch.ones(2_000_000)\n"
-            "for _ in range(2000):  # a count, not a deadline: every rank makes the same calls\n"
-            "    dist.all_reduce(t)\n")
+    # Rank 0 says through the all_reduce itself when 8 s have passed, so every rank makes the same
+    # calls and leaves together: past WAITING_REPORT_S (3 s), then samples 2 s apart.
+    code = ("%%fsdp2\nimport time\nt = torch.ones(2_000_000)\nend = time.monotonic() + 8\n"
+            "while True:\n"
+            "    t[0] = float(rank == 0 and time.monotonic() > end)\n"
+            "    dist.all_reduce(t)\n"
+            "    if t[0] > 0:\n"
+            "        break\n")
     run = kernel.execute(code, timeout=120)
     assert run.status == "ok", run.traceback_text
     shown = [m["content"]["data"].get("text/plain", "") for m in run.messages
