@@ -27,10 +27,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distri
 def _rank_main(rank: int, fn: Callable, world_size: int, workdir: str, args: tuple, kwargs: dict) -> None:
     import torch.distributed as dist
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
-    )
+    _set_rank_environment(rank, world_size)
     store = dist.FileStore(os.path.join(workdir, "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
@@ -42,6 +39,13 @@ def _rank_main(rank: int, fn: Callable, world_size: int, workdir: str, args: tup
     with open(os.path.join(workdir, f"result-{rank}.pkl"), "wb") as f:
         pickle.dump(outcome, f)
     _exit_without_finalizing()
+
+
+def _set_rank_environment(rank: int, world_size: int) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
+    )
 
 
 def _exit_without_finalizing() -> None:
@@ -58,9 +62,15 @@ def _exit_without_finalizing() -> None:
     os._exit(0)
 
 
+def _fork_server_context() -> mp.context.ForkServerContext:
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs
+    return context
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results in rank order."""
-    mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # no effect once the server runs
+    _fork_server_context()
     with tempfile.TemporaryDirectory(prefix="fsdp2nb-ranks-") as workdir:
         mp.start_processes(
             _rank_main, args=(fn, world_size, workdir, args, kwargs), nprocs=world_size,
@@ -74,3 +84,19 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, **kwargs: Any) -> list[
     if errors:
         raise AssertionError("\n".join(errors))
     return [value for _, value in outcomes]
+
+
+def start_ranks(fn: Callable, world_size: int, *args: Any) -> list[mp.Process]:
+    """Start `fn(*args)` on `world_size` ranks and return their processes at once, for a test in which
+    a rank is meant to die (run_ranks takes a dead rank for a failure). Each rank has RANK and the
+    rest set, but no process group: `fn` makes its own. The caller joins or kills the processes."""
+    context = _fork_server_context()
+    processes = [context.Process(target=_started_rank, args=(rank, world_size, fn, args)) for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    return processes
+
+
+def _started_rank(rank: int, world_size: int, fn: Callable, args: tuple) -> None:
+    _set_rank_environment(rank, world_size)
+    fn(*args)
