@@ -67,7 +67,7 @@ class ReformableGlooGroup(dist.ProcessGroup):
         backend opened (its pairs and listener)."""
         options = ProcessGroupGloo._Options()
         options._timeout = self._timeout
-        options._devices = [ProcessGroupGloo.create_default_device()]
+        options._devices = gloo_devices()
         store = PrefixStore(f"generation-{self._generation}", self._store)
         before = set(_socket_fds())
         backend = ProcessGroupGloo(store, self.rank(), self.size(), options)
@@ -90,6 +90,17 @@ class ReformableGlooGroup(dist.ProcessGroup):
         """Connect afresh under `generation`'s prefix; every member of the group must call it."""
         self._generation = generation
         self._inner, self._sockets = self._connect()
+
+def gloo_devices() -> list:
+    """The devices torch's own gloo groups take: one per interface in GLOO_SOCKET_IFNAME (the
+    pool sets it to the interface that reaches the other hosts, or `lo`), else the address the
+    hostname resolves to. Options built by hand skip torch's reading of the variable, and on a
+    host whose name resolves to loopback every peer would be told to connect to 127.0.0.1."""
+    names = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if not names:
+        return [ProcessGroupGloo.create_default_device()]
+    return [ProcessGroupGloo.create_device(interface=name) for name in names]
+
 
 _COLLECTIVES = (
     "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "allgather_coalesced",
