@@ -122,6 +122,44 @@ def test_training_matches_one_host_and_the_checkpoint_loads_on_one_rank(ray_kern
     assert restored.split()[-1] == saved.split()[-1]
 
 
+HSDP_SETUP = SETUP.replace("model, tokenizer = fsdp2nb.load_model(", "hosts_mesh = fsdp2nb.hsdp_mesh()\n"
+                           "model, tokenizer = fsdp2nb.load_model(").replace(
+    'FSDP2Engine(mixed_precision="fp32")', 'FSDP2Engine(mixed_precision="fp32", mesh=hosts_mesh)')
+PARAMETER_SUM = ("%%fsdp2\nprint(round(sum(p.full_tensor().double().sum().item() "
+                 "for p in model.parameters()), 9))")
+
+
+def test_hsdp_over_two_hosts_trains_as_the_flat_mesh_and_its_checkpoint_loads_flat(ray_kernel, ray_cluster,
+                                                                                  tmp_path_factory):
+    """2 hosts x 2 ranks: `hsdp_mesh()` makes one row per host, and training on it gives the
+    flat mesh's losses; its checkpoint loads into the flat mesh of the same pool."""
+    four = START.format(address=ray_cluster.address).replace("start", "restart").replace("per-node 1", "per-node 2")
+    started = ray_kernel.execute(four, timeout=300)
+    assert started.status == "ok", started.traceback_text + started.stderr
+    root = tmp_path_factory.mktemp("hsdp-hosts")
+    paths = f"model_dir = {str(root / 'model')!r}\nckpt_dir = {str(root / 'ckpt')!r}\n"
+    assert ray_kernel.execute(paths + "%fsdp2 push model_dir ckpt_dir").status == "ok"
+    setup = ray_kernel.execute(HSDP_SETUP, timeout=300)
+    assert setup.status == "ok", setup.traceback_text + setup.stderr
+    rows = ray_kernel.execute("%%fsdp2\nimport os\nprint(hosts_mesh.get_coordinate()[0] == int(os.environ['GROUP_RANK']), "
+                              "hosts_mesh.shape, next(model.parameters()).placements, mesh.shape)")
+    assert rows.stdout == "[all] True (2, 2) (Replicate(), Shard(dim=0)) (4,)\n", rows.stdout + rows.traceback_text
+    hsdp = ray_kernel.execute(TRAIN, timeout=300)
+    assert hsdp.status == "ok", hsdp.traceback_text
+    assert ray_kernel.execute("%fsdp2 save 3").status == "ok"
+    saved = ray_kernel.execute(PARAMETER_SUM).stdout
+
+    assert ray_kernel.execute(SETUP.replace("keep=2", "keep=5"), timeout=300).status == "ok"  # the flat mesh
+    flat = ray_kernel.execute(TRAIN, timeout=300)
+    assert [float(x) for x in losses(hsdp.stdout)] == pytest.approx([float(x) for x in losses(flat.stdout)],
+                                                                     rel=1e-5, abs=2e-6)
+    assert len(losses(flat.stdout)) == 3
+    loaded = ray_kernel.execute("%fsdp2 load 3")
+    assert loaded.status == "ok", loaded.traceback_text + loaded.stderr
+    assert ray_kernel.execute(PARAMETER_SUM).stdout.split()[-1] == saved.split()[-1]
+    assert ray_kernel.execute("%fsdp2 restart --cpu 1", timeout=300).status == "ok"  # as the training test left it
+
+
 def test_a_restart_ends_the_old_pool_and_killing_the_kernel_leaves_no_process(ray_kernel, test_hosts,
                                                                                ray_cluster):
     before = pool_processes(test_hosts)  # the one-rank pool the training test left, and its standby agent
