@@ -1,7 +1,8 @@
 # make demo: run notebooks/quickstart.ipynb headless on CPU ranks (or GPUs when present), then
 #            print what it showed. make lab: open it in JupyterLab (as root too).
-# make test: the whole test suite (CPU, gloo; tests/browser in Debian's chromium, installed when
-#            missing). Both set up .venv themselves and may be run twice.
+# make test: ruff, mypy on the kernel side ([tool.mypy] in pyproject.toml), then the whole test
+#            suite (CPU, gloo; tests/browser in Debian's chromium, installed when missing).
+#            Both set up .venv themselves and may be run twice.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fsdp2nb-installed
@@ -18,6 +19,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	bash scripts/install_chromium.sh
 	$(PY) -m ruff check fsdp2nb tests benchmarks scripts
+	$(PY) -m mypy
 	$(PY) -m pytest -q tests
 
 # JupyterLab comes with the [test] extra; it refuses root (containers, CI) without --allow-root.
@@ -42,7 +44,7 @@ gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache
 
 # make soak: the long fault campaign (200 seeded faults on 4 CPU ranks), a test marked soak that the
 # suite deselects; SOAK_ARGS="--soak-faults 30 --soak-seed 7" (also --soak-ranks, --soak-timeout, --soak-kinds).

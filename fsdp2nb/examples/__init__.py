@@ -162,9 +162,8 @@ def press_save_now(wait_s: float = 30.0) -> str:
     to see it before clicking (the ranks report it twice a second).
     """
     import fsdp2nb
-    from fsdp2nb.frontend.dashboard_link import existing_link
 
-    link = existing_link(fsdp2nb._session) if fsdp2nb._session is not None else None
+    link = fsdp2nb._session.dashboard if fsdp2nb._session is not None else None
     if link is None or not link.views:
         raise RuntimeError("no dashboard is shown: run `%fsdp2 start` (without --no-dashboard) or `%fsdp2 dashboard` first")
     deadline = time.monotonic() + wait_s

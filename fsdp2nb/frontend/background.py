@@ -6,6 +6,9 @@ routes it into that cell's output area while other cells run. One run goes at a 
 later request for the ranks waits for it on the main thread (the stop button ends that wait,
 not the run), and fails with the run's error if the run failed and nobody has seen it yet.
 
+A kept pool's run that a kernel takes over on attach (a `--bg` run, or a cell of a kernel that
+was lost) becomes a handle here too (`taken_over_run`): its request was sent already.
+
 Threads: the handle's state is written by the runner thread and read anywhere, under the
 handle's lock; `BackgroundRuns` guards its registry with its own lock. No thread here ever
 waits for the kernel's main thread.
@@ -24,12 +27,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 from fsdp2nb.errors import InvalidValue, NoSuchRun, RankError
+from fsdp2nb.frontend.cell_transform import notebook_execution_count
 from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.pool.kept import describe_ranks
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.notebook_input import PromptRelay
     from fsdp2nb.frontend.request_wait import RequestWait
+    from fsdp2nb.pool.handle import PoolHandle
     from fsdp2nb.wire.protocol import ControlMessage
 
 logger = logging.getLogger(__name__)
@@ -260,7 +265,7 @@ class BackgroundRuns:
             if run.name:
                 self._named[run.name] = run
 
-    def wait_for_active(self, say: Callable[[str], None]) -> None:
+    def wait_for_active(self, say: Callable[[str], object]) -> None:
         """Before a request for the ranks: wait for the run going (saying so in one line), then
         raise its error if it failed unseen. On the main thread the stop button ends the wait."""
         run = self.active
@@ -270,7 +275,7 @@ class BackgroundRuns:
         with self._lock:
             latest = self._latest
         error = latest.unseen_error() if latest is not None else None
-        if error is not None:
+        if latest is not None and error is not None:
             latest.mark_error_seen()
             raise _queued_failure(latest, error)
 
@@ -316,6 +321,47 @@ def resume_background_run(runs: BackgroundRuns, wait: RequestWait, run: Backgrou
     thread.start()
 
 
+def requests_at_attach(pool: PoolHandle) -> dict[int, int]:
+    """Rank -> the request this kernel waits for: every rank the board showed running (ranks
+    mark a request ended before replying, so each replies to this kernel), whatever request it
+    runs, and every rank that holds the reply to one that ended while no kernel held the pool."""
+    cell_ids = {rank: slot.running_cell_id for rank, slot in enumerate(pool.work_at_attach)
+                if slot.running_cell_id is not None and rank not in pool.exited}
+    cell_ids.update({rank: ready.held_reply for rank, ready in pool.ranks.items()
+                     if ready.held_reply is not None and rank not in cell_ids})
+    return cell_ids
+
+
+def taken_over_run(pool: PoolHandle, cell_ids: dict[int, int], relay: PromptRelay,
+                    ) -> tuple[BackgroundRun, dict[int, float]]:
+    """The handle, named as the kernel that started the run noted it (else from the board), and
+    when each rank still running started."""
+    first = min(cell_ids.values())
+    noted = pool.noted_background_run(first)
+    running = {rank: slot for rank, slot in enumerate(pool.work_at_attach)
+               if rank in cell_ids and slot.running_cell_id is not None}
+    busy_since = {rank: slot.since for rank, slot in running.items()}
+    count = next((slot.execution_count for slot in running.values() if slot.running_cell_id == first), None)
+    # A rank that holds its reply ended the run while no kernel held the pool, when its slot last changed.
+    ended = [slot.since for rank, slot in enumerate(pool.work_at_attach) if rank in cell_ids and rank not in running]
+    run = BackgroundRun(
+        ranks=tuple(sorted(cell_ids)), prompts=relay,
+        started_at=noted.started if noted else min(busy_since.values(), default=time.time()),
+        execution_count=noted.execution_count if noted else count, name=noted.name if noted else None,
+        origin=f"of kernel {noted.kernel_pid}" if noted else "of another kernel",
+        ended_at=max(ended) if ended and not running else None,
+        output_at=_taken_over_output(pool.log_dir))
+    return run, busy_since
+
+
+def _taken_over_output(log_dir: str) -> str:
+    """Where a run taken over by the running (attach) cell shows its output: under that cell from
+    now on, and in the ranks' logs all along (what it printed while no kernel held the pool too)."""
+    count = notebook_execution_count()
+    cell = f"In[{count}], the attach cell," if count is not None else "the attach cell"
+    return f"its output is under {cell} and in the rank logs in {log_dir}"
+
+
 def _run(wait: RequestWait, run: BackgroundRun, shell, parent) -> None:
     """The runner: the blocking cell's wait, on this thread. Its events come through the pool's
     receiving thread, its output goes to this thread's parent cell."""
@@ -342,7 +388,7 @@ def _show_error(shell, error: BaseException) -> None:  # an IPython shell
     lines = render() if render else traceback.format_exception(error)
     _flush_streams()
     hook = getattr(shell, "displayhook", None)
-    if getattr(hook, "session", None) is None:  # not ipykernel: plain text
+    if hook is None or getattr(hook, "session", None) is None:  # not ipykernel: plain text
         sys.stderr.write("\n".join(lines) + "\n")
         return
     from ipykernel.jsonutil import json_clean

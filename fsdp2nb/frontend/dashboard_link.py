@@ -1,6 +1,6 @@
 """Connects the session's pool to the dashboard: feeds its model, serves its buttons.
 
-One link per session. A daemon thread wakes every REFRESH_S, takes the snapshots the pool's
+One link per session, which holds it. A daemon thread wakes every REFRESH_S, takes the snapshots the pool's
 receiving side queued for it, updates the model and sets the traits of every view that
 changed: background work only sets traits, at most twice a second. Button handlers run on the
 thread the click arrived on (a subshell thread during a busy cell): what they call here is
@@ -17,8 +17,8 @@ import tempfile
 import threading
 from typing import TYPE_CHECKING
 
+from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.launcher import describe_exit
-from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.widgets.model import DashboardModel, PoolFacts
 from fsdp2nb.wire.protocol import (
     CheckpointStatus,
@@ -48,7 +48,8 @@ def _refused(text: str) -> Exception:
 
 
 class DashboardLink:
-    """Feeds one DashboardModel from `session`'s pool; implements the dashboard's Actions."""
+    """Feeds one DashboardModel from `session`'s pool; implements the dashboard's Actions. The session
+    makes it (`NotebookSession.dashboard_link`) and holds it."""
 
     def __init__(self, session: NotebookSession) -> None:
         self.session = session
@@ -83,7 +84,7 @@ class DashboardLink:
                 break
         self.model.set_facts(self._facts(pool))
 
-    def _facts(self, pool: WorkerPool | None) -> PoolFacts:
+    def _facts(self, pool: PoolHandle | None) -> PoolFacts:
         if pool is None:
             return PoolFacts(state="starting" if self._restarting else "stopped",
                              world_size=self.model.facts.world_size)
@@ -240,14 +241,14 @@ class DashboardLink:
 
     # --- checks ---------------------------------------------------------------------------------
 
-    def _ready_pool(self) -> WorkerPool:
+    def _ready_pool(self) -> PoolHandle:
         pool = self.session.pool
         if pool is None or pool.state != "ready":
             state = "stopped" if pool is None else pool.state
             raise _refused(f"the pool is {state}: start one with `%fsdp2 start` or `%fsdp2 restart`")
         return pool
 
-    def _idle_pool(self, what: str) -> WorkerPool:
+    def _idle_pool(self, what: str) -> PoolHandle:
         pool = self._ready_pool()
         if pool.busy_ranks:
             raise _refused(f"{what} acts while the pool is idle: a cell is running")
@@ -260,7 +261,7 @@ class DashboardLink:
             raise _refused(_HOW_TO_TRACK)
         return view
 
-    def _run_on_ranks(self, pool: WorkerPool, command: RankCommand) -> None:
+    def _run_on_ranks(self, pool: PoolHandle, command: RankCommand) -> None:
         """One of fsdp2nb's commands (worker/commands.py) on every rank; a rank's error becomes
         the panel's line."""
         from fsdp2nb.frontend.errors import RankError
@@ -302,21 +303,3 @@ def _host_memory() -> int:
     import psutil
 
     return psutil.virtual_memory().total
-
-
-_LINKS: dict[int, DashboardLink] = {}
-_LINKS_LOCK = threading.Lock()
-
-
-def existing_link(session: NotebookSession) -> DashboardLink | None:
-    link = _LINKS.get(id(session))
-    return link if link is not None and link.session is session else None
-
-
-def link_for(session: NotebookSession) -> DashboardLink:
-    """The session's link, made on first use (its thread starts then); one, whichever threads ask."""
-    with _LINKS_LOCK:
-        link = _LINKS.get(id(session))
-        if link is None or link.session is not session:
-            link = _LINKS[id(session)] = DashboardLink(session)
-        return link

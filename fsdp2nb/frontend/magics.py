@@ -2,253 +2,67 @@
 
 from __future__ import annotations
 
-import argparse
-import functools
 import pickle
-import shlex
 import sys
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
-from IPython.core.magic_arguments import MagicArgumentParser
 
 from fsdp2nb.errors import InvalidValue, NoPoolRunning, PoolStartError, RankError, UsageMistake
-from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.errors import alarm
-from fsdp2nb.frontend.output import notebook_color_scheme
+from fsdp2nb.frontend.magic_help import HELP
+from fsdp2nb.frontend.magic_options import (
+    COMMANDS,
+    cell_options,
+    keep_options,
+    line_parsers,
+    plan_ranks,
+    spec_or_none,
+    split_magic_line,
+)
 from fsdp2nb.frontend.session import NotebookSession
+from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.kept import (
-    DEFAULT_KEEP_FOR_S,
     KeepOptions,
-    default_pool_name,
     describe_deaths,
     describe_ranks,
-    parse_keep_for,
 )
-from fsdp2nb.pool.pool import WorkerPool
-from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, parse_rank_list, spec_from_options
+from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list
 from fsdp2nb.wire.protocol import (
     LoadCheckpoint,
     RankCommand,
-    RunCell,
     RunCommand,
     SaveCheckpoint,
     SaveIfRequested,
 )
+from fsdp2nb.wire.rank_logs import rank_log_path
 
-_COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
-             "wait", "interrupt", "debug", "pools", "attach", "detach", "plan", "memory")
+if TYPE_CHECKING:
+    from fsdp2nb.frontend.dashboard_link import DashboardLink
+
 _WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load", "debug"))
 """Commands that need the ranks, so wait for a background run as a later cell does."""
 _REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError"))
 """Errors of `%fsdp2 save`/`load` that changed nothing and say what to do: shown without tracebacks."""
 
 
-def _add_pool_options(parser: argparse.ArgumentParser) -> None:
-    """The options that choose a pool, shared by `%%fsdp2`, `start` and `restart`."""
-    group = parser.add_argument_group("pool")
-    group.add_argument("--gpus", metavar="N|I,J,..", help="N GPUs (the first N visible) or a list of GPU indices")
-    group.add_argument("--cpu", type=int, metavar="N", help="N CPU ranks joined by gloo")
-    group.add_argument("--timeout", type=float, metavar="SECONDS", help="collective timeout (default 600 s)")
-    group.add_argument("--no-dashboard", action="store_true", help="do not show the dashboard when the pool starts")
-    hosts = parser.add_argument_group("ranks on several hosts")
-    hosts.add_argument("--ray", nargs="?", const="auto", metavar="auto|HOST:PORT",
-                       help="hosts from a Ray cluster (default: the one this machine belongs to)")
-    hosts.add_argument("--slurm", action="store_true", help="hosts of the Slurm allocation this kernel runs in")
-    hosts.add_argument("--nodes", type=int, metavar="N", help="how many hosts (with --slurm: the allocation's)")
-    hosts.add_argument("--gpus-per-node", type=int, metavar="N", help="N GPU ranks on each host")
-    hosts.add_argument("--cpu-per-node", type=int, metavar="N", help="N CPU ranks on each host")
-    hosts.add_argument("--listen", metavar="ADDRESS",
-                       help="this host's address on the cluster network (default: found from the route)")
-
-
-def _add_keep_options(parser: argparse.ArgumentParser, *, with_name: bool) -> None:
-    """The options that keep a pool beyond its kernel, shared by `%%fsdp2` and `start`."""
-    group = parser.add_argument_group("kept pools")
-    group.add_argument("--keep", action="store_true",
-                       help="the ranks outlive this kernel; `%%fsdp2 attach NAME` in another kernel uses them")
-    if with_name:  # on a %%fsdp2 line, --name is shared with --bg (see _keep_options)
-        group.add_argument("--name", metavar="NAME", help="with --keep: the pool's name (default pool-N)")
-    group.add_argument("--keep-for", metavar="DURATION",
-                       help="with --keep: unheld and idle this long (90s, 30m, 2h, none), the pool ends (default 1h)")
-
-
-def _keep_options(options, *, cell: bool = False) -> KeepOptions | None:
-    """`--keep [--name NAME] [--keep-for DURATION]` as options; None without --keep."""
-    if not options.keep:
-        if options.keep_for is not None:
-            raise InvalidValue("--keep-for applies to a kept pool: add --keep")
-        return None
-    if cell and options.bg and options.name is not None:
-        raise InvalidValue("--name is ambiguous with both --bg and --keep; start the kept pool first "
-                           "(`%fsdp2 start --keep --name NAME`), then run the cell with --bg --name")
-    keep_for = parse_keep_for(options.keep_for) if options.keep_for is not None else DEFAULT_KEEP_FOR_S
-    return KeepOptions(name=options.name or default_pool_name(), keep_for_s=keep_for)
-
-
-def _parser(prog: str, description: str) -> MagicArgumentParser:
-    return MagicArgumentParser(prog=prog, description=description, add_help=False)
-
-
-@functools.lru_cache(maxsize=64)  # a line that fails raises, so it is not kept
-def _cell_options(line: str) -> argparse.Namespace:
-    """The options of a `%%fsdp2` line; a notebook repeats a few lines, so each is parsed once
-    (argparse is a good part of an empty cell's cost). Callers only read the result."""
-    return _cell_parser().parse_args(split_magic_line(line))
-
-
-def split_magic_line(line: str) -> list[str]:
-    """The words of a magic's line; a trailing `# comment` is not an argument, as in Python."""
-    return shlex.split(line, comments=True)
-
-
-@functools.cache
-def _cell_parser() -> MagicArgumentParser:
-    parser = _parser("%%fsdp2", "Run the cell on every rank of the pool.")
-    _add_pool_options(parser)
-    parser.add_argument("--ranks", metavar="R,..", help="run on these ranks only, e.g. 0 or 0,2 or 1-3")
-    parser.add_argument("--bg", action="store_true", help="run in the background: return a handle at once")
-    parser.add_argument("--name", metavar="NAME",
-                        help="with --bg: bind the run's handle to NAME; with --keep: the pool's name")
-    _add_keep_options(parser, with_name=False)
-    return parser
-
-
-def _line_parsers() -> dict[str, MagicArgumentParser]:
-    parsers = {name: _parser(f"%fsdp2 {name}", "") for name in _COMMANDS}
-    _add_pool_options(parsers["start"])
-    _add_keep_options(parsers["start"], with_name=True)
-    parsers["attach"].add_argument("name", nargs="?", default=None, metavar="NAME",
-                                   help="the kept pool (default: the only one)")
-    parsers["attach"].add_argument("--take", action="store_true", help="take it from the kernel that holds it")
-    parsers["attach"].add_argument("--no-dashboard", action="store_true", help="do not show the dashboard")
-    _add_pool_options(parsers["restart"])
-    parsers["push"].add_argument("names", nargs="+", metavar="NAME")
-    parsers["pull"].add_argument("names", nargs="+", metavar="NAME", help="names on the ranks to pull")
-    parsers["pull"].add_argument("--value", action="store_true",
-                                 help="return the value (several names: a tuple) instead of defining the names")
-    target = parsers["pull"].add_mutually_exclusive_group()
-    target.add_argument("--rank", type=int, default=None, help="the rank to pull from (default 0)")
-    target.add_argument("--all", action="store_true", help="pull from every rank: a dict rank -> value")
-    parsers["save"].add_argument("step", nargs="?", type=_non_negative_int, default=None,
-                                 help="step to save as (default: the last step the checkpointer saw)")
-    parsers["load"].add_argument("target", nargs="?", default="latest", help="'latest' (default) or a step")
-    parsers["debug"].add_argument("--rank", type=int, default=None,
-                                  help="the rank whose last error to open (default: the rank that failed first)")
-    _add_plan_options(parsers["plan"])
-    parsers["memory"].add_argument("action", choices=("record",), help="record: CUDA allocations for the memory viewer")
-    parsers["memory"].add_argument("--steps", type=int, default=None, metavar="N", help="how many steps to record")
-    for command in ("wait", "interrupt"):
-        parsers[command].add_argument("name", nargs="?", default=None, metavar="NAME",
-                                      help="the background run's --name (default: the latest run)")
-    return parsers
-
-
-def _add_plan_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="PATH_OR_ID", help="a model directory, its config.json, or a cached Hub id")
-    ranks = parser.add_mutually_exclusive_group()
-    ranks.add_argument("--gpus", metavar="N|I,J,..", help="N GPU ranks (default: the pool's, else every visible GPU)")
-    ranks.add_argument("--cpu", type=int, metavar="N", help="N CPU ranks")
-    parser.add_argument("--lora", type=int, metavar="R", help="LoRA adapters of rank R on every Linear but the head")
-    parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences per rank per step (default 1)")
-    parser.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence (default 2048)")
-    parser.add_argument("--fp32", action="store_true", help="fp32 compute (default: bf16 mixed precision)")
-    parser.add_argument("--offload", action="store_true", help="sharded state in host memory (GPU ranks)")
-    parser.add_argument("--ac", action="store_true", help="activation checkpointing")
-    parser.add_argument("--optimizer", default="adamw", metavar="NAME", help="adamw (default), adam, sgd_momentum, sgd")
-    parser.add_argument("--memory", metavar="SIZE", help="memory per rank, e.g. 80GiB (default: the GPU's, or the host's)")
-
-
-def _plan_ranks(options, pool: WorkerPool | None) -> tuple[int, str]:
-    """(world size, "cuda" or "cpu") for `%fsdp2 plan`: as given, else the running pool's, else the
-    default pool's. `--gpus` counts GPUs without needing them here: a plan is for any machine."""
-    if options.cpu is not None:
-        return options.cpu, "cpu"
-    if options.gpus is not None:
-        parts = [part.strip() for part in options.gpus.split(",") if part.strip()]
-        if not parts or not all(part.isdigit() for part in parts):
-            raise UsageError(f"--gpus {options.gpus!r} is neither a count (8) nor a list of indices (0,2,3)")
-        return (int(parts[0]) if "," not in options.gpus else len(parts)), "cuda"
-    spec = pool.spec if pool is not None else default_spec()
-    return spec.world_size, "cuda" if spec.devices[0].startswith("cuda") else "cpu"
-
-
-def _non_negative_int(text: str) -> int:
-    if not (text.isascii() and text.isdigit()):
-        raise argparse.ArgumentTypeError(f"STEP must be a whole number >= 0, got {text!r}")
-    return int(text)
-
-
 @magics_class
 class FSDP2Magics(Magics):
     """Registers `%fsdp2` / `%%fsdp2` on a shell; all state lives in the session."""
 
-    def __init__(self, shell, session: NotebookSession) -> None:
+    def __init__(self, shell: InteractiveShell, session: NotebookSession) -> None:
         super().__init__(shell)
+        self._shell = shell
+        """The shell the magics serve (IPython's `self.shell` may be None, by its types)."""
         self.session = session
-        self._line_parsers = _line_parsers()
+        self._line_parsers = line_parsers()
 
     @no_var_expand  # done by _expand_variables, only for a line that asks for it
     @line_cell_magic
     def fsdp2(self, line: str, cell: str | None = None):
-        """Run notebook cells on persistent torch.distributed ranks.
-
-        Cell magic: the first %%fsdp2 cell starts the pool, later cells reuse it and its state::
-
-            %%fsdp2 --cpu 2              # 2 CPU ranks joined by gloo
-            %%fsdp2 --gpus 4             # ranks 0-3 on the first 4 visible GPUs (NCCL)
-            %%fsdp2 --gpus 0,2,3         # ranks on GPUs 0, 2 and 3
-            %%fsdp2 --ray --nodes 2 --gpus-per-node 8     # 16 ranks on 2 hosts of a Ray cluster
-            %%fsdp2 --slurm --gpus-per-node 4            # inside salloc/sbatch: every allocated host
-            %%fsdp2 --ranks 0            # only rank 0 of the running pool
-            x = torch.ones(1) * rank
-            dist.all_reduce(x)
-
-        Every rank has `rank`, `local_rank`, `world_size`, `device`, `mesh` (a 1-D DeviceMesh),
-        `torch` and `dist` defined. Output is labelled by rank; a line every rank prints is shown
-        once as [all]. The stop button interrupts every rank. input(), getpass and breakpoint()
-        on a rank prompt in the notebook's input box, named by rank (`[0] (Pdb) `).
-
-        Background run: the cell returns a handle at once and its output streams into it::
-
-            %%fsdp2 --bg --name train    # train.done(), train.wait(), train.interrupt(), train.state
-            %fsdp2 wait [train]          # later cells that need the ranks wait for it anyway
-            %fsdp2 interrupt [train]     # the stop button of an idle kernel leaves the run alone
-
-        Line magic::
-
-            %fsdp2 start --cpu 4 [--timeout 300]   # start a pool without running a cell
-            %fsdp2 status                           # rank, pid, device, state, memory
-            %fsdp2 push lr batch_size               # send notebook variables to every rank
-            %fsdp2 pull loss step                   # define them in the notebook, from rank 0
-            %fsdp2 pull w --rank 1                  # from rank 1 (a DTensor arrives whole)
-            %fsdp2 pull loss --all                  # loss = {rank: value}
-            w1 = %fsdp2 pull w --rank 1 --value     # returned: no notebook name is set
-            %fsdp2 save [STEP]                      # save through the ranks' tracked Checkpointer
-            %fsdp2 load [STEP|latest]               # restore model, optimizer, RNG and step
-            %fsdp2 dashboard                        # show the live dashboard (again)
-            df = %fsdp2 metrics                     # what fsdp2nb.log recorded, as a table
-            %fsdp2 debug [--rank R]                 # post-mortem of the last failed cell (pdb, as %debug)
-            %fsdp2 restart [--cpu 2]                # fresh pool, rank state is lost
-            %fsdp2 stop
-
-        Memory, before loading (no pool needed; the model is built on meta, no weights read)::
-
-            %fsdp2 plan meta-llama/Llama-3.1-8B --gpus 8 [--lora 16] [--batch 4] [--seq 4096]
-            %fsdp2 plan ./my-model --cpu 4 [--fp32] [--ac] [--offload] [--memory 80GiB]
-            %fsdp2 memory record                    # CUDA ranks only (not available yet)
-
-        Kept pools outlive the kernel (docs/usage.md, "Kept pools")::
-
-            %fsdp2 start --cpu 2 --keep [--name NAME] [--keep-for 2h|30m|90s|none]
-            %fsdp2 pools                            # this user's kept pools (x = %fsdp2 pools: a list)
-            %fsdp2 attach [NAME] [--take]           # hold one from this kernel; names on the ranks are there
-            %fsdp2 detach                           # let go; the pool runs on
-
-        `pull` defines the names in the notebook, as `push` does on the ranks, and returns None
-        (so `y = %fsdp2 pull x` sets x, and y to None). With `--value` it defines no name and
-        returns the value instead (several names give a tuple, `--all` a dict rank -> value).
-        """
+        # The docstring, shown by `%fsdp2?`, is HELP (frontend/magic_help.py), set below.
         try:
             line = self._expand_variables(line)
             self._wait_for_background_run(line, cell)
@@ -260,6 +74,8 @@ class FSDP2Magics(Magics):
         except PoolStartError as error:
             raise UsageError(f"the pool did not start: {error}") from None
 
+    fsdp2.__doc__ = HELP
+
     def _expand_variables(self, line: str) -> str:
         """`$name` and `{expression}` in the line, as IPython expands them for other magics.
 
@@ -269,16 +85,16 @@ class FSDP2Magics(Magics):
         """
         if "$" not in line and "{" not in line:
             return line
-        return self.shell.var_expand(line, depth=3)
+        return self._shell.var_expand(line, depth=3)
 
     # --- %%fsdp2 --------------------------------------------------------------------------------
 
     def _run_cell(self, line: str, cell: str):
-        options = _cell_options(line)
-        keep = _keep_options(options, cell=True)
+        options = cell_options(line)
+        keep = keep_options(options, cell=True)
         if options.bg or (options.name is not None and keep is None):
             return self._run_in_background(options, cell, keep)
-        spec = _spec_or_none(options)
+        spec = spec_or_none(options)
         spec = self._with_running_devices(spec, options)
         world_size = self.session.pool.world_size if self.session.pool and spec is None else None
         world_size = world_size or (spec or default_spec()).world_size
@@ -294,26 +110,16 @@ class FSDP2Magics(Magics):
 
     def _run_in_background(self, options, cell: str, keep: KeepOptions | None = None):
         """`%%fsdp2 --bg`: start the run and return its handle (bound to --name if given)."""
-        from fsdp2nb.frontend.background import BackgroundRun, check_run_name, start_background_run
-        from fsdp2nb.frontend.notebook_input import refuse_in_background
+        from fsdp2nb.frontend.background import check_run_name
 
         if not options.bg:
             raise InvalidValue("--name names a background run; use it with --bg")
         check_run_name(options.name)
-        pool = self.session.pool_for(self._with_running_devices(_spec_or_none(options), options), default_spec, keep)
+        pool = self.session.pool_for(self._with_running_devices(spec_or_none(options), options), default_spec, keep)
         ranks = parse_rank_list(options.ranks, pool.world_size) if options.ranks else tuple(range(pool.world_size))
-        code = cell if cell.strip() else ""
-        transformed = transform_and_check(code)
-        count = notebook_execution_count()
-        run = BackgroundRun(ranks=ranks, execution_count=count, name=options.name)
-        scheme = notebook_color_scheme()
-        wait = self.session.request_wait(pool, ranks, ask_input=refuse_in_background, stop_presses=run.stops,
-                                         on_rank_finished=run.rank_finished)
-        start_background_run(self.session.background, wait, RunCell(
-            cell_id=wait.cell_id, code=code, transformed=transformed, execution_count=count, color_scheme=scheme), run)
-        pool.note_background_run(wait.cell_id, count, options.name)
+        run = self.session.run_in_background(pool, cell if cell.strip() else "", ranks, options.name)
         if options.name:
-            self.shell.user_ns[options.name] = run
+            self._shell.user_ns[options.name] = run
         return run
 
     def _wait_for_background_run(self, line: str, cell: str | None) -> None:
@@ -324,10 +130,9 @@ class FSDP2Magics(Magics):
                 return
         self.session.background.wait_for_active(sys.stdout.write)
 
-    def _serve_dashboard_save(self, pool: WorkerPool) -> None:
+    def _serve_dashboard_save(self, pool: PoolHandle) -> None:
         """A save clicked during the cell that no maybe_save reached is made now, on this thread."""
-        dashboard_link = sys.modules.get("fsdp2nb.frontend.dashboard_link")  # none shown: not imported
-        link = dashboard_link.existing_link(self.session) if dashboard_link is not None else None
+        link = self.session.dashboard  # None: no dashboard was shown
         if link is not None and link.take_unserved_request():
             self._run_on_ranks(SaveIfRequested())
 
@@ -335,9 +140,9 @@ class FSDP2Magics(Magics):
 
     def _run_command(self, line: str):
         words = split_magic_line(line)
-        if not words or words[0] not in _COMMANDS:
+        if not words or words[0] not in COMMANDS:
             given = f"'{words[0]}'" if words else "nothing"
-            raise UsageMistake(f"%fsdp2 takes one of {', '.join(_COMMANDS)}, got {given}; see %fsdp2?")
+            raise UsageMistake(f"%fsdp2 takes one of {', '.join(COMMANDS)}, got {given}; see %fsdp2?")
         command, options = words[0], self._line_parsers[words[0]].parse_args(words[1:])
         return getattr(self, f"_command_{command}")(options)
 
@@ -349,8 +154,8 @@ class FSDP2Magics(Magics):
         return PoolSpec(devices=base.devices, collective_timeout_s=spec.collective_timeout_s, placement=base.placement)
 
     def _command_start(self, options) -> None:
-        keep = _keep_options(options)
-        pool = self.session.start(self._with_running_devices(_spec_or_none(options), options) or default_spec(), keep)
+        keep = keep_options(options)
+        pool = self.session.start(self._with_running_devices(spec_or_none(options), options) or default_spec(), keep)
         print(f"started {pool.world_size} ranks ({pool.spec.describe()})"
               + (f", kept as {keep.name!r}: `%fsdp2 attach {keep.name}` in another kernel uses it" if keep else ""))
         if not options.no_dashboard:
@@ -358,7 +163,7 @@ class FSDP2Magics(Magics):
 
     def _command_pools(self, options):
         """This user's kept pools: a list (`x = %fsdp2 pools`) that shows as one line per pool."""
-        from fsdp2nb.pool.kept import list_pools
+        from fsdp2nb.pool.kept_listing import list_pools
 
         return list_pools()
 
@@ -366,6 +171,7 @@ class FSDP2Magics(Magics):
         from fsdp2nb.pool.kept import log_tails
 
         pool, run = self.session.attach(options.name, take=options.take)
+        assert pool.keep is not None, "an attached pool is kept"
         print(f"attached kept pool {pool.keep.name!r}: {pool.world_size} ranks ({pool.spec.describe()}), "
               "rank state as it was")
         if pool.exited:
@@ -374,17 +180,17 @@ class FSDP2Magics(Magics):
                         "afresh (rank state is lost)"), file=sys.stderr)
         for rank, lines in log_tails(pool.log_dir, pool.world_size).items():
             if lines:
-                print(f"last lines of rank {rank}'s log ({pool.log_dir}/rank-{rank}.log):")
+                print(f"last lines of rank {rank}'s log ({rank_log_path(pool.log_dir, rank)}):")
                 print("\n".join(f"  {line}" for line in lines))
         if run is not None:
             self._tell_of_resumed_run(pool, run)
         if not options.no_dashboard:
             self._dashboard().show()
 
-    def _tell_of_resumed_run(self, pool: WorkerPool, run) -> None:  # a BackgroundRun
+    def _tell_of_resumed_run(self, pool: PoolHandle, run) -> None:  # a BackgroundRun
         """The run this kernel took over: bound to its --name here too, and whether it waits for input."""
         if run.name and run.name.isidentifier():
-            self.shell.user_ns[run.name] = run
+            self._shell.user_ns[run.name] = run
         work = dict(enumerate(pool.work_at_attach))
         running = [rank for rank in run.ranks if rank in work and work[rank].running_cell_id is not None]
         if not running:
@@ -402,7 +208,7 @@ class FSDP2Magics(Magics):
         print(f"detached: kept pool {name!r} runs on; `%fsdp2 attach {name}` in any kernel of yours uses it")
 
     def _command_restart(self, options) -> None:
-        pool = self.session.restart(self._with_running_devices(_spec_or_none(options), options))
+        pool = self.session.restart(self._with_running_devices(spec_or_none(options), options))
         print(f"restarted: {pool.world_size} fresh ranks ({pool.spec.describe()}); rank state was cleared")
 
     def _command_stop(self, options) -> None:
@@ -417,10 +223,10 @@ class FSDP2Magics(Magics):
 
     def _command_push(self, options) -> None:
         pool = self._running_pool()
-        missing = [name for name in options.names if name not in self.shell.user_ns]
+        missing = [name for name in options.names if name not in self._shell.user_ns]
         if missing:
             raise UsageMistake(f"cannot push {missing[0]!r}: it is not defined in the notebook")
-        values = {name: self.shell.user_ns[name] for name in options.names}
+        values = {name: self._shell.user_ns[name] for name in options.names}
         self.session.push(pool, _pickle_for_ranks(values))
 
     def _command_pull(self, options):
@@ -436,10 +242,10 @@ class FSDP2Magics(Magics):
         values = {name: self._pull_one(pool, name, reply_ranks, options.all) for name in options.names}
         if options.value:
             return values[options.names[0]] if len(values) == 1 else tuple(values.values())
-        self.shell.user_ns.update(values)
+        self._shell.user_ns.update(values)
         return None
 
-    def _pull_one(self, pool: WorkerPool, name: str, reply_ranks: tuple[int, ...], every_rank: bool) -> object:
+    def _pull_one(self, pool: PoolHandle, name: str, reply_ranks: tuple[int, ...], every_rank: bool) -> object:
         payloads = self.session.pull(pool, name, reply_ranks)
         values = {rank: pickle.loads(payload) for rank, payload in payloads.items()}
         return values if every_rank else values[reply_ranks[0]]
@@ -489,7 +295,7 @@ class FSDP2Magics(Magics):
         """A memory plan (`fsdp2nb.plan_memory`), computed in the kernel: it needs no pool."""
         from fsdp2nb.sizes import parse_size
 
-        world_size, device = _plan_ranks(options, self.session.pool)
+        world_size, device = plan_ranks(options, self.session.pool)
         capacity = parse_size(options.memory) if options.memory is not None else None
         from fsdp2nb.engine.config import EngineConfig
         from fsdp2nb.engine.memory_plan import plan_memory
@@ -514,10 +320,8 @@ class FSDP2Magics(Magics):
     def _command_metrics(self, options):
         return self._dashboard().metrics_table()
 
-    def _dashboard(self):  # a DashboardLink, imported only when a dashboard is asked for
-        from fsdp2nb.frontend.dashboard_link import link_for
-
-        return link_for(self.session)
+    def _dashboard(self) -> DashboardLink:
+        return self.session.dashboard_link()
 
     def _run_on_ranks(self, command: RankCommand) -> None:
         """Run one of fsdp2nb's commands (worker/commands.py) on every rank, without touching the
@@ -526,21 +330,13 @@ class FSDP2Magics(Magics):
         self.session.run_request(pool, tuple(range(pool.world_size)),
                                  lambda cell_id: RunCommand(cell_id=cell_id, command=command))
 
-    def _running_pool(self) -> WorkerPool:
+    def _running_pool(self) -> PoolHandle:
         with self.session.lifecycle_lock:
             self.session.check_held()
         pool = self.session.pool
         if pool is None or pool.state != "ready":
             raise NoPoolRunning("no pool is running; start one with `%fsdp2 start --cpu N` or a %%fsdp2 cell")
         return pool
-
-
-def _spec_or_none(options) -> PoolSpec | None:
-    hosts = HostOptions(ray=options.ray, slurm=options.slurm, num_nodes=options.nodes,
-                        gpus_per_node=options.gpus_per_node, cpu_per_node=options.cpu_per_node, listen=options.listen)
-    if options.gpus is None and options.cpu is None and options.timeout is None and not hosts.given:
-        return None
-    return spec_from_options(gpus=options.gpus, cpu=options.cpu, collective_timeout_s=options.timeout, hosts=hosts)
 
 
 def _pickle_for_ranks(values: dict) -> bytes:

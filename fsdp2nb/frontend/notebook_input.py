@@ -100,7 +100,7 @@ class PromptRelay:
         return True
 
     def ask(self, prompt: str, password: bool) -> str:
-        from fsdp2nb.frontend.request_wait import PromptDeferred
+        from fsdp2nb.frontend.rank_prompts import PromptDeferred
 
         with self._changed:
             if self._waiter is None:

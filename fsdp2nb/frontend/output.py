@@ -20,7 +20,7 @@ from fsdp2nb.frontend.line_updates import LiveLines, collapsed, counted_chars
 from fsdp2nb.wire.protocol import RankActivity, RichOutput, StreamOutput
 
 if TYPE_CHECKING:
-    from fsdp2nb.pool.pool import WorkerPool
+    from fsdp2nb.pool.handle import PoolHandle
 
 MERGE_WINDOW_S = 0.5
 PARTIAL_LINE_WINDOW_S = 0.5
@@ -91,9 +91,9 @@ class StreamMerger:
         if len(pieces) > 1 and not state.partial:
             state.partial_since = now
         for line in pieces[:-1]:
-            line = self._live.end(rank, stream, line)  # None: it ended in its display
-            if line is not None:
-                state.lines.append((line + "\n", now))
+            left = self._live.end(rank, stream, line)  # None: it ended in its display
+            if left is not None:
+                state.lines.append((left + "\n", now))
         if pieces[-1] and (len(pieces) > 1 or not state.partial):
             state.partial_since = now
         state.partial = collapsed(pieces[-1])
@@ -202,7 +202,7 @@ def show_display(event: RichOutput, merger: StreamMerger, world_size: int) -> No
     publish_display_data(event.data, event.metadata)
 
 
-def show_held_output(pool: WorkerPool) -> None:
+def show_held_output(pool: PoolHandle) -> None:
     """What ranks' own threads printed or displayed since the last cell, labelled as such."""
     if not pool.held_output:
         return

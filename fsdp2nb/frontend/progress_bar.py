@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from typing import Any
 
 from fsdp2nb.widgets.model import TaskBoard
 from fsdp2nb.wire.protocol import ProgressUpdate, TaskProgress
@@ -29,7 +30,7 @@ class CellTaskBar:
         self._clock = clock
         self._board = TaskBoard()
         self._enabled = threading.current_thread() is threading.main_thread()
-        self._widget = None
+        self._widget: Any = None  # an ipywidgets.HTML, made on first use
         self._display_id = f"fsdp2nb-progress-{uuid.uuid4().hex}"
         self._finished_lines: list[str] = []
         self._shown: tuple[str, str, bool] | None = None  # (kind, label, finished) of the text shown
@@ -84,7 +85,9 @@ class CellTaskBar:
         self._shown = (task.kind, task.label, task.finished)
         data = {"text/plain": "\n".join(lines), "application/vnd.jupyter.widget-view+json": {
             "version_major": 2, "version_minor": 0, "model_id": self._widget.model_id}}
-        publisher = get_ipython().display_pub
+        shell = get_ipython()
+        assert shell is not None, "shown in a kernel only (_in_kernel)"
+        publisher = shell.display_pub
         publisher.publish(data=data, metadata={}, transient={"display_id": self._display_id},
                           update=msg_type == "update_display_data")
 

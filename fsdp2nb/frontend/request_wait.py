@@ -3,9 +3,10 @@
 A blocking cell runs it on the kernel's main thread, where the stop button is only noted
 (`sigint_noted`) and acted on between steps; a background run runs it on its runner thread, where
 its Stop presses stand in for the button. Until every rank has replied it streams the ranks'
-output, relays their prompts for input to the notebook one at a time, interrupts the others
-after a rank failed, and when ranks are dead or stuck hands the pool to `recover` (the session
-restarts it) and ends with the error to show. `wait_for_replies()` ends every wait the same way.
+output, relays their prompts for input to the notebook one at a time (frontend/rank_prompts.py),
+interrupts the others after a rank failed, and when ranks are dead or stuck hands the pool to
+`recover` (the session restarts it) and ends with the error to show. `wait_for_replies()` ends
+every wait the same way.
 """
 
 from __future__ import annotations
@@ -15,19 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from fsdp2nb.errors import Fsdp2nbError
 from fsdp2nb.frontend.errors import PoolTakenError, RankError, alarm, rank_exit_error
 from fsdp2nb.frontend.output import (
     StreamMerger,
     WaitingLine,
-    rank_label,
     show_display,
     show_held_output,
     show_results,
     write_to_kernel,
 )
+from fsdp2nb.frontend.rank_prompts import AskInput, RankPrompts
 from fsdp2nb.wire.protocol import (
-    AnswerInput,
     CellFinished,
     ControlMessage,
     ErrorInfo,
@@ -44,7 +43,8 @@ from fsdp2nb.wire.protocol import (
 )
 
 if TYPE_CHECKING:
-    from fsdp2nb.pool.pool import WorkerPool
+    from fsdp2nb.frontend.progress_bar import CellTaskBar
+    from fsdp2nb.pool.handle import PoolHandle
     from fsdp2nb.pool.spec import PoolSpec
 
 ERROR_GRACE_S = 3.0
@@ -64,12 +64,6 @@ another one) before the collectives are released."""
 WAITING_REPORT_S = 3.0
 """After this long without output from a cell, the ranks are asked where they are; a collective
 that not every rank entered would otherwise wait silently for the whole collective timeout."""
-PROMPT_FOCUS_S = 0.5
-"""After answering a rank's prompt, how long its next prompt is waited for before another rank's
-is shown: a debugger session on one rank is not cut by the prompts of the others."""
-ACTIVITY_BEFORE_PROMPT_S = 0.03
-"""Before a prompt, how long the other running ranks may take to say where they are (a rank in a
-collective meanwhile is shown with the time left of its timeout above the prompt)."""
 EXIT_CAUSE_GRACE_S = 2.0
 """How long a request that could not reach a rank waits to learn why (see wait_for_exit_cause)."""
 _ACTIVITY_INTERVAL_S = 2.0
@@ -90,14 +84,6 @@ Recover = Callable[["PoolSpec", str], str]
 Reform = Callable[[], str]
 """Re-forms the process groups of every rank after a released or failed collective; returns the
 note to show (if that fails, it restarts the pool and the note says so)."""
-AskInput = Callable[[str, bool], str]
-"""Asks the notebook for a line: (prompt, password) -> the line; raises KeyboardInterrupt when the
-stop button is pressed meanwhile, EOFError at end of input, PromptDeferred when the prompt should
-wait for a later moment, another error where none can answer."""
-
-
-class PromptDeferred(Fsdp2nbError):  # what happened, not a failure
-    """No one can answer the prompt now; it stays pending and is asked again later."""
 
 
 @dataclass
@@ -110,7 +96,7 @@ class CellProgress:
     results: list[tuple[int, RichOutput]] = field(default_factory=list)
     first_error_at: float | None = None
     interrupted_at: float | None = None
-    task_bar: object | None = None
+    task_bar: CellTaskBar | None = None
     """The cell's progress bar (frontend.progress_bar), made when the ranks first report progress."""
     started_at: float = field(default_factory=time.monotonic)
     holder_checked_at: float = 0.0
@@ -136,11 +122,6 @@ class CellProgress:
     """rank -> the collective it waited in when released (where it was known)."""
     prompts: dict[int, InputRequested] = field(default_factory=dict)
     """Ranks waiting for a line of input, answered one at a time in rank order."""
-    prompting_rank: int | None = None
-    """The rank whose prompt was answered last, and when (see PROMPT_FOCUS_S)."""
-    answered_at: float = 0.0
-    answered: set[tuple[int, int]] = field(default_factory=set)
-    """(rank, prompt id) of prompts answered: a kept pool's rank asks again on attach."""
 
     @property
     def running(self) -> list[int]:
@@ -150,7 +131,7 @@ class CellProgress:
 class RequestWait:
     """Sends one request to `ranks` and takes their events until each replied."""
 
-    def __init__(self, pool: WorkerPool, cell_id: int, ranks: tuple[int, ...], *, recover: Recover,
+    def __init__(self, pool: PoolHandle, cell_id: int, ranks: tuple[int, ...], *, recover: Recover,
                  ask_input: AskInput, stop_presses: StopPresses | None = None,
                  on_rank_finished: Callable[[int, bool], None] | None = None,
                  cell_ids: dict[int, int] | None = None, before_prompt: Callable[[], bool] | None = None,
@@ -165,17 +146,19 @@ class RequestWait:
         self.cell_id = cell_id
         self._cell_ids = cell_ids or dict.fromkeys(ranks, cell_id)
         self._own_cell_ids = frozenset(self._cell_ids.values())
-        self._before_prompt = before_prompt
         self.progress = CellProgress(ranks=ranks)
         if started_at is not None:
             self.progress.started_at -= max(0.0, time.time() - started_at)
         self._recover_pool = recover
         self._reform = reform if not pool.spec.uses_gpus else None  # NCCL groups: not yet
-        self._ask_input = ask_input
         self._stop_presses = stop_presses
         self._on_rank_finished = on_rank_finished
         self._merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
                                     {r: info.log_path for r, info in pool.ranks.items()})
+        self._prompts = RankPrompts(self.progress, pool, self._cell_ids, self._merger, ask_input=ask_input,
+                                    before_prompt=before_prompt, handle=self._handle,
+                                    note_activity=self._note_activity,
+                                    show_waiting_line=self._show_waiting_line_now, stop_pressed=self._stop_pressed)
 
     def send(self, request: ControlMessage) -> None:
         """Mark the ranks busy, then send; a rank found gone ends the request with the cause."""
@@ -227,8 +210,7 @@ class RequestWait:
             else:
                 self._check_still_held()
             self._merger.poll()
-            if progress.prompts and self._may_prompt_now() and (self._before_prompt is None or self._before_prompt()):
-                self._answer_prompt()
+            self._prompts.answer_due()
             self._enforce_deadlines()
             self._ask_quiet_ranks()
             if self._stop_presses is not None and self._stop_presses.take() and progress.running:
@@ -237,15 +219,14 @@ class RequestWait:
     def _check_still_held(self) -> None:
         """End the request if another kernel took the kept pool: the ranks go on there and reply
         to it, so this kernel would wait forever."""
-        progress, now = self.progress, time.monotonic()
-        held_here = getattr(self.pool, "held_here", None)  # (a test's fake pool keeps nothing)
-        if held_here is None or now - progress.holder_checked_at < _HOLDER_CHECK_S:
+        progress, now, keep = self.progress, time.monotonic(), self.pool.keep
+        if keep is None or now - progress.holder_checked_at < _HOLDER_CHECK_S:
             return
         progress.holder_checked_at = now
-        if held_here():
+        if self.pool.held_here():
             return
         self._merger.flush()
-        name = self.pool.keep.name
+        name = keep.name
         raise PoolTakenError(f"kept pool {name!r} was taken by {self.pool.holder_note()} while this request ran; "
                              f"its ranks go on there (`%fsdp2 attach {name} --take` takes it back)")
 
@@ -280,8 +261,8 @@ class RequestWait:
         elif isinstance(event, RankActivity):
             self._note_activity(event)
             self._show_waiting_line()
-        elif isinstance(event, InputRequested) and (event.rank, event.prompt_id) not in progress.answered:
-            progress.prompts[event.rank] = event
+        elif isinstance(event, InputRequested):
+            self._prompts.add(event)
         elif isinstance(event, CellFinished):
             self._rank_finished(event)
 
@@ -315,91 +296,6 @@ class RequestWait:
             progress.first_error_at = progress.first_error_at or time.monotonic()
         if self._on_rank_finished is not None:
             self._on_rank_finished(event.rank, event.error is not None)
-
-    # --- input --------------------------------------------------------------------------------
-
-    def _may_prompt_now(self) -> bool:
-        """Whether to show a prompt now: the rank being debugged asks again, or has had its moment."""
-        progress = self.progress
-        focus = progress.prompting_rank
-        return (focus is None or focus in progress.prompts or focus in progress.finished
-                or time.monotonic() - progress.answered_at > PROMPT_FOCUS_S)
-
-    def _answer_prompt(self) -> None:
-        """Ask the notebook for a waiting rank's line (the rank being debugged first, then in rank
-        order) and send it to that rank only."""
-        progress = self.progress
-        focus = progress.prompting_rank
-        prompt = progress.prompts[focus if focus in progress.prompts else min(progress.prompts)]
-        if prompt.rank != focus:  # a new rank's session: say where the others are, once
-            self._ask_others_where_they_are(prompt.rank)
-        progress.prompting_rank = prompt.rank
-        self._merger.flush()  # what the rank printed before its prompt (pdb's "> file(line)") first
-        self._say_who_waits(prompt.rank)
-        del progress.prompts[prompt.rank]
-        label = rank_label([prompt.rank], self.pool.world_size) or "[0]"
-        if progress.interrupted_at is not None:  # asked again after the interrupt: the cell is ending
-            self._send_answer(prompt, AnswerInput(cell_id=prompt.cell_id, prompt_id=prompt.prompt_id,
-                                                  refusal="the cell was interrupted"))
-            return
-        try:
-            text = self._ask_input(f"{label} {prompt.prompt}", prompt.password)
-            answer = AnswerInput(cell_id=prompt.cell_id, prompt_id=prompt.prompt_id, text=text)
-        except PromptDeferred:
-            progress.prompts.setdefault(prompt.rank, prompt)
-            return
-        except KeyboardInterrupt:  # the stop button at the prompt: as for any running cell
-            progress.prompts.clear()
-            self._stop_pressed()
-            return
-        except EOFError:
-            answer = AnswerInput(cell_id=prompt.cell_id, prompt_id=prompt.prompt_id, eof=True)
-        except Exception as error:  # no frontend can answer (nbclient, a background run)
-            answer = AnswerInput(cell_id=prompt.cell_id, prompt_id=prompt.prompt_id,
-                                 refusal=_refusal(prompt, error))
-        progress.answered.add((prompt.rank, prompt.prompt_id))
-        progress.last_output_at = progress.answered_at = time.monotonic()  # a prompt is not time gone quiet
-        self._send_answer(prompt, answer)
-
-    def _send_answer(self, prompt: InputRequested, answer: AnswerInput) -> None:
-        try:
-            self.pool.send(prompt.rank, answer, connect_timeout_s=0)
-        except ConnectionError:
-            pass  # its end is reported as an exit of its own
-
-    def _ask_others_where_they_are(self, prompting: int) -> None:
-        """The kernel's thread blocks at the prompt: first learn where the other running ranks
-        are (briefly), so the waiting line above the prompt shows them, e.g. in a collective."""
-        progress = self.progress
-        others = {rank for rank in progress.running if rank != prompting and rank not in progress.prompts}
-        for rank in others:
-            try:
-                self.pool.send(rank, ReportActivity(cell_id=self._cell_ids[rank]), connect_timeout_s=0)
-            except ConnectionError:
-                pass
-        deadline = time.monotonic() + ACTIVITY_BEFORE_PROMPT_S
-        while others and time.monotonic() < deadline:
-            event = self.pool.next_event(0.005)
-            if event is None:
-                continue
-            if isinstance(event, RankActivity):
-                others.discard(event.rank)
-                self._note_activity(event)
-            else:
-                self._handle(event)
-        progress.activity_asked_at = time.monotonic()
-
-    def _say_who_waits(self, answering: int) -> None:
-        """Before a prompt where other ranks still run: which ranks wait for input, and where the
-        others are (the waiting line, shown at once: the prompt blocks this thread)."""
-        progress = self.progress
-        waiting = sorted(progress.prompts)
-        if len(waiting) > 1:
-            write_to_kernel("stderr", f"ranks {', '.join(map(str, waiting))} wait for input; "
-                                      f"answering rank {answering} first\n")
-        if len(progress.running) > 1:
-            progress.diverged_at = progress.diverged_at or time.monotonic() - _ACTIVITY_INTERVAL_S
-            self._show_waiting_line()
 
     # --- deadlines and quiet ranks --------------------------------------------------------------
 
@@ -522,6 +418,12 @@ class RequestWait:
                                    finished=set(progress.finished), timeout_s=timeout_s, stopped=progress.stopped,
                                    waiting_for_input=set(progress.prompts), time_left=time_left)
 
+    def _show_waiting_line_now(self) -> None:
+        """The waiting line at once, without a second sample (a prompt is about to block this thread)."""
+        progress = self.progress
+        progress.diverged_at = progress.diverged_at or time.monotonic() - _ACTIVITY_INTERVAL_S
+        self._show_waiting_line()
+
     # --- ranks dead or stuck ----------------------------------------------------------------------
 
     def _recover(self, why: str) -> None:
@@ -607,17 +509,6 @@ class RequestWait:
         collective = self.progress.released_from.get(rank, "a collective")
         return ErrorInfo("CollectiveReleased", f"waited in {collective}, which could not complete", (),
                          kind="released")
-
-
-def _refusal(prompt: InputRequested, error: Exception) -> str:
-    """One line for the rank's error when no one can answer its prompt."""
-    from IPython.core.error import StdinNotImplementedError
-
-    asked = f"rank {prompt.rank} asked for input at the prompt {prompt.prompt.strip()!r}"
-    if isinstance(error, StdinNotImplementedError):
-        return (f"{asked}, but this frontend cannot answer input (it runs cells without stdin, as nbclient "
-                "does); run the notebook in JupyterLab or Notebook to use input() or pdb on ranks")
-    return f"{asked}, but {error}"
 
 
 def _unmatched_collectives(progress: CellProgress, world_size: int) -> str | None:

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fsdp2nb.errors import (
     AttachFailed,
@@ -34,28 +35,40 @@ from fsdp2nb.errors import (
     RankError,
     UsageMistake,
 )
-from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, resume_background_run
+from fsdp2nb.frontend.background import (
+    BackgroundRun,
+    BackgroundRuns,
+    requests_at_attach,
+    resume_background_run,
+    start_background_run,
+    taken_over_run,
+)
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook, refuse_in_background
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
-from fsdp2nb.frontend.request_wait import AskInput, CellProgress, RequestWait, StopPresses
-from fsdp2nb.pool.kept import KeepOptions, list_pools, noted_runs
+from fsdp2nb.frontend.rank_prompts import AskInput
+from fsdp2nb.frontend.request_wait import CellProgress, RequestWait, StopPresses
+from fsdp2nb.pool.handle import PoolHandle, SnapshotListener
+from fsdp2nb.pool.kept import KeepOptions
+from fsdp2nb.pool.kept_listing import list_pools
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import (
+    CellFinished,
     ControlMessage,
     PostMortem,
     PullValue,
     PushValues,
-    RankSnapshot,
     ReformGroups,
     RunCell,
     RunCommand,
-    TaskProgress,
 )
 from fsdp2nb.wire.sigint import sigint_noted
+
+if TYPE_CHECKING:
+    from fsdp2nb.frontend.dashboard_link import DashboardLink
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +79,8 @@ RESUME_HINT = ("to resume, run the cells that set up the ranks again (model, opt
 class NotebookSession:
     """Owns the pool of one kernel; the magics call its methods."""
 
-    def __init__(self, pool_factory: Callable[[PoolSpec], WorkerPool] | None = None) -> None:
-        self.pool: WorkerPool | None = None
+    def __init__(self, pool_factory: Callable[[PoolSpec], PoolHandle] | None = None) -> None:
+        self.pool: PoolHandle | None = None
         self.launcher: LocalLauncher | None = None
         """Starts this session's pools, and keeps a standby agent for the next (None where
         `pool_factory` was given: that factory launches its own)."""
@@ -83,33 +96,46 @@ class NotebookSession:
         self.lifecycle_lock = threading.RLock()
         """Held while the pool is started, stopped or replaced: the dashboard's Restart runs on a
         subshell thread, and a cell started meanwhile must get the new pool, not a half-stopped one."""
-        self.snapshot_listeners: list[Callable[[RankSnapshot | TaskProgress], None]] = []
+        self.snapshot_listeners: list[SnapshotListener] = []
         """Called on a pool's receiving thread with its snapshots and progress events. Every pool
         this session starts or attaches is given this list itself, so a listener is added once
         (`add_snapshot_listener`) and hears the running pool and every later one from its start."""
         self._listeners_lock = threading.Lock()
+        self.dashboard: DashboardLink | None = None
+        """The dashboard's link to this session's pools, once one was asked for (`dashboard_link`)."""
+        self._dashboard_lock = threading.Lock()
 
-    def add_snapshot_listener(self, listener: Callable[[RankSnapshot | TaskProgress], None]) -> None:
+    def dashboard_link(self) -> DashboardLink:
+        """The session's dashboard link, made on first use (its thread starts then): one, whichever
+        threads ask. Imported only then: a notebook that shows no dashboard loads none of it."""
+        with self._dashboard_lock:
+            if self.dashboard is None:
+                from fsdp2nb.frontend.dashboard_link import DashboardLink
+
+                self.dashboard = DashboardLink(self)
+            return self.dashboard
+
+    def add_snapshot_listener(self, listener: SnapshotListener) -> None:
         """Have `listener` hear every snapshot of this session's pools; a second add is no second call."""
         with self._listeners_lock:  # threads may ask at once: the dashboard's, a click's, the main one
             if listener not in self.snapshot_listeners:
                 self.snapshot_listeners.append(listener)
 
-    def _share_listeners(self, pool: WorkerPool) -> None:
+    def _share_listeners(self, pool: PoolHandle) -> None:
         pool.snapshot_listeners = self.snapshot_listeners  # the same list: see `snapshot_listeners`
 
     # --- pool lifecycle -----------------------------------------------------------------------
 
-    def _pool_with_standby(self, spec: PoolSpec) -> WorkerPool:
+    def _pool_with_standby(self, spec: PoolSpec) -> PoolHandle:
         """A pool on this host launches through the session's launcher (and its standby agent);
         one across hosts through the engine its spec names."""
         return WorkerPool(spec, launcher=self.launcher if spec.placement is None else None)
 
-    def start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> WorkerPool:
+    def start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> PoolHandle:
         with self.lifecycle_lock:
             return self._start(spec, keep)
 
-    def _start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> WorkerPool:
+    def _start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> PoolHandle:
         if self.pool is not None and self.pool.state in ("ready", "starting"):
             raise PoolAlreadyRunning(
                  f"a pool ({self.pool.spec.describe()}) is already running; `%fsdp2 restart` replaces it")
@@ -138,7 +164,7 @@ class NotebookSession:
         running; stop any other. Safe to call twice."""
         with self.lifecycle_lock:
             pool = self.pool
-            if pool is not None and getattr(pool, "keep", None) is not None:
+            if pool is not None and pool.keep is not None:
                 self.pool = None
                 pool.detach()
         self.stop()
@@ -158,7 +184,7 @@ class NotebookSession:
         pool.stop(polite=polite and not pool.busy_ranks)
         return True
 
-    def restart(self, spec: PoolSpec | None = None) -> WorkerPool:
+    def restart(self, spec: PoolSpec | None = None) -> PoolHandle:
         """A fresh pool; a kept one stays kept, under its name."""
         with self.lifecycle_lock:
             spec = spec or (self.pool.spec if self.pool else None)
@@ -172,7 +198,7 @@ class NotebookSession:
         """The running pool's keep options; PoolHeldError (and this kernel lets go) if another
         kernel took it."""
         pool = self.pool
-        if pool is None or getattr(pool, "keep", None) is None:  # (a test's fake pool keeps nothing)
+        if pool is None or pool.keep is None:
             return None
         if not pool.held_here():
             note = pool.holder_note()
@@ -184,7 +210,7 @@ class NotebookSession:
 
     # --- kept pools ---------------------------------------------------------------------------
 
-    def attach(self, name: str | None, *, take: bool = False) -> tuple[WorkerPool, BackgroundRun | None]:
+    def attach(self, name: str | None, *, take: bool = False) -> tuple[PoolHandle, BackgroundRun | None]:
         """Hold the kept pool `name` (None: the only one) from this kernel; its background run,
         if one is going, gets a handle here. Raises a UsageMistake with one line, nothing changed."""
         with self.lifecycle_lock:
@@ -205,15 +231,15 @@ class NotebookSession:
             self._cell_ids = itertools.count(max((slot.last_cell_id for slot in work), default=0) + 1)
             return pool, self._resume_run(pool)
 
-    def _resume_run(self, pool: WorkerPool) -> BackgroundRun | None:
+    def _resume_run(self, pool: PoolHandle) -> BackgroundRun | None:
         """What the ranks ran when this kernel attached (a `--bg` run or a cell of a kernel that
         was lost), as one handle that waits here for all of it; its prompts are asked in the
         cell that waits for it (PromptRelay)."""
-        cell_ids = _requests_at_attach(pool)
+        cell_ids = requests_at_attach(pool)
         if not cell_ids:
             return None
         relay = PromptRelay()
-        run, busy_since = _taken_over_run(pool, cell_ids, relay)
+        run, busy_since = taken_over_run(pool, cell_ids, relay)
         wait = RequestWait(pool, min(cell_ids.values()), run.ranks, cell_ids=cell_ids,
                            recover=self._restart_after_failure, ask_input=relay.ask,
                            before_prompt=relay.can_answer, stop_presses=run.stops,
@@ -240,13 +266,13 @@ class NotebookSession:
             return keep.name
 
     def pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec],
-                 keep: KeepOptions | None = None) -> WorkerPool:
+                 keep: KeepOptions | None = None) -> PoolHandle:
         """The running pool if it matches `spec` (None: any), else a new one. Never drops state silently."""
         with self.lifecycle_lock:
             return self._pool_for(spec, default, keep)
 
     def _pool_for(self, spec: PoolSpec | None, default: Callable[[], PoolSpec],
-                  keep: KeepOptions | None = None) -> WorkerPool:
+                  keep: KeepOptions | None = None) -> PoolHandle:
         self.check_held()
         pool = self.pool
         if pool is not None and keep is not None and pool.keep is None:
@@ -265,7 +291,7 @@ class NotebookSession:
                 f"`%fsdp2 restart {spec.describe()}` replaces it (rank state is lost)")
         return pool
 
-    def _replace_dead_pool(self, pool: WorkerPool) -> WorkerPool:
+    def _replace_dead_pool(self, pool: PoolHandle) -> PoolHandle:
         """The host agent died between cells, taking the ranks with it: start afresh and say so."""
         note = self._restart_after_failure(pool.spec, f"{pool.broken_reason} while the pool was idle")
         write_to_kernel("stderr", note + "\n")
@@ -284,18 +310,28 @@ class NotebookSession:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def run_cell(self, pool: WorkerPool, code: str, ranks: tuple[int, ...]) -> None:
+    def run_cell(self, pool: PoolHandle, code: str, ranks: tuple[int, ...]) -> None:
         """Run `code` on `ranks`, streaming output; raises RankError if any rank raised."""
-        transformed = transform_and_check(code)
-        count, scheme = notebook_execution_count(), notebook_color_scheme()
         try:
-            self.run_request(pool, ranks, lambda cell_id: RunCell(cell_id=cell_id, code=code, transformed=transformed,
-                                                                  execution_count=count, color_scheme=scheme))
+            self.run_request(pool, ranks, _cell_request(code, notebook_execution_count()))
         except RankError as error:
             self.last_failed_rank = error.errors[0][0]  # the root cause: reported first
             raise
 
-    def debug(self, pool: WorkerPool, rank: int | None) -> None:
+    def run_in_background(self, pool: PoolHandle, code: str, ranks: tuple[int, ...],
+                          name: str | None) -> BackgroundRun:
+        """`%%fsdp2 --bg`: send `code` to `ranks` and return the run's handle at once; a runner
+        thread waits for the replies (frontend/background.py)."""
+        count = notebook_execution_count()
+        make_request = _cell_request(code, count)
+        run = BackgroundRun(ranks=ranks, execution_count=count, name=name)
+        wait = self.request_wait(pool, ranks, ask_input=refuse_in_background, stop_presses=run.stops,
+                                 on_rank_finished=run.rank_finished)
+        start_background_run(self.background, wait, make_request(wait.cell_id), run)
+        pool.note_background_run(wait.cell_id, count, name)
+        return run
+
+    def debug(self, pool: PoolHandle, rank: int | None) -> None:
         """A post-mortem of the last failed cell on `rank` (default: the rank whose error came first)."""
         rank = self.last_failed_rank if rank is None else rank
         if rank is None:
@@ -305,20 +341,20 @@ class NotebookSession:
             raise InvalidValue(f"--rank {rank} is not a rank of this pool (ranks 0-{pool.world_size - 1})")
         self.run_request(pool, (rank,), lambda cell_id: PostMortem(cell_id=cell_id))
 
-    def push(self, pool: WorkerPool, payload: bytes) -> None:
+    def push(self, pool: PoolHandle, payload: bytes) -> None:
         self.run_request(pool, tuple(range(pool.world_size)),
                          lambda cell_id: PushValues(cell_id=cell_id, payload=payload))
 
-    def pull(self, pool: WorkerPool, name: str, reply_ranks: tuple[int, ...]) -> dict[int, bytes]:
+    def pull(self, pool: PoolHandle, name: str, reply_ranks: tuple[int, ...]) -> dict[int, bytes]:
         progress = self.run_request(pool, tuple(range(pool.world_size)),
                                     lambda cell_id: PullValue(cell_id=cell_id, name=name, reply_ranks=reply_ranks))
-        return {rank: progress.finished[rank].value for rank in reply_ranks}
+        return {rank: _pulled(progress.finished[rank]) for rank in reply_ranks}
 
     def next_cell_id(self) -> int:
         """A fresh request id (itertools.count: atomic, so any thread may take one)."""
         return next(self._cell_ids)
 
-    def request_wait(self, pool: WorkerPool, ranks: tuple[int, ...], *, ask_input: AskInput = ask_notebook,
+    def request_wait(self, pool: PoolHandle, ranks: tuple[int, ...], *, ask_input: AskInput = ask_notebook,
                      stop_presses: StopPresses | None = None,
                      on_rank_finished: Callable[[int, bool], None] | None = None) -> RequestWait:
         """The wait for one request to `ranks`, with a fresh id; recovery restarts this session's pool."""
@@ -326,7 +362,7 @@ class NotebookSession:
                            ask_input=ask_input, stop_presses=stop_presses, on_rank_finished=on_rank_finished,
                            reform=lambda: self._reform_groups(pool))
 
-    def run_request(self, pool: WorkerPool, ranks: tuple[int, ...],
+    def run_request(self, pool: PoolHandle, ranks: tuple[int, ...],
                     make_request: Callable[[int], ControlMessage]) -> CellProgress:
         """Send a request to `ranks` and wait for their replies on this (the kernel's main) thread."""
         # The stop button only takes note while a request is sent and waited for: sent to all
@@ -336,7 +372,7 @@ class NotebookSession:
             wait.send(make_request(wait.cell_id))  # sent first: what follows runs while the ranks wake up
             return wait.wait_for_replies()
 
-    def _reform_groups(self, pool: WorkerPool) -> str:
+    def _reform_groups(self, pool: PoolHandle) -> str:
         """After a released or failed collective: every rank connects its process groups afresh
         and reshards the FSDP2 modules whose iteration failed. The note to show; if the ranks
         cannot re-form, the pool is restarted and the note says what was lost."""
@@ -371,52 +407,25 @@ class NotebookSession:
 
 
 
+def _pulled(reply: CellFinished) -> bytes:
+    assert reply.value is not None, "a rank asked for a value replies with it, or fails"
+    return reply.value
+
+
+def _cell_request(code: str, execution_count: int | None) -> Callable[[int], RunCell]:
+    """The request that runs a notebook cell, for the request id a wait takes; the cell is
+    transformed here, once (a SyntaxError is raised before anything is sent)."""
+    transformed = transform_and_check(code)
+    scheme = notebook_color_scheme()
+    return lambda cell_id: RunCell(cell_id=cell_id, code=code, transformed=transformed,
+                                   execution_count=execution_count, color_scheme=scheme)
+
+
 def check_keepable(spec: PoolSpec) -> None:
     """Pools on this host and on Ray hosts can be kept; a Slurm step cannot outlive its job."""
     if spec.placement is not None and spec.placement.engine == "slurm":
         raise KeepRefused("--keep is refused with --slurm: the ranks run in a job step, which ends "
                           "with the allocation's job whatever the kernel does")
-
-
-def _requests_at_attach(pool: WorkerPool) -> dict[int, int]:
-    """Rank -> the request this kernel waits for: every rank the board showed running (ranks
-    mark a request ended before replying, so each replies to this kernel), whatever request it
-    runs, and every rank that holds the reply to one that ended while no kernel held the pool."""
-    cell_ids = {rank: slot.running_cell_id for rank, slot in enumerate(pool.work_at_attach)
-                if slot.running_cell_id is not None and rank not in pool.exited}
-    cell_ids.update({rank: ready.held_reply for rank, ready in pool.ranks.items()
-                     if ready.held_reply is not None and rank not in cell_ids})
-    return cell_ids
-
-
-def _taken_over_run(pool: WorkerPool, cell_ids: dict[int, int], relay: PromptRelay,
-                    ) -> tuple[BackgroundRun, dict[int, float]]:
-    """The handle, named as the kernel that started the run noted it (else from the board), and
-    when each rank still running started."""
-    first = min(cell_ids.values())
-    noted = noted_runs(pool.kept_directory).get(first)
-    running = {rank: slot for rank, slot in enumerate(pool.work_at_attach)
-               if rank in cell_ids and slot.running_cell_id is not None}
-    busy_since = {rank: slot.since for rank, slot in running.items()}
-    count = next((slot.execution_count for slot in running.values() if slot.running_cell_id == first), None)
-    # A rank that holds its reply ended the run while no kernel held the pool, when its slot last changed.
-    ended = [slot.since for rank, slot in enumerate(pool.work_at_attach) if rank in cell_ids and rank not in running]
-    run = BackgroundRun(
-        ranks=tuple(sorted(cell_ids)), prompts=relay,
-        started_at=noted.started if noted else min(busy_since.values(), default=time.time()),
-        execution_count=noted.execution_count if noted else count, name=noted.name if noted else None,
-        origin=f"of kernel {noted.kernel_pid}" if noted else "of another kernel",
-        ended_at=max(ended) if ended and not running else None,
-        output_at=_taken_over_output(pool.log_dir))
-    return run, busy_since
-
-
-def _taken_over_output(log_dir: str) -> str:
-    """Where a run taken over by the running (attach) cell shows its output: under that cell from
-    now on, and in the ranks' logs all along (what it printed while no kernel held the pool too)."""
-    count = notebook_execution_count()
-    cell = f"In[{count}], the attach cell," if count is not None else "the attach cell"
-    return f"its output is under {cell} and in the rank logs in {log_dir}"
 
 
 def _only_pool_name() -> str:

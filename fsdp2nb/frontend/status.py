@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from fsdp2nb.pool.pool import WorkerPool
+from fsdp2nb.pool.handle import PoolHandle
 
 
 def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:,.0f} MiB"
 
 
-def status_table(pool: WorkerPool | None) -> str:
+def status_table(pool: PoolHandle | None) -> str:
     if pool is None:
         return "no pool is running"
     agent_alive = pool.check_agent()  # a dead agent took its ranks with it: say so, not "idle"

@@ -47,8 +47,8 @@ class HeldOutput:
 
     def _cut_oldest_text(self, rank: int) -> None:
         """Drop the rank's oldest text, or only its start where that is enough."""
-        index = next(i for i, p in enumerate(self._pieces) if p.rank == rank and isinstance(p, StreamOutput))
-        piece = self._pieces[index]
+        index, piece = next((i, p) for i, p in enumerate(self._pieces)
+                            if p.rank == rank and isinstance(p, StreamOutput))
         cut = min(len(piece.text), self._chars[rank] - self._max_chars)
         if cut == len(piece.text):
             del self._pieces[index]

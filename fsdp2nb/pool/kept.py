@@ -1,4 +1,5 @@
-"""Kept pools on the kernel's side: their directories, who holds them, listing and handing over.
+"""Kept pools on the kernel's side: their directories, who holds them, and handing over (what
+`%fsdp2 pools` lists is pool/kept_listing.py's).
 
 A kept pool (`%fsdp2 start --keep`) lives in `<state dir>/kept/<name>/` (0700; see wire/kept.py
 for what the directory holds). Only this user can read its key, so only this user can list or
@@ -13,12 +14,12 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import signal
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import psutil
 
@@ -29,16 +30,14 @@ from fsdp2nb.pool.spec import Placement, PoolSpec
 from fsdp2nb.wire.kept import (
     KEY_FILE,
     META_FILE,
-    RankWork,
-    read_activity,
     read_attach_envelope,
     read_attach_record,
-    read_exit_reports,
     write_attach_record,
 )
 from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankExited
+from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
 from fsdp2nb.wire.signing import Signer
-from fsdp2nb.wire.versions import WireVersion, ours
+from fsdp2nb.wire.versions import ours
 
 DEFAULT_KEEP_FOR_S = 3600.0
 """A kept pool that no kernel holds and that runs nothing ends after an hour unless told otherwise."""
@@ -81,15 +80,6 @@ def parse_keep_for(text: str) -> float | None:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def describe_duration(seconds: float) -> str:
-    seconds = max(0, round(seconds))
-    if seconds < 120:
-        return f"{seconds}s"
-    if seconds < 2 * 3600:
-        return f"{seconds // 60}m"
-    return f"{seconds / 3600:.1f}h"
-
-
 def kept_root() -> Path:
     path = reaper.state_dir() / "kept"
     path.mkdir(mode=0o700, exist_ok=True)
@@ -110,83 +100,62 @@ def kept_dir(name: str) -> Path:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KeptMeta:
-    """What `pool.json` says of a kept pool: written by the kernel that started it."""
+    """What `pool.json` says of a kept pool: written by the kernel that started it.
 
-    name: str
+    The file keeps its flat layout (`to_json`): a kernel of an earlier release lists pools by
+    reading it, and removes the directory of a pool whose file it cannot read."""
+
+    keep: KeepOptions
+    """Its name and --keep-for."""
+    spec: PoolSpec
+    """Its ranks: devices, collective timeout and, across hosts, the placement."""
     pool_id: str
-    devices: tuple[str, ...]
-    collective_timeout_s: float
-    keep_for_s: float | None
     agent: tuple[int, float]
-    """The host agent's (pid, start time)."""
+    """The host agent's (pid, start time); across hosts, the Ray driver's."""
     log_dir: str
     runtime_dir: str
     created: float
-    placement: dict | None = None
-    """A pool across hosts: its `Placement`'s fields (`agent` is then the Ray driver's)."""
     listen: str = ""
     """A pool across hosts: the address kernels that attach listen on (pool/ray_kept.py)."""
 
     @property
-    def spec(self) -> PoolSpec:
-        placement = Placement(**self.placement) if self.placement else None
-        return PoolSpec(devices=tuple(self.devices), collective_timeout_s=self.collective_timeout_s,
+    def name(self) -> str:
+        return self.keep.name
+
+    @property
+    def keep_for_s(self) -> float | None:
+        return self.keep.keep_for_s
+
+    def to_json(self) -> dict:
+        """The file's fields, as every release has written them."""
+        spec = self.spec
+        return {"name": self.keep.name, "pool_id": self.pool_id, "devices": list(spec.devices),
+                "collective_timeout_s": spec.collective_timeout_s, "keep_for_s": self.keep.keep_for_s,
+                "agent": list(self.agent), "log_dir": self.log_dir, "runtime_dir": self.runtime_dir,
+                "created": self.created, "placement": asdict(spec.placement) if spec.placement else None,
+                "listen": self.listen}
+
+    @classmethod
+    def from_json(cls, fields: dict) -> KeptMeta:
+        placement = Placement(**fields["placement"]) if fields.get("placement") else None
+        spec = PoolSpec(devices=tuple(fields["devices"]), collective_timeout_s=fields["collective_timeout_s"],
                         placement=placement)
+        pid, create_time = fields["agent"]
+        return cls(keep=KeepOptions(name=fields["name"], keep_for_s=fields["keep_for_s"]), spec=spec,
+                   pool_id=fields["pool_id"], agent=(pid, create_time), log_dir=fields["log_dir"],
+                   runtime_dir=fields["runtime_dir"], created=fields["created"], listen=fields.get("listen", ""))
 
     def write(self, directory: Path) -> None:
         temporary = directory / f"{META_FILE}.tmp"
-        temporary.write_text(json.dumps(asdict(self)))
+        temporary.write_text(json.dumps(self.to_json()))
         os.replace(temporary, directory / META_FILE)
 
     @classmethod
     def read(cls, directory: Path) -> KeptMeta | None:
         try:
-            fields = json.loads((directory / META_FILE).read_text())
-            fields["devices"] = tuple(fields["devices"])
-            fields["agent"] = tuple(fields["agent"])
-            return cls(**fields)
+            return cls.from_json(json.loads((directory / META_FILE).read_text()))
         except (OSError, ValueError, TypeError, KeyError):
             return None
-
-
-@dataclass(frozen=True, slots=True)
-class KeptPool:
-    """One line of `%fsdp2 pools`: a kept pool of this user on this host."""
-
-    name: str
-    spec: str
-    """The options that describe its ranks and devices, e.g. `--cpu 2`."""
-    holder_pid: int | None
-    """The kernel that holds it; None while detached."""
-    since: float
-    """Held since, or detached since (time.time())."""
-    run: str | None
-    """What its ranks run now, e.g. "In[7] running on ranks 0-1 for 42s"; None when idle."""
-    keep_for_s: float | None
-    seconds_left: float | None
-    """Until it ends itself (only while detached and idle)."""
-    log_dir: str
-    died: str | None = None
-    """Ranks that died while no kernel held the pool, e.g. "rank 1 died (exit code 3)"."""
-    wire: WireVersion | None = None
-    """The wire version it speaks where that is not this kernel's (it cannot be attached here)."""
-
-    def __str__(self) -> str:
-        if self.wire is not None:
-            return (f"{self.name}: {self.spec}, speaks {self.wire.describe(ours())}, this kernel "
-                    f"{ours().describe(self.wire)}: it cannot be attached here")
-        when = time.strftime("%H:%M:%S", time.localtime(self.since))
-        held = f"held by kernel {self.holder_pid} (since {when})" if self.holder_pid else f"detached (since {when})"
-        if self.died:
-            restart = "`%fsdp2 restart` there" if self.holder_pid else f"`%fsdp2 attach {self.name}`, then `%fsdp2 restart`"
-            held += f", {self.died} ({restart} starts its ranks afresh)"
-        if self.keep_for_s is None:
-            clock = "kept until `%fsdp2 stop`"
-        elif self.seconds_left is not None:
-            clock = f"ends in {describe_duration(self.seconds_left)} (--keep-for {describe_duration(self.keep_for_s)})"
-        else:
-            clock = f"--keep-for {describe_duration(self.keep_for_s)} once detached and idle"
-        return f"{self.name}: {self.spec}, {held}, {self.run or 'idle'}, {clock}"
 
 
 def read_key(directory: Path) -> bytes:
@@ -249,7 +218,7 @@ def check_wire_version(directory: Path, signer: Signer, meta: KeptMeta) -> None:
         "rank state is lost)")
 
 
-def holder_alive(record: AttachRecord | None) -> bool:
+def holder_alive(record: AttachRecord | None) -> TypeGuard[AttachRecord]:
     if record is None or not record.holder_pid:
         return False
     return reaper._is_alive((record.holder_pid, record.holder_create_time))
@@ -290,18 +259,6 @@ def held_here(directory: Path, signer: Signer) -> AttachRecord | None:
     """None while this kernel holds the pool; else the record that says who does."""
     current = read_attach_record(str(directory), signer)
     return None if current is not None and current.holder_pid == os.getpid() else current
-
-
-def describe_run(work: list[RankWork]) -> str | None:
-    running = [rank for rank, slot in enumerate(work) if slot.running_cell_id is not None]
-    if not running:
-        return None
-    first = work[running[0]]
-    what = f"In[{first.execution_count}]" if first.execution_count is not None else "a request"
-    started = min(work[rank].since for rank in running)
-    line = f"{what} running on {describe_ranks(running)} for {describe_duration(time.time() - started)}"
-    waiting = [rank for rank in running if work[rank].waiting_for_input]
-    return line + (f", {describe_ranks(waiting)} waiting for input" if waiting else "")
 
 
 def describe_ranks(ranks: list[int]) -> str:
@@ -348,76 +305,10 @@ def noted_runs(directory: Path) -> dict[int, NotedRun]:
         return {}
 
 
-class KeptPools(list):
-    """What `%fsdp2 pools` returns: the pools as data, shown as one line each."""
-
-    def __repr__(self) -> str:
-        return "\n".join(map(str, self)) if self else "no kept pools"
-
-    def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython's pretty printer
-        printer.text(repr(self))
-
-
-def list_pools() -> KeptPools:
-    """This user's kept pools on this host; the directory of one whose agent is gone is removed."""
-    pools = KeptPools()
-    for directory in sorted(kept_root().iterdir()):
-        meta = KeptMeta.read(directory)
-        if meta is None:
-            if time.time() - _mtime(directory) > 60:  # not one being made right now
-                shutil.rmtree(directory, ignore_errors=True)
-            continue
-        if not agent_alive(meta):
-            shutil.rmtree(directory, ignore_errors=True)
-            continue
-        pools.append(_describe(directory, meta))
-    return pools
-
-
-def _describe(directory: Path, meta: KeptMeta) -> KeptPool:
-    try:
-        signer = Signer(read_key(directory))
-    except (OSError, ValueError):
-        signer = None
-    opened = read_attach_envelope(str(directory), signer) if signer is not None else None
-    if opened is not None and opened.message is None:  # another fsdp2nb's: its files may read otherwise
-        return KeptPool(name=meta.name, spec=meta.spec.describe(), holder_pid=None, since=meta.created,
-                        run=None, keep_for_s=meta.keep_for_s, seconds_left=None, log_dir=meta.log_dir,
-                        wire=opened.version)
-    record = read_attach_record(str(directory), signer) if signer is not None else None
-    died = read_exit_reports(str(directory), signer) if signer is not None else {}
-    holder = record.holder_pid if record is not None and holder_alive(record) else None
-    since = record.since if record is not None else meta.created
-    work = read_activity(str(directory))
-    run = describe_run(work)
-    left = None
-    if holder is None and run is None and meta.keep_for_s is not None and work:
-        left = max(since, max(slot.since for slot in work)) + meta.keep_for_s - time.time()
-    return KeptPool(name=meta.name, spec=meta.spec.describe(), holder_pid=holder, since=since, run=run,
-                    keep_for_s=meta.keep_for_s, seconds_left=left, log_dir=meta.log_dir,
-                    died=describe_deaths(died.values()) if died else None)
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0
-
-
 def log_tails(log_dir: str, world_size: int, num_lines: int = 5) -> dict[int, list[str]]:
     """The last lines each rank wrote to its log (what it printed while no kernel held it)."""
-    tails = {}
-    for rank in range(world_size):
-        try:
-            with open(os.path.join(log_dir, f"rank-{rank}.log"), "rb") as log:
-                log.seek(0, os.SEEK_END)
-                log.seek(max(0, log.tell() - 4096))
-                lines = log.read().decode("utf-8", errors="replace").splitlines()
-        except OSError:
-            continue
-        tails[rank] = [line for line in lines if line.strip()][-num_lines:]
-    return tails
+    tails = {rank: read_tail(rank_log_path(log_dir, rank), 4096) for rank in range(world_size)}
+    return {rank: [line for line in lines if line.strip()][-num_lines:] for rank, lines in tails.items()}
 
 
 class AttachOnly:

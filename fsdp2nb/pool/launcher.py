@@ -19,13 +19,16 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Protocol
 
 from fsdp2nb.pool import reaper
-from fsdp2nb.wire.protocol import LaunchPlan, RankExited
+from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.pid_watch import PidWatch
+from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,64 @@ def describe_exit(report: RankExited) -> str:
     return f"exit code {report.exit_code}"
 
 
+def describe_agent_exit(ended: AgentExit, lost_agents: dict[int, str], devices_per_node: int) -> str:
+    """Which agent ended, where and how: one wording for every launcher. `lost_agents`: node ->
+    host of agents whose connection to the kernel ended (named where the launcher cannot tell)."""
+    if ended.every_host:
+        return f"every host's agent {ended.how}"
+    if ended.pid is not None:
+        return f"the host agent (pid {ended.pid}) {ended.how}"
+    node, host = ended.node, ended.host
+    if node is None and lost_agents:  # the launcher cannot tell; the connection that ended can
+        node, host = next(iter(lost_agents.items()))
+    if node is None:
+        return f"the host agent {ended.how}"
+    ranks = ", ".join(str(rank) for rank in range(node * devices_per_node, (node + 1) * devices_per_node))
+    return f"the host agent on host {host} (node {node}, ranks {ranks}) {ended.how}"
+
+
+def launcher_for(spec: PoolSpec) -> Launcher:
+    """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
+    if spec.placement is None:
+        return LocalLauncher()
+    if spec.placement.engine == "ray":
+        from fsdp2nb.pool.ray_launcher import RayLauncher
+
+        return RayLauncher(spec)
+    from fsdp2nb.pool.slurm_launcher import SlurmLauncher
+
+    return SlurmLauncher(spec)
+
+
+def launch_plan(spec: PoolSpec, *, pool_id: str, address: str, runtime_dir: str, log_dir: str,
+                tls_fingerprint: str = "", kept_dir: str = "", keep_for_s: float | None = None) -> LaunchPlan:
+    """What every host agent of a pool is given: each node runs `spec.devices`, one rank each."""
+    per_node = spec.devices
+    ranks = tuple(RankPlan(rank=node * len(per_node) + local, local_rank=local, device=device, node=node)
+                  for node in range(spec.num_nodes) for local, device in enumerate(per_node))
+    return LaunchPlan(
+        pool_id=pool_id, world_size=spec.world_size, backend=spec.backend, ranks=ranks,
+        address=address, runtime_dir=runtime_dir, log_dir=log_dir,
+        collective_timeout_s=spec.collective_timeout_s, kernel_pid=os.getpid(),
+        master_port=_unused_loopback_port(), num_nodes=spec.num_nodes, tls_fingerprint=tls_fingerprint,
+        kept_dir=kept_dir, keep_for_s=keep_for_s,
+    )
+
+
+def _unused_loopback_port() -> int:
+    """A loopback port for MASTER_PORT, for code that builds its own store; the pool itself uses none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def write_and_close(process: subprocess.Popen, data: bytes) -> None:
+    """Write `data` to the stdin of `process` (started with stdin=PIPE), then close it."""
+    assert process.stdin is not None, "started with stdin=PIPE"
+    process.stdin.write(data)
+    process.stdin.close()
+
+
 def describe_exit_code(code: int) -> str:
     """How a process ended, from its Popen return code: "killed by SIGKILL", "exited with code 3"."""
     if code < 0:
@@ -158,7 +219,7 @@ class StandbyAgent:
         except OSError:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             raise
-        reaper.record_pool(self.standby_id, reaper.process_key(os.getpid()),
+        reaper.record_pool(self.standby_id, reaper.own_process_key(),
                            [key for key in [reaper.process_key(self.process.pid)] if key],
                            runtime_dir=str(self.log_dir))
 
@@ -255,19 +316,16 @@ class LocalLauncher:
 def _wait_for_exit(process: subprocess.Popen, timeout_s: float) -> None:
     """Wait up to `timeout_s` for `process` to end, waking as it does: Popen.wait with a timeout
     polls, up to 50 ms late, and a restart waits for the old agent."""
-    try:
-        pidfd = os.pidfd_open(process.pid)
-    except (AttributeError, OSError):  # before Linux 5.3 (or gone already)
-        pidfd = None
-    if pidfd is not None:
+    poller = select.poll()
+    ended = PidWatch(poller)
+    watched = ended.watch(process.pid)  # False before Linux 5.3 (or gone already)
+    if watched:
         try:
-            poller = select.poll()
-            poller.register(pidfd, select.POLLIN)
             poller.poll(int(timeout_s * 1000))
         finally:
-            os.close(pidfd)
+            ended.close()
     try:
-        process.wait(0 if pidfd is not None else timeout_s)
+        process.wait(0 if watched else timeout_s)
     except subprocess.TimeoutExpired:
         pass
 

@@ -1,80 +1,64 @@
-"""The kernel's handle on a pool of ranks: start, send requests, receive events, stop.
+"""The kernel's handle on a pool of ranks: start (or attach a kept one), send requests, stop.
 
-Events never wait unread: a receiver thread drains them, so snapshots keep flowing and a
-rank's output never backs up while the notebook is idle. Cell events go to a queue that the
-running cell consumes; snapshots update `snapshots` in place; what ranks' own threads print
-between cells is held, bounded, for the next cell.
+A receiving thread drains the ranks' events as they arrive and sorts them (pool/rank_events.py);
+a kept pool's directory is its `KeptHold` (pool/kept_pool.py); the ranks as processes of this
+host are pool/rank_processes.py's. The notebook side uses what pool/handle.py declares.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
-import queue
 import secrets
 import shutil
-import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Literal
-
-import psutil
 
 from fsdp2nb.errors import LaunchError, PoolStartError
-from fsdp2nb.pool import kept, reaper
-from fsdp2nb.pool.held_output import HeldOutput
+from fsdp2nb.pool import kept, ray_kept, reaper
+from fsdp2nb.pool.busy_ranks import BusyRanks
+from fsdp2nb.pool.handle import PoolState, SnapshotListener
 from fsdp2nb.pool.kept import KeepOptions
-from fsdp2nb.pool.kept_pool import KeptPoolParts
+from fsdp2nb.pool.kept_pool import ATTACH_TIMEOUT_S, KeptHold, first_save_request_id
 from fsdp2nb.pool.launcher import (
     AgentExit,
     LaunchedRanks,
     Launcher,
-    LocalLauncher,
+    describe_agent_exit,
     describe_exit,
+    launch_plan,
+    launcher_for,
 )
 from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
+from fsdp2nb.pool.rank_events import RankEvents
+from fsdp2nb.pool.rank_processes import end_leftover_ranks, rank_process_state
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
-from fsdp2nb.wire.kept import RankWork, create_activity_board
+from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.protocol import (
-    AnswerInput,
+    FOR_CONTROL_THREAD,
     ControlMessage,
     EventMessage,
-    Interrupt,
     JoinRendezvous,
-    LaunchPlan,
     RankExited,
-    RankPlan,
-    RankReady,
-    RankSnapshot,
-    ReleaseCollectives,
-    RendezvousOpened,
-    ReportActivity,
     RequestSave,
-    ResetPeak,
-    RichOutput,
     Shutdown,
     StreamOutput,
-    TaskProgress,
 )
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
 from fsdp2nb.wire.tls import PoolCertificate
 
 logger = logging.getLogger(__name__)
 
-PoolState = Literal["stopped", "starting", "ready", "broken"]
 DEFAULT_START_TIMEOUT_S = 300.0
 _RECEIVE_POLL_MS = 100
 
 
-class WorkerPool(KeptPoolParts):
-    """N ranks forming one torch.distributed job, owned by the notebook kernel."""
+class WorkerPool:
+    """N ranks forming one torch.distributed job, owned by the notebook kernel (a PoolHandle)."""
 
     def __init__(self, spec: PoolSpec, launcher: Launcher | None = None, *,
                  stalled_frame_s: float = STALLED_FRAME_S, keep: KeepOptions | None = None) -> None:
@@ -83,22 +67,16 @@ class WorkerPool(KeptPoolParts):
         """Set for a kept pool: it outlives this kernel (pool/kept.py)."""
         self.pool_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.state: PoolState = "stopped"
-        self.ranks: dict[int, RankReady] = {}
-        self.snapshots: dict[int, RankSnapshot] = {}
-        self.exited: dict[int, RankExited] = {}
-        self._busy_ranks: frozenset[int] = frozenset()
-        self._busy_lock = threading.Lock()
-        self.snapshot_listeners: list[Callable[[RankSnapshot | TaskProgress], None]] = []
-        """Called on the receiving thread with every snapshot and every progress event."""
-        self.held_output = HeldOutput()
+        self._events = RankEvents(spec.world_size, self._rank_exited)
+        self.ranks, self.snapshots, self.exited = self._events.ranks, self._events.snapshots, self._events.exited
+        self.held_output = self._events.held_output  # the receiving thread's records, shared
+        self._busy = BusyRanks()
         self.broken_reason: str | None = None
         """Why the pool can run no more cells, besides a rank's exit (a dead host agent, a
         collective that timed out)."""
         self.agent_died = False
         self.log_dir = ""
         self._launcher = launcher or launcher_for(spec)
-        self._events: queue.SimpleQueue[EventMessage] = queue.SimpleQueue()  # C: far cheaper than Queue
-        self._all_ready = threading.Event()
         self._stop_receiving = threading.Event()
         self._channels: KernelChannels | None = None
         self._launched: LaunchedRanks | None = None
@@ -108,46 +86,47 @@ class WorkerPool(KeptPoolParts):
         self._socket_dir = ""
         """Where this kernel's socket lives: the runtime directory, except for a kept pool, whose
         runtime directory (the process group's store) outlives every kernel."""
-        self._kept_dir: Path | None = None
+        self._kept: KeptHold | None = None
+        """A kept pool's directory, once made or opened (pool/kept_pool.py)."""
         self._signer: Signer | None = None
         self._stalled_frame_s = stalled_frame_s
         self._log: logging.Logger | None = None
         """This pool's own log (pool.log in `log_dir`): what its connections went through."""
         self._lost_agents: dict[int, str] = {}
         """Node -> host address of agents whose connection ended (pools across hosts)."""
-        self._rendezvous: RendezvousOpened | None = None
-        """Rank 0's store address, until `_wait_until_ready` passes it on."""
         self._last_cell_ids: dict[int, int] = {}
         """Per rank, the request id it was last sent (a stalled rank is reported to that cell)."""
-        self._ranks_to_join = spec.world_size
-        """How many RankReady make the pool ready: fewer when attaching a kept pool a rank of
-        which died while no kernel held it."""
         self.work_at_attach: list[RankWork] = []
         """A kept pool attached: what each rank ran then (its activity board); else empty."""
-        self.busy_since: dict[int, float] = {}
-        """Rank -> when it started what it runs now (time.time()), for the dashboard's clocks."""
 
     @property
     def world_size(self) -> int:
         return self.spec.world_size
 
     @property
+    def snapshot_listeners(self) -> list[SnapshotListener]:
+        """Called on the receiving thread with every snapshot and every progress event."""
+        return self._events.listeners
+
+    @snapshot_listeners.setter
+    def snapshot_listeners(self, listeners: list[SnapshotListener]) -> None:
+        self._events.listeners = listeners
+
+    @property
     def busy_ranks(self) -> frozenset[int]:
         """Ranks running a request from this kernel: a cell, or a background run."""
-        return self._busy_ranks
+        return self._busy.ranks
+
+    @property
+    def busy_since(self) -> dict[int, float]:
+        return self._busy.since
 
     def mark_busy(self, ranks: tuple[int, ...], since: dict[int, float] | None = None) -> None:
-        """Called before a request is sent (a Save or Stop click meanwhile sees it running);
-        `since`: when ranks started a request sent before (a kept pool's run, on attach)."""
-        now = time.time()
-        with self._busy_lock:  # cells, background runners and the dashboard's threads all write
-            self._busy_ranks = self._busy_ranks | frozenset(ranks)
-            self.busy_since = {**self.busy_since, **{rank: (since or {}).get(rank, now) for rank in ranks}}
+        """Called before a request is sent (a Save or Stop click meanwhile sees it running)."""
+        self._busy.mark(ranks, since)
 
     def mark_idle(self, ranks: tuple[int, ...]) -> None:
-        with self._busy_lock:
-            self._busy_ranks = self._busy_ranks - frozenset(ranks)
-            self.busy_since = {rank: at for rank, at in self.busy_since.items() if rank not in ranks}
+        self._busy.clear(ranks)
 
     def mark_broken(self, reason: str) -> None:
         """The pool can run no more cells (its process group is unusable); `reason` says why."""
@@ -180,24 +159,21 @@ class WorkerPool(KeptPoolParts):
         try:
             key = secrets.token_bytes(KEY_BYTES)
             self._make_directories()
-            self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
+            log = self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
             address = self._launcher.listen_address(self._socket_dir, self.log_dir)
             certificate = _pool_certificate(address, self._runtime_dir)
-            self._signer = Signer(key, log=self._log)
-            self._channels = KernelChannels(self._signer, address, log=self._log,
-                                            stalled_frame_s=self._stalled_frame_s, on_stalled=self._report_stalled,
-                                            certificate=certificate, on_agent_lost=self._agent_lost)
-            if self._kept_dir is not None:
-                kept.write_key(self._kept_dir, key)
-                create_activity_board(str(self._kept_dir), self.world_size)
-                kept.hold(self._kept_dir, self._signer, self._channels.address, take=False, name=self.keep.name)
-            plan = self._plan(self._channels.address, certificate.fingerprint if certificate else "")
-            self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="fsdp2nb-receiver")
-            self._receiver.start()
-            self._launched = self._launcher.launch(plan, key)
-            self._register()
+            signer, channels = self._listen(key, address, certificate, log)
+            if self._kept is not None:
+                self._kept.hold_new(key, signer, channels.address, self.world_size)
+            plan = launch_plan(self.spec, pool_id=self.pool_id, address=channels.address,
+                               runtime_dir=self._runtime_dir, log_dir=self.log_dir,
+                               tls_fingerprint=certificate.fingerprint if certificate else "",
+                               kept_dir=str(self._kept.directory) if self._kept else "",
+                               keep_for_s=self.keep.keep_for_s if self.keep else None)
+            launched = self._launched = self._launcher.launch(plan, key)
+            self._register(launched, channels.address)
             self._wait_until_ready(timeout_s)
-            self._register()
+            self._register(launched, channels.address)
         except LaunchError as error:
             self.stop(polite=False)
             raise PoolStartError(str(error)) from None
@@ -206,40 +182,43 @@ class WorkerPool(KeptPoolParts):
             raise
         self.state = "ready"
 
+    def _listen(self, key: bytes, address: str, certificate: PoolCertificate | None,
+                log: logging.Logger) -> tuple[Signer, KernelChannels]:
+        """Listen for the ranks at `address`, signing with `key`, and start the receiving thread."""
+        signer = self._signer = Signer(key, log=log)
+        channels = self._channels = KernelChannels(
+            signer, address, log=log, certificate=certificate, stalled_frame_s=self._stalled_frame_s,
+            on_stalled=self._report_stalled, on_agent_lost=self._agent_lost)
+        self._receiver = threading.Thread(target=self._receive_loop, args=(channels,), daemon=True,
+                                          name="fsdp2nb-receiver")
+        self._receiver.start()
+        return signer, channels
+
     def _make_directories(self) -> None:
         self._socket_dir = tempfile.mkdtemp(prefix="fsdp2nb-")  # mkdtemp makes it 0700
         self._runtime_dir = self._socket_dir
         if self.keep is not None:
-            self._make_kept_directory()
+            self._kept = KeptHold.create(self.keep)
+            self._runtime_dir = self._kept.runtime_dir
         self.log_dir = str(reaper.state_dir() / "logs" / self.pool_id)
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
 
-    def _plan(self, address: str, tls_fingerprint: str) -> LaunchPlan:
-        per_node = self.spec.devices
-        ranks = tuple(RankPlan(rank=node * len(per_node) + local, local_rank=local, device=device, node=node)
-                      for node in range(self.spec.num_nodes) for local, device in enumerate(per_node))
-        return LaunchPlan(
-            pool_id=self.pool_id, world_size=self.world_size, backend=self.spec.backend, ranks=ranks,
-            address=address, runtime_dir=self._runtime_dir, log_dir=self.log_dir,
-            collective_timeout_s=self.spec.collective_timeout_s, kernel_pid=os.getpid(),
-            master_port=_unused_loopback_port(), num_nodes=self.spec.num_nodes, tls_fingerprint=tls_fingerprint,
-            kept_dir=str(self._kept_dir or ""), keep_for_s=self.keep.keep_for_s if self.keep else None,
-        )
-
     def _wait_until_ready(self, timeout_s: float) -> None:
+        channels, launched = self._channels, self._launched
+        assert channels is not None and launched is not None, "listening, and the ranks launched"
         deadline = time.monotonic() + timeout_s
-        while not self._all_ready.wait(0.05):
+        while not self._events.all_joined.wait(0.05):
             self._pass_rendezvous_on()
-            if self._channels.refused_version is not None:  # ranks of another fsdp2nb: they will not join
-                raise PoolStartError(self._channels.refused_version)
-            if self.exited or not self._launched.is_running():
+            if channels.refused_version is not None:  # ranks of another fsdp2nb: they will not join
+                raise PoolStartError(channels.refused_version)
+            if self.exited or not launched.is_running():
                 raise PoolStartError(self._start_failure())
             if time.monotonic() > deadline:
                 raise PoolStartError(f"the ranks did not start within {timeout_s:.0f} s (logs: {self.log_dir})")
 
     def _pass_rendezvous_on(self) -> None:
         """Tell ranks 1.. where rank 0's store listens, once it says so (multi-host pools)."""
-        opened, self._rendezvous = self._rendezvous, None
+        opened = self._events.take_rendezvous()
         if opened is not None:
             self.send(tuple(range(1, self.world_size)), JoinRendezvous(host=opened.host, port=opened.port),
                       connect_timeout_s=DEFAULT_START_TIMEOUT_S)
@@ -250,18 +229,87 @@ class WorkerPool(KeptPoolParts):
             return f"rank {exit_report.rank} exited while starting ({describe_exit(exit_report)}):\n{tail}"
         if self.spec.placement is not None:
             ended = self._launched.agent_exit() if self._launched is not None else None
-            which = self._describe_agent_exit(ended) if ended is not None else "the host agent ended"
+            which = self._agent_exit_text(ended) if ended is not None else "the host agent ended"
             return f"{which} while starting the ranks; see the agent logs in {self.log_dir}"
         return f"the host agent exited while starting the ranks; see {self.log_dir}/agent.log"
 
-    def _register(self) -> None:
-        if self._kept_dir is not None:  # no reaper: a kept pool outlives its kernel on purpose
-            self._write_kept_meta()
+    def _register(self, launched: LaunchedRanks, address: str) -> None:
+        if self._kept is not None:  # no reaper: a kept pool outlives its kernel on purpose
+            self._write_kept_meta(self._kept, launched, address)
             return
-        processes = [reaper.process_key(pid) for pid in self._launched.process_ids()]
+        processes = [reaper.process_key(pid) for pid in launched.process_ids()]
         processes += [(info.pid, info.create_time) for info in self.ranks.values() if not info.address]
-        reaper.record_pool(self.pool_id, reaper.process_key(os.getpid()), [p for p in processes if p],
+        reaper.record_pool(self.pool_id, reaper.own_process_key(), [p for p in processes if p],
                            runtime_dir=self._runtime_dir)
+
+    # --- kept pools (the directory's part is KeptHold's) ------------------------------------
+
+    def _write_kept_meta(self, hold: KeptHold, launched: LaunchedRanks, address: str) -> None:
+        agent = reaper.process_key(launched.process_ids()[0])
+        if agent is None:
+            return  # it ended already: the start fails on that
+        listen = ray_kept.listen_host(address) if self.spec.placement is not None else ""
+        hold.write_meta(spec=self.spec, pool_id=self.pool_id, agent=agent, log_dir=self.log_dir, listen=listen)
+
+    @classmethod
+    def attach(cls, name: str, *, take: bool = False, timeout_s: float = ATTACH_TIMEOUT_S,
+               stalled_frame_s: float = STALLED_FRAME_S) -> WorkerPool:
+        """This kernel takes the kept pool `name` (see pool/kept.py); a UsageMistake (NoSuchPool,
+        PoolHeldError, ...: one line each) when it cannot, with nothing changed."""
+        hold, meta = KeptHold.open(name)
+        key = hold.key_to_take(meta, take)
+        pool = cls(meta.spec, launcher=kept.AttachOnly(), stalled_frame_s=stalled_frame_s, keep=hold.keep)
+        pool._attach(hold, meta, key, take, timeout_s)
+        return pool
+
+    def _attach(self, hold: KeptHold, meta: kept.KeptMeta, key: bytes, take: bool, timeout_s: float) -> None:
+        self._kept, self.pool_id, self.log_dir, self._runtime_dir = hold, meta.pool_id, meta.log_dir, meta.runtime_dir
+        self.state = "starting"
+        try:
+            self._socket_dir = tempfile.mkdtemp(prefix="fsdp2nb-")
+            log = self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
+            address, certificate = os.path.join(self._socket_dir, "pool.sock"), None
+            if meta.listen:  # across hosts: TCP with the pool's certificate, the driver for an agent
+                address, certificate = ray_kept.attach_endpoint(meta.listen, meta.runtime_dir)
+            signer, channels = self._listen(key, address, certificate, log)
+            self._launched = (ray_kept.KeptRayDriver if meta.listen else kept.KeptAgent)(meta.agent)
+            record = hold.hold(signer, channels.address, take=take)
+            self._save_request_ids = itertools.count(first_save_request_id(record))
+            self.work_at_attach, died = hold.ranks_at_attach()
+            self._events.ranks_to_join = self.world_size - len(died)
+            kept.wake_agent(meta)
+            self._wait_until_ready(timeout_s)
+        except BaseException:
+            hold.let_go()
+            self.release()
+            raise
+        self.state = "ready"
+        if died:
+            self.exited.update(died)
+            self.mark_broken(kept.describe_deaths(died.values()) + " while no kernel held the pool")
+
+    def held_here(self) -> bool:
+        """Whether this kernel still holds its kept pool (always, for a pool that is not kept)."""
+        return self._kept is None or self._kept.held_here()
+
+    def holder_note(self) -> str:
+        """Who took this kernel's kept pool, for the line that says so."""
+        return self._kept.holder_note() if self._kept is not None else "another kernel"
+
+    def note_background_run(self, cell_id: int, execution_count: int | None, name: str | None) -> None:
+        """A kept pool keeps what names a background run, for a kernel that takes it over."""
+        if self._kept is not None:
+            self._kept.note_run(cell_id, execution_count, name)
+
+    def noted_background_run(self, cell_id: int) -> kept.NotedRun | None:
+        """What the kernel that started the background run `cell_id` of a kept pool noted of it."""
+        return self._kept.noted_run(cell_id) if self._kept is not None else None
+
+    def detach(self) -> None:
+        """Let go of a kept pool: its ranks keep running and wait for the next kernel."""
+        if self._kept is not None:
+            self._kept.detach()
+        self.release()
 
     def release(self) -> None:
         """Close this kernel's end without ending the ranks (a kept pool); safe to call twice."""
@@ -291,30 +339,16 @@ class WorkerPool(KeptPoolParts):
             self.release()
             return
         if polite and self._launched is not None:
-            self._ask_ranks_to_exit(grace_s)
+            self._ask_ranks_to_exit(self._launched, grace_s)
         if self._launched is not None:
             self._launched.terminate(grace_s=3.0)
-        self._wait_for_rank_processes()
+        end_leftover_ranks(self.ranks.values())
         self.release()
         shutil.rmtree(self._runtime_dir, ignore_errors=True)
-        if self._kept_dir is not None:
-            shutil.rmtree(self._kept_dir, ignore_errors=True)
+        if self._kept is not None:
+            self._kept.remove()
         reaper.forget_pool(self.pool_id)
         self.state = "stopped"
-
-    def _wait_for_rank_processes(self, grace_s: float = 3.0) -> None:
-        """Make sure no rank outlives its pool: each leads a session of its own, so ending the
-        agent reaches them only through PR_SET_PDEATHSIG, which is not immediate. Left running
-        they would hold memory and be found later as orphans."""
-        local = [info for info in self.ranks.values() if not info.address]
-        processes = [p for p in map(_same_process, local) if p is not None]
-        deadline = time.monotonic() + grace_s
-        while (processes := [p for p in processes if _still_running(p)]) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for process in processes:
-            with contextlib.suppress(psutil.Error):
-                process.kill()
-                logger.warning("fsdp2nb: rank pid %d outlived its agent and was killed", process.pid)
 
     def check_agent(self) -> bool:
         """Whether the host agent runs; if it ended unasked, the pool is broken: its ranks die with it."""
@@ -327,23 +361,11 @@ class WorkerPool(KeptPoolParts):
             return True
         self.agent_died = True
         self.state = "broken"
-        self.broken_reason = f"{self._describe_agent_exit(ended)}; its ranks ended with it"
+        self.broken_reason = f"{self._agent_exit_text(ended)}; its ranks ended with it"
         return False
 
-    def _describe_agent_exit(self, ended: AgentExit) -> str:
-        """Which agent ended, where and how: one wording for every launcher."""
-        if ended.every_host:
-            return f"every host's agent {ended.how}"
-        if ended.pid is not None:
-            return f"the host agent (pid {ended.pid}) {ended.how}"
-        node, host = ended.node, ended.host
-        if node is None and self._lost_agents:  # the launcher cannot tell; the connection that ended can
-            node, host = next(iter(self._lost_agents.items()))
-        if node is None:
-            return f"the host agent {ended.how}"
-        per_node = len(self.spec.devices)
-        ranks = ", ".join(str(rank) for rank in range(node * per_node, (node + 1) * per_node))
-        return f"the host agent on host {host} (node {node}, ranks {ranks}) {ended.how}"
+    def _agent_exit_text(self, ended: AgentExit) -> str:
+        return describe_agent_exit(ended, self._lost_agents, len(self.spec.devices))
 
     def _agent_lost(self, node: int, host: str) -> None:
         """Called on the reading thread when an agent's connection ended."""
@@ -351,18 +373,10 @@ class WorkerPool(KeptPoolParts):
             self._lost_agents.setdefault(node, host)
 
     def rank_process_state(self, rank: int) -> str:
-        """A rank process's state as the OS reports it ("stopped", "running", ...), or "" once it
-        has ended; "remote" for a rank on another host, which this host cannot see."""
-        info = self.ranks.get(rank)
-        if info is not None and info.address:
-            return "remote"
-        process = _same_process(info) if info is not None else None
-        try:
-            return process.status() if process is not None else ""
-        except psutil.Error:
-            return ""
+        """A rank process's state as the OS reports it (see pool/rank_processes.py)."""
+        return rank_process_state(self.ranks.get(rank))
 
-    def _ask_ranks_to_exit(self, grace_s: float) -> None:
+    def _ask_ranks_to_exit(self, launched: LaunchedRanks, grace_s: float) -> None:
         for rank in self.ranks:
             if rank not in self.exited:
                 try:
@@ -370,7 +384,7 @@ class WorkerPool(KeptPoolParts):
                 except ConnectionError:
                     pass
         deadline = time.monotonic() + grace_s
-        while self._launched.is_running() and time.monotonic() < deadline:
+        while launched.is_running() and time.monotonic() < deadline:
             time.sleep(0.02)
 
     # --- messages -----------------------------------------------------------------------------
@@ -378,8 +392,7 @@ class WorkerPool(KeptPoolParts):
     def send(self, ranks: int | tuple[int, ...], message: ControlMessage, connect_timeout_s: float = 5.0) -> None:
         """Send `message` to one rank or to several."""
         assert self._channels is not None, "the pool is not running"
-        control = isinstance(message, (Interrupt, RequestSave, ResetPeak, ReportActivity, AnswerInput,
-                                       ReleaseCollectives))
+        control = isinstance(message, FOR_CONTROL_THREAD)
         cell_id = getattr(message, "cell_id", None)
         if cell_id is not None:
             for rank in (ranks,) if isinstance(ranks, int) else ranks:
@@ -399,15 +412,12 @@ class WorkerPool(KeptPoolParts):
 
     def next_event(self, timeout_s: float) -> EventMessage | None:
         """The next event for a waiting request, in arrival order; None after `timeout_s`."""
-        try:
-            return self._events.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
+        return self._events.next_event(timeout_s)
 
-    def _receive_loop(self) -> None:
+    def _receive_loop(self, channels: KernelChannels) -> None:
         while not self._stop_receiving.is_set():
             try:
-                self._channels.receive(_RECEIVE_POLL_MS, self._dispatch_safely)
+                channels.receive(_RECEIVE_POLL_MS, self._events.sort)
             except Exception:  # nothing known raises here (bad frames are dropped, handlers guarded):
                 logger.exception("fsdp2nb: failed to read an event from the ranks")  # keep serving
 
@@ -420,54 +430,11 @@ class WorkerPool(KeptPoolParts):
                 "(stopped by a signal or a debugger?); the other ranks go on. Resume it "
                 f"(kill -CONT {pid}) or interrupt the cell to restart the pool.\n")
         cell_id = self._last_cell_ids.get(rank) if rank in self.busy_ranks else None
-        self._dispatch_safely(StreamOutput(rank=rank, cell_id=cell_id, stream="stderr", text=text))
+        self._events.sort(StreamOutput(rank=rank, cell_id=cell_id, stream="stderr", text=text))
 
-    def _dispatch_safely(self, event: EventMessage) -> None:
-        try:
-            self._dispatch(event)
-        except Exception:  # one bad event or listener must not silence every rank
-            logger.exception("fsdp2nb: failed to handle an event from the ranks")
-
-    def _dispatch(self, event: EventMessage) -> None:
-        if isinstance(event, (RankSnapshot, TaskProgress)):
-            if isinstance(event, RankSnapshot):
-                self.snapshots[event.rank] = event
-            for listener in list(self.snapshot_listeners):
-                listener(event)
-            if isinstance(event, RankSnapshot) or event.cell_id is None:
-                return  # a progress event of a cell also goes to the cell, for its own bar
-        if isinstance(event, RendezvousOpened):
-            self._rendezvous = event
-            return
-        if isinstance(event, RankReady):
-            self.ranks[event.rank] = event
-            if len(self.ranks) >= self._ranks_to_join:
-                self._all_ready.set()
-            return
-        if isinstance(event, RankExited):
-            self.exited[event.rank] = event
-            if self.state != "stopped":
-                self.state = "broken"
-        if isinstance(event, (StreamOutput, RichOutput)) and event.cell_id is None:
-            self.held_output.add(event)  # a rank's own thread, between cells
-            return
-        self._events.put(event)
-
-
-def _same_process(info: RankReady) -> psutil.Process | None:
-    """The rank's process, unless its pid now belongs to another process (or to none)."""
-    try:
-        process = psutil.Process(info.pid)
-        return process if abs(process.create_time() - info.create_time) < 0.01 else None
-    except psutil.Error:
-        return None
-
-
-def _still_running(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE  # a zombie is dead, waiting for its reaper
-    except psutil.Error:
-        return False
+    def _rank_exited(self, event: RankExited) -> None:
+        if self.state != "stopped":
+            self.state = "broken"
 
 
 def _pool_certificate(address: str, runtime_dir: str) -> PoolCertificate | None:
@@ -477,23 +444,3 @@ def _pool_certificate(address: str, runtime_dir: str) -> PoolCertificate | None:
     from fsdp2nb.wire.tls import make_pool_certificate
 
     return make_pool_certificate(runtime_dir)
-
-
-def _unused_loopback_port() -> int:
-    """A loopback port for MASTER_PORT, for code that builds its own store; the pool itself uses none."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def launcher_for(spec: PoolSpec) -> Launcher:
-    """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
-    if spec.placement is None:
-        return LocalLauncher()
-    if spec.placement.engine == "ray":
-        from fsdp2nb.pool.ray_launcher import RayLauncher
-
-        return RayLauncher(spec)
-    from fsdp2nb.pool.slurm_launcher import SlurmLauncher
-
-    return SlurmLauncher(spec)

@@ -34,8 +34,9 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
-from fsdp2nb.pool.launcher import DEFAULT_GRACE_S, describe_exit_code, end_process_group
+from fsdp2nb.pool.launcher import DEFAULT_GRACE_S, describe_exit_code, end_process_group, write_and_close
 from fsdp2nb.wire.kept import ACTIVITY_FILE, RECORD_FILE
 
 RAY_NAMESPACE = "fsdp2nb"
@@ -79,16 +80,16 @@ class AgentHost:
         env = dict(os.environ, FSDP2NB_NODE=str(node), OMP_NUM_THREADS=str(threads_per_rank),
                    PYTHONUNBUFFERED="1", MPLBACKEND="module://matplotlib_inline.backend_inline")
         with open(os.path.join(log_dir, f"agent-node{node}.log"), "ab") as log:
-            self.process = subprocess.Popen(
+            process = self.process = subprocess.Popen(
                 [sys.executable, "-m", "fsdp2nb.worker.agent"], stdin=subprocess.PIPE, stdout=log, stderr=log,
                 start_new_session=True, env=env,
             )
-        self.process.stdin.write(request.encode())
-        self.process.stdin.close()
-        return {"node": node, "host": ray.util.get_node_ip_address(), "pid": self.process.pid}
+        write_and_close(process, request.encode())
+        return {"node": node, "host": ray.util.get_node_ip_address(), "pid": process.pid}
 
     def wait(self) -> str:
         """Returns once the agent has ended: how it ended."""
+        assert self.process is not None, "start() came first"
         how = describe_exit_code(self.process.wait())
         return f"was {how}" if how.startswith("killed") else how
 
@@ -130,7 +131,8 @@ class Driver:
         self.ray = ray
         self.setup = setup
         self.actors: list = []
-        self.placement = None
+        self.placement: Any = None
+        """The pool's Ray placement group, once launched."""
         self.on_agent_exit: Callable[[], None] | None = None
         """Called (on the thread that watches the agents) when an agent has ended."""
 

@@ -43,6 +43,7 @@ from fsdp2nb.wire.kept import (
     host_kept_dir,
     write_attach_record,
 )
+from fsdp2nb.wire.pid_watch import PidWatch
 from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.tls import PoolCertificate, load_pool_certificate
@@ -126,8 +127,8 @@ class KeptWatch:
         self._signer = Signer(key)
         self._serial = 0
         self._holder: AttachRecord | None = None
-        self._pidfd: int | None = None
         self._poller = select.poll()
+        self._holder_watch = PidWatch(self._poller)
         self._flags: set[str] = set()
         self._signals = self._wake_on_signals()
         self._agent_ended, ended_write = os.pipe()
@@ -168,7 +169,7 @@ class KeptWatch:
                 return DEFAULT_GRACE_S
             if "stop" in self._flags:
                 return DEFAULT_GRACE_S
-            if self._pidfd is not None and self._pidfd in ready:
+            if self._holder_watch.fd in ready:
                 self._holder_ended()
             if "attach" in self._flags:
                 self._flags.discard("attach")
@@ -185,26 +186,19 @@ class KeptWatch:
 
     def _watch_holder(self, record: AttachRecord | None) -> None:
         """Wake when the kernel that `record` names ends (None, or no kernel: stop watching)."""
-        if self._pidfd is not None:
-            self._poller.unregister(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+        self._holder_watch.close()
         self._holder = record if record is not None and record.holder_pid else None
         if self._holder is None:
             return
-        try:
-            if not kept.holder_alive(record):
-                raise ProcessLookupError(record.holder_pid)
-            self._pidfd = os.pidfd_open(record.holder_pid)
-        except OSError:  # it ended before it could be watched
-            self._holder_ended()
-            return
-        self._poller.register(self._pidfd, select.POLLIN)
+        if not kept.holder_alive(self._holder) or not self._holder_watch.watch(self._holder.holder_pid):
+            self._holder_ended()  # it ended before it could be watched
 
     def _holder_ended(self) -> None:
         """The holding kernel is gone: write that no kernel holds the pool (unless another took
         it meanwhile), and tell every host."""
         ended = self._holder
+        if ended is None:
+            return  # no kernel was watched
         self._watch_holder(None)
         print(f"fsdp2nb driver: kernel {ended.holder_pid} is gone; the pool keeps running", file=sys.stderr, flush=True)
         try:

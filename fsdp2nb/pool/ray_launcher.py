@@ -65,6 +65,7 @@ class RayLauncher:
     def __init__(self, spec: PoolSpec) -> None:
         assert spec.placement is not None and spec.placement.engine == "ray"
         self.spec = spec
+        self._placement = spec.placement
         self.num_nodes = spec.placement.num_nodes
         self.notes: list[str] = []
         """Lines for the cell that starts the pool (a warning about the cluster's security)."""
@@ -78,12 +79,12 @@ class RayLauncher:
         bundle = {"GPU": ranks_per_node, "CPU": 1} if self.spec.uses_gpus else {"CPU": ranks_per_node}
         self._driver = _Driver(log_dir)
         reply = self._driver.ask({
-            "address": self.spec.placement.address or "auto", "num_nodes": self.num_nodes, "bundle": bundle,
+            "address": self._placement.address or "auto", "num_nodes": self.num_nodes, "bundle": bundle,
             "threads_per_rank": 1, "log_dir": log_dir,
         })
         if not reply["token_auth"]:
             self.notes.append(TOKEN_AUTH_OFF)
-        return tcp_address(self.spec.placement.listen or reply["node_ip"], 0)
+        return tcp_address(self._placement.listen or reply["node_ip"], 0)
 
     def launch(self, plan: LaunchPlan, key: bytes) -> RayAgents:
         assert self._driver is not None, "listen_address() starts the driver first"
@@ -101,12 +102,14 @@ class _Driver:
                 [sys.executable, "-m", "fsdp2nb.pool.ray_driver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=log, start_new_session=True,
             )
+        assert self.process.stdin is not None and self.process.stdout is not None, "started with pipes"
+        self._stdin, self._stdout = self.process.stdin, self.process.stdout
         self.exits: dict[int, dict] = {}
         self._replies: queue.SimpleQueue[dict] = queue.SimpleQueue()
         threading.Thread(target=self._read, daemon=True, name="fsdp2nb-ray-driver").start()
 
     def _read(self) -> None:
-        for line in self.process.stdout:
+        for line in self._stdout:
             message = json.loads(line)
             if "exited" in message:
                 self.exits[message["exited"]] = message
@@ -126,8 +129,8 @@ class _Driver:
 
     def _send(self, message: dict) -> None:
         try:
-            self.process.stdin.write((json.dumps(message) + "\n").encode())
-            self.process.stdin.flush()
+            self._stdin.write((json.dumps(message) + "\n").encode())
+            self._stdin.flush()
         except (BrokenPipeError, ValueError):
             pass  # it ended: its last words arrive as a reply
 

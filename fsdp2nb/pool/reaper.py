@@ -45,6 +45,11 @@ def process_key(pid: int) -> ProcessKey | None:
         return None
 
 
+def own_process_key() -> ProcessKey:
+    """This process's (pid, start time): the owner a registry entry names."""
+    return os.getpid(), psutil.Process().create_time()
+
+
 def _registry_dir() -> Path:
     path = state_dir() / "pools"
     path.mkdir(mode=0o700, exist_ok=True)

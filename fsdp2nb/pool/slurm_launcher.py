@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from fsdp2nb.errors import LaunchError
-from fsdp2nb.pool.launcher import AgentExit, AgentProcess, describe_exit_code
+from fsdp2nb.pool.launcher import AgentExit, AgentProcess, describe_exit_code, write_and_close
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.endpoints import tcp_address
 from fsdp2nb.wire.protocol import LaunchPlan
@@ -40,6 +40,7 @@ class SlurmLauncher:
     def __init__(self, spec: PoolSpec) -> None:
         assert spec.placement is not None and spec.placement.engine == "slurm"
         self.spec = spec
+        self._placement = spec.placement
         self.num_nodes = spec.placement.num_nodes
         self.notes: list[str] = []
         self._log_dir = ""
@@ -48,7 +49,7 @@ class SlurmLauncher:
         self._log_dir = log_dir
         if shutil.which("srun") is None:
             raise SlurmLaunchError("--slurm needs srun on PATH (run the notebook inside salloc or sbatch)")
-        return tcp_address(self.spec.placement.listen or cluster_address(), 0)
+        return tcp_address(self._placement.listen or cluster_address(), 0)
 
     def launch(self, plan: LaunchPlan, key: bytes) -> SrunStep:
         command = ["srun", "--nodes", str(self.num_nodes), "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
@@ -57,8 +58,7 @@ class SlurmLauncher:
         with open(os.path.join(self._log_dir, "srun.log"), "ab") as log:
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=log,
                                        start_new_session=True, env=env)
-        process.stdin.write(plan.encode(key))
-        process.stdin.close()
+        write_and_close(process, plan.encode(key))
         return SrunStep(process)
 
 

@@ -8,6 +8,7 @@ way. Counting GPUs must not initialise CUDA in the notebook kernel, so it reads 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -147,9 +148,9 @@ class HostOptions:
 
 
 def multi_host_spec(hosts: HostOptions, *, gpus: str | None, cpu: int | None, collective_timeout_s: float,
-                    environ: dict[str, str] | None = None) -> PoolSpec:
+                    environ: Mapping[str, str] | None = None) -> PoolSpec:
     """A spec for ranks on other hosts; raises ValueError with a one-line explanation."""
-    environ = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ
     if hosts.ray is None and not hosts.slurm:
         raise InvalidValue("--nodes, --gpus-per-node, --cpu-per-node and --listen place ranks on other hosts: "
                            "add --ray [auto|HOST:PORT] or --slurm")
@@ -158,16 +159,17 @@ def multi_host_spec(hosts: HostOptions, *, gpus: str | None, cpu: int | None, co
     if gpus is not None or cpu is not None:
         raise InvalidValue("--gpus and --cpu place ranks on this host; across hosts use --gpus-per-node N "
                            "or --cpu-per-node N")
-    if (hosts.gpus_per_node is None) == (hosts.cpu_per_node is None):
+    given = [n for n in (hosts.gpus_per_node, hosts.cpu_per_node) if n is not None]
+    if len(given) != 1:
         raise InvalidValue("say what each host runs: --gpus-per-node N or --cpu-per-node N (one of them)")
-    per_node = hosts.gpus_per_node if hosts.gpus_per_node is not None else hosts.cpu_per_node
+    per_node = given[0]
     if per_node < 1:
         raise InvalidValue(f"{per_node} ranks per host: give at least 1")
-    if hosts.slurm and not environ.get("SLURM_JOB_ID"):
+    if hosts.slurm and not env.get("SLURM_JOB_ID"):
         raise InvalidValue("--slurm runs inside a Slurm allocation (salloc or sbatch), and SLURM_JOB_ID is not set")
     num_nodes = hosts.num_nodes
     if num_nodes is None and hosts.slurm:
-        num_nodes = int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or 0) or None
+        num_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 0) or None
     if num_nodes is None:
         raise InvalidValue("--nodes N is needed: how many hosts the pool spans")
     if hosts.listen is not None:

@@ -11,6 +11,7 @@ import html
 import math
 import os
 import time
+from collections.abc import Sequence
 
 from fsdp2nb.sizes import size
 from fsdp2nb.widgets.model import MemoryReading, RankRow
@@ -100,13 +101,13 @@ def _stacked(parts: tuple[tuple[str, int], ...], scale: int, width: int, y: int,
 def sparkline(values: tuple[float, ...], width: int = 104, height: int = 22) -> str:
     """The last minutes of memory as a line; each pixel column keeps its bucket's maximum, so a
     short spike stays visible."""
-    values = _bucket_max(values, SPARK_POINTS)
-    if len(values) < 2:
+    buckets = _bucket_max(values, SPARK_POINTS)
+    if len(buckets) < 2:
         return f'<svg width="{width}" height="{height}"></svg>'
-    low, high = min(values), max(values)
+    low, high = min(buckets), max(buckets)
     span = (high - low) or 1.0
-    step = width / (len(values) - 1)
-    points = " ".join(f"{i * step:.1f},{height - 2 - (v - low) / span * (height - 4):.1f}" for i, v in enumerate(values))
+    step = width / (len(buckets) - 1)
+    points = " ".join(f"{i * step:.1f},{height - 2 - (v - low) / span * (height - 4):.1f}" for i, v in enumerate(buckets))
     return (f'<svg width="{width}" height="{height}" class="fsdp2nb-spark"><polyline points="{points}" '
             f'fill="none" stroke="#6b7280" stroke-width="1.2"/></svg>')
 
@@ -306,6 +307,6 @@ def text_tables(rows: list[RankRow], view: CheckpointStatus | None, pool_line: s
     return "\n".join(lines)
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)

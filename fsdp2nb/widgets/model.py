@@ -317,7 +317,7 @@ class DashboardModel:
                 return
             self.save_text, self._save = self._saved_text(step), None
 
-    def _saving_text(self, step: int) -> str:
+    def _saving_text(self, step: int | None) -> str:
         """`saving step N: X of Y MiB` once the ranks report bytes written."""
         task = self.tasks.find("save", f"saving step {step}", self.facts.world_size)
         if task is None or not task.total_bytes:

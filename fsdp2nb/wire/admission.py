@@ -148,8 +148,10 @@ class Admission:
             self._refuse(pending, f"it closed before its challenge was sent ({error})")
 
     def _shake_hands(self, pending: _Pending) -> None:
+        sock = pending.sock
+        assert isinstance(sock, ssl.SSLSocket), "only a TLS connection shakes hands"
         try:
-            pending.sock.do_handshake()
+            sock.do_handshake()
         except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
             return  # more of the handshake is on its way
         except (ssl.SSLError, OSError) as error:

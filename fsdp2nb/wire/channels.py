@@ -336,10 +336,10 @@ class RankChannels:
             self._events_lost = False
             self.generation += 1
             self._reconnected.notify_all()
-        for link in old:
-            if link is not None:
+        for replaced in old:
+            if replaced is not None:
                 with contextlib.suppress(OSError):
-                    link.sock.shutdown(socket.SHUT_RDWR)  # the reader sees the end; it closes nothing
+                    replaced.sock.shutdown(socket.SHUT_RDWR)  # the reader sees the end; it closes nothing
 
     def wait_for_reconnect(self, generation: int) -> bool:
         """Block until connections newer than `generation` exist; False once closed."""

@@ -220,6 +220,9 @@ class RunCommand:
 
 ControlMessage = (RunCell | PushValues | PullValue | Interrupt | RequestSave | ResetPeak | ReportActivity
                   | Shutdown | JoinRendezvous | PostMortem | AnswerInput | RunCommand | ReleaseCollectives)
+FOR_CONTROL_THREAD = (Interrupt, RequestSave, ResetPeak, ReportActivity, AnswerInput, ReleaseCollectives)
+"""Messages sent on a rank's control connection, which its control thread reads while a cell
+runs; every other message goes to its main thread, on the requests connection."""
 
 
 # --- rank -> kernel (event channel) -----------------------------------------------------------

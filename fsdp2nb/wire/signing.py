@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 KEY_BYTES = 32
 _SIGNATURE_BYTES = hashlib.sha256().digest_size
+Frame = bytes | bytearray
+"""A frame or payload: as built (bytes) or as read off a socket (bytearray), never copied to convert."""
 
 
 class Signer:
@@ -51,7 +53,7 @@ class Signer:
         payload = pickle.dumps(envelope(message), protocol=pickle.HIGHEST_PROTOCOL)
         return self._sign(payload) + payload
 
-    def open_versioned(self, frame: bytes) -> Opened | None:
+    def open_versioned(self, frame: Frame) -> Opened | None:
         """The envelope in a frame: its sender's version, and its message if that is this end's;
         None when the signature fails or the frame holds no envelope."""
         payload = self.verify(frame)
@@ -60,7 +62,7 @@ class Signer:
             return None
         return self.decode_versioned(payload)
 
-    def decode_versioned(self, payload: bytes) -> Opened | None:
+    def decode_versioned(self, payload: Frame) -> Opened | None:
         """The envelope in a verified payload (see `open_versioned`)."""
         try:
             return open_envelope(pickle.loads(payload))
@@ -69,7 +71,7 @@ class Signer:
             self._log.exception("dropped a signed message that could not be decoded")
             return None
 
-    def unpack(self, frame: bytes) -> Any | None:
+    def unpack(self, frame: Frame) -> Any | None:
         """The message, or None when the frame is malformed, its signature is wrong or it does
         not decode here."""
         payload = self.verify(frame)
@@ -78,7 +80,7 @@ class Signer:
             return None
         return self.decode(payload)
 
-    def verify(self, frame: bytes) -> bytes | None:
+    def verify(self, frame: Frame) -> Frame | None:
         """The payload of a frame whose signature verifies; None (and counted) otherwise."""
         signature, payload = frame[:_SIGNATURE_BYTES], frame[_SIGNATURE_BYTES:]
         if len(frame) <= _SIGNATURE_BYTES or not hmac.compare_digest(signature, self._sign(payload)):
@@ -86,12 +88,12 @@ class Signer:
             return None
         return payload
 
-    def _sign(self, payload: bytes) -> bytes:
+    def _sign(self, payload: Frame) -> bytes:
         mac = self._keyed_mac.copy()
         mac.update(payload)
         return mac.digest()
 
-    def decode(self, payload: bytes) -> Any | None:
+    def decode(self, payload: Frame) -> Any | None:
         """The message in a verified payload; None when this end cannot rebuild it."""
         try:
             tag, content = pickle.loads(payload)
@@ -111,6 +113,6 @@ def _rebuild(tag: int, values: tuple) -> Any:
     cls, names = known
     if len(values) != len(names):
         raise ValueError(f"a {cls.__name__} needs {len(names)} fields, got {len(values)}")
-    message = object.__new__(cls)
+    message: Any = object.__new__(cls)
     vars(message).update(zip(names, values, strict=True))
     return message

@@ -174,8 +174,7 @@ def open_envelope(content: Any) -> Opened | None:
     if not isinstance(type_name, str) or not isinstance(fields, dict):
         return None
     cls = _VERSIONED.get(type_name)
-    names = {field.name for field in dataclasses.fields(cls)} if cls is not None else None
-    if names is None or not version.matches(ours()) or set(fields) != names:
+    if cls is None or not version.matches(ours()) or set(fields) != {field.name for field in dataclasses.fields(cls)}:
         return Opened(version, type_name, fields, None)
     message = object.__new__(cls)  # as signing._rebuild does: without running the frozen __init__
     vars(message).update(fields)

@@ -29,7 +29,9 @@ import traceback
 from fsdp2nb.host_memory import kernel_log_names_oom_kill, oom_kill_count
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.kept import host_kept_dir
+from fsdp2nb.wire.pid_watch import PidWatch
 from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
+from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import drain_pipe
 from fsdp2nb.worker.kept import AgentKeeper
@@ -237,7 +239,7 @@ class Agent:
             leftover = drain_pipe(read_end)
             os.close(read_end)
             if leftover and rank_plan is not None:
-                with open(os.path.join(self.plan.log_dir, f"rank-{rank_plan.rank}.log"), "ab") as log:
+                with open(rank_log_path(self.plan.log_dir, rank_plan.rank), "ab") as log:
                     log.write(leftover)
 
     def _exit_report(self, rank: int, pid: int, status: int) -> RankExited:
@@ -252,7 +254,7 @@ class Agent:
             before, self.oom_kills = self.oom_kills, oom_kill_count()
             oom_killer = oom_killer_sent(before, self.oom_kills, kernel_log_names_oom_kill(pid))
         return RankExited(rank=rank, pid=pid, exit_code=exit_code, signal_name=signal_name,
-                          stderr_tail=_log_tail(os.path.join(self.plan.log_dir, f"rank-{rank}.log")),
+                          stderr_tail=tuple(read_tail(rank_log_path(self.plan.log_dir, rank), 8192)[-_STDERR_TAIL_LINES:]),
                           oom_killer=oom_killer)
 
     def _stop(self) -> None:
@@ -281,32 +283,19 @@ class _Wakeups:
         self._poller = select.poll()
         self._poller.register(self._signals, select.POLLIN)
         self.timeout_ms: int | None = None
-        self._pidfd: int | None = None
+        self._pid = PidWatch(self._poller)
         self.watch_pid(kernel_pid)
         if kernel_link is not None:  # the kernel never sends on it: readable means closed
             self._poller.register(kernel_link, select.POLLIN | select.POLLRDHUP)
 
     def watch_pid(self, pid: int | None) -> None:
         """Wake when `pid` (the kernel) ends, instead of the one watched so far; None: none."""
-        if self._pidfd is not None:
-            self._poller.unregister(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
-        if pid is None:
-            return
-        try:
-            self._pidfd = os.pidfd_open(pid)
-            self._poller.register(self._pidfd, select.POLLIN)
-        except (AttributeError, OSError):  # before Linux 5.3, or the kernel is gone already
+        if not self._pid.watch(pid):  # before Linux 5.3, or the kernel is gone already
             self.timeout_ms = int(_KERNEL_CHECK_S * 1000)
 
     def pid_ended(self) -> bool:
         """Whether the watched process has ended."""
-        if self._pidfd is None:
-            return False
-        poller = select.poll()
-        poller.register(self._pidfd, select.POLLIN)
-        return bool(poller.poll(0))
+        return self._pid.ended()
 
     def link_closed(self) -> bool:
         """Whether the kernel's end of the agent's connection is closed (or the connection broke)."""
@@ -333,17 +322,6 @@ def _signal_all(pids, signum: int) -> None:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
-
-
-def _log_tail(path: str) -> tuple[str, ...]:
-    try:
-        with open(path, "rb") as log:
-            log.seek(0, os.SEEK_END)
-            log.seek(max(0, log.tell() - 8192))
-            lines = log.read().decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return ()
-    return tuple(lines[-_STDERR_TAIL_LINES:])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -377,17 +355,16 @@ def _wait_for_plan(kernel_pid: int) -> bool:
     """Sleep until stdin has data or its end, or the kernel that started this agent has ended;
     False for the kernel's end. End of file alone would miss a kernel whose forked child (a
     `fork`ed multiprocessing worker, say) still holds the pipe's other end."""
-    try:
-        kernel = os.pidfd_open(kernel_pid)
-    except (AttributeError, OSError):  # before Linux 5.3, or gone already: end of file tells
+    poller = select.poll()
+    kernel = PidWatch(poller)
+    if not kernel.watch(kernel_pid):  # before Linux 5.3, or gone already: end of file tells
         return os.getppid() == kernel_pid
     if os.getppid() != kernel_pid:  # the kernel ended while torch was imported (and its pid was reused)
+        kernel.close()
         return False
-    poller = select.poll()
     poller.register(sys.stdin.fileno(), select.POLLIN)
-    poller.register(kernel, select.POLLIN)
     ready = {fd for fd, _ in poller.poll()}
-    os.close(kernel)
+    kernel.close()
     return sys.stdin.fileno() in ready
 
 

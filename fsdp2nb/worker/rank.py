@@ -49,6 +49,7 @@ from fsdp2nb.wire.protocol import (
     Shutdown,
     StreamOutput,
 )
+from fsdp2nb.wire.rank_logs import rank_log_path
 from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import FdCapture, OutputSync, line_buffered_streams
@@ -83,7 +84,7 @@ class Rank:
         self.plan = plan
         self.rank = rank_plan.rank
         self.device = rank_plan.device
-        self.log_path = os.path.join(plan.log_dir, f"rank-{self.rank}.log")
+        self.log_path = rank_log_path(plan.log_dir, self.rank)
         self._cell_id: int | None = None
         self._interrupted_cell_id: int | None = None
         self._in_request = False

@@ -147,9 +147,8 @@ def test_reset_peak_and_stop_act_during_a_cell(dash):
 
 
 BAD_INPUT = """
-from fsdp2nb.frontend.dashboard_link import link_for
 import fsdp2nb
-link = link_for(fsdp2nb._session)
+link = fsdp2nb._session.dashboard_link()
 def attempt(action, *args):
     try:
         print("DONE", action(*args))

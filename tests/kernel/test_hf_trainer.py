@@ -125,8 +125,7 @@ def test_save_and_stop_from_the_dashboard_drive_a_running_trainer(dash):
 
 
 def test_the_text_dashboard_lists_the_trainers_checkpoints(dash):
-    code = ("from fsdp2nb.frontend.dashboard_link import link_for\nimport fsdp2nb\n"
-            "print(link_for(fsdp2nb._session).text())")
+    code = "import fsdp2nb\nprint(fsdp2nb._session.dashboard_link().text())"
     text = _stream(dash.run(code))
     assert f"Trainer checkpoints in {dash.root / 'out'}" in text, text
     assert re.search(r"^checkpoint-\d+ · .* · 2 ranks$", text, re.MULTILINE), text

@@ -437,8 +437,7 @@ def test_the_reattached_run_is_named_covers_every_request_and_keeps_finished_res
     assert f"In[3] of kernel {a.pid} (train) is still running on rank 1;" in attach.stdout, attach.stdout
     run = b.execute("print(train.ranks, train.state, train.elapsed_s >= 3)")
     assert run.stdout == "(0, 1) running True\n", run.stderr + run.traceback_text
-    dashboard = b.execute("import fsdp2nb\nfrom fsdp2nb.frontend.dashboard_link import link_for\n"
-                          "print(link_for(fsdp2nb._session).text())").stdout
+    dashboard = b.execute("import fsdp2nb\nprint(fsdp2nb._session.dashboard_link().text())").stdout
     busy = re.search(r"^1 +busy (\d+) (s|min)", dashboard, re.MULTILINE)
     assert busy and (busy.group(2) == "min" or int(busy.group(1)) >= 3), dashboard
     assert re.search(r"background run In\[3\] of kernel \d+ \(train\) running 0:0[3-9]", dashboard), dashboard

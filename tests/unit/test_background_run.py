@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 
 from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, StopRequests, check_run_name
 from fsdp2nb.frontend.errors import RankError
+from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import CellFinished, ErrorInfo
+from tests.support.fake_pools import FakePool
 
 
 class FakeClock:
@@ -78,7 +79,8 @@ def test_interrupt_after_the_end_sends_nothing():
 
 
 def test_a_queued_request_fails_once_with_the_runs_error_saying_it_did_not_run():
-    runs, said = BackgroundRuns(), []
+    runs = BackgroundRuns()
+    said: list[str] = []
     run = _run()
     runs.add(run)
     run.finish(_rank_error("ValueError"))
@@ -90,7 +92,8 @@ def test_a_queued_request_fails_once_with_the_runs_error_saying_it_did_not_run()
 
 
 def test_a_queued_request_waits_for_the_run_and_says_for_which():
-    runs, said = BackgroundRuns(), []
+    runs = BackgroundRuns()
+    said: list[str] = []
     run = _run("train")
     runs.add(run)
     waiter = threading.Thread(target=runs.wait_for_active, args=(said.append,))
@@ -105,7 +108,7 @@ def test_finished_ranks_are_counted_by_the_handle():
     from fsdp2nb.frontend.request_wait import RequestWait
 
     run = _run()
-    pool = SimpleNamespace(world_size=2, ranks={}, spec=SimpleNamespace(uses_gpus=False))
+    pool = FakePool(PoolSpec(devices=("cpu", "cpu")), with_ranks=False)
     wait = RequestWait(pool, 1, run.ranks, recover=lambda spec, what: "", ask_input=lambda prompt, password: "",
                        on_rank_finished=run.rank_finished)
     wait._handle(CellFinished(cell_id=1, rank=1, status="error", error=ErrorInfo("ValueError", "x", ())))
@@ -151,10 +154,15 @@ def test_a_run_taken_over_on_attach_counts_from_its_real_start_and_is_named_for_
 
 def test_a_prompt_relay_asks_only_while_a_cell_waits_and_hands_the_answer_over():
     from fsdp2nb.frontend.notebook_input import PromptRelay
-    from fsdp2nb.frontend.request_wait import PromptDeferred
+    from fsdp2nb.frontend.rank_prompts import PromptDeferred
 
-    asked = []
-    relay = PromptRelay(ask=lambda prompt, password: asked.append(prompt) or "Ada")
+    asked: list[str] = []
+
+    def ask(prompt: str, password: bool) -> str:
+        asked.append(prompt)
+        return "Ada"
+
+    relay = PromptRelay(ask=ask)
     assert not relay.can_answer()
     with pytest.raises(PromptDeferred):
         relay.ask("[0] name? ", False)

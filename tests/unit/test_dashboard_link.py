@@ -6,44 +6,31 @@ import sys
 import threading
 import time
 
-from fsdp2nb.frontend.dashboard_link import link_for
 from fsdp2nb.frontend.session import NotebookSession
+from fsdp2nb.pool.handle import SnapshotListener
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.widgets.model import MetricsHistory
 from fsdp2nb.wire.protocol import MetricPoint, RankSnapshot
+from tests.support.fake_pools import FakePool
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))
 
 
-class SlowListPool:
+class SlowListPool(FakePool):
     """A started pool whose listener list takes a while to reach, as if every thread that
     reaches for it were switched out right there: the worst moment for a check-then-append."""
 
     def __init__(self, spec: PoolSpec) -> None:
-        self.spec = spec
-        self.world_size = spec.world_size
-        self.state = "ready"
-        self.ranks: dict = {}
-        self.exited: dict = {}
-        self.busy_ranks: frozenset[int] = frozenset()
-        self.busy_since: dict[int, float] = {}
-        self.start_notes: list[str] = []
-        self._listeners: list = []
+        super().__init__(spec, with_ranks=False)
 
     @property
-    def snapshot_listeners(self) -> list:
+    def snapshot_listeners(self) -> list[SnapshotListener]:
         time.sleep(0.05)
         return self._listeners
 
     @snapshot_listeners.setter
-    def snapshot_listeners(self, listeners: list) -> None:
+    def snapshot_listeners(self, listeners: list[SnapshotListener]) -> None:
         self._listeners = listeners
-
-    def start(self) -> None:
-        pass
-
-    def stop(self, *, polite: bool = True) -> None:
-        pass
 
     def dispatch(self, snapshot: RankSnapshot) -> None:
         """What the pool's receiving thread does with a snapshot."""
@@ -66,7 +53,7 @@ def test_threads_after_a_restart_register_the_dashboard_once():
 
     def bring_up_to_date() -> None:
         start.wait()
-        link_for(session).tick()
+        session.dashboard_link().tick()
 
     threads = [threading.Thread(target=bring_up_to_date) for _ in range(8)]
     for thread in threads:
@@ -79,7 +66,7 @@ def test_threads_after_a_restart_register_the_dashboard_once():
     assert len(made) == 2 and len(pool.snapshot_listeners) == 1, pool.snapshot_listeners
     point = MetricPoint(step=1, time=0.0, values={"loss": 2.0})
     pool.dispatch(RankSnapshot(rank=0, time=0.0, busy=False, rss_bytes=1, cpu_percent=0.0, metrics=(point,)))
-    link = link_for(session)
+    link = session.dashboard_link()
     link.tick()
     assert link.model.metrics.rows() == [dict(rank=0, step=1, time=0.0, loss=2.0)]
 
@@ -101,7 +88,7 @@ def test_metric_rows_read_while_points_arrive_are_one_moment_of_the_history():
     sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter will
     writer = threading.Thread(target=log_points)
     writer.start()
-    torn = []
+    torn: list[list[int]] = []
     try:
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline and not torn:

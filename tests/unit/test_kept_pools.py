@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fsdp2nb.errors import KeptPoolUnreadable
-from fsdp2nb.pool import kept
+from fsdp2nb.pool import kept, kept_listing
 from fsdp2nb.wire.channels import KernelChannels, RankChannels
 from fsdp2nb.wire.kept import (
     ActivitySlot,
@@ -96,7 +96,7 @@ def test_activity_board_tells_running_and_idle(tmp_path):
     work = read_activity(str(tmp_path))
     assert work[1].running_cell_id == 7 and work[1].execution_count == 3 and work[0].running_cell_id is None
     assert pool_is_idle_since(str(tmp_path)) is None
-    assert kept.describe_run(work).startswith("In[3] running on rank 1")
+    assert kept_listing.describe_run(work).startswith("In[3] running on rank 1")
     slots[1].ended()
     work = read_activity(str(tmp_path))
     assert work[1].running_cell_id is None and work[1].last_cell_id == 7
@@ -167,12 +167,12 @@ def test_the_board_says_which_ranks_wait_for_input_and_a_dead_rank_runs_nothing(
     for slot in slots:
         slot.started(9, 4)
     slots[0].waiting_for_input(True)
-    line = kept.describe_run(read_activity(str(tmp_path)))
+    line = kept_listing.describe_run(read_activity(str(tmp_path)))
     assert line.startswith("In[4] running on ranks 0-2 for ") and line.endswith(", rank 0 waiting for input")
     mark_rank_ended(str(tmp_path), 1)  # the agent, for a rank that died
     work = read_activity(str(tmp_path))
     assert work[1].running_cell_id is None and work[1].last_cell_id == 9 and work[0].waiting_for_input
-    assert kept.describe_run(work).startswith("In[4] running on ranks 0, 2 for ")
+    assert kept_listing.describe_run(work).startswith("In[4] running on ranks 0, 2 for ")
     slots[0].waiting_for_input(False)
     assert not read_activity(str(tmp_path))[0].waiting_for_input
 

@@ -1,6 +1,7 @@
 """A kept Ray pool's files without processes: each host's directory, the certificate a kernel that
 attaches shows, and what `pool.json` says of its hosts."""
 
+import json
 import os
 import secrets
 import stat
@@ -49,16 +50,29 @@ def test_a_kernel_that_attaches_shows_the_certificate_the_ranks_were_launched_wi
 
 def test_pool_json_carries_the_hosts_of_a_ray_pool(tmp_path):
     placement = Placement(engine="ray", num_nodes=2, address="10.0.0.1:6379")
-    meta = kept.KeptMeta(name="rk", pool_id="p-1", devices=("cpu",), collective_timeout_s=60.0, keep_for_s=None,
-                         agent=(1, 2.0), log_dir="/l", runtime_dir="/r", created=3.0,
-                         placement={"engine": "ray", "num_nodes": 2, "address": "10.0.0.1:6379", "listen": None},
-                         listen="10.0.0.1")
+    meta = kept.KeptMeta(keep=kept.KeepOptions(name="rk", keep_for_s=None), pool_id="p-1", agent=(1, 2.0),
+                         spec=PoolSpec(devices=("cpu",), collective_timeout_s=60.0, placement=placement),
+                         log_dir="/l", runtime_dir="/r", created=3.0, listen="10.0.0.1")
     meta.write(tmp_path)
     read = kept.KeptMeta.read(tmp_path)
     assert read.spec == PoolSpec(devices=("cpu",), collective_timeout_s=60.0, placement=placement)
     assert read.spec.describe() == "--ray 10.0.0.1:6379 --nodes 2 --cpu-per-node 1 --timeout 60"
     made = make_pool_certificate(str(tmp_path))
     assert ray_kept.attach_endpoint(read.listen, str(tmp_path)) == ("tcp://10.0.0.1:0", made)
+
+
+def test_pool_json_keeps_its_flat_layout(tmp_path):
+    """A kernel of an earlier release reads pool.json to list pools, and removes the directory of
+    one it cannot read: the file's fields stay as they were."""
+    placement = Placement(engine="ray", num_nodes=2, address="10.0.0.1:6379")
+    kept.KeptMeta(keep=kept.KeepOptions(name="rk", keep_for_s=90.0), pool_id="p-1", agent=(1, 2.0),
+                  spec=PoolSpec(devices=("cpu", "cpu"), collective_timeout_s=60.0, placement=placement),
+                  log_dir="/l", runtime_dir="/r", created=3.0, listen="10.0.0.1").write(tmp_path)
+    assert json.loads((tmp_path / "pool.json").read_text()) == {
+        "name": "rk", "pool_id": "p-1", "devices": ["cpu", "cpu"], "collective_timeout_s": 60.0,
+        "keep_for_s": 90.0, "agent": [1, 2.0], "log_dir": "/l", "runtime_dir": "/r", "created": 3.0,
+        "placement": {"engine": "ray", "num_nodes": 2, "address": "10.0.0.1:6379", "listen": None},
+        "listen": "10.0.0.1"}
 
 
 def test_a_local_kept_pools_json_still_reads_without_hosts(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp2nb.frontend.magics import _COMMANDS, _cell_parser, _line_parsers, split_magic_line
+from fsdp2nb.frontend.magic_options import COMMANDS, cell_parser, line_parsers, split_magic_line
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -39,14 +39,14 @@ def test_the_readme_has_magic_examples():
 def test_readme_magic_line_is_accepted(line, magic, arguments):
     words = split_magic_line(arguments)
     if magic == "%%fsdp2":
-        _cell_parser().parse_args(words)  # raises UsageError for what the magic would refuse
+        cell_parser().parse_args(words)  # raises UsageError for what the magic would refuse
         return
-    assert words and words[0] in _COMMANDS, f"{line!r}: %fsdp2 takes one of {_COMMANDS}"
-    _line_parsers()[words[0]].parse_args(words[1:])
+    assert words and words[0] in COMMANDS, f"{line!r}: %fsdp2 takes one of {COMMANDS}"
+    line_parsers()[words[0]].parse_args(words[1:])
 
 
 def test_a_comment_after_the_options_is_not_an_argument():
-    options = _cell_parser().parse_args(split_magic_line("--cpu 2   # or --gpus 4"))
+    options = cell_parser().parse_args(split_magic_line("--cpu 2   # or --gpus 4"))
     assert options.cpu == 2 and options.gpus is None
     assert split_magic_line("pull x --rank 1 # from rank 1") == ["pull", "x", "--rank", "1"]
     assert split_magic_line("push '#tag'") == ["push", "#tag"]

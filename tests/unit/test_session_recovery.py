@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import deque
-from types import SimpleNamespace
 
 import pytest
 
@@ -14,52 +12,22 @@ from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.pool import PoolStartError
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, RankExited, RankReady, RichOutput, StreamOutput
+from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, PushValues, RankExited, RichOutput, StreamOutput
+from tests.support.fake_pools import FakePool
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))
 
 
-class ScriptedPool:
-    """Hands out the events it was given, in order; records what the session sends and does."""
+class ScriptedPool(FakePool):
+    """Hands out the events it was given, in order; a pool that fails to start where asked."""
 
     def __init__(self, spec: PoolSpec, events=(), fails_to_start: bool = False) -> None:
-        self.spec = spec
-        self.world_size = spec.world_size
-        self.ranks = {r: RankReady(rank=r, pid=1000 + r, create_time=0.0, device="cpu", hostname="host",
-                                   log_path=f"/logs/rank-{r}.log") for r in range(spec.world_size)}
-        self.busy_ranks: frozenset[int] = frozenset()
-        self.busy_since: dict[int, float] = {}
-        self.exited: dict = {}
-        self.state = "ready"
-        self.sent: list = []
-        self.snapshot_listeners: list = []
-        self.held_output = HeldOutput()
-        self.stopped = False
-        self.start_notes: list[str] = []
-        self._events = deque(events)
+        super().__init__(spec, events)
         self._fails_to_start = fails_to_start
 
     def start(self) -> None:
         if self._fails_to_start:
             raise PoolStartError("rank 1 exited while starting (exit code 1)")
-
-    def stop(self, *, polite: bool = True) -> None:
-        self.stopped = True
-
-    def check_agent(self) -> bool:
-        return True
-
-    def mark_busy(self, ranks) -> None:
-        self.busy_ranks |= frozenset(ranks)
-
-    def mark_idle(self, ranks) -> None:
-        self.busy_ranks -= frozenset(ranks)
-
-    def send(self, ranks, message, connect_timeout_s: float = 5.0) -> None:
-        self.sent.append(message)
-
-    def next_event(self, timeout_s: float):
-        return self._events.popleft() if self._events else None
 
 
 def test_a_rank_returning_as_the_interrupt_deadline_passes_ends_the_cell_normally():
@@ -73,7 +41,7 @@ def test_a_rank_returning_as_the_interrupt_deadline_passes_ends_the_cell_normall
     progress.errors.append((0, error))
     progress.first_error_at = time.monotonic() - 10
     progress.interrupted_at = time.monotonic() - INTERRUPT_GRACE_S - 1
-    pool._events.append(CellFinished(rank=1, cell_id=wait.cell_id, status="ok"))
+    pool.add_event(CellFinished(rank=1, cell_id=wait.cell_id, status="ok"))
     with pytest.raises(RankError):  # rank 0's error, once rank 1 returned
         wait.wait_for_replies()
     assert not pool.stopped and progress.running == []
@@ -85,12 +53,17 @@ def test_a_failed_restart_after_a_dead_rank_keeps_the_cause_in_the_error():
     session = NotebookSession(pool_factory=lambda spec: ScriptedPool(spec, fails_to_start=True))
     session.pool = pool
     with pytest.raises(RankError) as raised:
-        session.run_request(pool, (0, 1), lambda cell_id: SimpleNamespace(cell_id=cell_id))
+        session.run_request(pool, (0, 1), lambda cell_id: PushValues(cell_id=cell_id, payload=b""))
     text = "\n".join(raised.value._render_traceback_())
     assert "killed by SIGKILL" in text and "last words" in text
     assert "a new pool did not start: rank 1 exited while starting" in text
     assert "%fsdp2 start --cpu 2" in text
     assert pool.stopped and session.pool is None
+
+
+def _text(piece: StreamOutput | RichOutput) -> str:
+    """A stream's text; of a display, the last character of its PNG data (which tells these apart)."""
+    return piece.text if isinstance(piece, StreamOutput) else piece.data["image/png"][-1]
 
 
 def test_output_held_between_cells_keeps_the_newest_part_of_each_rank():
@@ -99,7 +72,7 @@ def test_output_held_between_cells_keeps_the_newest_part_of_each_rank():
         held.add(StreamOutput(rank=0, cell_id=None, stream="stdout", text=text))
     held.add(StreamOutput(rank=1, cell_id=None, stream="stderr", text="one\n"))
     pieces, dropped_chars, dropped_displays = held.take()
-    assert [(p.rank, p.text) for p in pieces] == [(0, "bbbb\n"), (0, "cccc\n"), (1, "one\n")]
+    assert [(p.rank, _text(p)) for p in pieces] == [(0, "bbbb\n"), (0, "cccc\n"), (1, "one\n")]
     assert dropped_chars == {0: 5} and dropped_displays == {}
     assert held.take() == ([], {}, {})
 
@@ -108,7 +81,7 @@ def test_one_print_longer_than_the_limit_keeps_its_end():
     held = HeldOutput(max_chars=4)
     held.add(StreamOutput(rank=0, cell_id=None, stream="stdout", text="0123456789"))
     pieces, dropped_chars, _ = held.take()
-    assert [p.text for p in pieces] == ["6789"] and dropped_chars == {0: 6}
+    assert [_text(p) for p in pieces] == ["6789"] and dropped_chars == {0: 6}
 
 
 def test_displays_are_held_by_count_whatever_their_size():
@@ -117,7 +90,7 @@ def test_displays_are_held_by_count_whatever_their_size():
         held.add(RichOutput(rank=0, cell_id=None, kind="display", data={"image/png": "x" * 1000 + str(n)}))
     held.add(StreamOutput(rank=0, cell_id=None, stream="stdout", text="abcd\n"))
     pieces, dropped_chars, dropped_displays = held.take()
-    assert [getattr(p, "text", None) or p.data["image/png"][-1] for p in pieces] == ["1", "2", "abcd\n"]
+    assert [_text(p) for p in pieces] == ["1", "2", "abcd\n"]
     assert dropped_chars == {} and dropped_displays == {0: 1}
 
 

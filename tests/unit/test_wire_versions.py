@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from fsdp2nb.errors import WireVersionMismatch
-from fsdp2nb.pool import kept
+from fsdp2nb.pool import kept, kept_listing
+from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.admission import CHALLENGE_BYTES
 from fsdp2nb.wire.channels import KernelChannels, RankChannels
 from fsdp2nb.wire.framing import Link
@@ -152,8 +153,8 @@ def test_a_rank_refuses_a_kernel_of_another_version_and_tells_it(tmp_path, kerne
 
 def _pool_dir(tmp_path: Path, key: bytes) -> kept.KeptMeta:
     kept.write_key(tmp_path, key)
-    meta = kept.KeptMeta(name="lab", pool_id="p", devices=("cpu", "cpu"), collective_timeout_s=600.0,
-                         keep_for_s=None, agent=(os.getpid(), 0.0), log_dir=str(tmp_path), runtime_dir="",
+    meta = kept.KeptMeta(keep=kept.KeepOptions(name="lab", keep_for_s=None), spec=PoolSpec(devices=("cpu", "cpu")),
+                         pool_id="p", agent=(os.getpid(), 0.0), log_dir=str(tmp_path), runtime_dir="",
                          created=time.time())
     meta.write(tmp_path)
     return meta
@@ -176,7 +177,7 @@ def test_a_kept_pool_of_another_version_is_refused_before_anything_is_written(tm
         f"speaks {ours().describe(BEFORE_VERSIONS)}: attach it from a kernel with the fsdp2nb that started it, "
         f"or end it with `kill {os.getpid()}` (its host agent; rank state is lost)")
     assert read_attach_record(str(tmp_path), signer) is None  # agent and ranks follow no such record
-    pool = kept._describe(tmp_path, meta)
+    pool = kept_listing._describe(tmp_path, meta)
     assert str(pool) == ("lab: --cpu 2, speaks wire protocol 0 (an fsdp2nb from before protocol versions), "
                          f"this kernel {ours().describe(BEFORE_VERSIONS)}: it cannot be attached here")
 
