@@ -3,21 +3,22 @@ process, and against a plain `model.generate` on the sharded model; `fsdp2nb.eva
 plain loop in one process.
 
 `generate`: 8 prompts, 32 new tokens each (greedy, `min_new_tokens` so every run makes as many),
-a Llama-style model of 4 M parameters (fp32). Three ways, alternating round by round:
+Llama-style models of 4 M parameters ("tiny": a step is mostly Python overhead) and 31 M ("small":
+the matrix products count), fp32. Three ways, alternating round by round:
   * whole: this process loads the checkpoint with `from_pretrained` and generates the 8 prompts as
-    one left-padded batch, once with torch's threads over every core and once with one thread; the
-    faster of the two is the baseline (on a machine shared with other work, torch's threads can
-    wait for each other far longer than they save: 2.4-13 s against 0.33 s here);
+    one left-padded batch, with torch's threads over every core or with one thread, whichever was
+    faster at the start (on a machine shared with other work torch's threads can wait for each
+    other far longer than they save); the same choice for evaluate;
   * fsdp2nb: `fsdp2nb.generate` in a `%%fsdp2` cell: the prompts spread over the ranks, the model
     gathered once on each;
   * plain sharded: `model.generate` on every rank of the sharded model, each rank all 8 prompts,
     as a user would call it without `fsdp2nb.generate`: every token all-gathers every unit.
-`evaluate`: 64 examples of 128 tokens, batches of 8: `fsdp2nb.evaluate` in the cell against this
+`evaluate`: 32 examples of 64 tokens, batches of 8: `fsdp2nb.evaluate` in the cell against this
 process summing the cross-entropy batch by batch with the model whole.
-The cell's figure is rank 0's wall time between two barriers. Per comparison: the medians and
-the median of the paired ratios (the runs of one round are next to each other, so drift of a
-shared machine hits both).
-Run: .venv/bin/python -m benchmarks.bench_generate [--rounds 5] [--ranks 2 4]
+The cell's figure is rank 0's wall time from a barrier to the call's return. Per comparison: the medians, the
+best runs (the least disturbed by other work), and the median of the paired ratios (the runs of
+one round are next to each other, so drift of a shared machine hits both).
+Run: .venv/bin/python -m benchmarks.bench_generate [--rounds 5] [--ranks 2 4] [--sizes tiny small]
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 NUM_NEW_TOKENS = 32
 PROMPTS = ["The light", "Once upon a time there", "A keeper", "Every night the lamp", "Stairs", "Far out at sea",
            "The ships saw it and", "Rain"]
-NUM_EXAMPLES, EXAMPLE_LEN, EVAL_BATCH = 64, 128, 8
-DIMS = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=4, vocab_size=2048, max_position_embeddings=256)
+NUM_EXAMPLES, EXAMPLE_LEN, EVAL_BATCH = 32, 64, 8
+SIZES = {
+    # a decoding step is mostly Python overhead: a batch of 4 costs about what a batch of 8 does
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=2048, max_position_embeddings=256),
+    # the matrix products are a good part of a step: splitting the batch over ranks pays
+    "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=8192, max_position_embeddings=256),
+}
+
 GENERATE_KWARGS = dict(max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS, do_sample=False)
 
 # Reads MODEL_DIR, PROMPTS, GENERATE_KWARGS, EXAMPLES on the ranks; defines timed(kind).
@@ -62,8 +70,7 @@ def timed(kind):
     run = {"fsdp2nb": run_fsdp2nb, "plain": run_plain, "evaluate": run_evaluate}[kind]
     dist.barrier()
     started = time.perf_counter()
-    run()
-    dist.barrier()
+    run()  # each ends in a collective (a gather, or the last token's all-gathers): every rank is done
     return time.perf_counter() - started
 
 for kind in ("fsdp2nb", "plain", "evaluate"):  # untimed: first calls build caches
@@ -74,7 +81,7 @@ for kind in ("fsdp2nb", "plain", "evaluate"):  # untimed: first calls build cach
 def examples() -> list[dict]:
     import torch
 
-    ids = torch.randint(3, DIMS["vocab_size"], (NUM_EXAMPLES, EXAMPLE_LEN), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 2048, (NUM_EXAMPLES, EXAMPLE_LEN), generator=torch.Generator().manual_seed(0))
     return [{"input_ids": row.tolist()} for row in ids]
 
 
@@ -87,33 +94,39 @@ class Whole:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.inputs = self.tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
-        self.generate_s(), self.evaluate_s()  # untimed, as on the ranks
-
-    def generate_s(self) -> float:
-        return self._faster(self._generate_s)
-
-    def evaluate_s(self) -> float:
-        return self._faster(self._evaluate_s)
+        self.threads = {"generate": self._faster_threads(self.generate_s), "evaluate": self._faster_threads(self.evaluate_s)}
+        print("whole model, threads: " + ", ".join(f"{task} {threads}" for task, threads in self.threads.items()))
 
     @staticmethod
-    def _faster(measure) -> float:
-        """The faster of a run on torch's default threads and one on a single thread."""
+    def _faster_threads(measure) -> int:  # a measuring function
+        """torch's default threads or one, whichever runs `measure` faster (the better of two runs each)."""
         import torch
 
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            single = measure()
-        finally:
+        default, seconds = torch.get_num_threads(), {}
+        for threads in (default, 1):
             torch.set_num_threads(threads)
-        return min(single, measure())
+            measure()  # untimed, as on the ranks
+            seconds[threads] = min(measure(), measure())
+        torch.set_num_threads(default)
+        return min(seconds, key=seconds.get)
 
-    def _generate_s(self) -> float:
+    def timed(self, task: str) -> float:
+        """Seconds of one run of `task` ("generate" or "evaluate") on its faster thread count."""
+        import torch
+
+        default = torch.get_num_threads()
+        torch.set_num_threads(self.threads[task])
+        try:
+            return self.generate_s() if task == "generate" else self.evaluate_s()
+        finally:
+            torch.set_num_threads(default)
+
+    def generate_s(self) -> float:
         started = time.perf_counter()
         self.model.generate(**self.inputs, pad_token_id=self.tokenizer.pad_token_id, **GENERATE_KWARGS)
         return time.perf_counter() - started
 
-    def _evaluate_s(self) -> float:
+    def evaluate_s(self) -> float:
         import torch
         import torch.nn.functional as F
 
@@ -158,37 +171,37 @@ def measure(num_ranks: int, model_dir: str, whole: Whole, rounds: int) -> dict[s
     kernel = start_pool(num_ranks, model_dir)
     try:
         for _ in range(rounds):
-            runs["whole"].append(whole.generate_s())
+            runs["whole"].append(whole.timed("generate"))
             runs["fsdp2nb"].append(in_cell(kernel, "fsdp2nb"))
             runs["plain"].append(in_cell(kernel, "plain"))
-            runs["whole_evaluate"].append(whole.evaluate_s())
+            runs["whole_evaluate"].append(whole.timed("evaluate"))
             runs["evaluate"].append(in_cell(kernel, "evaluate"))
     finally:
         kernel.stop()
     return runs
 
 
-def print_rates(runs: dict[str, list[float]], num_ranks: int) -> None:
+def print_rates(runs: dict[str, list[float]], label: str) -> None:
     tokens = len(PROMPTS) * NUM_NEW_TOKENS
     rate = {name: [tokens / seconds for seconds in times] for name, times in runs.items() if "evaluate" not in name}
-    print(f"\n{num_ranks} CPU ranks, {len(runs['whole'])} alternating rounds; tokens/s (median): "
-          + ", ".join(f"{name} {statistics.median(values):.0f}" for name, values in rate.items()))
+    print(f"\n{label} (CPU), {len(runs['whole'])} alternating rounds; tokens/s, median (best): "
+          + ", ".join(f"{name} {statistics.median(values):.0f} ({max(values):.0f})" for name, values in rate.items()))
     for first, second, goal in (("fsdp2nb", "whole", ">= 0.8"), ("plain", "whole", "(0.15 measured before)"),
                                 ("fsdp2nb", "plain", "")):
         print_ratio(rate[first], rate[second], f"generate {first} / {second}", goal)
     eval_tokens = NUM_EXAMPLES * (EXAMPLE_LEN - 1)
     evaluate = [eval_tokens / s for s in runs["evaluate"]]
     whole = [eval_tokens / s for s in runs["whole_evaluate"]]
-    print(f"  evaluate, scored tokens/s (median): fsdp2nb {statistics.median(evaluate):.0f}, "
-          f"whole in one process {statistics.median(whole):.0f}")
+    print(f"  evaluate, scored tokens/s, median (best): fsdp2nb {statistics.median(evaluate):.0f} "
+          f"({max(evaluate):.0f}), whole in one process {statistics.median(whole):.0f} ({max(whole):.0f})")
     print_ratio(evaluate, whole, "evaluate fsdp2nb / whole", "")
 
 
 def print_ratio(first: list[float], second: list[float], label: str, goal: str) -> None:
     paired = sorted(a / b for a, b in zip(first, second, strict=True))
     print(f"  {label:>28}: ratio of medians {statistics.median(first) / statistics.median(second):.2f}, "
-          f"paired {' '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f})"
-          + (f"  goal {goal}" if goal else ""))
+          f"of best runs {max(first) / max(second):.2f}, paired {' '.join(f'{r:.2f}' for r in paired)} "
+          f"(median {statistics.median(paired):.2f})" + (f"  goal {goal}" if goal else ""))
 
 
 def main() -> None:
@@ -197,16 +210,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per pool size")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="pool sizes (CPU ranks)")
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["tiny", "small"], help="model sizes")
     args = parser.parse_args()
-    model_dir = str(save_tiny_checkpoint(os.path.join(tempfile.mkdtemp(prefix="fsdp2nb-bench-gen-"), "model"),
-                                         "llama", **DIMS))
-    whole = Whole(model_dir)
+    root = tempfile.mkdtemp(prefix="fsdp2nb-bench-gen-")
     print(f"load average before: {load_average()}")
-    results = {num_ranks: measure(num_ranks, model_dir, whole, args.rounds) for num_ranks in args.ranks}
+    results: dict[str, dict] = {}
+    for size in args.sizes:
+        model_dir = str(save_tiny_checkpoint(os.path.join(root, size), "llama", **SIZES[size]))
+        whole = Whole(model_dir)
+        print(f"{size}: {whole.model.num_parameters() / 1e6:.1f} M parameters")
+        for num_ranks in args.ranks:
+            results[f"{size}, {num_ranks} ranks"] = measure(num_ranks, model_dir, whole, args.rounds)
     print(json.dumps(results))
     print(f"load average after: {load_average()}")
-    for num_ranks, runs in results.items():
-        print_rates(runs, num_ranks)
+    for label, runs in results.items():
+        print_rates(runs, label)
 
 
 if __name__ == "__main__":

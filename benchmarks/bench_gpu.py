@@ -7,6 +7,9 @@
   cache, alternating.
 - Async save: training stall per save (`Checkpointer.blocked_s`) against a synchronous save.
 - `offload_params=True`: step time and peak GPU memory against no offload.
+- `generate` (not run by default: `--sections generate`): 8 prompts, 32 new tokens, tokens/s of
+  `fsdp2nb.generate` against the same weights whole on the GPU (bf16) and against plain
+  `model.generate` on the sharded model, alternating, in one cell.
 
 The model is Qwen2-shaped, about 0.5 B parameters, made from a config (no download).
 `--tiny --cpu` runs every path on CPU ranks with a tiny model, to check the script itself.
@@ -160,6 +163,39 @@ del model, optimizer, sync_ckpt, async_ckpt; gc.collect()  # a checkpointer keep
 if device.type == "cuda": torch.cuda.empty_cache()
 """
 
+# `fsdp2nb.generate`, the model whole (bf16, no FSDP) and plain `generate` on the sharded model, in
+# turn: 8 prompts, 32 tokens each. The character tokenizer skips ids past its 98 when decoding.
+GENERATE = """
+from transformers import AutoModelForCausalLM
+from fsdp2nb.examples import char_tokenizer
+on_gpu = device.type == "cuda"
+sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+tokenizer = char_tokenizer()
+model, _ = fsdp2nb.load_model(MODEL_DIR)  # bf16 compute: the default engine
+whole = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.bfloat16).to(device).eval()
+prompts = ["The light", "Once upon a time there", "A keeper", "Every night the lamp", "Stairs", "Far out at sea",
+           "The ships saw it and", "Rain"]
+settings = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+inputs = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
+ways = {"fsdp2nb": lambda: fsdp2nb.generate(model, tokenizer, prompts, **settings),
+        "whole": lambda: whole.generate(**inputs, **settings),
+        "plain": lambda: model.generate(**inputs, **settings)}
+def timed(way):
+    sync(); started = time.perf_counter()
+    ways[way]()
+    sync(); return time.perf_counter() - started
+for way in ways:
+    timed(way)  # untimed: the first call builds caches
+times = {way: [] for way in ways}
+for _ in range(ROUNDS + 1):
+    for way in ways:
+        times[way].append(timed(way))
+if dist.get_rank() == 0:
+    print("RESULT " + json.dumps({f"generate_{way}_s": seconds for way, seconds in times.items()}))
+del model, whole; gc.collect()
+if on_gpu: torch.cuda.empty_cache()
+"""
+
 
 def _result(stdout: str) -> dict:
     found = re.findall(r"RESULT (\{.*\})", stdout)  # the last: a cell may print one per part
@@ -208,7 +244,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model (to check the script)")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks (to check the script without a GPU)")
     parser.add_argument("--sections", default="load,train,save,offload",
-                        help="comma-separated subset of load, train, save, offload")
+                        help="comma-separated subset of load, train, save, offload, generate")
     args = parser.parse_args()
     if not args.cpu and not _has_cuda():
         print("bench_gpu: no CUDA GPU here; skipped (--tiny --cpu runs it on CPU ranks to check the script)")
@@ -269,20 +305,25 @@ def _offload(kernel: Kernel, model_dir: str, _root: str, args: argparse.Namespac
     return runs
 
 
+def _generate(kernel: Kernel, model_dir: str, _root: str, args: argparse.Namespace) -> dict:
+    return in_cell(kernel, _constants(model_dir, args) + "import torch, fsdp2nb\n" + GENERATE)
+
+
 def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
 
 
-SECTIONS = {"load": _compare_loads, "train": _compare_training, "save": _save_stall, "offload": _offload}
+SECTIONS = {"load": _compare_loads, "train": _compare_training, "save": _save_stall, "offload": _offload,
+            "generate": _generate}
 
 
 def _report(results: dict, args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
-    rows = [row for make_rows in (_training_rows, _load_row, _save_row, _offload_row)
+    rows = [row for make_rows in (_training_rows, _load_row, _save_row, _offload_row, _generate_row)
             for row in _try_row(make_rows, results)]
     for name, error in results.get("errors", {}).items():
         rows.append((f"{name} FAILED", error.strip().splitlines()[-1], ""))
@@ -337,6 +378,16 @@ def _offload_row(results: dict) -> list[tuple[str, str, str]]:
              f"{off['step_s']:.2f} s vs {on['step_s']:.3f} s; {off['peak_bytes'] / GIB:.2f} vs "
              f"{on['peak_bytes'] / GIB:.2f} GiB; {off['held_bytes'] / GIB:.2f} vs {on['held_bytes'] / GIB:.2f} GiB",
              f"{off['step_s'] / on['step_s']:.1f}x time")]
+
+
+
+def _generate_row(results: dict) -> list[tuple[str, str, str]]:
+    tokens = 8 * 32
+    rate = {way: [tokens / s for s in results[f"generate_{way}_s"]] for way in ("fsdp2nb", "whole", "plain")}
+    median = {way: statistics.median(values) for way, values in rate.items()}
+    return [("tokens/s, fsdp2nb.generate vs the model whole vs plain generate sharded (8 x 32 tokens)",
+             " vs ".join(f"{median[way]:,.0f}" for way in ("fsdp2nb", "whole", "plain")),
+             f"{median['fsdp2nb'] / median['whole']:.2f}x whole, {median['fsdp2nb'] / median['plain']:.1f}x plain")]
 
 
 if __name__ == "__main__":

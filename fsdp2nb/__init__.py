@@ -1,7 +1,8 @@
 """fsdp2nb: persistent FSDP2 ranks behind a %%fsdp2 cell magic.
 
 `%load_ext fsdp2nb` registers the magics and imports no torch: the engine and checkpoint names
-below (and `TrainerCallback`, `trainer_for`, for a Hugging Face Trainer) are resolved on first use, so loading the extension costs milliseconds.
+below (and `TrainerCallback`, `trainer_for`, for a Hugging Face Trainer; `hsdp_mesh`, HSDP's 2-D mesh)
+are resolved on first use, so loading the extension costs milliseconds.
 Every error fsdp2nb raises derives from `Fsdp2nbError` (fsdp2nb/errors.py); a cell whose ranks
 raised raises `RankError`.
 """
@@ -26,6 +27,7 @@ __all__ = [
     "evaluate",
     "export_hf",
     "generate",
+    "hsdp_mesh",
     "load_ipython_extension",
     "load_model",
     "log",
@@ -40,6 +42,7 @@ _LAZY_NAMES = {
     "clip_grad_norm_": "fsdp2nb.engine",
     "generate": "fsdp2nb.engine",
     "evaluate": "fsdp2nb.engine",
+    "hsdp_mesh": "fsdp2nb.engine",
     "Checkpointer": "fsdp2nb.checkpoint",
     "TrainerCallback": "fsdp2nb.engine.trainer_callback",
     "export_hf": "fsdp2nb.checkpoint.hf_export",

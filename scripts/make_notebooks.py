@@ -20,8 +20,9 @@ NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 QUICKSTART = [
     ("markdown", """# fsdp2nb quickstart
 
-Train a language model on several ranks from this notebook, save it, restart every rank, resume
-and export it, then generate text with the result. The ranks are worker processes that form one
+Train a language model on several ranks from this notebook, look at what it writes and measure
+its loss between training cells, save it, restart every rank, resume and export it, then generate
+text with the export. The ranks are worker processes that form one
 `torch.distributed` job: one per GPU, or two CPU ranks joined by gloo when there is no GPU.
 
 Everything runs offline: the model is a tiny Llama-style model made from a config, and the text it
@@ -71,6 +72,27 @@ print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {sum(p.numel(
       f"of them trainable (LoRA), in {run.engine.config.mixed_precision}")
 print(f"rank {rank} on {device} holds {sum(p.to_local().numel() for p in trainable):,} of the trainable ones")""",
      "load"),
+    ("markdown", """## Look at what the model writes
+
+`fsdp2nb.generate` spreads the prompts over the ranks: each rank generates its share as one batch
+on the whole model (the weights are gathered once and sharded again afterwards) and every rank
+gets all completions back, in prompt order. `fsdp2nb.evaluate` gives the mean loss per token and
+the perplexity over a dataset spread the same way; with `step=` the dashboard plots it beside the
+training loss. Here the examples are the story cut into windows of 64 characters: the text the
+model trains on, so this measures how well it fits, not how it generalises. Untrained, it writes
+noise."""),
+    ("code", """%%fsdp2
+from fsdp2nb.examples import text_windows
+
+prompts = ["The light", "The keeper", "At night", "The sea"]
+windows = text_windows(tokenizer, sample_text(), seq_len=64)
+before = fsdp2nb.evaluate(model, windows, batch_size=8, step=0)
+samples = fsdp2nb.generate(model, tokenizer, prompts, max_new_tokens=40, do_sample=False)
+if rank == 0:
+    print(f"before training: loss {before.loss:.3f}, perplexity {before.perplexity:.1f} "
+          f"over {before.num_examples} windows")
+    for prompt, completion in zip(prompts, samples):
+        print(f"{prompt!r} -> {completion!r}")""", "sample_before"),
     ("markdown", """## Train
 
 Each rank draws its own windows of the story (data parallelism) and FSDP2 averages the gradients.
@@ -89,6 +111,19 @@ for step in range(40):
     ckpt.maybe_save(step)
     if rank == 0 and (step % 10 == 0 or step == 39):
         print(f"step {step:2d}  loss {loss.item():.3f}")""", "train"),
+    ("markdown", """## Sample and evaluate again
+
+`stream=True` shows the first prompt's text as it is made, on one line (run headless, the
+notebook keeps its final state). Training goes on from here unchanged: the model is sharded as
+before."""),
+    ("code", """%%fsdp2
+after = fsdp2nb.evaluate(model, windows, batch_size=8, step=39)
+samples = fsdp2nb.generate(model, tokenizer, prompts, max_new_tokens=60, do_sample=False, stream=True)
+if rank == 0:
+    print(f"after 40 steps: loss {after.loss:.3f} (before training {before.loss:.3f}), "
+          f"perplexity {after.perplexity:.1f}")
+    for prompt, completion in zip(prompts, samples):
+        print(f"{prompt!r} -> {completion!r}")""", "sample_after"),
     ("markdown", """## Save
 
 `%fsdp2 save` asks every rank's tracked checkpointer to save at the last step it saw (`ckpt.save()`

@@ -73,6 +73,8 @@ def quickstart_facts(notebook: nbformat.NotebookNode) -> dict[str, object]:
     started = _search(r"^started (\d+) ranks \((.+)\)$", tagged_text(notebook, "start"))
     devices = sorted(set(re.findall(r"rank \d+ on (\S+) holds", tagged_text(notebook, "load"))))
     losses = [float(x) for x in re.findall(r"step +\d+ +loss ([0-9.]+)", tagged_text(notebook, "train"))]
+    evaluated = _search(r"after \d+ steps: loss ([0-9.]+) \(before training ([0-9.]+)\), perplexity ([0-9.]+)",
+                        tagged_text(notebook, "sample_after"))
     saved = _search(r"saved step (\d+) in (\S+)", tagged_text(notebook, "save"))
     resumed = _search(r"resumed from \S+ at step (\d+)", tagged_text(notebook, "resume"))
     exported = _search(r"exported to (\S+)", tagged_text(notebook, "export"))
@@ -83,6 +85,9 @@ def quickstart_facts(notebook: nbformat.NotebookNode) -> dict[str, object]:
         "devices": devices,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
+        "eval_loss_before": float(evaluated.group(2)) if evaluated else None,
+        "eval_loss_after": float(evaluated.group(1)) if evaluated else None,
+        "eval_perplexity_after": float(evaluated.group(3)) if evaluated else None,
         "saved_step": int(saved.group(1)) if saved else None,
         "checkpoint_dir": saved.group(2) if saved else None,
         "resumed_step": int(resumed.group(1)) if resumed else None,
@@ -97,9 +102,13 @@ def summary(facts: dict[str, object], out_path: Path, elapsed_s: float) -> str:
 
     loss = (f"{facts['first_loss']:.3f} at the first step, {facts['last_loss']:.3f} at the last"
             if facts["first_loss"] is not None else "(not reached)")
+    evaluated = (f"{facts['eval_loss_before']:.3f} before training, {facts['eval_loss_after']:.3f} after "
+                 f"(perplexity {facts['eval_perplexity_after']:.1f}), fsdp2nb.evaluate over the story's windows"
+                 if facts["eval_loss_after"] is not None else "(not reached)")
     lines = [
         f"ranks       {known(facts['num_ranks'])} ({known(facts['pool'])}), devices: {', '.join(facts['devices']) or '?'}",
         f"loss        {loss}",
+        f"eval loss   {evaluated}",
         f"checkpoint  step {known(facts['saved_step'])} written to {known(facts['checkpoint_dir'])}; "
         f"resumed at step {known(facts['resumed_step'])} after a restart of the ranks",
         f"export      {known(facts['export_dir'])}",

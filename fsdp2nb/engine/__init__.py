@@ -11,7 +11,8 @@ from fsdp2nb.engine.evaluation import Evaluation, evaluate
 from fsdp2nb.engine.generation import generate
 from fsdp2nb.engine.grad import clip_grad_norm_
 from fsdp2nb.engine.loader import load_model
+from fsdp2nb.engine.mesh import InvalidMesh, hsdp_mesh
 from fsdp2nb.engine.sharded_load import LoadReport
 
-__all__ = ["EngineConfig", "Evaluation", "FSDP2Engine", "LoadReport", "clip_grad_norm_", "evaluate", "generate",
-           "load_model"]
+__all__ = ["EngineConfig", "Evaluation", "FSDP2Engine", "InvalidMesh", "LoadReport", "clip_grad_norm_", "evaluate",
+           "generate", "hsdp_mesh", "load_model"]

@@ -10,13 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2nb.collectives import is_distributed
 from fsdp2nb.engine import wrapping
 from fsdp2nb.engine.buffers import recompute_non_persistent_buffers
 from fsdp2nb.engine.config import EngineConfig, check_offload_supported
 from fsdp2nb.engine.hf_files import find_checkpoint_files
+from fsdp2nb.engine.mesh import check_mesh, flat_mesh
 from fsdp2nb.engine.sharded_load import LoadReport, load_sharded
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,11 @@ def _require_process_group() -> None:
 
 
 class FSDP2Engine:
-    """Shards models with FSDP2 (`fully_shard`) over a 1-D mesh and loads checkpoints into them."""
+    """Shards models with FSDP2 (`fully_shard`) and loads checkpoints into them.
+
+    `mesh`: every rank along one dimension (default: FSDP), or a 2-D `("replicate", "shard")`
+    mesh for HSDP (`fsdp2nb.hsdp_mesh()`): parameters are then `(Replicate(), Shard(0))`.
+    """
 
     def __init__(
         self,
@@ -75,7 +80,7 @@ class FSDP2Engine:
         )
         _require_process_group()
         self.device = current_device()
-        self.mesh = mesh or init_device_mesh(self.device.type, (dist.get_world_size(),))
+        self.mesh = flat_mesh(self.device.type) if mesh is None else check_mesh(mesh, self.device.type)
         check_offload_supported(self.config.offload_params, self.mesh.device_type, dist.get_backend_config())
         self.last_load_report: LoadReport | None = None
         """What the most recent `materialize_and_load` read, for logging and benchmarks."""

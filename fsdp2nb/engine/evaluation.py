@@ -72,7 +72,7 @@ def evaluate(model: nn.Module, dataset: Sequence, *, batch_size: int = 8,
     batches = [share[start:start + batch_size] for start in range(0, len(share), batch_size)]
     collate = collate_fn or collate_examples
     with evaluating(model):
-        plan, facts = plan_gathering(model, limit, local_fact=(num_examples, len(batches)))
+        plan, facts = plan_gathering(model, limit, local_facts=(num_examples, len(batches)))
         _require_same_dataset([count for count, _ in facts])
         num_steps = max(count for _, count in facts)
         task = progress.start_task("evaluate", "evaluating", total_items=num_steps)

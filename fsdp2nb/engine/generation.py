@@ -60,7 +60,7 @@ def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, 
     limit = max_gathered_bytes_from(max_gathered_bytes)
     share = rank_share(len(prompt_list), get_rank(), get_world_size())
     with evaluating(model):
-        plan, digests = plan_gathering(model, limit, local_fact=_digest(prompt_list))
+        plan, digests = plan_gathering(model, limit, local_facts=_digest(prompt_list))
         _require_same_prompts(digests)
         error, completions = None, []
         try:
@@ -104,11 +104,12 @@ def _generate_kwargs(tokenizer: Any, stream: bool, kwargs: dict[str, Any]) -> di
     return {"pad_token_id": tokenizer.pad_token_id, **kwargs}
 
 
-def _digest(prompts: list[str]) -> tuple[int, str]:
-    return len(prompts), hashlib.sha256("\0".join(prompts).encode()).hexdigest()
+def _digest(prompts: list[str]) -> tuple[int, int]:
+    """The number of prompts and 63 bits of a hash of them: what the ranks compare."""
+    return len(prompts), int(hashlib.sha256("\0".join(prompts).encode()).hexdigest()[:15], 16)
 
 
-def _require_same_prompts(digests: list[tuple[int, str]]) -> None:
+def _require_same_prompts(digests: list[tuple[int, ...]]) -> None:
     if any(digest != digests[0] for digest in digests):
         counts = ", ".join(f"rank {rank}: {count}" for rank, (count, _) in enumerate(digests))
         raise GenerationInputError(f"the ranks were given different prompts ({counts} prompts): pass the same "

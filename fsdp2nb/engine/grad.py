@@ -15,6 +15,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
     Gradients are DTensor shards; their local norms are combined across ranks by DTensor
     (`full_tensor()` reduces the partial norm), so the result equals the single-process norm.
+    On an HSDP mesh the gradients are `(Replicate(), Shard(0))`: the norm is partial along
+    "shard" only, so it is summed within a row and not again across the replicas, which hold
+    the same gradients after FSDP2's all-reduce.
     With CPU offload the shards live on CPU and that reduction runs on the CPU (gloo) backend.
     """
     params = [p for p in model.parameters() if p.grad is not None]

@@ -143,24 +143,28 @@ def max_gathered_bytes_from(value: int | None) -> int | None:
             f"{MAX_GATHERED_BYTES_ENV}={text!r} must be a number of bytes, e.g. 8e9") from None
 
 
-def plan_gathering(model: nn.Module, limit_bytes: int | None, local_fact: object = None) -> tuple[GatherPlan, list]:
+def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple[int, ...] = ()
+                   ) -> tuple[GatherPlan, list[tuple[int, ...]]]:
     """Decide, the same on every rank, whether the whole model is gathered.
 
-    Collective (one all_gather_object). `local_fact` travels with this rank's figures, so that a
-    caller can compare what the ranks were given (their prompts) in the same collective; every
-    rank's fact comes back, in rank order. A model without FSDP units is whole on every rank already."""
+    Collective: one all_gather of a few integers, on the model's device. `local_facts` travel with
+    this rank's figures, so that a caller can compare what the ranks were given (their prompts) in
+    the same collective; every rank's facts come back, in rank order. A model without FSDP units is
+    whole on every rank already."""
     sharded = bool(fsdp_units(model))
     needed = gathered_bytes(model) if sharded else 0
-    mine = (available_bytes(model_device(model)) if sharded else 0, local_fact)
+    device = model_device(model)
+    mine = torch.tensor([available_bytes(device) if sharded else 0, *local_facts], dtype=torch.int64, device=device)
     everyone = [mine]
     if is_distributed():
-        everyone = [None] * get_world_size()
-        dist.all_gather_object(everyone, mine)
-    available = tuple(int(entry[0]) for entry in everyone)
+        everyone = [torch.empty_like(mine) for _ in range(get_world_size())]
+        dist.all_gather(everyone, mine)
+    rows = [tuple(row.tolist()) for row in everyone]
+    available = tuple(row[0] for row in rows)
     reason = _why_sharded(needed, available, limit_bytes) if sharded else ""
     plan = GatherPlan(gathered=sharded and not reason, lockstep=bool(reason) and get_world_size() > 1,
                       needed_bytes=needed, available_bytes=available, limit_bytes=limit_bytes, reason=reason)
-    return plan, [entry[1] for entry in everyone]
+    return plan, [row[1:] for row in rows]
 
 
 def _why_sharded(needed: int, available: tuple[int, ...], limit_bytes: int | None) -> str:
@@ -221,15 +225,16 @@ _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "
 def fsdp_forward_hooks_set_aside(model: nn.Module) -> Iterator[None]:
     """FSDP2's own forward hooks left out of forward passes until exit; for gathered units without
     gradients only, where they have nothing to do: unsharding and resharding are no-ops, and
-    nothing prepares a backward. They cost about a third of a small model's decoding step on CPU
-    and append to FSDP's post-forward order, which only a backward clears. Other hooks stay; on
-    exit each hook table is as it was, in its order. (The first forward with the hooks back does
-    FSDP's lazy initialisation, if none did before.)"""
+    nothing prepares a backward. They cost a good part of a small model's decoding step on CPU
+    (docs/benchmarks.md) and append to FSDP's post-forward order, which only a backward clears.
+    Other hooks stay; on exit each hook table is as it was, in its order. (The first forward with
+    the hooks back does FSDP's lazy initialisation, if none did before.)"""
     fsdp_ids: set[int] = set()
     for unit in fsdp_units(model):
-        state = unit._get_fsdp_state()  # FSDP2 keeps its hooks' handles there (torch 2.13)
-        for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
-            fsdp_ids.update(entry.id for entry in getattr(handle, "handles", (handle,)))
+        state = unit._get_fsdp_state()
+        # FSDP2 keeps its hooks' handles there (torch 2.13); should a later torch not, the hooks stay.
+        for handle in (getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None)):
+            fsdp_ids.update(entry.id for entry in getattr(handle, "handles", (handle,)) if hasattr(entry, "id"))
     saved = []
     for module in model.modules():
         for name in _FORWARD_HOOK_DICTS:

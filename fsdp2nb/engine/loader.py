@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2nb import progress
 from fsdp2nb.config_checks import check_bool, check_choice
@@ -19,6 +20,7 @@ from fsdp2nb.engine.engine import FSDP2Engine
 from fsdp2nb.engine.hf_files import find_checkpoint_files, refuse_quantized
 from fsdp2nb.engine.hub import resolve_model_dir
 from fsdp2nb.engine.lora import apply_lora, materialize_adapter_init, shared_seed
+from fsdp2nb.engine.mesh import InvalidMesh
 from fsdp2nb.engine.wrapping import cast_frozen_parameters
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ def load_model(
     lora: Any = None,
     activation_checkpointing: bool = False,
     engine: FSDP2Engine | None = None,
+    mesh: DeviceMesh | None = None,
     allow_missing: Sequence[str] = (),
 ) -> tuple[nn.Module, Any]:
     """Load a causal LM sharded over all ranks, plus its tokenizer or processor (None if it has none).
@@ -41,12 +44,14 @@ def load_model(
     `init`: "meta" (each rank reads its own slices), "rank0" (rank 0 reads, the rest receive a
     broadcast) or "default" (every rank runs from_pretrained). `lora` is a peft.LoraConfig.
     `engine` says how to shard: precision, offload, resharding (default: `FSDP2Engine()`, bf16
-    compute), e.g. `engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32")`. `allow_missing` lists
-    fnmatch patterns of keys that may be absent (init="meta").
+    compute), e.g. `engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32")`. `mesh` is the engine's
+    mesh (default: every rank shards), e.g. `mesh=fsdp2nb.hsdp_mesh()` for HSDP; with `engine`,
+    give the mesh to the engine instead. `allow_missing` lists fnmatch patterns of keys that may
+    be absent (init="meta").
     """
     check_choice("init", init, INIT_CHOICES)
     check_bool("activation_checkpointing", activation_checkpointing)
-    engine = engine or FSDP2Engine()
+    engine = _engine_for(engine, mesh)
     directory = resolve_model_dir(name_or_path)
     refuse_quantized(Path(directory))  # from_pretrained would try to quantize or dequantize it
     task = _whole_load_progress(directory, init)
@@ -59,6 +64,15 @@ def load_model(
         task.advance(task.total_bytes)
     task.finish()
     return model, load_processor(directory)
+
+
+def _engine_for(engine: FSDP2Engine | None, mesh: DeviceMesh | None) -> FSDP2Engine:
+    if engine is None:
+        return FSDP2Engine(mesh=mesh)
+    if mesh is not None and mesh is not engine.mesh:
+        raise InvalidMesh("load_model got both engine= and a mesh= other than the engine's; pass the mesh to "
+                          "the engine alone: engine=fsdp2nb.FSDP2Engine(..., mesh=mesh)")
+    return engine
 
 
 def _load_and_shard(directory: str, init: str, lora: Any, engine: FSDP2Engine,

@@ -146,6 +146,13 @@ def text_batches(tokenizer: Any, text: str, *, seq_len: int = 64, batch_size: in
         yield {"input_ids": windows, "labels": windows}
 
 
+def text_windows(tokenizer: Any, text: str, *, seq_len: int = 64) -> list[dict]:
+    """`text` cut into consecutive windows of `seq_len` tokens, each an example for
+    `fsdp2nb.evaluate` ({"input_ids": [...]}); the last, shorter piece is left out."""
+    ids = tokenizer(text).input_ids
+    return [{"input_ids": ids[start:start + seq_len]} for start in range(0, len(ids) - seq_len + 1, seq_len)]
+
+
 def press_save_now(wait_s: float = 30.0) -> str:
     """Press the shown dashboard's **Save now** as a click does; returns the panel's message line.
 

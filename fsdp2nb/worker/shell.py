@@ -145,9 +145,13 @@ def _kind_of(error: object) -> ErrorKind:
 
 def _one_line_mistake(error: BaseException) -> str | None:
     """The one line for an error that says all there is to say, or None: bad input to
-    `fsdp2nb.generate` / `fsdp2nb.evaluate`, or a Trainer given a model it cannot train."""
+    `fsdp2nb.generate` / `fsdp2nb.evaluate`, a mesh the engine cannot shard over, or a Trainer
+    given a model it cannot train."""
     inference = sys.modules.get("fsdp2nb.engine.inference")
     if inference is not None and isinstance(error, inference.InferenceInputError):
+        return str(error)
+    mesh = sys.modules.get("fsdp2nb.engine.mesh")
+    if mesh is not None and isinstance(error, mesh.InvalidMesh):
         return str(error)
     return _wrong_trainer_class(error)
 

@@ -1,6 +1,6 @@
 """A rank SIGKILLed at points inside a save: the previous LATEST still loads, unchanged.
 
-Ranks are spawned here as plain subprocesses (the harness treats a dead rank as a failure); the
+Ranks are started with the harness's start_ranks (run_ranks treats a dead rank as a failure); the
 victim kills itself through the FSDP2NB_CKPT_FAULT hook, the survivors are then killed too.
 """
 
@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,16 +17,17 @@ import torch
 from fsdp2nb.checkpoint import Checkpointer
 from fsdp2nb.checkpoint.faults import FAULT_ENV
 from tests.support.checkpoint_helpers import assert_same, build, full_model_state, train_step
+from tests.support.gloo_harness import start_ranks
 
 WORLD_SIZE = 2
-REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def fault_worker(rank: int, directory: str, fault: str) -> None:
+def fault_worker(directory: str, fault: str) -> None:
     """Save step 1, record its full state, train on, then die inside the save of step 2."""
     import torch.distributed as dist
 
+    rank = int(os.environ["RANK"])
     store = dist.FileStore(os.path.join(directory, "..", "store"), WORLD_SIZE)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE)
     torch.manual_seed(rank)
@@ -47,28 +46,16 @@ def fault_worker(rank: int, directory: str, fault: str) -> None:
     raise AssertionError(f"rank {rank} survived a save that should have been killed at {fault}")
 
 
-def _spawn(rank: int, directory: Path, fault: str) -> subprocess.Popen:
-    code = ("import sys; from tests.distributed.test_checkpoint_faults import fault_worker; "
-            "fault_worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])")
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE), "LOCAL_RANK": str(rank),
-           "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO_ROOT)}
-    env.pop(FAULT_ENV, None)
-    return subprocess.Popen([sys.executable, "-c", code, str(rank), str(directory), fault], cwd=REPO_ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-
-
 def _run_until_victim_dies(directory: Path, fault: str, victim: int) -> None:
-    procs = [_spawn(rank, directory, fault) for rank in range(WORLD_SIZE)]
+    ranks = start_ranks(fault_worker, WORLD_SIZE, str(directory), fault)
     try:
-        victim_rc = procs[victim].wait(timeout=180)
-        assert victim_rc == -signal.SIGKILL, procs[victim].stderr.read().decode()[-3000:]
+        ranks[victim].join(timeout=180)
+        assert ranks[victim].exitcode == -signal.SIGKILL, f"rank {victim} ended with {ranks[victim].exitcode}"
         time.sleep(1.0)  # survivors are stuck in (or failing) a collective with the dead rank
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            proc.stderr.close()
+        for rank in ranks:
+            rank.kill()
+            rank.join()
 
 
 @pytest.mark.parametrize("fault", ["write_shards@1", "before_metadata@0", "before_latest@0"])

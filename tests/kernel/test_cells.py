@@ -4,6 +4,8 @@ import os
 import re
 import tempfile
 
+SHARES_THE_POOL = True  # tests/kernel/conftest.py: no test here restarts, stops or kills the pool
+
 
 def test_state_persists_across_cells(kernel):
     assert kernel.execute("%%fsdp2\ncounter = rank * 10").status == "ok"

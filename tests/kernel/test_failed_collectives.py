@@ -128,3 +128,28 @@ def test_a_group_made_with_plain_gloo_is_named_as_one_that_cannot_be_re_formed(t
     assert "(gloo) were made with another backend and cannot be re-formed" in run.stderr, run.stderr
     after = trained.execute("%%fsdp2\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(keep_me, t.item())")
     assert after.stdout == "[all] kept 2.0\n", after.traceback_text
+
+
+def test_a_2d_meshs_groups_are_re_formed_after_a_rank_raising_while_others_wait(kernel):
+    """HSDP's mesh on 4 ranks (2 x 2): its row and column groups are made with the pool's
+    default backend, so they are released and re-formed like the world group. Rank 3 raises;
+    rank 2 waits for it in a "shard" all_reduce, ranks 0 and 1 then in "replicate" ones."""
+    started = kernel.execute("%fsdp2 restart --cpu 4", timeout=300)
+    assert started.status == "ok", started.traceback_text + started.stderr
+    mistake = kernel.execute("%%fsdp2\nimport fsdp2nb\nfsdp2nb.hsdp_mesh(replicate=3)")
+    lines = mistake.traceback_text.strip().splitlines()
+    assert len(lines) == 1 and "[all] ranks 0, 1, 2, 3 raised InvalidMesh" in lines[0], lines  # no traceback
+    assert "replicate=3 does not divide the 4 ranks; choose one of (1, 2, 4)" in lines[0], lines
+    made = kernel.execute("%%fsdp2\nhsdp = fsdp2nb.hsdp_mesh(replicate=2)\n"
+                          "rows, columns = hsdp.get_group('shard'), hsdp.get_group('replicate')\n"
+                          "print(dist.get_backend(rows), dist.get_backend(columns))")
+    assert made.stdout == "[all] reformable_gloo reformable_gloo\n", made.traceback_text + made.stdout
+    failed = kernel.execute("%%fsdp2\nt = torch.ones(1)\nif rank == 3:\n    raise ValueError('bad batch on rank 3')\n"
+                            "dist.all_reduce(t, group=rows)\ndist.all_reduce(t, group=columns)", timeout=120)
+    text = failed.traceback_text
+    assert failed.status == "error" and "[3] rank 3 raised ValueError" in text.splitlines()[0], text
+    assert "re-formed in place" in text and "released rank(s)" in text and "restarted" not in text, text
+    after = kernel.execute("%%fsdp2\nt = torch.ones(1)\ndist.all_reduce(t, group=rows)\n"
+                           "dist.all_reduce(t, group=columns)\ndist.all_reduce(t)\n"
+                           "print(t.item(), hsdp.get_group('shard') is rows)")
+    assert after.stdout == "[all] 16.0 True\n", after.traceback_text + after.stdout  # 1 -> 2 -> 4 -> 16

@@ -163,6 +163,10 @@ def test_bad_input_fails_the_cell_in_one_line_and_changes_nothing(loaded, assert
     assert run.status == "error"
     assert run.traceback_text.strip() == ("[all] ranks 0, 1 raised GenerationInputError: no prompts: pass a string "
                                           "or a non-empty list of strings"), run.traceback_text
+    run = loaded.execute("%%fsdp2\nfsdp2nb.generate(model, tokenizer, PROMPTS[:rank + 1], max_new_tokens=4)")
+    assert run.traceback_text.strip() == (  # found in the collective that plans, so no rank waits for another
+        "[all] ranks 0, 1 raised GenerationInputError: the ranks were given different prompts (rank 0: 1, rank 1: 2 "
+        "prompts): pass the same list on every rank; each rank generates its share"), run.traceback_text
     assert_pool_usable()
     run = loaded.execute("%%fsdp2\nprint(model.training, sharded_as_loaded())")
     assert run.stdout == "[all] True True\n"

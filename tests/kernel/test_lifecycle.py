@@ -1,12 +1,12 @@
-"""Pool lifecycle through a kernel: bad input changes nothing, no orphans, loopback only, 4 ranks."""
+"""Pool lifecycle through a kernel: bad input changes nothing, no orphans, loopback only, 4 and 8 ranks."""
 
-import os
-import signal
 
 import psutil
 import pytest
 
 from tests.support.kernel_client import WITHOUT_GPUS, Kernel
+
+SHARES_THE_POOL = True  # tests/kernel/conftest.py: no test here restarts, stops or kills the pool
 
 BAD_INPUTS = [
     ("%%fsdp2 --frobnicate\n1", "unrecognized arguments"),
@@ -58,7 +58,7 @@ def _wait_gone(processes: list[psutil.Process], timeout_s: float = 10) -> list[p
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_four_ranks_merge_lines_and_listen_only_on_loopback():
+def test_four_and_eight_ranks_merge_lines_listen_only_on_loopback_and_end_with_unload():
     kernel = Kernel(env=WITHOUT_GPUS)
     try:
         kernel.execute("%load_ext fsdp2nb")
@@ -72,6 +72,17 @@ def test_four_ranks_merge_lines_and_listen_only_on_loopback():
         listening = [c.laddr for p in processes for c in p.net_connections(kind="inet")
                      if c.status == psutil.CONN_LISTEN]
         assert all(addr.ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for addr in listening), listening
+
+        assert kernel.execute("%fsdp2 restart --cpu 8", timeout=300).status == "ok"
+        # As after a loss is all-reduced: the ranks print together (2 cores run 8 ranks slowly).
+        run = kernel.execute("%%fsdp2\ndist.barrier()\nprint('step 1 loss 0.25')\nprint('rank', rank)",
+                             timeout=300)
+        assert run.status == "ok", run.traceback_text
+        lines = run.stdout.splitlines()
+        assert lines.count("[all] step 1 loss 0.25") == 1 and len(lines) == 9
+        assert {f"[{r}] rank {r}" for r in range(8)} <= set(lines)
+
+        processes = _pool_processes(kernel.pid)
         unload = kernel.execute("%unload_ext fsdp2nb")
         assert unload.status == "ok"
         assert not _wait_gone(processes)
@@ -111,41 +122,25 @@ def test_status_has_a_row_per_rank_and_help_shows_examples(kernel):
         assert "%%fsdp2 --gpus 0,2,3" in text and "%fsdp2 pull loss --all" in text, asking
 
 
-def test_eight_ranks_printing_the_same_line_show_it_once():
-    kernel = Kernel(env=WITHOUT_GPUS)
-    try:
-        kernel.execute("%load_ext fsdp2nb")
-        # As after a loss is all-reduced: the ranks print together (2 cores run 8 ranks slowly).
-        run = kernel.execute("%%fsdp2 --cpu 8\ndist.barrier()\nprint('step 1 loss 0.25')\nprint('rank', rank)",
-                             timeout=300)
-        assert run.status == "ok", run.traceback_text
-        lines = run.stdout.splitlines()
-        assert lines.count("[all] step 1 loss 0.25") == 1 and len(lines) == 9
-        assert {f"[{r}] rank {r}" for r in range(8)} <= set(lines)
-    finally:
-        kernel.stop()
-
-
-@pytest.mark.parametrize("how", ["shutdown", "restart", "sigkill"])
+@pytest.mark.parametrize("how", ["shutdown", "restart"])  # SIGKILL: tests/kernel/test_warm_restart.py
 def test_no_worker_survives_the_kernel(how):
+    from fsdp2nb.pool import reaper
+
     kernel = Kernel(env=WITHOUT_GPUS)
     try:
         kernel.execute("%load_ext fsdp2nb")
         assert kernel.execute("%%fsdp2 --cpu 2\nx = 1").status == "ok"
+        pool_id = kernel.execute("from fsdp2nb import _session\nprint(_session.pool.pool_id)").stdout.strip()
         processes = _pool_processes(kernel.pid)
         assert len(processes) == 4  # the host agent, two ranks and the standby agent
-        if how == "sigkill":
-            os.kill(kernel.pid, signal.SIGKILL)
-        elif how == "restart":
+        if how == "restart":
             kernel.manager.restart_kernel(now=False)
         else:
             kernel.manager.shutdown_kernel(now=False)
         assert not _wait_gone(processes), "pool processes outlived the kernel"
+        assert not (reaper.state_dir() / "pools" / f"{pool_id}.json").exists()  # its registry entry went too
     finally:
-        if how == "sigkill":
-            kernel.client.stop_channels()
-            kernel.manager.cleanup_resources()
-        elif kernel.manager.has_kernel:
+        if kernel.manager.has_kernel:
             kernel.stop()
 
 

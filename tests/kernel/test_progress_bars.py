@@ -8,6 +8,8 @@ from nbclient import NotebookClient
 
 from tests.support.kernel_client import WITHOUT_GPUS
 
+SHARES_THE_POOL = True  # tests/kernel/conftest.py: no test here restarts, stops or kills the pool
+
 TQDM_LOOP = ("%%fsdp2\nimport time\nfrom tqdm import tqdm\nprint('before')\n"
              "for i in tqdm(range(8)):\n    time.sleep(0.2)\nprint('after')")
 FINAL = re.compile(r"\[(\d)\] 100%\|█+\| 8/8 \[")

@@ -1,6 +1,8 @@
 """`%fsdp2 pull` mirrors push: it defines the names in the notebook and returns None; with
 `--value` it returns the value and defines nothing."""
 
+SHARES_THE_POOL = True  # tests/kernel/conftest.py: no test here restarts, stops or kills the pool
+
 
 def test_pull_defines_the_names(kernel):
     assert kernel.execute("%%fsdp2\nloss = 10 + rank\nstep = 7").status == "ok"

@@ -1,5 +1,7 @@
 """Rank tracebacks read as a plain cell's: the user's frames only, in the notebook's colours."""
 
+SHARES_THE_POOL = True  # tests/kernel/conftest.py: no test here restarts, stops or kills the pool
+
 
 def test_interrupted_cell_shows_only_the_users_frames(kernel, assert_pool_usable):
     code = "%%fsdp2\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)"

@@ -82,6 +82,7 @@ def test_the_standby_leaves_nothing_behind(how):
         assert own.execute("%fsdp2 start --cpu 2").status == "ok"
         _, standby, log_dir, standby_id = _agents(own)
         processes = psutil.Process(own.pid).children(recursive=True)
+        assert len(processes) == 4  # the host agent, two ranks and the standby agent
         assert standby in [p.pid for p in processes] and os.path.isdir(log_dir)
         if how == "%fsdp2 stop":
             assert own.execute(how).stdout == "pool stopped\n"

@@ -1,7 +1,9 @@
 """Fixtures for tests over real hosts on one machine: network namespaces, and Ray across them.
 
-Both are session-scoped (a Ray cluster takes 20-50 s to start on 2 cores) and always cleaned up;
-each test that uses them skips, with the reason, where namespaces cannot be made or Ray is absent.
+Both are package-scoped: one Ray cluster (20-50 s to start on 2 cores) serves every Ray test here,
+and it ends with this package, so its idle processes take no CPU from the tests after it. Both are
+always cleaned up; each test that uses them skips, with the reason, where namespaces cannot be made
+or Ray is absent.
 """
 
 import importlib.util
@@ -13,7 +15,7 @@ from tests.support.netns import TestHosts
 from tests.support.ray_cluster import RayCluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def test_hosts():
     """Two network namespaces joined by a veth pair: 10.213.0.1 (host 0) and 10.213.0.2 (host 1)."""
     reason = TestHosts.unavailable_reason()
@@ -23,7 +25,7 @@ def test_hosts():
         yield hosts
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster(test_hosts):
     """A Ray head on host 0 and a worker node on host 1, both alive; drivers run in host 0."""
     if importlib.util.find_spec("ray") is None:

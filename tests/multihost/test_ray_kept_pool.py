@@ -18,7 +18,7 @@ import pytest
 from tests.support.host_processes import pool_processes, wait_for_no_pool_processes
 from tests.support.kernel_client import WITHOUT_GPUS, Kernel, kernels_with_fsdp2nb
 
-pytestmark = pytest.mark.timeout(900)  # the session's Ray cluster starts inside the first test
+pytestmark = pytest.mark.timeout(900)  # the package's Ray cluster starts inside the first test
 
 START = "%fsdp2 start --ray {address} --nodes 2 --cpu-per-node 1 --no-dashboard --keep --name {name}"
 
@@ -139,11 +139,11 @@ def test_a_kept_ray_pool_outlives_a_killed_kernel_and_stop_frees_ray(kernels, te
 
 def test_restart_stays_kept_and_a_detached_idle_pool_ends_after_keep_for(kernels, test_hosts, ray_cluster):
     kernel = kernels()
-    before = _start_kept(kernel, ray_cluster, "brief", extra=" --keep-for 20s")
+    before = _start_kept(kernel, ray_cluster, "brief", extra=" --keep-for 3s")
     restarted = kernel.execute("%fsdp2 restart", timeout=300)
     assert restarted.status == "ok", restarted.traceback_text + restarted.stderr
     [meta] = _metas(kernel_tmpdir(kernel))
-    assert meta["name"] == "brief" and meta["pool_id"] != before["pool_id"] and meta["keep_for_s"] == 20
+    assert meta["name"] == "brief" and meta["pool_id"] != before["pool_id"] and meta["keep_for_s"] == 3
     assert _ray_state(ray_cluster, before["pool_id"], wait_s=0)["actors"] == []
     driver = psutil.Process(meta["agent"][0])
     assert kernel.execute("%fsdp2 detach").status == "ok"

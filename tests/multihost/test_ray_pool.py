@@ -2,7 +2,8 @@
 
 The hosts are network namespaces (tests/multihost/conftest.py): each has its own address and
 loopback, and traffic between them crosses a veth pair. The kernel runs in host 0's namespace, as
-a notebook on a cluster's head node would; Ray places one host agent on each host.
+a notebook on a cluster's head node would; Ray places one host agent on each host. The tests share
+one kernel and run in order: the last one SIGKILLs it.
 """
 
 import re
@@ -11,6 +12,7 @@ import psutil
 import pytest
 
 from tests.support.host_processes import (
+    host_agents,
     kill_host_one_agent_mid_cell,
     pool_processes,
     runs_module,
@@ -19,7 +21,7 @@ from tests.support.host_processes import (
 from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 from tests.support.training_cells import SETUP, losses
 
-pytestmark = pytest.mark.timeout(900)  # the session's Ray cluster starts inside the first test
+pytestmark = pytest.mark.timeout(900)  # the package's Ray cluster starts inside the first test
 
 START = "%fsdp2 start --ray {address} --nodes 2 --cpu-per-node 1 --no-dashboard"
 TRAIN = ("%%fsdp2\nfor step in range(3):\n    loss = train_step(step)\n"
@@ -82,6 +84,15 @@ def test_output_errors_and_interrupts_behave_as_on_one_host(ray_kernel):
     assert after.stdout == "[all] 2\n"  # state survived the interrupt
 
 
+def test_killing_one_hosts_agent_ends_the_cell_naming_host_and_rank(ray_kernel, test_hosts):
+    run = kill_host_one_agent_mid_cell(ray_kernel, test_hosts)
+    assert run.status == "error"
+    text = run.traceback_text + run.stderr
+    assert f"on host {test_hosts[1].address}" in text and "was killed by SIGKILL" in text, text
+    after = ray_kernel.execute("%%fsdp2\nx = torch.ones(1)\ndist.all_reduce(x)\nprint(int(x.item()))", timeout=300)
+    assert after.stdout == "[all] 2\n", after.stdout + after.stderr + after.traceback_text
+
+
 def test_training_matches_one_host_and_the_checkpoint_loads_on_one_rank(ray_kernel, tmp_path_factory):
     root = tmp_path_factory.mktemp("hosts-training")  # shared by both namespaces: one filesystem
     paths = f"model_dir = {str(root / 'model')!r}\nckpt_dir = {str(root / 'ckpt')!r}\n"
@@ -111,27 +122,57 @@ def test_training_matches_one_host_and_the_checkpoint_loads_on_one_rank(ray_kern
     assert restored.split()[-1] == saved.split()[-1]
 
 
-def test_killing_one_hosts_agent_ends_the_cell_naming_host_and_rank(ray_kernel, test_hosts, ray_cluster):
+HSDP_SETUP = SETUP.replace("model, tokenizer = fsdp2nb.load_model(", "hosts_mesh = fsdp2nb.hsdp_mesh()\n"
+                           "model, tokenizer = fsdp2nb.load_model(").replace(
+    'FSDP2Engine(mixed_precision="fp32")', 'FSDP2Engine(mixed_precision="fp32", mesh=hosts_mesh)')
+PARAMETER_SUM = ("%%fsdp2\nprint(round(sum(p.full_tensor().double().sum().item() "
+                 "for p in model.parameters()), 9))")
+
+
+def test_hsdp_over_two_hosts_trains_as_the_flat_mesh_and_its_checkpoint_loads_flat(ray_kernel, ray_cluster,
+                                                                                  tmp_path_factory):
+    """2 hosts x 2 ranks: `hsdp_mesh()` makes one row per host, and training on it gives the
+    flat mesh's losses; its checkpoint loads into the flat mesh of the same pool."""
+    four = START.format(address=ray_cluster.address).replace("start", "restart").replace("per-node 1", "per-node 2")
+    started = ray_kernel.execute(four, timeout=300)
+    assert started.status == "ok", started.traceback_text + started.stderr
+    root = tmp_path_factory.mktemp("hsdp-hosts")
+    paths = f"model_dir = {str(root / 'model')!r}\nckpt_dir = {str(root / 'ckpt')!r}\n"
+    assert ray_kernel.execute(paths + "%fsdp2 push model_dir ckpt_dir").status == "ok"
+    setup = ray_kernel.execute(HSDP_SETUP, timeout=300)
+    assert setup.status == "ok", setup.traceback_text + setup.stderr
+    rows = ray_kernel.execute("%%fsdp2\nimport os\nprint(hosts_mesh.get_coordinate()[0] == int(os.environ['GROUP_RANK']), "
+                              "hosts_mesh.shape, next(model.parameters()).placements, mesh.shape)")
+    assert rows.stdout == "[all] True (2, 2) (Replicate(), Shard(dim=0)) (4,)\n", rows.stdout + rows.traceback_text
+    hsdp = ray_kernel.execute(TRAIN, timeout=300)
+    assert hsdp.status == "ok", hsdp.traceback_text
+    assert ray_kernel.execute("%fsdp2 save 3").status == "ok"
+    saved = ray_kernel.execute(PARAMETER_SUM).stdout
+
+    assert ray_kernel.execute(SETUP.replace("keep=2", "keep=5"), timeout=300).status == "ok"  # the flat mesh
+    flat = ray_kernel.execute(TRAIN, timeout=300)
+    assert [float(x) for x in losses(hsdp.stdout)] == pytest.approx([float(x) for x in losses(flat.stdout)],
+                                                                     rel=1e-5, abs=2e-6)
+    assert len(losses(flat.stdout)) == 3
+    loaded = ray_kernel.execute("%fsdp2 load 3")
+    assert loaded.status == "ok", loaded.traceback_text + loaded.stderr
+    assert ray_kernel.execute(PARAMETER_SUM).stdout.split()[-1] == saved.split()[-1]
+    assert ray_kernel.execute("%fsdp2 restart --cpu 1", timeout=300).status == "ok"  # as the training test left it
+
+
+def test_a_restart_ends_the_old_pool_and_killing_the_kernel_leaves_no_process(ray_kernel, test_hosts,
+                                                                               ray_cluster):
+    before = pool_processes(test_hosts)  # the one-rank pool the training test left, and its standby agent
+    old_pool = [process for agent in host_agents(test_hosts) if agent.children()
+                for process in (agent, *agent.children())]  # a standby has forked no rank
     started = ray_kernel.execute(START.format(address=ray_cluster.address).replace("start", "restart"),
                                  timeout=300)
     assert started.status == "ok", started.traceback_text + started.stderr
-    run = kill_host_one_agent_mid_cell(ray_kernel, test_hosts)
-    assert run.status == "error"
-    text = run.traceback_text + run.stderr
-    assert f"on host {test_hosts[1].address}" in text and "was killed by SIGKILL" in text, text
-    after = ray_kernel.execute("%%fsdp2\nx = torch.ones(1)\ndist.all_reduce(x)\nprint(int(x.item()))", timeout=300)
-    assert after.stdout == "[all] 2\n", after.stdout + after.stderr + after.traceback_text
-
-
-def test_killing_the_kernel_leaves_no_process_on_either_host(test_hosts, ray_cluster):
-    others = {process.pid for process in pool_processes(test_hosts)}  # the module kernel's pool
-    kernel = Kernel(env={**ray_cluster.driver_env(), **WITHOUT_GPUS}, argv_prefix=test_hosts[0].exec_prefix())
-    assert kernel.execute("%load_ext fsdp2nb").status == "ok"
-    run = kernel.execute(START.format(address=ray_cluster.address), timeout=300)
-    assert run.status == "ok", run.traceback_text + run.stderr
-    mine = [process for process in pool_processes(test_hosts) if process.pid not in others]
+    _, alive = psutil.wait_procs(old_pool, timeout=60)
+    assert len(old_pool) == 2 and alive == []
+    mine = [process for process in pool_processes(test_hosts) if process.pid not in {p.pid for p in before}]
     assert len(mine) == 5  # the driver, two agents, two ranks
-    psutil.Process(kernel.pid).kill()
-    _, alive = psutil.wait_procs(mine, timeout=60)
+    everything = pool_processes(test_hosts)
+    psutil.Process(ray_kernel.pid).kill()
+    _, alive = psutil.wait_procs(everything, timeout=60)
     assert alive == []
-    kernel.client.stop_channels()

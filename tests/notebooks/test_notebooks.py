@@ -66,6 +66,10 @@ def test_quickstart_trains_saves_resumes_exports_and_generates(quickstart):
     assert "checkpoints: [39] LATEST: 39" in tagged_text(quickstart, "resume")  # listed after the restart
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in Path(facts["export_dir"]).iterdir()}
     assert facts["generated"].startswith("The light") and len(facts["generated"]) > len("The light") + 20
+    assert facts["eval_loss_after"] < facts["eval_loss_before"] - 0.3, facts
+    for tag in ("sample_before", "sample_after"):  # fsdp2nb.generate: every prompt's completion, in order
+        prompts = re.findall(r"^\[0\] '([^']+)' -> ", tagged_text(quickstart, tag), re.MULTILINE)
+        assert prompts == ["The light", "The keeper", "At night", "The sea"], tagged_text(quickstart, tag)
 
 
 @pytest.mark.timeout(900)

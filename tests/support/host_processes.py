@@ -40,12 +40,14 @@ def host_agents(hosts) -> list[psutil.Process]:
 
 
 def kill_host_one_agent_mid_cell(kernel, hosts):
-    """SIGKILL host 1's agent 3 s into a cell of all_reduces; the cell's run."""
+    """SIGKILL host 1's agent once a cell of all_reduces is under way on every rank; the cell's run."""
     agents = host_agents(hosts[1:])
     assert len(agents) == 1
     submitted = kernel.submit("%%fsdp2\nimport time\nfor i in range(600):\n"
-                              "    x = torch.ones(1)\n    dist.all_reduce(x)\n    time.sleep(0.05)")
-    time.sleep(3)
+                              "    x = torch.ones(1)\n    dist.all_reduce(x)\n"
+                              "    if i == 1:\n        print('under way', flush=True)\n    time.sleep(0.05)")
+    kernel.messages_for(submitted, lambda messages: any(
+        message["msg_type"] == "stream" and "under way" in message["content"]["text"] for message in messages))
     agents[0].send_signal(signal.SIGKILL)
     return kernel.collect(submitted, timeout=180)
 
