@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fsdp2nb.errors import InvalidValue
+
 
 def size(num_bytes: int) -> str:
     """`512 MiB`, `1.5 GiB`: binary units, three significant figures."""
@@ -27,5 +29,5 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = -1.0
     if unit not in _UNITS or not value > 0 or value != value or value == float("inf"):
-        raise ValueError(f"{text!r} is not a memory size; give a number with a unit, e.g. 80GiB, 80G or 512MiB")
+        raise InvalidValue(f"{text!r} is not a memory size; give a number with a unit, e.g. 80GiB, 80G or 512MiB")
     return int(value * _UNITS[unit])

@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 from fsdp2nb.config_checks import check_bool, check_choice
 from fsdp2nb.engine import wrapping
 from fsdp2nb.engine.config import MIXED_PRECISION_CHOICES, EngineConfig
+from fsdp2nb.errors import InvalidValue
 from fsdp2nb.sizes import size
 
 logger = logging.getLogger(__name__)
@@ -83,14 +84,14 @@ class PlanSettings:
         for name in ("world_size", "batch_size", "seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is not allowed; give a whole number of at least 1")
+                raise InvalidValue(f"{name}={value!r} is not allowed; give a whole number of at least 1")
         check_choice("device", self.device, DEVICE_CHOICES)
         check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION_CHOICES)
         check_choice("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
         for name in ("offload_params", "reshard_after_forward", "activation_checkpointing"):
             check_bool(name, getattr(self, name))
         if self.offload_params and self.device == "cpu":
-            raise ValueError("offload_params=True is not allowed on CPU ranks (their memory is the host's "
+            raise InvalidValue("offload_params=True is not allowed on CPU ranks (their memory is the host's "
                              "already); allowed: offload_params=False, or plan for GPUs")
 
     def describe(self) -> str:
@@ -265,7 +266,7 @@ def _engine_settings(engine: Any) -> tuple[EngineConfig, str | None]:
     config = getattr(engine, "config", None)
     if isinstance(config, EngineConfig):
         return config, engine.device.type
-    raise ValueError(f"engine={engine!r} is not allowed; give an fsdp2nb.FSDP2Engine, an EngineConfig or None")
+    raise InvalidValue(f"engine={engine!r} is not allowed; give an fsdp2nb.FSDP2Engine, an EngineConfig or None")
 
 
 def _engine_capacity(engine: Any) -> int | None:
@@ -286,7 +287,7 @@ def _lora_config(lora: Any) -> Any:
         return LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear", lora_dropout=0.0)
     if hasattr(lora, "r") and hasattr(lora, "target_modules"):
         return lora
-    raise ValueError(f"lora={lora!r} is not allowed; give the adapters' rank (an int, e.g. 16) or a peft.LoraConfig")
+    raise InvalidValue(f"lora={lora!r} is not allowed; give the adapters' rank (an int, e.g. 16) or a peft.LoraConfig")
 
 
 def load_config(source: Any) -> tuple[Any, str]:
@@ -302,17 +303,17 @@ def load_config(source: Any) -> tuple[Any, str]:
         if os.path.exists(name):
             config = AutoConfig.from_pretrained(name)
         elif looks_like_a_path(name):
-            raise ValueError(f"{name!r} does not exist; give a model directory, its config.json, or a Hub id")
+            raise InvalidValue(f"{name!r} does not exist; give a model directory, its config.json, or a Hub id")
         else:
             try:
                 config = AutoConfig.from_pretrained(name, local_files_only=True)
             except OSError:
-                raise ValueError(f"{name!r} is not in the local Hugging Face cache, and a plan downloads nothing: "
+                raise InvalidValue(f"{name!r} is not in the local Hugging Face cache, and a plan downloads nothing: "
                                  f"fetch its config first (`hf download {name} config.json`) or give a path") from None
     quantization = getattr(config, "quantization_config", None)
     if quantization:
         method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
-        raise ValueError(f"{name} is a quantized checkpoint (quant_method={method!r}); the engine trains "
+        raise InvalidValue(f"{name} is a quantized checkpoint (quant_method={method!r}); the engine trains "
                          "unquantized weights: plan the bf16/fp16/fp32 release of this model")
     return config, name
 

@@ -7,7 +7,6 @@ import argparse
 import functools
 import shlex
 
-from IPython.core.error import UsageError
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from fsdp2nb.errors import InvalidValue
@@ -142,7 +141,7 @@ def plan_ranks(options, pool: PoolHandle | None) -> tuple[int, str]:
     if options.gpus is not None:
         parts = [part.strip() for part in options.gpus.split(",") if part.strip()]
         if not parts or not all(part.isdigit() for part in parts):
-            raise UsageError(f"--gpus {options.gpus!r} is neither a count (8) nor a list of indices (0,2,3)")
+            raise InvalidValue(f"--gpus {options.gpus!r} is neither a count (8) nor a list of indices (0,2,3)")
         return (int(parts[0]) if "," not in options.gpus else len(parts)), "cuda"
     spec = pool.spec if pool is not None else default_spec()
     return spec.world_size, "cuda" if spec.devices[0].startswith("cuda") else "cpu"

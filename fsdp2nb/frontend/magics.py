@@ -309,9 +309,9 @@ class FSDP2Magics(Magics):
         """`%fsdp2 memory record`: PyTorch's allocation history needs CUDA ranks."""
         pool = self._running_pool()
         if not any(device.startswith("cuda") for device in pool.spec.devices):
-            raise UsageError("%fsdp2 memory record needs CUDA ranks: this pool's ranks are CPU ranks, whose "
+            raise UsageMistake("%fsdp2 memory record needs CUDA ranks: this pool's ranks are CPU ranks, whose "
                              "allocations PyTorch does not record (`%fsdp2 plan` and the dashboard cover them)")
-        raise UsageError("%fsdp2 memory record on CUDA ranks is not available in this version; "
+        raise UsageMistake("%fsdp2 memory record on CUDA ranks is not available in this version; "
                          "torch.cuda.memory._record_memory_history() in a %%fsdp2 cell records the same")
 
     def _command_dashboard(self, options) -> None:
