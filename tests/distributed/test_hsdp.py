@@ -68,7 +68,7 @@ def _train(model, optimizer, num_micro: int) -> tuple[list[float], list[float]]:
     import fsdp2nb
 
     losses, norms = [], []
-    for _step in range(NUM_STEPS):
+    for _ in range(NUM_STEPS):
         total = torch.zeros(())
         for micro in range(num_micro):
             model.set_requires_gradient_sync(micro == num_micro - 1)
