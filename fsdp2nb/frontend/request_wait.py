@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from fsdp2nb.errors import Fsdp2nbError
 from fsdp2nb.frontend.errors import PoolTakenError, RankError, alarm, rank_exit_error
 from fsdp2nb.frontend.output import (
     StreamMerger,
@@ -59,6 +60,9 @@ RELEASE_AFTER_INTERRUPT_S = 0.5
 """After the stop button, how long ranks may take to return before their collectives are released
 (a thread blocked in one ignores SIGINT)."""
 UNMATCHED_COLLECTIVE_S = 5.0
+FINISHED_WHILE_WAITING_S = 20.0
+"""How long ranks may wait in a collective after others finished the cell before it is released:
+longer, since under load a barrier's last message can reach a rank seconds after its peers left."""
 """How long ranks may sit in collectives that cannot complete (others finished, or wait in
 another one) before the collectives are released."""
 WAITING_REPORT_S = 3.0
@@ -83,7 +87,11 @@ Recover = Callable[["PoolSpec", str], str]
 """Replaces a pool whose ranks are dead or stuck; given what happened, returns the note to show."""
 Reform = Callable[[], str]
 """Re-forms the process groups of every rank after a released or failed collective; returns the
-note to show (if that fails, it restarts the pool and the note says so)."""
+note to show. If that fails it restarts the pool and raises GroupsNotReformed with the note."""
+
+
+class GroupsNotReformed(Fsdp2nbError):
+    """The process groups could not be re-formed, so the pool was restarted: the cell fails."""
 
 
 @dataclass
@@ -493,7 +501,11 @@ class RequestWait:
                                      "is lost); `--timeout SECONDS` there sets the collective timeout",)
         errors = causes or [(rank, self._released_error(rank)) for rank in released]
         notes = (self._released_line(released),) if released else ()
-        return errors, (*notes, self._reform())
+        try:
+            return errors, (*notes, self._reform())
+        except GroupsNotReformed as restarted:  # state is lost: never a cell that looks fine
+            lost = ErrorInfo("GroupsNotReformed", "the process groups could not be re-formed", (), kind="collective")
+            return errors or [(self.progress.ranks[0], lost)], (*notes, str(restarted))
 
     def _released_line(self, released: list[int]) -> str:
         """One line for the ranks whose collectives were released."""
@@ -518,7 +530,8 @@ def _unmatched_collectives(progress: CellProgress, world_size: int) -> str | Non
     if not running or progress.prompts or progress.stopped:
         return None
     now = time.monotonic()
-    if any(now - progress.collective_since.get(rank, now) < UNMATCHED_COLLECTIVE_S for rank in running):
+    wait_s = FINISHED_WHILE_WAITING_S if progress.finished else UNMATCHED_COLLECTIVE_S
+    if any(now - progress.collective_since.get(rank, now) < wait_s for rank in running):
         return None  # some rank is not in a collective, or has not been in it for long
     waits = {rank: progress.activity[rank] for rank in running}
     if progress.finished:

@@ -48,7 +48,7 @@ from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook, refuse_in_background
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.rank_prompts import AskInput
-from fsdp2nb.frontend.request_wait import CellProgress, RequestWait, StopPresses
+from fsdp2nb.frontend.request_wait import CellProgress, GroupsNotReformed, RequestWait, StopPresses
 from fsdp2nb.pool.handle import PoolHandle, SnapshotListener
 from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.kept_listing import list_pools
@@ -385,8 +385,9 @@ class NotebookSession:
             wait.wait_for_replies()
         except RankError as error:
             if error.notes:  # the pool was restarted meanwhile: its note says so
-                return "\n".join(error.notes)
-            return self._restart_after_failure(pool.spec, f"the process groups could not be re-formed ({error})")
+                raise GroupsNotReformed("\n".join(error.notes)) from error
+            raise GroupsNotReformed(self._restart_after_failure(
+                pool.spec, f"the process groups could not be re-formed ({error})")) from error
         return (f"the process groups were re-formed in place in {time.monotonic() - started:.2f} s: every rank's "
                 "variables, model and optimizer state are kept")
 
