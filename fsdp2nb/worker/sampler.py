@@ -237,5 +237,5 @@ def held_bytes(tensors: list) -> int:
             continue
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()  # one wrapper per call: views meet by address
-    return sum(storages.values())
+        storages[id(storage)] = storage  # held here, so no id is reused while counting
+    return sum(storage.nbytes() for storage in storages.values())

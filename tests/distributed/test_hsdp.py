@@ -309,7 +309,9 @@ def test_the_dashboard_shows_each_ranks_share_and_the_checkpoint(four):
     results = four[2]
     flat = sum(r["readings"]["flat"]["param_bytes"] for r in results)
     hsdp = sum(r["readings"]["hsdp"]["param_bytes"] for r in results)
-    assert hsdp == 2 * flat  # two sharded copies of the model, one per row
+    # Two sharded copies of the model, one per row; FSDP2 pads each shard to the first rank's
+    # chunk, over 4 ranks flat and over 2 in a row, so the padding differs a little.
+    assert hsdp == pytest.approx(2 * flat, rel=0.05)
     # AdamW's moments are sharded like the parameters; its `step` counts are whole on every rank.
     optimizer = [sum(r["readings"][name]["optimizer_bytes"] for r in results) for name in MESHES]
     assert optimizer[1] == pytest.approx(2 * optimizer[0], rel=0.01)
