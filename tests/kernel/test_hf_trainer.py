@@ -82,6 +82,8 @@ def test_a_plain_trainer_given_a_load_model_model_says_in_one_line_to_use_traine
     lines = _error_lines(messages)
     assert "trained" not in _stream(messages)
     # Without the callback DDP's constructor fails on every rank; with it, Trainer's construction does.
+    # DDP's constructor fails inside a collective, so the groups are re-formed: said in a note line.
+    lines = [line for line in lines if "re-formed in place" not in line]
     assert len(lines) == 1 and lines[0].startswith("[all] ranks 0, 1 raised"), lines
     assert "fsdp2nb.trainer_for(Trainer)" in lines[0] and "DTensor" not in lines[0], lines
 
