@@ -1,6 +1,6 @@
 """A kept pool across two Ray hosts (`--ray ... --keep`): it outlives a SIGKILLed kernel, a new
-kernel attaches and finds rank state, and its end (`%fsdp2 stop`, or `--keep-for` while no kernel
-holds it) frees what it held in Ray. Kernels run in host 0's namespace, as in test_ray_pool.py;
+kernel attaches and finds rank state, and its end (`%fsdp2 stop`, `--keep-for` while no kernel
+holds it, or its driver killed) frees what it held in Ray. Kernels run in host 0's namespace, as in test_ray_pool.py;
 each test gives its kernels a TMPDIR of its own, so kept pools of other tests are never seen.
 """
 
@@ -157,14 +157,17 @@ def test_restart_stays_kept_and_a_detached_idle_pool_ends_after_keep_for(kernels
     assert kernel.execute("%fsdp2 pools").result_text == "no kept pools"
 
 
-def test_a_run_of_the_killed_kernel_is_picked_up_and_take_moves_the_pool(kernels, test_hosts, ray_cluster,
-                                                                          tmp_path):
+def test_a_run_of_the_killed_kernel_is_picked_up_take_moves_the_pool_and_a_killed_driver_ends_it(
+        kernels, test_hosts, ray_cluster, tmp_path):
     """The hosts' activity reaches the kernel that attaches: it gets a handle on the run the lost
-    kernel started; a third kernel is refused, then takes the pool and the run with it."""
+    kernel started; a third kernel is refused, then takes the pool and the run with it. Then the
+    driver is killed: the pool ends with it, and Ray frees what it held."""
     flag, started = tmp_path / "go-on", tmp_path / "started"  # one filesystem for both hosts
     started.mkdir()
+    others = {process.pid for process in pool_processes(test_hosts)}
     first = kernels()
-    _start_kept(first, ray_cluster, "run")
+    meta = _start_kept(first, ray_cluster, "run")
+    mine = [process for process in pool_processes(test_hosts) if process.pid not in others]
     code = (f"%%fsdp2 --bg --name train\nimport os, time\nopen(os.path.join({str(started)!r}, str(rank)), 'w').close()\n"
             f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.1)\ndone = rank")
     assert first.execute(code).status == "ok"
@@ -188,20 +191,13 @@ def test_a_run_of_the_killed_kernel_is_picked_up_and_take_moves_the_pool(kernels
     assert third.execute("%%fsdp2\nprint(done)").stdout == "[0] 0\n[1] 1\n"
     old = second.execute("%%fsdp2\nprint(done)")  # the old holder: its handle on the run ended, saying why
     assert old.status == "error" and f"was taken by kernel {third.pid}" in old.error["evalue"], old.error["evalue"]
-    assert third.execute("%fsdp2 stop", timeout=300).status == "ok"
 
-
-def test_a_killed_driver_ends_the_kept_pool_and_frees_ray(kernels, test_hosts, ray_cluster):
-    others = {process.pid for process in pool_processes(test_hosts)}
-    kernel = kernels()
-    meta = _start_kept(kernel, ray_cluster, "lost")
-    mine = [process for process in pool_processes(test_hosts) if process.pid not in others]
-    assert kernel.execute("%fsdp2 detach").status == "ok"
+    assert third.execute("%fsdp2 detach").status == "ok"
     os.kill(meta["agent"][0], signal.SIGKILL)
     _, alive = psutil.wait_procs(mine, timeout=120)  # the actors die with the driver's job, the agents with them
     assert alive == []
     assert _ray_state(ray_cluster, meta["pool_id"], wait_s=60) == {"actors": [], "placement_group": False,
                                                                     "cpus_free": True}
-    assert kernel.execute("%fsdp2 pools").result_text == "no kept pools"
-    run = kernel.execute("%fsdp2 attach lost")
-    assert run.status == "error" and "no kept pool is named 'lost'" in run.stderr, run.stderr
+    assert third.execute("%fsdp2 pools").result_text == "no kept pools"
+    run = third.execute("%fsdp2 attach run")
+    assert run.status == "error" and "no kept pool is named 'run'" in run.stderr, run.stderr
