@@ -624,9 +624,22 @@ def other_user():
     subprocess.run(["userdel", name], check=False)
 
 
-def _python_for(user: str) -> tuple[str, list[str]]:
-    """An interpreter `user` may run with this environment's packages: this one, or (where it
-    lives in root's home, as pyenv's does) the system's of the same version, given our site-packages."""
+IMPORTED_TOP_LEVELS = """
+import importlib, pkgutil, sys
+import IPython.core.interactiveshell, psutil
+for package in ("fsdp2nb.frontend", "fsdp2nb.pool", "fsdp2nb.wire", "fsdp2nb.widgets"):
+    for module in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+        importlib.import_module(module.name)
+for module in list(sys.modules.values()):
+    print(getattr(module, "__file__", None) or "")
+"""
+
+
+def _packages_every_user_reads(user: str, into: str) -> tuple[str, list[str]]:
+    """An interpreter `user` may run, and a PYTHONPATH `user` may read, with the packages the
+    other user's scripts import from this environment and checkout. They are hard links in a
+    world-readable directory: a checkout in a private directory (as `mktemp -d` makes) is not
+    readable by another user, and the venv's interpreter may live in root's home (pyenv)."""
     import subprocess
     import sys
     import sysconfig
@@ -634,12 +647,27 @@ def _python_for(user: str) -> tuple[str, list[str]]:
     def runs(python: str) -> bool:
         return subprocess.run(["runuser", "-u", user, "--", python, "-c", "pass"], capture_output=True).returncode == 0
 
-    if runs(sys.executable):
-        return sys.executable, []
-    same = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/local/bin:/usr/bin")
-    if same is None or not runs(same):
+    python = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/local/bin:/usr/bin")
+    if python is None or not runs(python):
         pytest.skip(f"no Python {sys.version_info.major}.{sys.version_info.minor} that user {user} may run")
-    return same, [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    roots = [os.getcwd(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    files = subprocess.run([sys.executable, "-c", IMPORTED_TOP_LEVELS], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONPATH": os.getcwd()}).stdout.split()
+    top_levels = {os.path.join(root, os.path.relpath(path, root).split(os.sep)[0])
+                  for path in files for root in roots if path.startswith(root + os.sep)}
+    os.makedirs(into, exist_ok=True)
+    try:
+        for top in top_levels:
+            target = os.path.join(into, os.path.basename(top))
+            if os.path.isdir(top):
+                shutil.copytree(top, target, copy_function=os.link, dirs_exist_ok=True)
+            elif not os.path.exists(target):
+                os.link(top, target)
+    except OSError as error:  # another filesystem, say
+        pytest.skip(f"cannot link this environment's packages where user {user} may read them: {error}")
+    for directory, _, _ in os.walk(into):
+        os.chmod(directory, 0o755)
+    return python, [into]
 
 
 def test_another_user_can_neither_list_nor_attach_a_kept_pool(kernels, tmpdir_env, other_user):
@@ -656,9 +684,9 @@ def test_another_user_can_neither_list_nor_attach_a_kept_pool(kernels, tmpdir_en
     ipython_dir = os.path.join(root, "other-ipython")
     os.mkdir(ipython_dir)
     os.chown(ipython_dir, other.pw_uid, other.pw_gid)
-    python, path = _python_for(other_user)
+    python, path = _packages_every_user_reads(other_user, os.path.join(root, "packages"))
     env = {"PATH": os.environ["PATH"], "TMPDIR": root, "IPYTHONDIR": ipython_dir, "HOME": ipython_dir,
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), *path]), **WITHOUT_GPUS}
+           "PYTHONPATH": os.pathsep.join(path), **WITHOUT_GPUS}
     done = subprocess.run(["runuser", "-u", other_user, "--", python, "-c", OTHER_USER_SCRIPT,
                            pool_dir, "private", str(agent)], env=env, capture_output=True, text=True,
                           timeout=120, cwd=ipython_dir)
