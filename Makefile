@@ -6,6 +6,9 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fsdp2nb-installed
+# pytest-xdist workers for `make test`: most tests wait on kernels, ranks and sockets more than
+# they compute, so two share a 2-core machine well; each worker takes one test file at a time.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint bench bench-peers lab gpu-check clean soak
 
@@ -20,7 +23,7 @@ test: $(STAMP)
 	bash scripts/install_chromium.sh
 	$(PY) -m ruff check fsdp2nb tests benchmarks scripts
 	$(PY) -m mypy
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 # JupyterLab comes with the [test] extra; it refuses root (containers, CI) without --allow-root.
 lab: $(STAMP)

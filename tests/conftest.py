@@ -1,6 +1,9 @@
-"""Options for the whole suite: the long fault campaign's settings (`make soak`)."""
+"""Options for the whole suite: the long fault campaign's settings (`make soak`), and the order
+and grouping of tests for pytest-xdist workers (`make test` runs two)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 
@@ -18,3 +21,33 @@ def pytest_configure(config: pytest.Config) -> None:
     faults, ranks = config.getoption("--soak-faults"), config.getoption("--soak-ranks")
     if faults < 1 or ranks < 2:
         raise pytest.UsageError(f"--soak-faults {faults} --soak-ranks {ranks}: need at least 1 fault and 2 ranks")
+
+
+FIRST = ("tests/multihost/", "tests/browser/", "tests/notebooks/")
+"""The longest groups, started first, so that no worker is left with one of them at the end."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest groups first (a stable sort: within a group, files keep their order)."""
+    items.sort(key=lambda item: next((i for i, prefix in enumerate(FIRST) if item.nodeid.startswith(prefix)),
+                                     len(FIRST)))
+
+
+def worker_group(nodeid: str) -> str:
+    """What runs on one pytest-xdist worker: the tests of one file, or every test over network
+    namespaces (they share one Ray cluster, which starts once)."""
+    path = nodeid.split("::")[0]
+    return "tests/multihost" if path.startswith("tests/multihost/") else path
+
+
+if importlib.util.find_spec("xdist") is not None:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """pytest-xdist's scope scheduling with `worker_group` as the scope."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log) -> GroupScheduling:
+        return GroupScheduling(config, log)

@@ -107,6 +107,7 @@ def test_save_and_stop_from_the_dashboard_drive_a_running_trainer(dash):
             clicked.append("stop")
             click(dash.kernel, stop, subshell)
 
+    updates_before = len(dash.updates)
     messages = dash.run(PACED_TRAINING.replace("MAX_STEPS", str(MAX_STEPS)), on_message=on_message, timeout=240)
     outputs = _stream(messages)
     assert clicked == ["save", "stop"], outputs
@@ -121,7 +122,9 @@ def test_save_and_stop_from_the_dashboard_drive_a_running_trainer(dash):
     saved_step = int(checkpoint.removeprefix("checkpoint-"))
     assert 1 <= saved_step < stopped
     assert (out_dir / checkpoint / "fsdp2nb_dcp" / ".metadata").is_file()
-    assert f"saved step {saved_step}" in dash.wait_for(message_widget, "value", f"saved step {saved_step}")
+    # The message said so, before the Stop click's message or after it (the save may end first).
+    assert dash.was_sent(message_widget, "value", f"saved step {saved_step}", after=updates_before), \
+        [state for cid, state in dash.updates[updates_before:] if cid == message_widget]
     shown = dash.wait_for(listing, "value", checkpoint)
     assert f"{checkpoint} · " in shown and "2 ranks" in shown and "incomplete" not in shown, shown
 

@@ -85,6 +85,20 @@ class Iopub:
                 continue
         return None
 
+    def was_sent(self, comm_id: str, key: str, wanted: str, after: int, timeout: float = 60) -> bool:
+        """Whether the comm was sent a `key` containing `wanted` after update number `after`,
+        waiting for it up to `timeout`: a later update (another message) may already have
+        replaced it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(cid == comm_id and wanted in str(state.get(key, "")) for cid, state in self.updates[after:]):
+                return True
+            try:
+                self._track(self.kernel.client.get_iopub_msg(timeout=0.5))
+            except queue.Empty:
+                continue
+        return False
+
     def wait_for_shown(self, wanted: str, timeout: float = 60) -> str:
         """The id of a comm whose `value` contains `wanted`, once one does (None after `timeout`)."""
         deadline = time.monotonic() + timeout
