@@ -1,7 +1,7 @@
 """`fsdp2nb.evaluate`: mean loss and perplexity of a causal LM over a dataset spread over the ranks.
 
 Each rank takes its contiguous share of the examples (each example once; the first ranks take one
-more where the count does not divide), runs it in batches with the model in eval mode and without
+more where the count does not divide; CPU ranks: one rank per host takes them all, on every core), runs it in batches with the model in eval mode and without
 gradients, on the whole model gathered once (`inference.gathered_units`) or, where that does not
 fit, sharded: then every rank runs as many forward passes as the rank with the most batches, the
 others a one-token pass whose result is dropped. The loss is summed per predicted token on each
@@ -26,10 +26,10 @@ from fsdp2nb.engine.inference import (
     InferenceInputError,
     as_planned,
     evaluating,
+    item_share,
     max_gathered_bytes_from,
     model_device,
     plan_gathering,
-    rank_share,
 )
 
 IGNORE_INDEX = -100
@@ -68,13 +68,14 @@ def evaluate(model: nn.Module, dataset: Sequence, *, batch_size: int = 8,
     num_examples = _length(dataset)
     _check_settings(batch_size, step)
     limit = max_gathered_bytes_from(max_gathered_bytes)
-    share = rank_share(num_examples, get_rank(), get_world_size())
-    batches = [share[start:start + batch_size] for start in range(0, len(share), batch_size)]
     collate = collate_fn or collate_examples
     with evaluating(model):
-        plan, facts = plan_gathering(model, limit, local_facts=(num_examples, len(batches)))
-        _require_same_dataset([count for count, _ in facts])
-        num_steps = max(count for _, count in facts)
+        plan, facts = plan_gathering(model, limit, local_facts=(num_examples,))
+        _require_same_dataset([count for (count,) in facts])
+        share = item_share(num_examples, get_rank(), plan.working_ranks)
+        batches = [share[start:start + batch_size] for start in range(0, len(share), batch_size)]
+        num_steps = max(math.ceil(len(item_share(num_examples, rank, plan.working_ranks)) / batch_size)
+                        for rank in range(get_world_size()))
         task = progress.start_task("evaluate", "evaluating", total_items=num_steps)
         sums, error = [0.0, 0], None
         try:

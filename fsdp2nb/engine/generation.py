@@ -2,7 +2,7 @@
 over the ranks and every completion back on every rank.
 
 Called on every rank with the same prompts. Each rank takes its contiguous share (5 prompts on 2
-ranks: 3 and 2) and generates it as one left-padded batch with Hugging Face's `generate`, on the
+ranks: 3 and 2; CPU ranks: one rank per host takes them all, on every core) and generates it as one left-padded batch with Hugging Face's `generate`, on the
 whole model gathered once (`inference.gathered_units`): no collective per token, each rank at its
 own pace. Where the whole model does not fit, the ranks generate sharded with `synced_gpus=True`:
 a rank whose sequences are done (or that has no prompt) keeps running forward passes until every
@@ -21,16 +21,16 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from fsdp2nb.collectives import gathered_if_all_succeeded, get_rank, get_world_size
+from fsdp2nb.collectives import gathered_if_all_succeeded, get_rank
 from fsdp2nb.engine.inference import (
     GatherPlan,
     InferenceInputError,
     as_planned,
     evaluating,
+    item_share,
     max_gathered_bytes_from,
     model_device,
     plan_gathering,
-    rank_share,
 )
 
 STREAM_REDRAW_S = 0.1
@@ -58,10 +58,10 @@ def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, 
     prompt_list = _prompt_list(prompts)
     kwargs = _generate_kwargs(tokenizer, stream, generate_kwargs)
     limit = max_gathered_bytes_from(max_gathered_bytes)
-    share = rank_share(len(prompt_list), get_rank(), get_world_size())
     with evaluating(model):
         plan, digests = plan_gathering(model, limit, local_facts=_digest(prompt_list))
         _require_same_prompts(digests)
+        share = item_share(len(prompt_list), get_rank(), plan.working_ranks)
         error, completions = None, []
         try:
             with as_planned(model, plan, "fsdp2nb.generate"):

@@ -8,6 +8,11 @@ run on plain tensors and need no collective: each rank works through its own sha
 pace. On exit the settings are put back as they were and every unit is resharded, so training goes
 on unchanged and the memory is freed.
 
+The items (prompts, examples) go to every GPU rank, but on CPU ranks to one rank per host, which
+runs them on every core of the host with the whole model gathered on it alone (`host_gather`):
+CPU ranks of a host share its memory bus, and a decoding step reads every weight, so one process
+reading them once per step beats several reading them once each. The others wait.
+
 Where the gathered model would not fit (its bytes in the dtype it is gathered in, against what the
 device, or this rank's part of the host's memory, has free; or against `max_gathered_bytes` /
 FSDP2NB_MAX_GATHERED_BYTES), every rank runs sharded. `plan_gathering` decides, the same on every
@@ -18,8 +23,10 @@ many on every rank (`GatherPlan.lockstep`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -30,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp2nb.collectives import get_rank, get_world_size, is_distributed
+from fsdp2nb.engine.host_gather import can_gather_on_one_rank, whole_on_one_rank
 from fsdp2nb.errors import UsageMistake
 
 logger = logging.getLogger(__name__)
@@ -72,6 +80,19 @@ class GatherPlan:
     """`max_gathered_bytes` (or FSDP2NB_MAX_GATHERED_BYTES) where one was given."""
     reason: str = ""
     """Why the model stays sharded, with the figures; empty when it is gathered."""
+    device_type: str = "cpu"
+    """Where the forward passes run ("cpu", "cuda")."""
+    working_ranks: tuple[int, ...] = ()
+    """The ranks that take items, in rank order (`item_share`): every GPU rank; of CPU ranks, the
+    first of each host (every rank where the model stays sharded: forward passes are collective)."""
+
+
+def item_share(num_items: int, rank: int, working_ranks: tuple[int, ...]) -> range:
+    """The items of `rank` when `num_items` are spread over `working_ranks` in order (`rank_share`);
+    empty for a rank that is not among them."""
+    if rank not in working_ranks:
+        return range(0)
+    return rank_share(num_items, working_ranks.index(rank), len(working_ranks))
 
 
 def fsdp_units(model: nn.Module) -> list[FSDPModule]:
@@ -145,7 +166,7 @@ def max_gathered_bytes_from(value: int | None) -> int | None:
 
 def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple[int, ...] = ()
                    ) -> tuple[GatherPlan, list[tuple[int, ...]]]:
-    """Decide, the same on every rank, whether the whole model is gathered.
+    """Decide, the same on every rank, whether the whole model is gathered and which ranks take items.
 
     Collective: one all_gather of a few integers, on the model's device. `local_facts` travel with
     this rank's figures, so that a caller can compare what the ranks were given (their prompts) in
@@ -154,7 +175,8 @@ def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple
     sharded = bool(fsdp_units(model))
     needed = gathered_bytes(model) if sharded else 0
     device = model_device(model)
-    mine = torch.tensor([available_bytes(device) if sharded else 0, *local_facts], dtype=torch.int64, device=device)
+    own_facts = [available_bytes(device) if sharded else 0, *_host_cores(device)]
+    mine = torch.tensor([*own_facts, *local_facts], dtype=torch.int64, device=device)
     everyone = [mine]
     if is_distributed():
         everyone = [torch.empty_like(mine) for _ in range(get_world_size())]
@@ -162,9 +184,36 @@ def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple
     rows = [tuple(row.tolist()) for row in everyone]
     available = tuple(row[0] for row in rows)
     reason = _why_sharded(needed, available, limit_bytes) if sharded else ""
-    plan = GatherPlan(gathered=sharded and not reason, lockstep=bool(reason) and get_world_size() > 1,
-                      needed_bytes=needed, available_bytes=available, limit_bytes=limit_bytes, reason=reason)
-    return plan, [row[1:] for row in rows]
+    lockstep = bool(reason) and get_world_size() > 1
+    working = tuple(range(len(rows))) if lockstep else working_ranks([row[1:3] for row in rows])
+    plan = GatherPlan(gathered=sharded and not reason, lockstep=lockstep, needed_bytes=needed,
+                      available_bytes=available, limit_bytes=limit_bytes, reason=reason, device_type=device.type,
+                      working_ranks=working)
+    return plan, [row[len(own_facts):] for row in rows]
+
+
+def _host_cores(device: torch.device) -> tuple[int, int]:
+    """(an id of this rank's host, the cores this rank may run on); 0 cores on a GPU rank, whose
+    work is the device's."""
+    if device.type != "cpu":
+        return 0, 0
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+    except OSError:
+        boot_id = ""
+    host = int(hashlib.sha256(f"{socket.gethostname()} {boot_id}".encode()).hexdigest()[:15], 16)
+    return host, len(os.sched_getaffinity(0))
+
+
+def working_ranks(host_cores: list[tuple[int, int]]) -> tuple[int, ...]:
+    """Every GPU rank (0 cores), and of CPU ranks the first of each host; `host_cores` per rank."""
+    working, seen = [], set()
+    for rank, (host, cores) in enumerate(host_cores):
+        if cores == 0 or host not in seen:
+            working.append(rank)
+            seen.add(host)
+    return tuple(working)
 
 
 def _why_sharded(needed: int, available: tuple[int, ...], limit_bytes: int | None) -> str:
@@ -185,7 +234,7 @@ def as_planned(model: nn.Module, plan: GatherPlan, what: str) -> Iterator[None]:
     resharded then too (a unit set not to reshard after forward, as the engine sets the output
     head, would otherwise keep its gathered weights until the next backward)."""
     if plan.gathered:
-        with gathered_units(model), fsdp_forward_hooks_set_aside(model):
+        with _whole_where_needed(model, plan), fsdp_forward_hooks_set_aside(model), _host_threads(plan):
             yield
         return
     if plan.reason and get_rank() == 0:
@@ -195,6 +244,32 @@ def as_planned(model: nn.Module, plan: GatherPlan, what: str) -> Iterator[None]:
     finally:
         for unit in fsdp_units(model):
             unit.reshard()
+
+
+@contextlib.contextmanager
+def _whole_where_needed(model: nn.Module, plan: GatherPlan) -> Iterator[None]:
+    """The whole model on the ranks that work: on the one working CPU rank only, where it is the
+    only one (`host_gather`), else every unit unsharded on every rank."""
+    if plan.device_type == "cpu" and len(plan.working_ranks) == 1 and can_gather_on_one_rank(model):
+        for unit in fsdp_units(model):
+            unit.reshard()  # a unit left unsharded by a forward without backward: sharded again first
+        with whole_on_one_rank(model, plan.working_ranks[0], _gather_dtype(model)):
+            yield
+    else:
+        with gathered_units(model):
+            yield
+
+
+@contextlib.contextmanager
+def _host_threads(plan: GatherPlan) -> Iterator[None]:
+    """A CPU rank that works for its whole host runs torch on every core it may use, until exit."""
+    threads = torch.get_num_threads()
+    if plan.device_type == "cpu" and get_rank() in plan.working_ranks:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,14 @@ import torch
 import fsdp2nb
 from fsdp2nb.engine.evaluation import EvaluationInputError, collate_examples
 from fsdp2nb.engine.generation import FirstPromptLine, GenerationInputError
-from fsdp2nb.engine.inference import InferenceInputError, _why_sharded, max_gathered_bytes_from, rank_share
+from fsdp2nb.engine.inference import (
+    InferenceInputError,
+    _why_sharded,
+    item_share,
+    max_gathered_bytes_from,
+    rank_share,
+    working_ranks,
+)
 from fsdp2nb.examples.tiny_models import make_tiny_model, make_tiny_tokenizer
 
 
@@ -28,6 +35,19 @@ def test_shares_are_contiguous_in_order_and_cover_every_item_once():
         shares = [rank_share(num_items, rank, 4) for rank in range(4)]
         assert [i for share in shares for i in share] == list(range(num_items))
 
+
+
+def test_one_cpu_rank_per_host_works_and_every_gpu_rank():
+    """(host id, cores) per rank; 0 cores is a GPU rank."""
+    assert working_ranks([(7, 2), (7, 2), (9, 2), (9, 2)]) == (0, 2)
+    assert working_ranks([(7, 16)] * 4) == (0,)
+    assert working_ranks([(0, 0)] * 4) == (0, 1, 2, 3)
+    assert working_ranks([(9, 2), (7, 2), (9, 2)]) == (0, 1)
+
+
+def test_items_go_to_the_working_ranks_in_rank_order():
+    assert [item_share(5, rank, (0, 2)) for rank in range(4)] == [range(0, 3), range(0), range(3, 5), range(0)]
+    assert [item_share(3, rank, (0,)) for rank in range(2)] == [range(0, 3), range(0)]
 
 @pytest.mark.parametrize(("prompts", "kwargs", "message"), [
     ([], {"max_new_tokens": 4}, "no prompts"),

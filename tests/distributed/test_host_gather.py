@@ -1,0 +1,73 @@
+"""`host_gather.whole_on_one_rank`: the whole parameters on one rank, from one gather of every
+rank's shards; the other ranks unchanged, and every rank as before on exit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from fsdp2nb.engine.host_gather import can_gather_on_one_rank, whole_on_one_rank
+from fsdp2nb.engine.inference import fsdp_forward_hooks_set_aside
+from tests.support.gloo_harness import run_ranks
+
+
+class TiedModel(nn.Module):
+    """Uneven shards (5 and 3 rows on 3 ranks), an empty one, and a tied weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.hidden = nn.Linear(4, 3)
+        self.out = nn.Linear(4, 5, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        return self.out(hidden + self.hidden(hidden).sum(-1, keepdim=True))
+
+
+def _gather_on_ranks(root: int, dtype: torch.dtype | None):
+    torch.manual_seed(0)
+    plain = TiedModel()
+    model = TiedModel()
+    model.load_state_dict(plain.state_dict())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model.hidden, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = [(name, param.to_local().clone()) for name, param in model.named_parameters()]
+    ids = torch.tensor([[0, 3, 4]])
+    with torch.no_grad(), whole_on_one_rank(model, root, dtype), fsdp_forward_hooks_set_aside(model):
+        kinds = {type(param).__name__ for param in model.parameters()}
+        tied = model.out.weight is model.embed.weight
+        if dist.get_rank() == root:
+            same_values = all(torch.equal(mine, plain.get_parameter(name).to(mine.dtype))
+                              for name, mine in model.named_parameters())
+            dtypes = {str(param.dtype) for param in model.parameters()}
+            reference = copy.deepcopy(plain).to(dtype) if dtype is not None else plain
+            output_matches = torch.allclose(model(ids), reference(ids), atol=1e-6)
+        else:
+            same_values, dtypes, output_matches = None, None, None
+    after = [(name, param.to_local()) for name, param in model.named_parameters()]
+    restored = [type(param).__name__ for param in model.parameters()] == ["DTensor"] * len(before) and all(
+        a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(before, after, strict=True))
+    return (can_gather_on_one_rank(model), sorted(kinds), tied, same_values, dtypes, output_matches, restored,
+            model.out.weight is model.embed.weight)
+
+
+@pytest.mark.parametrize(("root", "dtype"), [(0, None), (2, torch.bfloat16)])
+def test_the_root_holds_the_whole_model_and_every_rank_gets_its_shards_back(root, dtype):
+    results = run_ranks(_gather_on_ranks, 3, root, dtype)
+    wanted_dtype = {str(dtype or torch.float32)}
+    for rank, result in enumerate(results):
+        gatherable, kinds, tied, same_values, dtypes, output_matches, restored, tied_after = result
+        assert gatherable and tied and restored and tied_after, (rank, result)
+        if rank == root:
+            assert kinds == ["Parameter"] and same_values and dtypes == wanted_dtype and output_matches, result
+        else:
+            assert kinds == ["DTensor"] and same_values is None, result  # the others hold no more than before
