@@ -1,7 +1,7 @@
 """`fsdp2nb.evaluate`: mean loss and perplexity of a causal LM over a dataset spread over the ranks.
 
 Each rank takes its contiguous share of the examples (each example once; the first ranks take one
-more where the count does not divide; CPU ranks: one rank per host takes them all, on every core), runs it in batches with the model in eval mode and without
+more where the count does not divide), runs it in batches with the model in eval mode and without
 gradients, on the whole model gathered once (`inference.gathered_units`) or, where that does not
 fit, sharded: then every rank runs as many forward passes as the rank with the most batches, the
 others a one-token pass whose result is dropped. The loss is summed per predicted token on each

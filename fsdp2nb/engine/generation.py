@@ -59,7 +59,7 @@ def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, 
     kwargs = _generate_kwargs(tokenizer, stream, generate_kwargs)
     limit = max_gathered_bytes_from(max_gathered_bytes)
     with evaluating(model):
-        plan, digests = plan_gathering(model, limit, local_facts=_digest(prompt_list))
+        plan, digests = plan_gathering(model, limit, local_facts=_digest(prompt_list), one_cpu_rank_per_host=True)
         _require_same_prompts(digests)
         share = item_share(len(prompt_list), get_rank(), plan.working_ranks)
         error, completions = None, []

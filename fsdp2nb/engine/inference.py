@@ -8,7 +8,7 @@ run on plain tensors and need no collective: each rank works through its own sha
 pace. On exit the settings are put back as they were and every unit is resharded, so training goes
 on unchanged and the memory is freed.
 
-The items (prompts, examples) go to every GPU rank, but on CPU ranks to one rank per host, which
+The items (examples, prompts) go to every rank; prompts, on CPU ranks, to one rank per host, which
 runs them on every core of the host with the whole model gathered on it alone (`host_gather`):
 CPU ranks of a host share its memory bus, and a decoding step reads every weight, so one process
 reading them once per step beats several reading them once each. The others wait.
@@ -83,8 +83,9 @@ class GatherPlan:
     device_type: str = "cpu"
     """Where the forward passes run ("cpu", "cuda")."""
     working_ranks: tuple[int, ...] = ()
-    """The ranks that take items, in rank order (`item_share`): every GPU rank; of CPU ranks, the
-    first of each host (every rank where the model stays sharded: forward passes are collective)."""
+    """The ranks that take items, in rank order (`item_share`): every rank, or for generation every
+    GPU rank and of CPU ranks the first of each host (every rank where the model stays sharded:
+    forward passes are collective)."""
 
 
 def item_share(num_items: int, rank: int, working_ranks: tuple[int, ...]) -> range:
@@ -164,9 +165,11 @@ def max_gathered_bytes_from(value: int | None) -> int | None:
             f"{MAX_GATHERED_BYTES_ENV}={text!r} must be a number of bytes, e.g. 8e9") from None
 
 
-def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple[int, ...] = ()
-                   ) -> tuple[GatherPlan, list[tuple[int, ...]]]:
-    """Decide, the same on every rank, whether the whole model is gathered and which ranks take items.
+def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple[int, ...] = (), *,
+                   one_cpu_rank_per_host: bool = False) -> tuple[GatherPlan, list[tuple[int, ...]]]:
+    """Decide, the same on every rank, whether the whole model is gathered and which ranks take items:
+    every rank, or with `one_cpu_rank_per_host` (for decoding, which reads every weight per token)
+    one CPU rank per host.
 
     Collective: one all_gather of a few integers, on the model's device. `local_facts` travel with
     this rank's figures, so that a caller can compare what the ranks were given (their prompts) in
@@ -185,7 +188,8 @@ def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple
     available = tuple(row[0] for row in rows)
     reason = _why_sharded(needed, available, limit_bytes) if sharded else ""
     lockstep = bool(reason) and get_world_size() > 1
-    working = tuple(range(len(rows))) if lockstep else working_ranks([row[1:3] for row in rows])
+    spread = lockstep or not one_cpu_rank_per_host
+    working = tuple(range(len(rows))) if spread else working_ranks([row[1:3] for row in rows])
     plan = GatherPlan(gathered=sharded and not reason, lockstep=lockstep, needed_bytes=needed,
                       available_bytes=available, limit_bytes=limit_bytes, reason=reason, device_type=device.type,
                       working_ranks=working)
