@@ -4,9 +4,10 @@ A blocking cell runs it on the kernel's main thread, where the stop button is on
 (`sigint_noted`) and acted on between steps; a background run runs it on its runner thread, where
 its Stop presses stand in for the button. Until every rank has replied it streams the ranks'
 output, relays their prompts for input to the notebook one at a time (frontend/rank_prompts.py),
-interrupts the others after a rank failed, and when ranks are dead or stuck hands the pool to
-`recover` (the session restarts it) and ends with the error to show. `wait_for_replies()` ends
-every wait the same way.
+releases ranks from collectives that cannot complete (frontend/released_collectives.py) or, where
+the groups cannot be re-formed, interrupts them after a rank failed, and when ranks are dead or
+stuck hands the pool to `recover` (the session restarts it) and ends with the error to show.
+`wait_for_replies()` ends every wait the same way.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from fsdp2nb.errors import Fsdp2nbError
-from fsdp2nb.frontend.errors import PoolTakenError, RankError, alarm, rank_exit_error
+from fsdp2nb.frontend.errors import PoolTakenError, RankError, rank_exit_error
 from fsdp2nb.frontend.output import (
     StreamMerger,
     WaitingLine,
@@ -27,6 +27,7 @@ from fsdp2nb.frontend.output import (
     write_to_kernel,
 )
 from fsdp2nb.frontend.rank_prompts import AskInput, RankPrompts
+from fsdp2nb.frontend.released_collectives import CollectiveRelease, Reform, ranks_diverge
 from fsdp2nb.wire.protocol import (
     CellFinished,
     ControlMessage,
@@ -36,7 +37,6 @@ from fsdp2nb.wire.protocol import (
     Interrupt,
     RankActivity,
     RankExited,
-    ReleaseCollectives,
     ReportActivity,
     RichOutput,
     StreamOutput,
@@ -53,18 +53,6 @@ ERROR_GRACE_S = 3.0
 groups cannot be re-formed; the others release the collectives at once)."""
 INTERRUPT_GRACE_S = 5.0
 """After an interrupt or a release, how long ranks may take to return before the pool is restarted."""
-RELEASE_AFTER_ERROR_S = 0.5
-"""After a rank failed, how long the others may take to end the cell themselves before their
-collectives are released (ranks raising the same error a moment apart need no release)."""
-RELEASE_AFTER_INTERRUPT_S = 0.5
-"""After the stop button, how long ranks may take to return before their collectives are released
-(a thread blocked in one ignores SIGINT)."""
-UNMATCHED_COLLECTIVE_S = 5.0
-FINISHED_WHILE_WAITING_S = 20.0
-"""How long ranks may wait in a collective after others finished the cell before it is released:
-longer, since under load a barrier's last message can reach a rank seconds after its peers left."""
-"""How long ranks may sit in collectives that cannot complete (others finished, or wait in
-another one) before the collectives are released."""
 WAITING_REPORT_S = 3.0
 """After this long without output from a cell, the ranks are asked where they are; a collective
 that not every rank entered would otherwise wait silently for the whole collective timeout."""
@@ -85,13 +73,6 @@ class StopPresses(Protocol):
 
 Recover = Callable[["PoolSpec", str], str]
 """Replaces a pool whose ranks are dead or stuck; given what happened, returns the note to show."""
-Reform = Callable[[], str]
-"""Re-forms the process groups of every rank after a released or failed collective; returns the
-note to show. If that fails it restarts the pool and raises GroupsNotReformed with the note."""
-
-
-class GroupsNotReformed(Fsdp2nbError):
-    """The process groups could not be re-formed, so the pool was restarted: the cell fails."""
 
 
 @dataclass
@@ -119,11 +100,11 @@ class CellProgress:
     stopped: dict[int, int] = field(default_factory=dict)
     """Ranks that did not answer because a signal stopped them (rank -> pid), as last seen."""
     diverged_at: float | None = None
-    """When the ranks were first seen at diverging points (see _ranks_diverge)."""
+    """When the ranks were first seen at diverging points (see released_collectives.ranks_diverge)."""
     activity_at: dict[int, float] = field(default_factory=dict)
     """When each rank last said where it is."""
     released_at: float | None = None
-    """When the ranks' collectives were released (see RequestWait._release)."""
+    """When the ranks' collectives were released (see CollectiveRelease.release)."""
     release_cause: str = ""
     """Why they were, as the cell says it: what the released ranks waited for."""
     released_from: dict[int, str] = field(default_factory=dict)
@@ -158,7 +139,8 @@ class RequestWait:
         if started_at is not None:
             self.progress.started_at -= max(0.0, time.time() - started_at)
         self._recover_pool = recover
-        self._reform = reform if not pool.spec.uses_gpus else None  # NCCL groups: not yet
+        self._release = CollectiveRelease(self.progress, pool, self._cell_ids, cell_id,
+                                          reform if not pool.spec.uses_gpus else None)  # NCCL groups: not yet
         self._stop_presses = stop_presses
         self._on_rank_finished = on_rank_finished
         self._merger = StreamMerger(ranks, pool.world_size, write_to_kernel,
@@ -189,7 +171,7 @@ class RequestWait:
             self._close()
         show_results(self.progress.results, self.pool.world_size)
         if self.progress.errors or self.progress.released_at is not None:
-            errors, notes = self._after_failed_collectives()
+            errors, notes = self._release.outcome()
             if errors:
                 raise RankError(errors, self.pool.world_size, notes=notes)
             write_to_kernel("stderr", "".join(f"{note}\n" for note in notes))
@@ -242,8 +224,8 @@ class RequestWait:
         progress = self.progress
         if progress.interrupted_at is None:
             self._interrupt()
-        elif self._reform is not None and progress.released_at is None:  # a second press: release now
-            self._release("the stop button was pressed")
+        elif self._release.can_release and progress.released_at is None:  # a second press: release now
+            self._release.release("the stop button was pressed")
         else:  # and then: do not wait any longer
             self._recover("the ranks did not return after a second interrupt")
 
@@ -299,7 +281,7 @@ class RequestWait:
         self._merger.rank_done(event.rank)
         if event.error is not None:
             progress.errors.append((event.rank, event.error))
-            if progress.first_error_at is None and self._reform is not None:
+            if progress.first_error_at is None and self._release.can_release:
                 self._ask_running_ranks()  # where they wait, for the line that says they were released
             progress.first_error_at = progress.first_error_at or time.monotonic()
         if self._on_rank_finished is not None:
@@ -313,8 +295,8 @@ class RequestWait:
         progress = self.progress
         if not progress.running:  # the last rank returned in this very pass
             return
-        if self._reform is not None:
-            self._release_when_due()
+        if self._release.can_release:
+            self._release.when_due()
             if progress.released_at is not None:
                 if time.monotonic() - progress.released_at > INTERRUPT_GRACE_S:
                     stuck = ", ".join(map(str, progress.running))
@@ -328,42 +310,6 @@ class RequestWait:
         elif progress.interrupted_at is not None and now - progress.interrupted_at > INTERRUPT_GRACE_S:
             stuck = ", ".join(map(str, progress.running))
             self._recover(f"rank(s) {stuck} did not return within {INTERRUPT_GRACE_S:g} s of the interrupt")
-
-    # --- released collectives ---------------------------------------------------------------------
-
-    def _release_when_due(self) -> None:
-        """Release at once after a rank failed (the others can only wait for it), shortly after
-        the stop button, and when ranks sit in collectives that cannot complete."""
-        progress = self.progress
-        if progress.released_at is not None:
-            return
-        if progress.first_error_at is not None:
-            waiting = any(progress.activity_at.get(rank, 0.0) > progress.first_error_at
-                          and progress.activity[rank].collective for rank in progress.running)
-            if waiting or time.monotonic() - progress.first_error_at > RELEASE_AFTER_ERROR_S:
-                cause = ("the cell was interrupted" if progress.interrupted_at is not None
-                         else f"rank {progress.errors[0][0]} failed while they waited")
-                self._release(cause)
-        elif progress.interrupted_at is not None:
-            if time.monotonic() - progress.interrupted_at > RELEASE_AFTER_INTERRUPT_S:
-                self._release("the cell was interrupted")
-        elif (unmatched := _unmatched_collectives(progress, self.pool.world_size)) is not None:
-            self._release(unmatched)
-
-    def _release(self, cause: str) -> None:
-        """Cut every rank's collectives: ranks blocked in one return with an error at once, the
-        others fail at their next. The groups are re-formed once every rank has replied."""
-        progress = self.progress
-        progress.released_at = time.monotonic()
-        progress.release_cause = cause
-        progress.released_from = {rank: activity.collective for rank, activity in progress.activity.items()
-                                  if activity.collective and rank in progress.running}
-        for rank in sorted(self.pool.ranks):
-            try:
-                self.pool.send(rank, ReleaseCollectives(cell_id=self._cell_ids.get(rank, self.cell_id)),
-                               connect_timeout_s=0)
-            except ConnectionError:
-                pass  # its end is reported as an exit of its own
 
     def _interrupt(self) -> None:
         self.progress.interrupted_at = time.monotonic()
@@ -409,7 +355,7 @@ class RequestWait:
             return
         progress.stopped = {rank: pool.ranks[rank].pid for rank in running if rank not in progress.activity
                             and rank in pool.ranks and pool.rank_process_state(rank) == "stopped"}
-        if not _ranks_diverge(progress, pool.world_size):
+        if not ranks_diverge(progress, pool.world_size):
             progress.diverged_at = None
             return
         now = time.monotonic()
@@ -482,75 +428,3 @@ class RequestWait:
         first = self.progress.ranks[0] if rank is None else rank
         raise RankError([(first, ErrorInfo("RankDied", f"could not be reached: {reason}", ()))],
                         pool.world_size, notes=(note,))
-
-    def _after_failed_collectives(self) -> tuple[list[tuple[int, ErrorInfo]], tuple[str, ...]]:
-        """The errors to show, root causes first, and the notes under them. After a released or
-        failed collective the process groups are re-formed in place (every rank's state kept);
-        a pool whose groups cannot be re-formed is marked broken instead."""
-        progress = self.progress
-        failed = sorted(rank for rank, error in progress.errors if error.kind in ("collective", "released"))
-        if progress.released_at is None and not failed:
-            return progress.errors, ()
-        causes = [(rank, error) for rank, error in progress.errors if error.kind != "released"]
-        released = sorted(rank for rank, error in progress.errors if error.kind == "released")
-        if self._reform is None:
-            ranks = ", ".join(map(str, failed))
-            self.pool.mark_broken(f"a collective failed on rank(s) {ranks}")
-            return progress.errors, (alarm(f"a collective failed on rank(s) {ranks}: the pool's process group is "
-                                           "unusable now") + "\n`%fsdp2 restart` starts a fresh pool (rank state "
-                                     "is lost); `--timeout SECONDS` there sets the collective timeout",)
-        errors = causes or [(rank, self._released_error(rank)) for rank in released]
-        notes = (self._released_line(released),) if released else ()
-        try:
-            return errors, (*notes, self._reform())
-        except GroupsNotReformed as restarted:  # state is lost: never a cell that looks fine
-            lost = ErrorInfo("GroupsNotReformed", "the process groups could not be re-formed", (), kind="collective")
-            return errors or [(self.progress.ranks[0], lost)], (*notes, str(restarted))
-
-    def _released_line(self, released: list[int]) -> str:
-        """One line for the ranks whose collectives were released."""
-        progress = self.progress
-        where = sorted({progress.released_from[rank] for rank in released if rank in progress.released_from})
-        collectives = f" from {', '.join(where)}" if where else ""
-        cause = f" ({progress.release_cause})" if progress.release_cause else ""
-        return (f"released rank(s) {', '.join(map(str, released))}{collectives}: "
-                f"their collectives could not complete{cause}")
-
-    def _released_error(self, rank: int) -> ErrorInfo:
-        """A released rank's error where no rank raised (collectives that did not match)."""
-        collective = self.progress.released_from.get(rank, "a collective")
-        return ErrorInfo("CollectiveReleased", f"waited in {collective}, which could not complete", (),
-                         kind="released")
-
-
-def _unmatched_collectives(progress: CellProgress, world_size: int) -> str | None:
-    """Why the running ranks' collectives cannot complete, once each has sat in the same one for
-    UNMATCHED_COLLECTIVE_S while others finished, or waited in another collective; else None."""
-    running = progress.running
-    if not running or progress.prompts or progress.stopped:
-        return None
-    now = time.monotonic()
-    wait_s = FINISHED_WHILE_WAITING_S if progress.finished else UNMATCHED_COLLECTIVE_S
-    if any(now - progress.collective_since.get(rank, now) < wait_s for rank in running):
-        return None  # some rank is not in a collective, or has not been in it for long
-    waits = {rank: progress.activity[rank] for rank in running}
-    if progress.finished:
-        done = ", ".join(map(str, sorted(progress.finished)))
-        return f"rank(s) {done} finished the cell while the others waited in a collective"
-    if len({activity.collective for activity in waits.values()}) > 1:
-        return "collectives did not match: " + "; ".join(
-            f"rank {rank} in {activity.collective}" + (f" at {activity.where}" if activity.where else "")
-            for rank, activity in sorted(waits.items()))
-    if len(progress.ranks) < world_size:
-        return "the cell runs on some ranks only, and they wait in a collective of every rank"
-    return None
-
-
-def _ranks_diverge(progress: CellProgress, world_size: int) -> bool:
-    """Whether the ranks are where a collective not every rank entered leaves them."""
-    if progress.finished or progress.stopped or progress.prompts:
-        return True
-    collectives = {progress.activity[r].collective if r in progress.activity else None for r in progress.running}
-    if collectives == {None}:
-        return False
-    return len(collectives) > 1 or len(progress.ranks) < world_size
