@@ -18,7 +18,7 @@ from fsdp2nb.frontend.output import StreamMerger, rank_label, write_to_kernel
 from fsdp2nb.wire.protocol import AnswerInput, EventMessage, InputRequested, RankActivity, ReportActivity
 
 if TYPE_CHECKING:
-    from fsdp2nb.frontend.request_wait import CellProgress
+    from fsdp2nb.frontend.cell_progress import CellProgress
     from fsdp2nb.pool.handle import PoolHandle
 
 PROMPT_FOCUS_S = 0.5

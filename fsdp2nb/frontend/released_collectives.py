@@ -22,7 +22,7 @@ from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.wire.protocol import ErrorInfo, ReleaseCollectives
 
 if TYPE_CHECKING:
-    from fsdp2nb.frontend.request_wait import CellProgress
+    from fsdp2nb.frontend.cell_progress import CellProgress
     from fsdp2nb.pool.handle import PoolHandle
 
 RELEASE_AFTER_ERROR_S = 0.5

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from fsdp2nb.frontend.cell_progress import CellProgress
 from fsdp2nb.frontend.errors import PoolTakenError, RankError, rank_exit_error
 from fsdp2nb.frontend.output import (
     StreamMerger,
@@ -44,7 +44,6 @@ from fsdp2nb.wire.protocol import (
 )
 
 if TYPE_CHECKING:
-    from fsdp2nb.frontend.progress_bar import CellTaskBar
     from fsdp2nb.pool.handle import PoolHandle
     from fsdp2nb.pool.spec import PoolSpec
 
@@ -73,48 +72,6 @@ class StopPresses(Protocol):
 
 Recover = Callable[["PoolSpec", str], str]
 """Replaces a pool whose ranks are dead or stuck; given what happened, returns the note to show."""
-
-
-@dataclass
-class CellProgress:
-    """What the kernel knows about one request while it runs."""
-
-    ranks: tuple[int, ...]
-    finished: dict[int, CellFinished] = field(default_factory=dict)
-    errors: list[tuple[int, ErrorInfo]] = field(default_factory=list)
-    results: list[tuple[int, RichOutput]] = field(default_factory=list)
-    first_error_at: float | None = None
-    interrupted_at: float | None = None
-    task_bar: CellTaskBar | None = None
-    """The cell's progress bar (frontend.progress_bar), made when the ranks first report progress."""
-    started_at: float = field(default_factory=time.monotonic)
-    holder_checked_at: float = 0.0
-    """When the kept pool's attach record was last read (see RequestWait._check_still_held)."""
-    last_output_at: float = field(default_factory=time.monotonic)
-    activity_asked_at: float = 0.0
-    activity: dict[int, RankActivity] = field(default_factory=dict)
-    """Where each rank was when last asked (RankActivity), while the cell waited."""
-    collective_since: dict[int, float] = field(default_factory=dict)
-    """When each rank was first seen in the collective it is in now (for the time left of its timeout)."""
-    waiting_line: WaitingLine | None = None
-    stopped: dict[int, int] = field(default_factory=dict)
-    """Ranks that did not answer because a signal stopped them (rank -> pid), as last seen."""
-    diverged_at: float | None = None
-    """When the ranks were first seen at diverging points (see released_collectives.ranks_diverge)."""
-    activity_at: dict[int, float] = field(default_factory=dict)
-    """When each rank last said where it is."""
-    released_at: float | None = None
-    """When the ranks' collectives were released (see CollectiveRelease.release)."""
-    release_cause: str = ""
-    """Why they were, as the cell says it: what the released ranks waited for."""
-    released_from: dict[int, str] = field(default_factory=dict)
-    """rank -> the collective it waited in when released (where it was known)."""
-    prompts: dict[int, InputRequested] = field(default_factory=dict)
-    """Ranks waiting for a line of input, answered one at a time in rank order."""
-
-    @property
-    def running(self) -> list[int]:
-        return [r for r in self.ranks if r not in self.finished]
 
 
 class RequestWait:

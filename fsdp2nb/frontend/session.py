@@ -43,13 +43,14 @@ from fsdp2nb.frontend.background import (
     start_background_run,
     taken_over_run,
 )
+from fsdp2nb.frontend.cell_progress import CellProgress
 from fsdp2nb.frontend.cell_transform import notebook_execution_count, transform_and_check
 from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.notebook_input import PromptRelay, ask_notebook, refuse_in_background
 from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.rank_prompts import AskInput
 from fsdp2nb.frontend.released_collectives import GroupsNotReformed
-from fsdp2nb.frontend.request_wait import CellProgress, RequestWait, StopPresses
+from fsdp2nb.frontend.request_wait import RequestWait, StopPresses
 from fsdp2nb.pool.handle import PoolHandle, SnapshotListener
 from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.kept_listing import list_pools
