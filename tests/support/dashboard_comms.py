@@ -71,46 +71,36 @@ class Iopub:
                 continue
         return self.comms[comm_id].get(key, "")
 
-    def next_value(self, comm_id: str, key: str, after: int, timeout: float = 60) -> str | None:
-        """The first `key` the comm was sent after update number `after` (`len(self.updates)`
-        before the action), once it comes; None after `timeout`."""
+    def _track_until(self, found, timeout: float):
+        """`found()` once it is not None, tracking iopub messages meanwhile; None after `timeout`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            sent = [state[key] for cid, state in self.updates[after:] if cid == comm_id and key in state]
-            if sent:
-                return sent[0]
+            result = found()
+            if result is not None:
+                return result
             try:
                 self._track(self.kernel.client.get_iopub_msg(timeout=0.5))
             except queue.Empty:
                 continue
         return None
+
+    def next_value(self, comm_id: str, key: str, after: int, timeout: float = 60) -> str | None:
+        """The first `key` the comm was sent after update number `after` (`len(self.updates)`
+        before the action), once it comes; None after `timeout`."""
+        return self._track_until(lambda: next((state[key] for cid, state in self.updates[after:]
+                                               if cid == comm_id and key in state), None), timeout)
 
     def was_sent(self, comm_id: str, key: str, wanted: str, after: int, timeout: float = 60) -> bool:
         """Whether the comm was sent a `key` containing `wanted` after update number `after`,
         waiting for it up to `timeout`: a later update (another message) may already have
         replaced it."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(cid == comm_id and wanted in str(state.get(key, "")) for cid, state in self.updates[after:]):
-                return True
-            try:
-                self._track(self.kernel.client.get_iopub_msg(timeout=0.5))
-            except queue.Empty:
-                continue
-        return False
+        return self._track_until(lambda: any(cid == comm_id and wanted in str(state.get(key, ""))
+                                             for cid, state in self.updates[after:]) or None, timeout) is True
 
     def wait_for_shown(self, wanted: str, timeout: float = 60) -> str:
         """The id of a comm whose `value` contains `wanted`, once one does (None after `timeout`)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            shown = next((cid for cid, known in self.comms.items() if wanted in str(known.get("value", ""))), None)
-            if shown is not None:
-                return shown
-            try:
-                self._track(self.kernel.client.get_iopub_msg(timeout=0.5))
-            except queue.Empty:
-                continue
-        return None
+        return self._track_until(lambda: next((cid for cid, known in self.comms.items()
+                                               if wanted in str(known.get("value", ""))), None), timeout)
 
     def comm_of(self, **state) -> str:
         return next(cid for cid, known in self.comms.items() if all(known.get(k) == v for k, v in state.items()))
