@@ -86,6 +86,9 @@ class GatherPlan:
     """The ranks that take items, in rank order (`item_share`): every rank, or for generation every
     GPU rank and of CPU ranks the first of each host (every rank where the model stays sharded:
     forward passes are collective)."""
+    host_cores_to_one_rank: bool = False
+    """True: each host's working CPU rank is its only one, and runs torch on all the host's cores
+    for the duration (where every rank works, each keeps its own share of the cores)."""
 
 
 def item_share(num_items: int, rank: int, working_ranks: tuple[int, ...]) -> range:
@@ -192,7 +195,7 @@ def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple
     working = tuple(range(len(rows))) if spread else working_ranks([row[1:3] for row in rows])
     plan = GatherPlan(gathered=sharded and not reason, lockstep=lockstep, needed_bytes=needed,
                       available_bytes=available, limit_bytes=limit_bytes, reason=reason, device_type=device.type,
-                      working_ranks=working)
+                      working_ranks=working, host_cores_to_one_rank=not spread and device.type == "cpu")
     return plan, [row[len(own_facts):] for row in rows]
 
 
@@ -266,9 +269,10 @@ def _whole_where_needed(model: nn.Module, plan: GatherPlan) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _host_threads(plan: GatherPlan) -> Iterator[None]:
-    """A CPU rank that works for its whole host runs torch on every core it may use, until exit."""
+    """A CPU rank that works for its whole host runs torch on every core it may use, until exit.
+    (Several ranks each on every core would slow all of them: torch's threads spin while they wait.)"""
     threads = torch.get_num_threads()
-    if plan.device_type == "cpu" and get_rank() in plan.working_ranks:
+    if plan.host_cores_to_one_rank and get_rank() in plan.working_ranks:
         torch.set_num_threads(len(os.sched_getaffinity(0)))
     try:
         yield

@@ -4,6 +4,7 @@ rank's shards; the other ranks unchanged, and every rank as before on exit."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdp2nb.engine.host_gather import can_gather_on_one_rank, whole_on_one_rank
-from fsdp2nb.engine.inference import fsdp_forward_hooks_set_aside
+from fsdp2nb.engine.inference import as_planned, fsdp_forward_hooks_set_aside, plan_gathering
 from tests.support.gloo_harness import run_ranks
 
 
@@ -32,7 +33,8 @@ class TiedModel(nn.Module):
         return self.out(hidden + self.hidden(hidden).sum(-1, keepdim=True))
 
 
-def _gather_on_ranks(root: int, dtype: torch.dtype | None):
+def _sharded_tied_models() -> tuple[TiedModel, TiedModel]:
+    """The same weights whole and sharded over every rank."""
     torch.manual_seed(0)
     plain = TiedModel()
     model = TiedModel()
@@ -40,6 +42,11 @@ def _gather_on_ranks(root: int, dtype: torch.dtype | None):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     fully_shard(model.hidden, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return plain, model
+
+
+def _gather_on_ranks(root: int, dtype: torch.dtype | None):
+    plain, model = _sharded_tied_models()
     before = [(name, param.to_local().clone()) for name, param in model.named_parameters()]
     ids = torch.tensor([[0, 3, 4]])
     with torch.no_grad(), whole_on_one_rank(model, root, dtype), fsdp_forward_hooks_set_aside(model):
@@ -71,3 +78,26 @@ def test_the_root_holds_the_whole_model_and_every_rank_gets_its_shards_back(root
             assert kinds == ["Parameter"] and same_values and dtypes == wanted_dtype and output_matches, result
         else:
             assert kinds == ["DTensor"] and same_values is None, result  # the others hold no more than before
+
+
+def _threads_while_planned(one_cpu_rank_per_host: bool):
+    torch.set_num_threads(1)
+    _plain, model = _sharded_tied_models()
+    with torch.no_grad():
+        plan, _ = plan_gathering(model, None, one_cpu_rank_per_host=one_cpu_rank_per_host)
+        with as_planned(model, plan, "a test"):
+            threads = torch.get_num_threads()
+            whole = type(model.out.weight).__name__
+            output = model(torch.tensor([[0, 3, 4]])).shape if dist.get_rank() in plan.working_ranks else None
+    return plan.working_ranks, threads, whole, output, torch.get_num_threads()
+
+
+def test_a_rank_working_alone_for_its_host_takes_its_cores_and_ranks_working_together_do_not():
+    """Decoding: one rank per host, on every core, the whole model on it alone; evaluation: every
+    rank, on its own share of the cores, every rank unsharded."""
+    cores = len(os.sched_getaffinity(0))
+    one_output = torch.Size([1, 3, 5])
+    alone = run_ranks(_threads_while_planned, 2, True)
+    assert alone == [((0,), cores, "Parameter", one_output, 1), ((0,), 1, "DTensor", None, 1)]
+    together = run_ranks(_threads_while_planned, 2, False)
+    assert together == [((0, 1), 1, "Parameter", one_output, 1)] * 2
