@@ -1,12 +1,19 @@
 """The whole parameters of a sharded model on one rank only: what CPU ranks of one host use to
-generate and evaluate.
+generate.
 
 CPU ranks of one host share its memory bus, and decoding reads every weight for every token: one
 rank running the whole batch on every core reads them once per step, where each rank running its
-part reads them once per rank. Only that rank needs the whole model, so every rank sends its shards
-to it in one `gather` (each rank's shards flattened into one buffer), instead of FSDP2's unshard,
-which all-gathers them into every rank. The root puts the whole tensors in place of the sharded
-parameters until exit; the other ranks change nothing and hold no more memory.
+part reads them once per rank. Only that rank needs the whole model, and the ranks share the
+host's memory, so nothing is sent. The root makes one file in shared memory as large as the whole
+model (in /dev/shm or FSDP2NB_SHARED_MEMORY_DIR, in a directory only this user may enter); every
+rank maps it and copies its own rows of every parameter to where they belong; the root uses the
+parameters in place, as views of the file. The file is unlinked as soon as every rank has mapped
+it, and its memory goes when the root lets go of the views on exit. The other ranks unmap it once
+their rows are in, and hold no more memory than before.
+
+Where a rank cannot map the file (no room in shared memory, another host), every rank says so and
+`whole_on_one_rank` yields False having changed nothing; the caller then unshards the model on
+every rank instead.
 
 Only for a 1-D mesh whose parameters are all `Shard(0)`, as `fully_shard` makes them; the root's
 forward passes must run with FSDP2's hooks set aside (`inference.fsdp_forward_hooks_set_aside`),
@@ -16,13 +23,30 @@ which would otherwise unshard, a collective the other ranks never join.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+
+logger = logging.getLogger(__name__)
+
+SHARED_MEMORY_DIR_ENV = "FSDP2NB_SHARED_MEMORY_DIR"
+"""Where the root makes the file, where not /dev/shm (tmpfs on Linux: a file there is memory,
+never written back to a disk); for a container whose /dev/shm is too small, another tmpfs."""
+
+ALIGNMENT = 64
+"""Each parameter starts on a cache line of the file."""
+
+MAX_PATH_BYTES = 512
+"""The file's path travels from the root to the other ranks in a tensor of this many bytes."""
 
 
 def can_gather_on_one_rank(model: nn.Module) -> bool:
@@ -33,27 +57,139 @@ def can_gather_on_one_rank(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def whole_on_one_rank(model: nn.Module, root: int, dtype: torch.dtype | None) -> Iterator[None]:
+def whole_on_one_rank(model: nn.Module, root: int, dtype: torch.dtype | None) -> Iterator[bool]:
     """On `root`, every parameter whole (in `dtype` where given, for floating point ones) until
-    exit; collective: every rank sends its shards. The model must be resharded on entry."""
+    exit; collective. Yields True, or on every rank False where some rank could not map the shared
+    file (then nothing changed). The model must be resharded on entry."""
     params = _unique_params(model)
     group = params[0].device_mesh.get_group()
-    world, me = dist.get_world_size(group), dist.get_rank(group)
-    group_root = dist.get_group_rank(group, root)
-    rows = [_rows_per_rank(param.shape[0], world) for param in params]
-    flat = _flat_shards(params, rows, me, world)
-    received = [torch.empty_like(flat) for _ in range(world)] if me == group_root else None
-    dist.gather(flat, received, dst=root, group=group)
-    if received is None:
-        yield
+    layout = FileLayout.of(params, dist.get_world_size(group), dtype)
+    me = dist.get_rank(group)
+    shared = _map_shared_file(layout.num_bytes, root, group, layout.rows_match(params, me))
+    if shared is None:
+        yield False
         return
-    whole = _whole_tensors(params, rows, received, dtype)
-    swapped = _swap(model, whole)
+    layout.write_own_rows(params, me, shared)
+    dist.barrier(group=group)  # every rank's rows are in the file
+    if dist.get_rank() != root:
+        del shared  # unmapped: only the root reads the file
+        yield True
+        return
+    swapped = _swap(model, layout.whole_views(params, shared))
     try:
-        yield
+        yield True
     finally:
         for module, name, param in swapped:
             module._parameters[name] = param
+
+
+@dataclass(frozen=True, slots=True)
+class FileLayout:
+    """Where each parameter lies in the shared file: whole tensors one after the other, each
+    made of every rank's rows in rank order (the order `torch.chunk` and FSDP2 shard them in)."""
+
+    offsets: tuple[int, ...]
+    """Byte offset of each parameter, a multiple of ALIGNMENT."""
+    dtypes: tuple[torch.dtype, ...]
+    """Each parameter's dtype in the file: the gathered dtype for floating point ones."""
+    rows: tuple[tuple[int, ...], ...]
+    """Per parameter, rows of dim 0 on each rank."""
+    num_bytes: int
+
+    @classmethod
+    def of(cls, params: list[DTensor], world_size: int, dtype: torch.dtype | None) -> FileLayout:
+        offsets, dtypes, rows, end = [], [], [], 0
+        for param in params:
+            file_dtype = dtype if dtype is not None and param.is_floating_point() else param.dtype
+            start = -(-end // ALIGNMENT) * ALIGNMENT
+            offsets.append(start)
+            dtypes.append(file_dtype)
+            rows.append(_rows_per_rank(param.shape[0], world_size))
+            end = start + param.numel() * file_dtype.itemsize  # DTensor: the global numel
+        return cls(tuple(offsets), tuple(dtypes), tuple(rows), max(end, 1))
+
+    def _whole(self, index: int, param: DTensor, shared: torch.Tensor) -> torch.Tensor:
+        """The parameter's whole tensor in the file, flat (a view)."""
+        num_bytes = param.numel() * self.dtypes[index].itemsize
+        return shared[self.offsets[index]:self.offsets[index] + num_bytes].view(self.dtypes[index])
+
+    def rows_match(self, params: list[DTensor], rank: int) -> bool:
+        """Whether `rank` holds the rows this layout expects of it (FSDP2 shards as torch.chunk)."""
+        return all(param.to_local().shape[0] == self.rows[index][rank] for index, param in enumerate(params))
+
+    def write_own_rows(self, params: list[DTensor], rank: int, shared: torch.Tensor) -> None:
+        """Copy `rank`'s rows of every parameter into their place, cast to the file's dtype."""
+        for index, param in enumerate(params):
+            row_numel = math.prod(param.shape[1:])
+            start = sum(self.rows[index][:rank]) * row_numel
+            local = param.to_local().reshape(-1)
+            self._whole(index, param, shared)[start:start + local.numel()].copy_(local)
+
+    def whole_views(self, params: list[DTensor], shared: torch.Tensor) -> dict[int, nn.Parameter]:
+        """Each parameter whole, a view of the file; keyed by the sharded parameter's id."""
+        return {id(param): nn.Parameter(self._whole(index, param, shared).view(param.shape), requires_grad=False)
+                for index, param in enumerate(params)}
+
+
+def _map_shared_file(num_bytes: int, root: int, group: dist.ProcessGroup, usable: bool) -> torch.Tensor | None:
+    """`num_bytes` of one shared file mapped on every rank (uint8), or None on every rank where
+    some rank failed, or had shards it cannot place (`usable` False). Collective: a broadcast of
+    the path, then a vote; the file is unlinked after the vote, so it never outlives the call,
+    whatever happens next."""
+    directory = _make_file(num_bytes) if dist.get_rank() == root else None
+    try:
+        path = _broadcast_path(os.path.join(directory, "weights") if directory else "", root, group)
+        shared = _map(path, num_bytes) if usable else None
+        vote = torch.tensor([int(shared is not None)])
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+    finally:
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
+    return shared if vote.item() else None
+
+
+def _make_file(num_bytes: int) -> str | None:
+    """A private directory in shared memory holding a file of `num_bytes`, its space reserved (a
+    write beyond a full tmpfs would kill the process); None where that is not possible."""
+    directory = None
+    try:
+        directory = tempfile.mkdtemp(prefix="fsdp2nb-gather-", dir=shared_memory_dir())  # 0700
+        descriptor = os.open(os.path.join(directory, "weights"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(descriptor, 0, num_bytes)
+        finally:
+            os.close(descriptor)
+        return directory
+    except OSError as exc:
+        logger.info("the whole model is gathered on every rank: no room for it in %s (%s)", shared_memory_dir(), exc)
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
+        return None
+
+
+def shared_memory_dir() -> str:
+    return os.environ.get(SHARED_MEMORY_DIR_ENV) or "/dev/shm"
+
+
+def _broadcast_path(path: str, root: int, group: dist.ProcessGroup) -> str:
+    """The root's `path` on every rank ("" where the root has none), as bytes in a tensor."""
+    encoded = path.encode()
+    if len(encoded) > MAX_PATH_BYTES:
+        encoded = b""  # an unusual temp dir: the vote fails and the caller falls back
+    buffer = torch.zeros(MAX_PATH_BYTES, dtype=torch.uint8)
+    buffer[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    dist.broadcast(buffer, src=root, group=group)
+    return bytes(buffer.tolist()).rstrip(b"\0").decode()
+
+
+def _map(path: str, num_bytes: int) -> torch.Tensor | None:
+    if not path:
+        return None
+    try:
+        return torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
+    except (OSError, RuntimeError) as exc:  # torch reports a failed open or mmap as RuntimeError
+        logger.info("cannot map %s, the whole model is gathered on every rank: %s", path, exc)
+        return None
 
 
 def _unique_params(model: nn.Module) -> list[DTensor]:
@@ -64,42 +200,10 @@ def _unique_params(model: nn.Module) -> list[DTensor]:
     return list(seen.values())
 
 
-def _rows_per_rank(num_rows: int, world: int) -> list[int]:
+def _rows_per_rank(num_rows: int, world_size: int) -> tuple[int, ...]:
     """Rows of dim 0 on each rank, as torch.chunk splits them (FSDP2's and DTensor's rule)."""
-    chunk = -(-num_rows // world)
-    return [max(0, min(chunk, num_rows - rank * chunk)) for rank in range(world)]
-
-
-def _flat_shards(params: list[DTensor], rows: list[list[int]], me: int, world: int) -> torch.Tensor:
-    """This rank's shards, flattened one after the other, padded to the longest rank's length."""
-    def rank_numel(rank: int) -> int:
-        return sum(param_rows[rank] * math.prod(param.shape[1:]) for param, param_rows in zip(params, rows, strict=True))
-    longest = max(rank_numel(rank) for rank in range(world))
-    flat = torch.zeros(longest, dtype=params[0].dtype, device=params[0].to_local().device)
-    offset = 0
-    for param in params:
-        local = param.to_local().reshape(-1)
-        flat[offset:offset + local.numel()] = local
-        offset += local.numel()
-    return flat
-
-
-def _whole_tensors(params: list[DTensor], rows: list[list[int]], received: list[torch.Tensor],
-                   dtype: torch.dtype | None) -> dict[int, nn.Parameter]:
-    """Each parameter whole, made of every rank's rows in rank order; keyed by the sharded one's id."""
-    offsets = [0] * len(received)
-    whole = {}
-    for param, param_rows in zip(params, rows, strict=True):
-        row_numel = math.prod(param.shape[1:])
-        parts = []
-        for rank, num_rows in enumerate(param_rows):
-            parts.append(received[rank][offsets[rank]:offsets[rank] + num_rows * row_numel])
-            offsets[rank] += num_rows * row_numel
-        tensor = torch.cat(parts).view(param.shape)
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        whole[id(param)] = nn.Parameter(tensor, requires_grad=False)
-    return whole
+    chunk = -(-num_rows // world_size)
+    return tuple(max(0, min(chunk, num_rows - rank * chunk)) for rank in range(world_size))
 
 
 def _swap(model: nn.Module, whole: dict[int, nn.Parameter]) -> list[tuple[nn.Module, str, nn.Parameter]]:

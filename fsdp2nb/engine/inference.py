@@ -256,15 +256,17 @@ def as_planned(model: nn.Module, plan: GatherPlan, what: str) -> Iterator[None]:
 @contextlib.contextmanager
 def _whole_where_needed(model: nn.Module, plan: GatherPlan) -> Iterator[None]:
     """The whole model on the ranks that work: on the one working CPU rank only, where it is the
-    only one (`host_gather`), else every unit unsharded on every rank."""
+    only one and the host's shared memory has room (`host_gather`), else every unit unsharded on
+    every rank."""
     if plan.device_type == "cpu" and len(plan.working_ranks) == 1 and can_gather_on_one_rank(model):
         for unit in fsdp_units(model):
             unit.reshard()  # a unit left unsharded by a forward without backward: sharded again first
-        with whole_on_one_rank(model, plan.working_ranks[0], _gather_dtype(model)):
-            yield
-    else:
-        with gathered_units(model):
-            yield
+        with whole_on_one_rank(model, plan.working_ranks[0], _gather_dtype(model)) as on_one_rank:
+            if on_one_rank:
+                yield
+                return
+    with gathered_units(model):
+        yield
 
 
 @contextlib.contextmanager

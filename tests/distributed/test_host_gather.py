@@ -1,10 +1,13 @@
-"""`host_gather.whole_on_one_rank`: the whole parameters on one rank, from one gather of every
-rank's shards; the other ranks unchanged, and every rank as before on exit."""
+"""`host_gather.whole_on_one_rank`: the whole parameters on one rank, every rank's shards copied into
+one file in shared memory; the other ranks unchanged, every rank as before on exit, no file left;
+and where the file cannot be made, nothing changed on any rank."""
 
 from __future__ import annotations
 
 import copy
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdp2nb.engine.host_gather import can_gather_on_one_rank, whole_on_one_rank
+from fsdp2nb.engine.host_gather import SHARED_MEMORY_DIR_ENV, can_gather_on_one_rank, whole_on_one_rank
 from fsdp2nb.engine.inference import as_planned, fsdp_forward_hooks_set_aside, plan_gathering
 from tests.support.gloo_harness import run_ranks
 
@@ -45,11 +48,13 @@ def _sharded_tied_models() -> tuple[TiedModel, TiedModel]:
     return plain, model
 
 
-def _gather_on_ranks(root: int, dtype: torch.dtype | None):
+def _gather_on_ranks(root: int, dtype: torch.dtype | None, shared_dir: str):
+    os.environ[SHARED_MEMORY_DIR_ENV] = shared_dir
     plain, model = _sharded_tied_models()
     before = [(name, param.to_local().clone()) for name, param in model.named_parameters()]
     ids = torch.tensor([[0, 3, 4]])
-    with torch.no_grad(), whole_on_one_rank(model, root, dtype), fsdp_forward_hooks_set_aside(model):
+    with torch.no_grad(), whole_on_one_rank(model, root, dtype) as on_one_rank, fsdp_forward_hooks_set_aside(model):
+        files_left = os.listdir(shared_dir)  # unlinked once every rank mapped it
         kinds = {type(param).__name__ for param in model.parameters()}
         tied = model.out.weight is model.embed.weight
         if dist.get_rank() == root:
@@ -63,24 +68,46 @@ def _gather_on_ranks(root: int, dtype: torch.dtype | None):
     after = [(name, param.to_local()) for name, param in model.named_parameters()]
     restored = [type(param).__name__ for param in model.parameters()] == ["DTensor"] * len(before) and all(
         a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(before, after, strict=True))
-    return (can_gather_on_one_rank(model), sorted(kinds), tied, same_values, dtypes, output_matches, restored,
-            model.out.weight is model.embed.weight)
+    return (on_one_rank and files_left == [], can_gather_on_one_rank(model), sorted(kinds), tied, same_values, dtypes,
+            output_matches, restored, model.out.weight is model.embed.weight)
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory of this test's own in shared memory, to see what is left in it."""
+    path = tempfile.mkdtemp(prefix="fsdp2nb-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize(("root", "dtype"), [(0, None), (2, torch.bfloat16)])
-def test_the_root_holds_the_whole_model_and_every_rank_gets_its_shards_back(root, dtype):
-    results = run_ranks(_gather_on_ranks, 3, root, dtype)
+def test_the_root_holds_the_whole_model_and_every_rank_gets_its_shards_back(root, dtype, shared_dir):
+    results = run_ranks(_gather_on_ranks, 3, root, dtype, shared_dir)
     wanted_dtype = {str(dtype or torch.float32)}
     for rank, result in enumerate(results):
-        gatherable, kinds, tied, same_values, dtypes, output_matches, restored, tied_after = result
-        assert gatherable and tied and restored and tied_after, (rank, result)
+        gathered_no_file_left, gatherable, kinds, tied, same_values, dtypes, output_matches, restored, tied_after = result
+        assert gathered_no_file_left and gatherable and tied and restored and tied_after, (rank, result)
         if rank == root:
             assert kinds == ["Parameter"] and same_values and dtypes == wanted_dtype and output_matches, result
         else:
             assert kinds == ["DTensor"] and same_values is None, result  # the others hold no more than before
 
 
-def _threads_while_planned(one_cpu_rank_per_host: bool):
+def _gather_without_shared_memory(missing_dir: str):
+    os.environ[SHARED_MEMORY_DIR_ENV] = missing_dir
+    _plain, model = _sharded_tied_models()
+    with torch.no_grad(), whole_on_one_rank(model, 0, None) as on_one_rank:
+        kinds = sorted({type(param).__name__ for param in model.parameters()})
+    return on_one_rank, kinds
+
+
+def test_where_the_root_cannot_make_the_file_no_rank_changes_anything(tmp_path):
+    results = run_ranks(_gather_without_shared_memory, 2, str(tmp_path / "missing"))
+    assert results == [(False, ["DTensor"])] * 2
+
+
+def _threads_while_planned(one_cpu_rank_per_host: bool, shared_dir: str):
+    os.environ[SHARED_MEMORY_DIR_ENV] = shared_dir
     torch.set_num_threads(1)
     _plain, model = _sharded_tied_models()
     with torch.no_grad():
@@ -92,12 +119,18 @@ def _threads_while_planned(one_cpu_rank_per_host: bool):
     return plan.working_ranks, threads, whole, output, torch.get_num_threads()
 
 
-def test_a_rank_working_alone_for_its_host_takes_its_cores_and_ranks_working_together_do_not():
+def test_a_rank_working_alone_for_its_host_takes_its_cores_and_ranks_working_together_do_not(shared_dir):
     """Decoding: one rank per host, on every core, the whole model on it alone; evaluation: every
     rank, on its own share of the cores, every rank unsharded."""
     cores = len(os.sched_getaffinity(0))
     one_output = torch.Size([1, 3, 5])
-    alone = run_ranks(_threads_while_planned, 2, True)
+    alone = run_ranks(_threads_while_planned, 2, True, shared_dir)
     assert alone == [((0,), cores, "Parameter", one_output, 1), ((0,), 1, "DTensor", None, 1)]
-    together = run_ranks(_threads_while_planned, 2, False)
+    together = run_ranks(_threads_while_planned, 2, False, shared_dir)
     assert together == [((0, 1), 1, "Parameter", one_output, 1)] * 2
+
+
+def test_without_shared_memory_every_rank_unshards_and_the_working_rank_runs(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    results = run_ranks(_threads_while_planned, 2, True, str(tmp_path / "missing"))
+    assert results == [((0,), cores, "Parameter", torch.Size([1, 3, 5]), 1), ((0,), 1, "Parameter", None, 1)]
