@@ -11,6 +11,7 @@ Each helper also works in a single process without a process group, as one rank 
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -53,6 +54,46 @@ def get_rank() -> int:
 def get_world_size() -> int:
     """The number of ranks; 1 without a process group."""
     return dist.get_world_size() if is_distributed() else 1
+
+
+def all_gathered(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's `tensor` (one shape and dtype on every rank) stacked in rank order:
+    (world size, *shape); without a process group, `tensor[None]`.
+
+    A CPU tensor goes to the group's first rank in one gather and comes back in one broadcast:
+    every rank sends or receives at once, twice. gloo's all_gather and all_reduce pass a ring
+    instead, world size - 1 steps one after another, each waiting for the next rank's process to
+    be scheduled, which costs milliseconds per step where ranks share few cores. Other devices
+    (NCCL) take one all_gather_into_tensor."""
+    if not is_distributed():
+        return tensor[None]
+    world_size = dist.get_world_size(group)
+    stacked = torch.empty((world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    if tensor.device.type != "cpu":
+        dist.all_gather_into_tensor(stacked, tensor.contiguous(), group=group)
+        return stacked
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    rows = list(stacked.unbind()) if dist.get_rank() == first else None
+    dist.gather(tensor.contiguous(), rows, dst=first, group=group)
+    dist.broadcast(stacked, src=first, group=group)
+    return stacked
+
+
+def all_gathered_objects(value: object, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's picklable `value`, in rank order, as `dist.all_gather_object` gives them; on a
+    CPU group through `all_gathered` (the sizes, then the bytes padded to the longest)."""
+    if not is_distributed():
+        return [value]
+    if "nccl" in str(dist.get_backend(group)):
+        values: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(values, value, group=group)
+        return values
+    payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    sizes = all_gathered(torch.tensor([payload.numel()]), group)[:, 0].tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[:payload.numel()] = payload
+    rows = all_gathered(padded, group)
+    return [pickle.loads(row[:size].numpy().tobytes()) for row, size in zip(rows, sizes, strict=True)]
 
 
 def all_max(values: tuple[int, ...], group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
@@ -99,12 +140,9 @@ def all_ranks_succeeded(error: BaseException | None, what: str, group: dist.Proc
 def gathered_if_all_succeeded(value: _T, error: BaseException | None, what: str,
                               group: dist.ProcessGroup | None = None) -> list[_T]:
     """Every rank's `value`, in rank order, when no rank has an `error`; else raise on every rank as
-    `all_ranks_succeeded` does. One collective for both the agreement and the values."""
+    `all_ranks_succeeded` does. One exchange for both the agreement and the values."""
     outcome = (None if error is None else describe(error), None if error is not None else value)
-    outcomes = [outcome]
-    if is_distributed():
-        outcomes = [None] * dist.get_world_size(group)
-        dist.all_gather_object(outcomes, outcome, group=group)
+    outcomes = all_gathered_objects(outcome, group)
     if error is not None:
         raise error
     failed = [(rank, reason) for rank, (reason, _) in enumerate(outcomes) if reason is not None]

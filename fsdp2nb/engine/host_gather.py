@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp2nb.collectives import all_gathered
+
 logger = logging.getLogger(__name__)
 
 SHARED_MEMORY_DIR_ENV = "FSDP2NB_SHARED_MEMORY_DIR"
@@ -64,13 +66,10 @@ def whole_on_one_rank(model: nn.Module, root: int, dtype: torch.dtype | None) ->
     params = _unique_params(model)
     group = params[0].device_mesh.get_group()
     layout = FileLayout.of(params, dist.get_world_size(group), dtype)
-    me = dist.get_rank(group)
-    shared = _map_shared_file(layout.num_bytes, root, group, layout.rows_match(params, me))
+    shared = _every_rank_rows_in_shared_file(layout, params, root, group)
     if shared is None:
         yield False
         return
-    layout.write_own_rows(params, me, shared)
-    dist.barrier(group=group)  # every rank's rows are in the file
     if dist.get_rank() != root:
         del shared  # unmapped: only the root reads the file
         yield True
@@ -131,21 +130,24 @@ class FileLayout:
                 for index, param in enumerate(params)}
 
 
-def _map_shared_file(num_bytes: int, root: int, group: dist.ProcessGroup, usable: bool) -> torch.Tensor | None:
-    """`num_bytes` of one shared file mapped on every rank (uint8), or None on every rank where
-    some rank failed, or had shards it cannot place (`usable` False). Collective: a broadcast of
-    the path, then a vote; the file is unlinked after the vote, so it never outlives the call,
-    whatever happens next."""
-    directory = _make_file(num_bytes) if dist.get_rank() == root else None
+def _every_rank_rows_in_shared_file(layout: FileLayout, params: list[DTensor], root: int,
+                                    group: dist.ProcessGroup) -> torch.Tensor | None:
+    """The shared file mapped (uint8) with every rank's rows in it, on every rank; or None on every
+    rank where some rank could not map it or place its rows. Collective: a broadcast of the path,
+    then a vote once each rank has written (which is also the wait for the others' rows). The file
+    is unlinked after the vote, so it never outlives the call, whatever happens next."""
+    directory = _make_file(layout.num_bytes) if dist.get_rank() == root else None
     try:
         path = _broadcast_path(os.path.join(directory, "weights") if directory else "", root, group)
-        shared = _map(path, num_bytes) if usable else None
-        vote = torch.tensor([int(shared is not None)])
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+        me = dist.get_rank(group)
+        shared = _map(path, layout.num_bytes) if layout.rows_match(params, me) else None
+        if shared is not None:
+            layout.write_own_rows(params, me, shared)
+        every_vote = all_gathered(torch.tensor([int(shared is not None)]), group)
     finally:
         if directory:
             shutil.rmtree(directory, ignore_errors=True)
-    return shared if vote.item() else None
+    return shared if bool(every_vote.all()) else None
 
 
 def _make_file(num_bytes: int) -> str | None:

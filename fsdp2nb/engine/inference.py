@@ -31,12 +31,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp2nb.collectives import get_rank, get_world_size, is_distributed
+from fsdp2nb.collectives import all_gathered, get_rank, get_world_size
 from fsdp2nb.engine.host_gather import can_gather_on_one_rank, whole_on_one_rank
 from fsdp2nb.errors import UsageMistake
 
@@ -174,20 +173,16 @@ def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple
     every rank, or with `one_cpu_rank_per_host` (for decoding, which reads every weight per token)
     one CPU rank per host.
 
-    Collective: one all_gather of a few integers, on the model's device. `local_facts` travel with
-    this rank's figures, so that a caller can compare what the ranks were given (their prompts) in
-    the same collective; every rank's facts come back, in rank order. A model without FSDP units is
+    Collective: one exchange of a few integers (`collectives.all_gathered`), on the model's device.
+    `local_facts` travel with this rank's figures, so that a caller can compare what the ranks were
+    given (their prompts) in the same exchange; every rank's facts come back, in rank order. A model without FSDP units is
     whole on every rank already."""
     sharded = bool(fsdp_units(model))
     needed = gathered_bytes(model) if sharded else 0
     device = model_device(model)
     own_facts = [available_bytes(device) if sharded else 0, *_host_cores(device)]
     mine = torch.tensor([*own_facts, *local_facts], dtype=torch.int64, device=device)
-    everyone = [mine]
-    if is_distributed():
-        everyone = [torch.empty_like(mine) for _ in range(get_world_size())]
-        dist.all_gather(everyone, mine)
-    rows = [tuple(row.tolist()) for row in everyone]
+    rows = [tuple(row) for row in all_gathered(mine).tolist()]
     available = tuple(row[0] for row in rows)
     reason = _why_sharded(needed, available, limit_bytes) if sharded else ""
     lockstep = bool(reason) and get_world_size() > 1

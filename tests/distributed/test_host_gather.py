@@ -54,6 +54,7 @@ def _gather_on_ranks(root: int, dtype: torch.dtype | None, shared_dir: str):
     before = [(name, param.to_local().clone()) for name, param in model.named_parameters()]
     ids = torch.tensor([[0, 3, 4]])
     with torch.no_grad(), whole_on_one_rank(model, root, dtype) as on_one_rank, fsdp_forward_hooks_set_aside(model):
+        dist.barrier()  # the root is in here too
         files_left = os.listdir(shared_dir)  # unlinked once every rank mapped it
         kinds = {type(param).__name__ for param in model.parameters()}
         tied = model.out.weight is model.embed.weight
