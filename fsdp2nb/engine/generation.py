@@ -2,12 +2,14 @@
 over the ranks and every completion back on every rank.
 
 Called on every rank with the same prompts. Each rank takes its contiguous share (5 prompts on 2
-ranks: 3 and 2; CPU ranks: one rank per host takes them all, on every core) and generates it as one left-padded batch with Hugging Face's `generate`, on the
-whole model gathered once (`inference.gathered_units`): no collective per token, each rank at its
-own pace. Where the whole model does not fit, the ranks generate sharded with `synced_gpus=True`:
-a rank whose sequences are done (or that has no prompt) keeps running forward passes until every
-rank is done, so all run the same number and none waits in an all-gather the others never reach.
-Then one all_gather_object brings every rank's completions (or its error) to all, in prompt order.
+GPU ranks: 3 and 2; on CPU ranks one rank per host takes them all and runs them on every core)
+and generates it as one left-padded batch with Hugging Face's `generate`, on the whole model
+gathered once (`inference.as_planned`): no collective per token, each rank at its own pace.
+Where the whole model does not fit, the ranks generate sharded with `synced_gpus=True`: a rank
+whose sequences are done (or that has no prompt) keeps running forward passes until every rank is
+done, so all run the same number and none waits in an all-gather the others never reach. Then one
+exchange (`gathered_if_all_succeeded`) brings every rank's completions, or its error, to all, in
+prompt order.
 """
 
 from __future__ import annotations
