@@ -56,6 +56,7 @@ def _gather_on_ranks(root: int, dtype: torch.dtype | None, shared_dir: str):
     with torch.no_grad(), whole_on_one_rank(model, root, dtype) as on_one_rank, fsdp_forward_hooks_set_aside(model):
         dist.barrier()  # the root is in here too
         files_left = os.listdir(shared_dir)  # unlinked once every rank mapped it
+        mapped_inside = _maps_the_file(shared_dir)  # the root only
         kinds = {type(param).__name__ for param in model.parameters()}
         tied = model.out.weight is model.embed.weight
         if dist.get_rank() == root:
@@ -66,11 +67,19 @@ def _gather_on_ranks(root: int, dtype: torch.dtype | None, shared_dir: str):
             output_matches = torch.allclose(model(ids), reference(ids), atol=1e-6)
         else:
             same_values, dtypes, output_matches = None, None, None
+    mapped_after = _maps_the_file(shared_dir)
     after = [(name, param.to_local()) for name, param in model.named_parameters()]
     restored = [type(param).__name__ for param in model.parameters()] == ["DTensor"] * len(before) and all(
         a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(before, after, strict=True))
-    return (on_one_rank and files_left == [], can_gather_on_one_rank(model), sorted(kinds), tied, same_values, dtypes,
+    mapped_where_wanted = mapped_inside == (dist.get_rank() == root) and not mapped_after
+    return (on_one_rank and files_left == [] and mapped_where_wanted, can_gather_on_one_rank(model), sorted(kinds), tied, same_values, dtypes,
             output_matches, restored, model.out.weight is model.embed.weight)
+
+
+def _maps_the_file(shared_dir: str) -> bool:
+    """Whether this process has the gathered file mapped (unlinked, it stays in /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return any(shared_dir in line for line in maps)
 
 
 @pytest.fixture
