@@ -60,17 +60,18 @@ def all_gathered(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -
     """Every rank's `tensor` (one shape and dtype on every rank) stacked in rank order:
     (world size, *shape); without a process group, `tensor[None]`.
 
-    A CPU tensor goes to the group's first rank in one gather and comes back in one broadcast:
-    every rank sends or receives at once, twice. gloo's all_gather and all_reduce pass a ring
-    instead, world size - 1 steps one after another, each waiting for the next rank's process to
-    be scheduled, which costs milliseconds per step where ranks share few cores. Other devices
-    (NCCL) take one all_gather_into_tensor."""
+    Among more than two CPU ranks the tensor goes to the group's first rank in one gather and comes
+    back in one broadcast: every rank sends or receives at once, twice. gloo's all_gather and
+    all_reduce pass a ring instead, world size - 1 steps one after another, each waiting for the
+    next rank's process to be scheduled, which costs milliseconds per step where ranks share few
+    cores (`benchmarks/bench_exchanges.py`). Two ranks, and other devices (NCCL), take one
+    all_gather_into_tensor."""
     if not is_distributed():
         return tensor[None]
     world_size = dist.get_world_size(group)
     stacked = torch.empty((world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-    if tensor.device.type != "cpu":
-        dist.all_gather_into_tensor(stacked, tensor.contiguous(), group=group)
+    if tensor.device.type != "cpu" or world_size <= 2:
+        dist.all_gather_into_tensor(stacked.view(-1), tensor.reshape(-1), group=group)  # gloo takes flat ones
         return stacked
     first = dist.get_global_rank(group, 0) if group is not None else 0
     rows = list(stacked.unbind()) if dist.get_rank() == first else None
