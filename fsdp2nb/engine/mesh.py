@@ -17,6 +17,7 @@ import os
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdp2nb.engine.device import current_device
 from fsdp2nb.errors import InvalidValue
 
 FLAT_DIM_NAMES: tuple[tuple[str, ...] | None, ...] = (None, ("dp_shard",), ("shard",))
@@ -79,8 +80,6 @@ def hsdp_mesh(replicate: int | None = None, *, device_type: str | None = None) -
         raise InvalidMesh(f"replicate={replicate} does not divide the {world_size} ranks; choose one of "
                           f"{tuple(d for d in range(1, world_size + 1) if world_size % d == 0)}")
     if device_type is None:
-        from fsdp2nb.engine.engine import current_device
-
         device_type = current_device().type
     return init_device_mesh(device_type, (replicate, world_size // replicate), mesh_dim_names=HSDP_DIM_NAMES[0])
 

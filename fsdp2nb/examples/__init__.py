@@ -114,7 +114,7 @@ def setup_training(model_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     import torch
 
     import fsdp2nb
-    from fsdp2nb.engine.engine import current_device
+    from fsdp2nb.engine.device import current_device
 
     precision = "bf16" if current_device().type == "cuda" else "fp32"
     engine = fsdp2nb.FSDP2Engine(mixed_precision=precision, offload_params=offload_params)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fsdp2nb.engine.config import EngineConfig, check_offload_supported
-from fsdp2nb.engine.engine import drives_gpus, gpu_index
+from fsdp2nb.engine.device import drives_gpus, gpu_index
 from fsdp2nb.engine.hf_files import Block, find_checkpoint_files, open_reader
 from fsdp2nb.engine.hub import resolve_model_dir
 from fsdp2nb.engine.key_mapping import checkpoint_to_model_keys, hf_key
