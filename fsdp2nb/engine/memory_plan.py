@@ -1,8 +1,7 @@
 """Plan a model's memory per rank before loading it, as FSDP2Engine will hold it (`fsdp2nb.plan_memory`).
 
-The model is built on the meta device (shapes only, no weights read) as `load_model` builds it:
-peft's LoRA adapters attached, frozen weights cast to the compute dtype, trainable ones kept in
-fp32, and cut into the units `wrapping.shard_unit_list` gives the engine. From it, per rank:
+The model is built on the meta device (shapes only, no weights read) as `load_model` builds it
+(model_census.py). From it, per rank:
 
 * parameters: FSDP2 splits every parameter on dim 0 as `torch.chunk` does and gives each rank a
   storage padded to the first chunk's size (a rank past the last chunk holds padding only);
@@ -10,10 +9,8 @@ fp32, and cut into the units `wrapping.shard_unit_list` gives the engine. From i
   when offloaded);
 * optimizer state: `zeros_like` of the rank's unpadded shard per state tensor, and AdamW's
   4-byte `step` per parameter;
-* activations: what autograd saves in one forward with loss, traced on meta tensors with
-  `saved_tensors_hooks` (parameters left out: FSDP2 frees its gathered copies after forward).
-  Attention is traced as the fused kernels of GPUs and CPUs run it (output and log-sum-exp
-  saved); the meta device would take the math path, which saves the S x S scores;
+* activations: what autograd saves in one forward with loss, traced on meta tensors
+  (activation_trace.py);
 * gathered: what FSDP2 holds unsharded beside them: the root and the head (never resharded
   after forward), the current and the prefetched unit, and one unit's unsharded gradients on
   their way to the reduce-scatter (a peak of backward, added to the rest: an upper bound).
@@ -24,24 +21,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import html
-import logging
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from fsdp2nb.config_checks import check_bool, check_choice
-from fsdp2nb.engine import wrapping
+from fsdp2nb.engine.activation_trace import ActivationTrace, trace_activations
 from fsdp2nb.engine.config import MIXED_PRECISION_CHOICES, EngineConfig
+from fsdp2nb.engine.model_census import (
+    ParamLayout,
+    build_meta_model,
+    load_config,
+    param_layout,
+    rows_per_rank,
+)
 from fsdp2nb.errors import InvalidValue
 from fsdp2nb.sizes import size
-
-logger = logging.getLogger(__name__)
 
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer", "activations", "gathered")
 """The keys of each rank's figures in `MemoryPlan.per_rank`."""
@@ -290,162 +288,7 @@ def _lora_config(lora: Any) -> Any:
     raise InvalidValue(f"lora={lora!r} is not allowed; give the adapters' rank (an int, e.g. 16) or a peft.LoraConfig")
 
 
-def load_config(source: Any) -> tuple[Any, str]:
-    """(transformers config, name) from a config, a directory, a config.json or a cached Hub id."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    from fsdp2nb.engine.hub import looks_like_a_path
-
-    if isinstance(source, PretrainedConfig):
-        config, name = source, source._name_or_path or type(source).__name__
-    else:
-        name = os.fspath(source)
-        if os.path.exists(name):
-            config = AutoConfig.from_pretrained(name)
-        elif looks_like_a_path(name):
-            raise InvalidValue(f"{name!r} does not exist; give a model directory, its config.json, or a Hub id")
-        else:
-            try:
-                config = AutoConfig.from_pretrained(name, local_files_only=True)
-            except OSError:
-                raise InvalidValue(f"{name!r} is not in the local Hugging Face cache, and a plan downloads nothing: "
-                                 f"fetch its config first (`hf download {name} config.json`) or give a path") from None
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
-        raise InvalidValue(f"{name} is a quantized checkpoint (quant_method={method!r}); the engine trains "
-                         "unquantized weights: plan the bf16/fp16/fp32 release of this model")
-    return config, name
-
-
-@dataclass(frozen=True)
-class PlannedModel:
-    """The meta model a plan reads, with repeated blocks left out (`keep_representative_blocks`)."""
-
-    model: nn.Module
-    block_counts: dict[int, int]
-    """id(kept block) -> how many blocks of the whole model it stands for (itself included)."""
-
-    def count(self, module: nn.Module) -> int:
-        return self.block_counts.get(id(module), 1)
-
-
-def build_meta_model(config: Any, lora_config: Any, dtype: torch.dtype) -> PlannedModel:
-    """The model as `load_model` builds it, on meta: fp32, adapters attached, frozen weights in
-    `dtype`; of blocks alike only two are kept, the second standing for the rest."""
-    from transformers import AutoModelForCausalLM
-
-    from fsdp2nb.engine.lora import apply_lora
-
-    with torch.device("meta"):  # peft's adapters too: made and initialised on CPU they cost seconds
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        counts = keep_representative_blocks(model)
-        if lora_config is not None:  # peft replaces Linears inside the blocks: the blocks stay
-            model = apply_lora(model, lora_config, seed=0)
-    wrapping.cast_frozen_parameters(model.parameters(), dtype)
-    return PlannedModel(model.train(), counts)
-
-
-_INDEX_ATTRIBUTES = frozenset(("layer_idx", "layer_id", "layer_number", "idx"))
-"""Attributes that number a block: blocks alike but for them are alike."""
-
-
-def block_signature(block: nn.Module) -> tuple:
-    """What makes two blocks plan alike: every submodule's class, parameter shapes and scalar
-    settings (an attention's layer type or sliding window, say), not its index."""
-    parts = []
-    for name, module in block.named_modules():
-        settings = tuple(sorted((key, value) for key, value in vars(module).items()
-                                if isinstance(value, (str, int, float, bool, type(None)))
-                                and not key.startswith("_") and key not in _INDEX_ATTRIBUTES))
-        params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters(recurse=False))
-        parts.append((name, type(module).__name__, settings, params))
-    return tuple(parts)
-
-
-def keep_representative_blocks(model: nn.Module) -> dict[int, int]:
-    """Drop all but two of each kind of block (`block_signature`) from the ModuleLists that hold
-    them, so that peft and the traced forward cost the same for 80 layers as for 2; return
-    id(kept block) -> how many it stands for. Two, not one, tell a block's own inputs (its
-    hidden states) from those every block shares (rotary tables, masks)."""
-    blocks = wrapping.find_blocks(model)
-    groups: dict[tuple, list[nn.Module]] = {}
-    for block in blocks:
-        groups.setdefault(block_signature(block), []).append(block)
-    counts: dict[int, int] = {}
-    for members in groups.values():
-        counts[id(members[0])] = 1
-        if len(members) > 1:
-            counts[id(members[1])] = len(members) - 1
-    block_ids = {id(block) for block in blocks}
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.ModuleList) and any(id(child) in block_ids for child in module):
-            kept = [child for child in module if id(child) not in block_ids or id(child) in counts]
-            parent_name, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attribute, nn.ModuleList(kept))
-    return {key: count for key, count in counts.items() if count > 1}
-
-
-# --- sharded state ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ParamShape:
-    """One parameter as sharding sees it."""
-
-    rows: int
-    """Its dim 0, which FSDP2 splits."""
-    row_numel: int
-    itemsize: int
-    """Bytes per element as stored: fp32 if trained, the compute dtype if frozen."""
-    trainable: bool
-    floating: bool
-    unit: int
-    """Index of its unit in `ParamLayout.unit_kinds`."""
-    count: int = 1
-    """How many of the whole model's parameters it stands for (a kept block's)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ParamLayout:
-    params: tuple[ParamShape, ...]
-    unit_kinds: tuple[str, ...]
-    """Each unit's kind ("block", "embedding", "head", "root"), innermost first."""
-    unit_counts: tuple[int, ...]
-    """How many units of the whole model each stands for."""
-
-    def all_frozen(self, itemsize: int) -> ParamLayout:
-        """The same weights frozen and stored at `itemsize` bytes: LoRA's base model, adapters left out."""
-        params = tuple(dataclasses.replace(p, trainable=False, itemsize=itemsize if p.floating else p.itemsize)
-                       for p in self.params)
-        return ParamLayout(params, self.unit_kinds, self.unit_counts)
-
-
-def param_layout(planned: PlannedModel) -> ParamLayout:
-    units = wrapping.shard_unit_list(planned.model)
-    unit_of: dict[int, int] = {}
-    for index, unit in enumerate(units):
-        for module in unit.modules:
-            for param in module.parameters():
-                unit_of.setdefault(id(param), index)
-    counts = tuple(planned.count(unit.modules[0]) for unit in units)
-    params = []
-    for param in planned.model.parameters():
-        rows = param.shape[0] if param.dim() else 1
-        unit = unit_of[id(param)]
-        params.append(ParamShape(rows=rows, row_numel=param.numel() // rows if rows else 0,
-                                 itemsize=param.element_size(), trainable=param.requires_grad,
-                                 floating=param.is_floating_point(), unit=unit, count=counts[unit]))
-    return ParamLayout(tuple(params), tuple(unit.kind for unit in units), counts)
-
-
-@functools.lru_cache(maxsize=4096)
-def rows_per_rank(rows: int, world_size: int) -> tuple[int, ...]:
-    """Each rank's rows of a dim 0 of `rows`: `torch.chunk`'s split, which FSDP2 uses, with 0 for
-    ranks past the last chunk."""
-    chunks = torch.chunk(torch.empty(rows, device="meta"), world_size)
-    sizes = [len(chunk) for chunk in chunks]
-    return tuple(sizes + [0] * (world_size - len(sizes)))
+# --- each rank's figures ------------------------------------------------------------------------
 
 
 def rank_figures(layout: ParamLayout, trace: ActivationTrace, settings: PlanSettings) -> tuple[dict[str, int], ...]:
@@ -490,130 +333,6 @@ def gathered_bytes(layout: ParamLayout, settings: PlanSettings) -> int:
     others = sorted((unsharded[i] for i in range(len(unsharded)) if i not in resident
                      for _ in range(min(layout.unit_counts[i], 2))), reverse=True)
     return sum(unsharded[i] for i in resident) + sum(others[:2]) + max(grads_in_flight, default=0)
-
-
-# --- activations --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ActivationTrace:
-    """What autograd saved in one traced forward, and what per-block checkpointing would keep."""
-
-    saved_bytes: int
-    """Everything saved, parameters left out."""
-    checkpointed_bytes: int
-    """With checkpointing: the blocks' inputs, what is saved outside blocks, and one block's
-    activations while backward recomputes it."""
-    batch_size: int
-    """The batch traced; other batches scale the figures."""
-    error: str | None = None
-    """Why the forward could not be traced (the figures are then 0)."""
-
-    def bytes(self, activation_checkpointing: bool, batch_size: int) -> int:
-        traced = self.checkpointed_bytes if activation_checkpointing else self.saved_bytes
-        return traced * batch_size // self.batch_size
-
-
-class _SavedTensors:
-    """`saved_tensors_hooks` packing that counts each storage once, by the block that saved it
-    first, and notes each block's input tensors (what checkpointing keeps)."""
-
-    def __init__(self, skipped: set[int]) -> None:
-        self._skipped = skipped  # ids of the parameters' storages (kept alive by the model)
-        self.saved: dict[int, tuple[torch.UntypedStorage, int | None]] = {}
-        self.inputs: dict[int, tuple[torch.UntypedStorage, set[int]]] = {}  # storage -> blocks given it
-        self._block: int | None = None
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if id(storage) not in self._skipped and id(storage) not in self.saved:
-            self.saved[id(storage)] = (storage, self._block)
-        return tensor
-
-    def enter(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._block = index
-        for value in (*args, *kwargs.values()):
-            for tensor in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in self._skipped:
-                    storage = tensor.untyped_storage()
-                    self.inputs.setdefault(id(storage), (storage, set()))[1].add(index)
-
-    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self._block = None
-
-    def trace(self, counts: list[int], batch_size: int) -> ActivationTrace:
-        """The whole model's figures: block `i` was traced once for `counts[i]` blocks alike."""
-        per_block = [0] * len(counts)
-        outside = outside_not_inputs = 0
-        for key, (storage, block) in self.saved.items():
-            if block is not None:
-                per_block[block] += storage.nbytes()
-            else:
-                outside += storage.nbytes()
-                outside_not_inputs += 0 if key in self.inputs else storage.nbytes()
-        # A block's own input (its hidden states) is kept once per block; one given to several
-        # blocks (rotary tables, a mask) once.
-        kept_inputs = sum(storage.nbytes() * (counts[next(iter(blocks))] if len(blocks) == 1 else 1)
-                          for storage, blocks in self.inputs.values())
-        saved = outside + sum(n * count for n, count in zip(per_block, counts, strict=True))
-        return ActivationTrace(saved_bytes=saved, batch_size=batch_size,
-                               checkpointed_bytes=outside_not_inputs + kept_inputs + max(per_block, default=0))
-
-
-class FusedAttention(TorchFunctionMode):
-    """Runs `scaled_dot_product_attention` as the fused kernels do, so autograd saves what they
-    save (query, key, value, output, log-sum-exp): on meta tensors PyTorch would take the math
-    path, which saves the attention scores, batch x heads x S x S."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            return _fused_attention(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                     enable_gqa: bool = False) -> torch.Tensor:
-    # The CPU flash kernel's op has a meta implementation and autograd saves for it what the
-    # CUDA flash and memory-efficient kernels save too; key/value with fewer heads (GQA) pass as they are.
-    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as sdpa does, for every fused kernel
-        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            attn_mask.logical_not(), float("-inf"))
-    output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-    return output
-
-
-def trace_activations(planned: PlannedModel, batch_size: int, seq_len: int, dtype: torch.dtype) -> ActivationTrace:
-    """Run one forward with loss on meta tensors, parameters cast to the compute dtype (as FSDP2
-    gathers them), and count what autograd saves. Casts the model's parameters in place."""
-    model = planned.model
-    for param in model.parameters():
-        if param.is_floating_point():
-            param.data = param.data.to(dtype)
-    counter = _SavedTensors({id(p.untyped_storage()) for p in model.parameters()})
-    blocks = [unit.modules[0] for unit in wrapping.shard_unit_list(model) if unit.kind == "block"]
-    handles = [h for index, block in enumerate(blocks) for h in (
-        block.register_forward_pre_hook(functools.partial(counter.enter, index), with_kwargs=True),
-        block.register_forward_hook(counter.leave))]
-    input_ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack), FusedAttention():
-            # As a training step calls it. (use_cache=False would make transformers look for packed
-            # sequences in the position ids, a question of values that meta tensors cannot answer.)
-            model(input_ids=input_ids, labels=input_ids)
-    except Exception as error:  # a model whose forward needs real values (data-dependent routing)
-        logger.info("tracing the forward on meta failed", exc_info=True)
-        return ActivationTrace(0, 0, batch_size, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
-    finally:
-        for handle in handles:
-            handle.remove()
-    return counter.trace([planned.count(block) for block in blocks], batch_size)
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 # --- capacity and verdict -----------------------------------------------------------------------

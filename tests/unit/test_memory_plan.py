@@ -9,16 +9,10 @@ import json
 import pytest
 import torch
 
+from fsdp2nb.engine.activation_trace import FusedAttention, trace_activations
 from fsdp2nb.engine.config import EngineConfig
-from fsdp2nb.engine.memory_plan import (
-    CATEGORIES,
-    FusedAttention,
-    build_meta_model,
-    param_layout,
-    plan_memory,
-    rows_per_rank,
-    trace_activations,
-)
+from fsdp2nb.engine.memory_plan import CATEGORIES, plan_memory
+from fsdp2nb.engine.model_census import build_meta_model, param_layout, rows_per_rank
 from fsdp2nb.examples.tiny_models import make_tiny_model, tiny_config
 
 
