@@ -15,7 +15,7 @@ import queue
 import signal
 import tempfile
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.launcher import describe_exit
@@ -32,7 +32,33 @@ from fsdp2nb.wire.protocol import (
 )
 
 if TYPE_CHECKING:
-    from fsdp2nb.frontend.session import NotebookSession
+    from collections.abc import Callable
+
+    from fsdp2nb.frontend.background import BackgroundRuns
+    from fsdp2nb.frontend.cell_progress import CellProgress
+    from fsdp2nb.pool.handle import SnapshotListener
+    from fsdp2nb.wire.protocol import ControlMessage
+
+
+class LinkedSession(Protocol):
+    """What the link needs of the session that holds it (`NotebookSession`): its pool, its runs,
+    and a way to restart and to ask the ranks."""
+
+    @property
+    def pool(self) -> PoolHandle | None: ...
+
+    @property
+    def background(self) -> BackgroundRuns | None: ...
+
+    @property
+    def lifecycle_lock(self) -> threading.RLock: ...
+
+    def add_snapshot_listener(self, listener: SnapshotListener) -> None: ...
+
+    def restart(self) -> PoolHandle: ...
+
+    def run_request(self, pool: PoolHandle, ranks: tuple[int, ...],
+                    make_request: Callable[[int], ControlMessage]) -> CellProgress: ...
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +77,7 @@ class DashboardLink:
     """Feeds one DashboardModel from `session`'s pool; implements the dashboard's Actions. The session
     makes it (`NotebookSession.dashboard_link`) and holds it."""
 
-    def __init__(self, session: NotebookSession) -> None:
+    def __init__(self, session: LinkedSession) -> None:
         self.session = session
         self.model = DashboardModel()
         self.views: list = []
