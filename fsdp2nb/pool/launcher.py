@@ -132,19 +132,6 @@ def describe_agent_exit(ended: AgentExit, lost_agents: dict[int, str], devices_p
     return f"the host agent on host {host} (node {node}, ranks {ranks}) {ended.how}"
 
 
-def launcher_for(spec: PoolSpec) -> Launcher:
-    """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
-    if spec.placement is None:
-        return LocalLauncher()
-    if spec.placement.engine == "ray":
-        from fsdp2nb.pool.ray_launcher import RayLauncher
-
-        return RayLauncher(spec)
-    from fsdp2nb.pool.slurm_launcher import SlurmLauncher
-
-    return SlurmLauncher(spec)
-
-
 def launch_plan(spec: PoolSpec, *, pool_id: str, address: str, runtime_dir: str, log_dir: str,
                 tls_fingerprint: str = "", kept_dir: str = "", keep_for_s: float | None = None) -> LaunchPlan:
     """What every host agent of a pool is given: each node runs `spec.devices`, one rank each."""

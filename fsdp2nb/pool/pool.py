@@ -26,10 +26,10 @@ from fsdp2nb.pool.launcher import (
     AgentExit,
     LaunchedRanks,
     Launcher,
+    LocalLauncher,
     describe_agent_exit,
     describe_exit,
     launch_plan,
-    launcher_for,
 )
 from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
 from fsdp2nb.pool.rank_events import RankEvents
@@ -55,6 +55,19 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_START_TIMEOUT_S = 300.0
 _RECEIVE_POLL_MS = 100
+
+
+def launcher_for(spec: PoolSpec) -> Launcher:
+    """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
+    if spec.placement is None:
+        return LocalLauncher()
+    if spec.placement.engine == "ray":
+        from fsdp2nb.pool.ray_launcher import RayLauncher
+
+        return RayLauncher(spec)
+    from fsdp2nb.pool.slurm_launcher import SlurmLauncher
+
+    return SlurmLauncher(spec)
 
 
 class WorkerPool:
