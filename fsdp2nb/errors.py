@@ -122,8 +122,7 @@ class WireVersionMismatch(UsageMistake):
 
 
 class RankError(Fsdp2nbError):
-    """One or more ranks raised. The kernel raises it as `frontend.errors.NotebookRankError`, which
-    IPython draws with each distinct traceback once, root cause first."""
+    """One or more ranks raised; IPython shows each distinct traceback once, root cause first."""
 
     def __init__(self, errors: list[tuple[int, ErrorInfo]], world_size: int, notes: tuple[str, ...] = ()) -> None:
         self.errors = errors
@@ -139,6 +138,11 @@ class RankError(Fsdp2nbError):
             key = (error.ename, error.evalue, _without_cell_numbers(error.traceback))
             groups.setdefault(key, ([], error))[0].append(rank)
         return list(groups.values())
+
+    def _render_traceback_(self) -> list[str]:
+        from fsdp2nb.frontend.errors import render_rank_error  # drawn in the kernel only
+
+        return render_rank_error(self)
 
 
 def _without_cell_numbers(traceback_lines: tuple[str, ...]) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 
 from fsdp2nb.errors import InvalidValue, NoSuchRun, RankError
 from fsdp2nb.frontend.cell_transform import notebook_execution_count
-from fsdp2nb.frontend.errors import NotebookRankError, alarm
+from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.pool.kept import describe_ranks
 
 if TYPE_CHECKING:
@@ -285,7 +285,7 @@ def _queued_failure(run: BackgroundRun, error: BaseException) -> BaseException:
     note = alarm(f"the background run {run.label} failed, so this cell did not run "
                  "(as in sequence); run it again to run it")
     if isinstance(error, RankError):
-        return NotebookRankError(error.errors, error.world_size, notes=(*error.notes, note))
+        return RankError(error.errors, error.world_size, notes=(*error.notes, note))
     return RuntimeError(f"the background run {run.label} failed ({type(error).__name__}: {error}); "
                         "this cell did not run")
 

@@ -1,9 +1,9 @@
 """What the notebook shows when ranks fail: the error a cell raises (`RankError`), a cell that
 does not parse, and a rank's death said as an error.
 
-`RankError` (defined in fsdp2nb/errors.py) is what user code catches; `%fsdp2` cells and
-background runs raise it as a `NotebookRankError`, which IPython draws through its
-`_render_traceback_` (`render_rank_error`): one block per distinct traceback.
+`RankError` (defined in fsdp2nb/errors.py, and importable from here as before) is what user code
+catches (`%fsdp2` cells and background runs raise it); IPython draws it through its
+`_render_traceback_`, which is `render_rank_error`: one block per distinct traceback.
 """
 
 from __future__ import annotations
@@ -33,13 +33,6 @@ def render_rank_error(rank_error: RankError) -> list[str]:
     lines.extend(shortage_lines(rank_error.errors))
     lines.extend(rank_error.notes)
     return lines
-
-
-class NotebookRankError(RankError):
-    """A `RankError` as the notebook shows it."""
-
-    def _render_traceback_(self) -> list[str]:
-        return render_rank_error(self)
 
 
 class CellSyntaxError(Fsdp2nbError):

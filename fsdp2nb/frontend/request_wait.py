@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from fsdp2nb.frontend.cell_progress import CellProgress
-from fsdp2nb.frontend.errors import NotebookRankError, PoolTakenError, rank_exit_error
+from fsdp2nb.frontend.errors import PoolTakenError, RankError, rank_exit_error
 from fsdp2nb.frontend.output import (
     StreamMerger,
     WaitingLine,
@@ -130,7 +130,7 @@ class RequestWait:
         if self.progress.errors or self.progress.released_at is not None:
             errors, notes = self._release.outcome()
             if errors:
-                raise NotebookRankError(errors, self.pool.world_size, notes=notes)
+                raise RankError(errors, self.pool.world_size, notes=notes)
             write_to_kernel("stderr", "".join(f"{note}\n" for note in notes))
         return self.progress
 
@@ -191,7 +191,7 @@ class RequestWait:
         if isinstance(event, RankExited):
             self._merger.flush()
             note = self._recover_pool(self.pool.spec, f"rank {event.rank} died")
-            raise NotebookRankError([(event.rank, rank_exit_error(event))], self.pool.world_size, notes=(note,))
+            raise RankError([(event.rank, rank_exit_error(event))], self.pool.world_size, notes=(note,))
         if getattr(event, "cell_id", self.cell_id) not in self._own_cell_ids:
             return  # late output of an earlier, abandoned request
         if not isinstance(event, (CellFinished, RankActivity)):
@@ -347,7 +347,7 @@ class RequestWait:
         what = "; ".join(f"{kind}: rank(s) {', '.join(ranks)}" for kind, ranks in
                          (("stopped", stopped), ("stuck", stuck)) if ranks)
         note = self._recover_pool(self.pool.spec, f"{why} ({what})")
-        raise NotebookRankError(progress.errors + not_returned, self.pool.world_size, notes=(note,))
+        raise RankError(progress.errors + not_returned, self.pool.world_size, notes=(note,))
 
     def _not_returned(self, rank: int) -> ErrorInfo:
         """What to say of a rank that did not return: stopped by a signal, or stuck at a line."""
@@ -368,7 +368,7 @@ class RequestWait:
         errors = [(rank, ErrorInfo("RankDied", f"ended with its host agent: {reason}", ()))
                   for rank in self.progress.running]
         note = self._recover_pool(self.pool.spec, reason)
-        raise NotebookRankError(self.progress.errors + errors, self.pool.world_size, notes=(note,))
+        raise RankError(self.progress.errors + errors, self.pool.world_size, notes=(note,))
 
     def _after_unreachable_rank(self, error: ConnectionError, rank: int | None = None) -> None:
         """A rank could not be reached: its process is gone. Its cause wins over the broken pipe
@@ -383,5 +383,5 @@ class RequestWait:
         reason = pool.broken_reason or str(error)
         note = self._recover_pool(pool.spec, f"the cell could not reach its ranks ({reason})")
         first = self.progress.ranks[0] if rank is None else rank
-        raise NotebookRankError([(first, ErrorInfo("RankDied", f"could not be reached: {reason}", ()))],
+        raise RankError([(first, ErrorInfo("RankDied", f"could not be reached: {reason}", ()))],
                         pool.world_size, notes=(note,))

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, StopRequests, check_run_name
-from fsdp2nb.frontend.errors import NotebookRankError, RankError
+from fsdp2nb.frontend.errors import RankError
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import CellFinished, ErrorInfo
 from tests.support.fake_pools import FakePool
@@ -26,7 +26,7 @@ def _run(name: str | None = None, clock: FakeClock | None = None) -> BackgroundR
 
 
 def _rank_error(ename: str) -> RankError:
-    return NotebookRankError([(0, ErrorInfo(ename, "boom", ())), (1, ErrorInfo(ename, "boom", ()))], 2)
+    return RankError([(0, ErrorInfo(ename, "boom", ())), (1, ErrorInfo(ename, "boom", ()))], 2)
 
 
 def test_a_run_goes_from_running_to_done_and_keeps_its_elapsed_time():
@@ -198,7 +198,7 @@ def test_a_taken_over_run_says_how_it_ended_and_where_its_output_is():
     clock.now += 95
     run.rank_finished(0, failed=False)
     run.rank_finished(1, failed=True)
-    run.finish(NotebookRankError([(1, ErrorInfo("ValueError", "boom", ()))], 2))
+    run.finish(RankError([(1, ErrorInfo("ValueError", "boom", ()))], 2))
     assert run.ending_line() == ("In[3] of kernel 4242 (job) on ranks 0-1: failed on rank 1 after 1:35; "
                                  "its output is under In[5], the attach cell, and in the rank logs in /logs/p")
 

@@ -1,6 +1,6 @@
 import re
 
-from fsdp2nb.frontend.errors import NotebookRankError
+from fsdp2nb.frontend.errors import RankError
 from fsdp2nb.frontend.output import MERGE_WINDOW_S, StreamMerger, rank_label
 from fsdp2nb.wire.protocol import ErrorInfo
 
@@ -65,7 +65,7 @@ def test_output_past_the_limit_is_truncated_with_the_log_path():
 def test_rank_error_groups_identical_tracebacks_root_cause_first():
     boom = ErrorInfo("ValueError", "boom", ("tb", "ValueError: boom"))
     interrupted = ErrorInfo("KeyboardInterrupt", "", ("KeyboardInterrupt",))
-    error = NotebookRankError([(2, boom), (0, interrupted), (1, interrupted)], world_size=4)
+    error = RankError([(2, boom), (0, interrupted), (1, interrupted)], world_size=4)
     lines = error._render_traceback_()
     assert lines[0].endswith("[2] rank 2 raised ValueError\x1b[0m")
     assert sum("raised KeyboardInterrupt" in line for line in lines) == 1
@@ -76,7 +76,7 @@ def test_a_rank_that_did_not_return_is_not_said_to_have_raised():
     stuck = ErrorInfo("RankStuck", "did not return after the interrupt (at In[3] line 2: time.sleep(9))", ())
     interrupted = ErrorInfo("KeyboardInterrupt", "", ("KeyboardInterrupt",))
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line)
-             for line in NotebookRankError([(0, interrupted), (1, stuck)], world_size=2)._render_traceback_()]
+             for line in RankError([(0, interrupted), (1, stuck)], world_size=2)._render_traceback_()]
     assert "[1] rank 1: did not return after the interrupt (at In[3] line 2: time.sleep(9))" in lines
     assert not any("raised RankStuck" in line or line.startswith("RankStuck") for line in lines)
     assert "[0] rank 0 raised KeyboardInterrupt" in lines

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fsdp2nb.frontend.errors import NotebookRankError, RankError
+from fsdp2nb.frontend.errors import RankError
 from fsdp2nb.frontend.request_wait import INTERRUPT_GRACE_S
 from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.held_output import HeldOutput
@@ -52,7 +52,7 @@ def test_a_failed_restart_after_a_dead_rank_keeps_the_cause_in_the_error():
     pool = ScriptedPool(SPEC, events=[died])
     session = NotebookSession(pool_factory=lambda spec: ScriptedPool(spec, fails_to_start=True))
     session.pool = pool
-    with pytest.raises(NotebookRankError) as raised:  # a RankError, as the notebook draws it
+    with pytest.raises(RankError) as raised:
         session.run_request(pool, (0, 1), lambda cell_id: PushValues(cell_id=cell_id, payload=b""))
     text = "\n".join(raised.value._render_traceback_())
     assert "killed by SIGKILL" in text and "last words" in text
