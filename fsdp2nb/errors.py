@@ -17,6 +17,7 @@ import it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -140,9 +141,19 @@ class RankError(Fsdp2nbError):
         return list(groups.values())
 
     def _render_traceback_(self) -> list[str]:
-        from fsdp2nb.frontend.errors import render_rank_error  # drawn in the kernel only
+        if _rank_error_renderer is not None:
+            return _rank_error_renderer(self)
+        return [str(self), *(line for _, error in self.errors for line in error.traceback), *self.notes]
 
-        return render_rank_error(self)
+
+_rank_error_renderer: Callable[[RankError], list[str]] | None = None
+
+
+def set_rank_error_renderer(render: Callable[[RankError], list[str]]) -> None:
+    """How IPython draws a RankError: `frontend/errors.py` sets it when the kernel imports it, so
+    that this module, which every part imports, imports no part itself."""
+    global _rank_error_renderer
+    _rank_error_renderer = render
 
 
 def _without_cell_numbers(traceback_lines: tuple[str, ...]) -> tuple[str, ...]:

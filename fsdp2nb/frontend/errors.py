@@ -3,12 +3,13 @@ does not parse, and a rank's death said as an error.
 
 `RankError` (defined in fsdp2nb/errors.py, and importable from here as before) is what user code
 catches (`%fsdp2` cells and background runs raise it); IPython draws it through its
-`_render_traceback_`, which is `render_rank_error`: one block per distinct traceback.
+`_render_traceback_`, which is `render_rank_error` (registered here, so that errors.py imports
+no part of the package): one block per distinct traceback.
 """
 
 from __future__ import annotations
 
-from fsdp2nb.errors import Fsdp2nbError, RankError
+from fsdp2nb.errors import Fsdp2nbError, RankError, set_rank_error_renderer
 from fsdp2nb.frontend.memory_notes import shortage_lines, sigkill_line
 from fsdp2nb.frontend.output import rank_label
 from fsdp2nb.pool.launcher import describe_exit
@@ -34,6 +35,9 @@ def render_rank_error(rank_error: RankError) -> list[str]:
     lines.extend(rank_error.notes)
     return lines
 
+
+
+set_rank_error_renderer(render_rank_error)
 
 class CellSyntaxError(Fsdp2nbError):
     """A cell that does not parse: reported once, in the notebook, and run on no rank."""
