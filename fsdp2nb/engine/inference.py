@@ -175,8 +175,8 @@ def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple
 
     Collective: one exchange of a few integers (`collectives.all_gathered`), on the model's device.
     `local_facts` travel with this rank's figures, so that a caller can compare what the ranks were
-    given (their prompts) in the same exchange; every rank's facts come back, in rank order. A model without FSDP units is
-    whole on every rank already."""
+    given (their prompts) in the same exchange; every rank's facts come back, in rank order. A
+    model without FSDP units is whole on every rank already."""
     sharded = bool(fsdp_units(model))
     needed = gathered_bytes(model) if sharded else 0
     device = model_device(model)

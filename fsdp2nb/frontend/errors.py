@@ -36,8 +36,8 @@ def render_rank_error(rank_error: RankError) -> list[str]:
     return lines
 
 
-
 set_rank_error_renderer(render_rank_error)
+
 
 class CellSyntaxError(Fsdp2nbError):
     """A cell that does not parse: reported once, in the notebook, and run on no rank."""
