@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2nb.collectives import all_gathered
+from fsdp2nb.engine.model_census import rows_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class FileLayout:
             start = -(-end // ALIGNMENT) * ALIGNMENT
             offsets.append(start)
             dtypes.append(file_dtype)
-            rows.append(_rows_per_rank(param.shape[0], world_size))
+            rows.append(rows_per_rank(param.shape[0], world_size))
             end = start + param.numel() * file_dtype.itemsize  # DTensor: the global numel
         return cls(tuple(offsets), tuple(dtypes), tuple(rows), max(end, 1))
 
@@ -200,12 +201,6 @@ def _unique_params(model: nn.Module) -> list[DTensor]:
     for param in model.parameters():
         seen.setdefault(id(param), param)
     return list(seen.values())
-
-
-def _rows_per_rank(num_rows: int, world_size: int) -> tuple[int, ...]:
-    """Rows of dim 0 on each rank, as torch.chunk splits them (FSDP2's and DTensor's rule)."""
-    chunk = -(-num_rows // world_size)
-    return tuple(max(0, min(chunk, num_rows - rank * chunk)) for rank in range(world_size))
 
 
 def _swap(model: nn.Module, whole: dict[int, nn.Parameter]) -> list[tuple[nn.Module, str, nn.Parameter]]:
