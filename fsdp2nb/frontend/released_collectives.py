@@ -164,7 +164,11 @@ def ranks_diverge(progress: CellProgress, world_size: int) -> bool:
     """Whether the ranks are where a collective not every rank entered leaves them."""
     if progress.finished or progress.stopped or progress.prompts:
         return True
-    collectives = {progress.activity[r].collective if r in progress.activity else None for r in progress.running}
+    sampled = [progress.activity.get(rank) for rank in progress.running]
+    # A rank in a loop of collectives is sometimes caught on the collective's line but between two
+    # calls: it stands where the ranks in that collective stand.
+    on_line = {activity.where: activity.collective for activity in sampled if activity and activity.collective}
+    collectives = {(activity.collective or on_line.get(activity.where)) if activity else None for activity in sampled}
     if collectives == {None}:
         return False
     return len(collectives) > 1 or len(progress.ranks) < world_size
