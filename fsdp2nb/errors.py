@@ -194,6 +194,11 @@ class CheckpointLoadError(UsageMistake):
     raises it with the same message."""
 
 
+class MemorySnapshotRefused(UsageMistake):
+    """A snapshot in host memory was refused before anything was copied: the host has no room
+    for it, or (restoring) it was taken of another model, world size or mesh. Every rank raises it."""
+
+
 class CheckpointMismatchError(Fsdp2nbError, ValueError):
     """A checkpoint's keys or shapes do not match the model (or optimizer) being loaded into."""
 

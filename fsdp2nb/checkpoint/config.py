@@ -29,7 +29,15 @@ class CheckpointerConfig:
     """Record each shard's CRC32 while writing it, and check every file against it before a load
     (one extra read of the checkpoint); sizes are checked either way."""
 
+    memory_every: int | None = None
+    """Every this many steps `maybe_save` also copies the state into host memory that outlives the
+    ranks (restored after a process dies); None: only disk saves."""
+
     def __post_init__(self) -> None:
+        if self.memory_every is not None and (isinstance(self.memory_every, bool) or not isinstance(self.memory_every, int)
+                                              or self.memory_every < 1):
+            raise ValueError(f"memory_every={self.memory_every!r} is not allowed; choose None (no snapshots in "
+                             "memory) or an int >= 1 (every that many steps)")
         if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1):
             raise ValueError(f"keep={self.keep!r} is not allowed; choose None (keep all) or an int >= 1")
         check_bool("async_save", self.async_save)

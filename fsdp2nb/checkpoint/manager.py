@@ -49,6 +49,7 @@ from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry
 from fsdp2nb.checkpoint.loadable_steps import LoadableSteps
+from fsdp2nb.checkpoint.memory_snapshots import MemorySnapshots, local_rank_range, store_of_this_rank
 from fsdp2nb.checkpoint.rank_file import (
     Tracked,
     capture_rank_state,
@@ -63,6 +64,7 @@ from fsdp2nb.checkpoint.state import (
     get_training_state,
     read_dcp_metadata,
     set_training_state,
+    snapshot_training_state,
 )
 from fsdp2nb.checkpoint.state_progress import ProgressLoadPlanner, start_state_task
 from fsdp2nb.checkpoint.tracking import CheckpointStatus
@@ -73,7 +75,8 @@ from fsdp2nb.collectives import (
     make_dir_everywhere,
     on_rank0_agreed,
 )
-from fsdp2nb.errors import CheckpointSaveError
+from fsdp2nb.errors import CheckpointLoadError, CheckpointSaveError
+from fsdp2nb.wire.memory_store import MEMORY_DIR_ENV, checkpointer_folder
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,11 @@ class Checkpointer:
     priority); it pays off where training leaves cores idle (benchmarks/bench_checkpoint.py
     measures both). Without a process group async saves always use a thread.
 
+    `memory_every=N` also copies the state into host memory every N steps of `maybe_save` (see
+    memory_snapshots.py), where it outlives the ranks: after a rank dies and the pool restarts,
+    running the same set-up again (model, optimizer, `track()` on this directory) restores the
+    newest snapshot when it is newer than the newest checkpoint on disk, and says so.
+
         ckpt = Checkpointer("/ckpt/run1", keep=3)
         ckpt.track(model=model, optimizer=opt, scheduler=sched)
         start = ckpt.load("latest") + 1 if ckpt.latest() is not None else 0
@@ -98,13 +106,20 @@ class Checkpointer:
             train_step()
             ckpt.maybe_save(step)          # saves when the notebook asked for one
         ckpt.save(num_steps - 1); ckpt.wait()
+
+    With `memory_every`, `track()` may have restored a snapshot already: start from `last_step + 1`.
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 3, async_save: bool = True,
-                 *, async_writer: AsyncWriter = "thread", checksums: bool = True,
+                 *, async_writer: AsyncWriter = "thread", checksums: bool = True, memory_every: int | None = None,
                  requests: SaveRequests | None = None) -> None:
         self.config = CheckpointerConfig(keep=keep, async_save=async_save, async_writer=async_writer,
-                                         checksums=checksums)
+                                         checksums=checksums, memory_every=memory_every)
+        store = store_of_this_rank()
+        if memory_every is not None and store is None:
+            raise ValueError(f"memory_every={memory_every}: snapshots need host memory that outlives the ranks, "
+                             f"which a pool provides: run this in a %%fsdp2 cell (or set {MEMORY_DIR_ENV} "
+                             "to a directory on a tmpfs)")
         self.directory = Path(directory).absolute()
         self.keep, self.async_save, self.async_writer = keep, async_save, async_writer  # read often; validated above
         self._requests = requests if requests is not None else process_requests()
@@ -134,6 +149,13 @@ class Checkpointer:
         counted: it overlaps training (and competes with it for CPU where no core is spare)."""
         if self._rank == 0:
             in_flight.sweep(self.directory)
+        self._memory: MemorySnapshots | None = None
+        """Snapshots in host memory: taken with memory_every, or restorable from an earlier pool."""
+        if store is not None and (memory_every is not None or checkpointer_folder(store, self.directory).is_dir()):
+            self._memory = MemorySnapshots(store, self.directory, rank=self._rank, world_size=self._world_size,
+                                           local_ranks=local_rank_range(self._rank), group=self._fg_group)
+        self._memory_step: int | None = None
+        """The snapshot step the ranks agreed on at `track()` (what `latest()` counts)."""
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -155,19 +177,39 @@ class Checkpointer:
         self._tracked = Tracked(model, optimizer, scheduler, dict(extra_stateful))
         tracking.set_tracked(self)
         self._gate_optimizer_step(optimizer)
+        if self._memory is not None:
+            self._restore_newer_snapshot(self._memory)
         return self
+
+    def _restore_newer_snapshot(self, memory: MemorySnapshots) -> None:
+        """After a pool restart: restore the snapshot the ranks hold when the disk has nothing newer."""
+        self._memory_step = step = memory.agreed_step(unless_own=True)
+        on_disk = self._steps.latest_valid_step()
+        if step is not None and (on_disk is None or step > on_disk):
+            self._restore_from_memory(memory, step, on_disk)
+
+    def _restore_from_memory(self, memory: MemorySnapshots, step: int, on_disk: int | None) -> int:
+        started = time.perf_counter()
+        memory.restore(self._require_tracked(), step)
+        self._last_step = step
+        if self._rank == 0:
+            disk = f"the disk's newest is step {on_disk}" if on_disk is not None else "the disk has no checkpoint"
+            print(f"restored step {step} from memory in {time.perf_counter() - started:.1f} s; {disk}", flush=True)
+        return step
 
     def _gate_optimizer_step(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Make the optimizer's step, the first write to what a save copies, wait for the copy."""
         if self._step_gate is not None:
             self._step_gate.remove()
             self._step_gate = None
-        if optimizer is not None and self.async_save:
+        if optimizer is not None and (self.async_save or self.config.memory_every is not None):
             self._step_gate = optimizer.register_step_pre_hook(self._gate)
 
     def _gate(self, *_hook_args: Any) -> None:
         started = time.perf_counter()
         self._wait_for_staging()
+        if self._memory is not None:
+            self._memory.wait()
         self.blocked_s += time.perf_counter() - started
 
     def _wait_for_staging(self) -> None:
@@ -202,6 +244,9 @@ class Checkpointer:
             self.blocked_s += time.perf_counter() - started
 
     def _save(self, tracked: Tracked, step: int, request_id: int) -> None:
+        if not self.async_save:
+            self._save_sync(tracked, step, None, None, request_id)
+            return
         self.wait()
         job = self._begin(step)
         state = get_training_state(tracked.model, tracked.optimizer)
@@ -209,12 +254,6 @@ class Checkpointer:
         rank_state = capture_rank_state(tracked, step)
         task = start_state_task("save", f"saving step {step}", state)
         writer = ShardWriter(job.tmp_dir, task=task, checksums=self.config.checksums)
-        if not self.async_save:
-            with self._abandoned_on_failure(job, task):
-                dcp.save(state, storage_writer=writer, process_group=self._bg_group,
-                         no_dist=not self._distributed)
-            self._finish(job, rank_state, None, tracked.model, task, request_id)
-            return
         use_process = self.async_writer == "process" and self._distributed
         with self._abandoned_on_failure(job, task):
             response = dcp.async_save(
@@ -231,6 +270,21 @@ class Checkpointer:
         future = self._executor.submit(self._finish, job, rank_state, upload, tracked.model, task, request_id)
         with self._lock:
             self._pending = (step, future)
+
+    def _save_sync(self, tracked: Tracked, step: int, state: dict[str, Any] | None,
+                   rank_state: dict[str, Any] | None, request_id: int = 0) -> None:
+        """Save and commit before returning: the live state, or the given one (a snapshot's)."""
+        self.wait()
+        job = self._begin(step)
+        if state is None or rank_state is None:
+            state = get_training_state(tracked.model, tracked.optimizer)
+            rank_state = capture_rank_state(tracked, step)
+            self._last_step = step
+        task = start_state_task("save", f"saving step {step}", state)
+        writer = ShardWriter(job.tmp_dir, task=task, checksums=self.config.checksums)
+        with self._abandoned_on_failure(job, task):
+            dcp.save(state, storage_writer=writer, process_group=self._bg_group, no_dist=not self._distributed)
+        self._finish(job, rank_state, None, tracked.model, task, request_id)
 
     @contextlib.contextmanager
     def _abandoned_on_failure(self, job: SaveJob, task: progress.AnyTask):
@@ -265,14 +319,50 @@ class Checkpointer:
             raise CheckpointSaveError(  # unless this rank's error was already reported elsewhere
                 f"rank {self._rank}: an earlier background save failed (see the rank that reports it); "
                 f"{_NOTHING_LOST}")
-        if wanted <= self._requests.served():
-            return False
-        self._requests.mark_served(wanted, step)
-        self._timed_save(step, request_id=wanted)
-        return True
+        saving = wanted > self._requests.served()
+        if saving:
+            self._requests.mark_served(wanted, step)
+            self._timed_save(step, request_id=wanted)
+        every = self.config.memory_every
+        if every is not None and step % every == 0:
+            self._take_snapshot(step)
+        return saving
+
+    def _take_snapshot(self, step: int) -> None:
+        assert self._memory is not None, "made with memory_every"
+        started = time.perf_counter()
+        self._memory.take(self._require_tracked(), step)
+        if self._step_gate is None:  # no optimizer step to wait for it: the copy ends before returning
+            self._memory.wait()
+        self.blocked_s += time.perf_counter() - started
+
+    def save_memory_snapshot(self) -> int:
+        """Write the newest snapshot in host memory to this directory as a checkpoint (as if
+        saved at its step); returns the step. Collective. The live state is not touched."""
+        self.wait()
+        memory = self._memory
+        step = memory.agreed_step() if memory is not None else None
+        if memory is None or step is None:
+            raise CheckpointLoadError(self._no_snapshot(memory) + "; nothing was written")
+        memory.wait()
+        tracked = self._require_tracked()
+        views, other = memory.saved_views(step)
+        state = snapshot_training_state(tracked, views, other["param_groups"])
+        rank_state = {"step": step, "rng": other["rng"], "scheduler": other["scheduler"], "extra": other["extra"]}
+        self._save_sync(tracked, step, state, rank_state)
+        return step
+
+    def _no_snapshot(self, memory: MemorySnapshots | None) -> str:
+        if memory is None:
+            return (f"no snapshot of {self.directory} is kept in host memory (make the Checkpointer with "
+                    "memory_every=N, in a %%fsdp2 cell)")
+        return memory.describe_missing()
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed; raise its error if it failed."""
+        """Block until the save in flight (if any) is committed and the snapshot in flight (if
+        any) is in host memory; raise what failed them."""
+        if self._memory is not None:
+            self._memory.wait()
         with self._lock:
             pending = self._pending
         if pending is not None:
@@ -354,6 +444,10 @@ class Checkpointer:
         """
         self.wait()
         tracked = self._require_tracked()
+        memory_step = self._memory_step_to_load(target)
+        if memory_step is not None:
+            on_disk = self._steps.latest_valid_step()
+            return self._restore_from_memory(self._memory, memory_step, on_disk)  # type: ignore[arg-type]
         step_dir, metadata = self._steps.intact_step_collectively(target, self._fg_group)
         rank_state = read_rank_state_collectively(step_dir, metadata, self._rank, self._fg_group)
         state = checked_training_state(tracked.model, tracked.optimizer, read_dcp_metadata(step_dir), step_dir)
@@ -376,6 +470,22 @@ class Checkpointer:
         logger.info("loaded checkpoint step %d from %s", metadata.step, step_dir)
         return metadata.step
 
+    def _memory_step_to_load(self, target: int | str | os.PathLike) -> int | None:
+        """The snapshot step `load(target)` restores: "memory" asks for it (refused in one line
+        without one), "latest" takes it when it is newer than the disk's newest."""
+        if target != "memory" and (target != "latest" or self._memory is None):
+            return None
+        memory = self._memory
+        if memory is not None:
+            memory.wait()
+        step = memory.agreed_step() if memory is not None else None
+        if target == "memory":
+            if step is None:
+                raise CheckpointLoadError(self._no_snapshot(memory) + "; nothing was loaded")
+            return step
+        on_disk = self._steps.latest_valid_step()
+        return step if step is not None and (on_disk is None or step > on_disk) else None
+
     # ---- inspection --------------------------------------------------------------------------
 
     @property
@@ -394,9 +504,13 @@ class Checkpointer:
         return tuple(self._steps.entries())
 
     def latest(self) -> int | None:
-        """The step `load("latest")` would restore, or None."""
+        """The step `load("latest")` would restore, or None: the disk's newest, or the snapshot in
+        host memory that `track()` found, if newer."""
         self._raise_background_error()
-        return self._steps.latest_valid_step()
+        on_disk = self._steps.latest_valid_step()
+        if self._memory_step is not None and (on_disk is None or self._memory_step > on_disk):
+            return self._memory_step
+        return on_disk
 
     def status(self) -> CheckpointStatus:
         """A snapshot for the dashboard; never raises a background error (it reports it)."""
@@ -423,6 +537,8 @@ class Checkpointer:
             tracking.clear_tracked(self)
             self._executor.shutdown(wait=True)
             self._gate_optimizer_step(None)
+            if self._memory is not None:
+                self._memory.close()
             if self._stager is not None:
                 self._stager.close()
             self._destroy_groups()

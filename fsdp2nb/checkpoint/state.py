@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from fsdp2nb.errors import CheckpointMismatchError
 
@@ -51,6 +52,32 @@ def get_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
         return {MODEL_KEY: get_model_state_dict(model, options=options)}
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     return {MODEL_KEY: model_state, OPTIM_KEY: optim_state}
+
+
+def snapshot_training_state(tracked: Any, views: dict[str, torch.Tensor], param_groups: list[dict]) -> dict[str, Any]:
+    """The state `get_training_state` gives, holding a memory snapshot's tensors (`views`, keyed as
+    memory_snapshots.live_tensors keys them) instead of the live ones, for saving it to disk."""
+    state = get_training_state(tracked.model, tracked.optimizer)
+    model_state = state[MODEL_KEY]
+    for fqn, live in model_state.items():
+        if f"model.{fqn}" in views:
+            model_state[fqn] = _like(live, views[f"model.{fqn}"])
+    if OPTIM_KEY in state:
+        for fqn, entries in state[OPTIM_KEY]["state"].items():
+            for name, live in entries.items():
+                if isinstance(live, torch.Tensor) and f"optim.{fqn}.{name}" in views:
+                    entries[name] = _like(live, views[f"optim.{fqn}.{name}"])
+        for group, saved in zip(state[OPTIM_KEY]["param_groups"], param_groups, strict=True):
+            group.update(saved)  # its "params" (names) stay
+    return state
+
+
+def _like(live: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as `live` is: a DTensor's shard keeps its mesh and placements."""
+    if isinstance(live, DTensor):
+        return DTensor.from_local(local, live.device_mesh, live.placements, run_check=False,
+                                  shape=live.shape, stride=live.stride())
+    return local
 
 
 def set_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ Line magic::
     %fsdp2 pull loss --all                  # loss = {rank: value}
     w1 = %fsdp2 pull w --rank 1 --value     # returned: no notebook name is set
     %fsdp2 save [STEP]                      # save through the ranks' tracked Checkpointer
-    %fsdp2 load [STEP|latest]               # restore model, optimizer, RNG and step
+    %fsdp2 load [STEP|latest|memory]        # restore model, optimizer, RNG and step
     %fsdp2 dashboard                        # show the live dashboard (again)
     df = %fsdp2 metrics                     # what fsdp2nb.log recorded, as a table
     %fsdp2 debug [--rank R]                 # post-mortem of the last failed cell (pdb, as %debug)

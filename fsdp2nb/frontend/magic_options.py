@@ -106,7 +106,7 @@ def line_parsers() -> dict[str, MagicArgumentParser]:
     target.add_argument("--all", action="store_true", help="pull from every rank: a dict rank -> value")
     parsers["save"].add_argument("step", nargs="?", type=_non_negative_int, default=None,
                                  help="step to save as (default: the last step the checkpointer saw)")
-    parsers["load"].add_argument("target", nargs="?", default="latest", help="'latest' (default) or a step")
+    parsers["load"].add_argument("target", nargs="?", default="latest", help="'latest' (default), 'memory' (the snapshot in host memory) or a step")
     parsers["debug"].add_argument("--rank", type=int, default=None,
                                   help="the rank whose last error to open (default: the rank that failed first)")
     _add_plan_options(parsers["plan"])

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 _WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load", "debug"))
 """Commands that need the ranks, so wait for a background run as a later cell does."""
-_REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError"))
+_REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError", "MemorySnapshotRefused"))
 """Errors of `%fsdp2 save`/`load` that changed nothing and say what to do: shown without tracebacks."""
 
 
@@ -255,9 +255,9 @@ class FSDP2Magics(Magics):
 
     def _command_load(self, options) -> None:
         target = options.target
-        if target != "latest" and not (target.isascii() and target.isdigit()):
-            raise InvalidValue(f"%fsdp2 load takes 'latest' or a step number, got {target!r}")
-        self._run_checkpoint_command(LoadCheckpoint(target=int(target) if target.isdigit() else "latest"))
+        if target not in ("latest", "memory") and not (target.isascii() and target.isdigit()):
+            raise InvalidValue(f"%fsdp2 load takes 'latest', 'memory' or a step number, got {target!r}")
+        self._run_checkpoint_command(LoadCheckpoint(target=int(target) if target.isdigit() else target))
 
     def _run_checkpoint_command(self, command: RankCommand) -> None:
         """Save or load on the ranks. No tracked checkpointer, or a step that cannot be loaded

@@ -1,0 +1,514 @@
+"""Snapshots of a rank's training state in host memory that outlives the rank (`memory_every=N`).
+
+Every N steps `maybe_save` copies this rank's shards of the tracked state (trainable parameters,
+persistent buffers, optimizer state) into one of two slot files of the pool's snapshot store on a
+tmpfs (wire/memory_store.py), and its other state (step, RNG, scheduler, optimizer
+hyperparameters, extras) into a small file beside it. The copy runs on a thread: the next forward
+and backward only read what it copies, and the tracked optimizer's next step waits for it, as for
+an async save. The slot written is never the one that holds the newest complete snapshot, and it
+is marked incomplete in the manifest before the copy starts, so a rank killed mid-copy leaves its
+previous snapshot whole.
+
+Ranks do not finish their copies at the same moment: a rank may start copying step S while a
+slower neighbour still copies S-N. Before overwriting its older slot (step S-2N), a rank waits
+until every rank of its host holds S-N, so that one step stays complete on all of them whichever
+rank dies. (Ranks on other hosts cannot be seen: across hosts that window stays open.)
+
+Restoring is collective: the ranks agree on the newest step every one of them holds, check that
+the snapshot was taken of this model on this world size and mesh (refused in one line, nothing
+changed), then copy it back into the live tensors bitwise.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import mmap
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp2nb.checkpoint.rank_file import Tracked
+from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state
+from fsdp2nb.collectives import FailedElsewhere, all_gathered_objects, describe, gathered_if_all_succeeded
+from fsdp2nb.errors import MemorySnapshotRefused
+from fsdp2nb.host_memory import available_bytes
+from fsdp2nb.sizes import size
+from fsdp2nb.wire import memory_store
+from fsdp2nb.wire.memory_store import MANIFEST_VERSION, complete_steps
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 64
+_PEER_POLL_S = 0.0005
+_MAX_LISTED = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """Where one tensor of the snapshot lies in a slot, and what it is."""
+
+    key: str
+    """"model.<fqn>" or "optim.<fqn>.<state name>"."""
+    shape: tuple[int, ...]
+    """This rank's local shape."""
+    dtype: str
+    offset: int
+    num_bytes: int
+    sharded: bool
+    """A DTensor's local shard (restored into one, made like its parameter if missing)."""
+    on_cpu: bool
+    """Kept on the CPU whatever the parameter's device (Adam's `step`)."""
+
+    def as_json(self) -> list:
+        return [self.key, list(self.shape), self.dtype, self.offset, self.num_bytes, self.sharded, self.on_cpu]
+
+    @classmethod
+    def from_json(cls, row: list) -> Entry:
+        key, shape, dtype, offset, num_bytes, sharded, on_cpu = row
+        return cls(key, tuple(shape), dtype, offset, num_bytes, sharded, on_cpu)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def live_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """What a snapshot copies, by key, in a fixed order: the trainable parameters and persistent
+    buffers of `model`, then each optimizer state tensor (frozen parameters come from the
+    pretrained weights, as for disk checkpoints)."""
+    tensors: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    for fqn, param in model.named_parameters():
+        names[id(param)] = fqn
+        if param.requires_grad:
+            tensors[f"model.{fqn}"] = param
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                tensors[f"model.{module_name}.{name}".replace("model..", "model.")] = buffer
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                for state_name, value in sorted(optimizer.state.get(param, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"optim.{names.get(id(param), '?')}.{state_name}"] = value
+    return tensors
+
+
+def layout_of(tensors: dict[str, torch.Tensor]) -> list[Entry]:
+    entries, offset = [], 0
+    for key, tensor in tensors.items():
+        local = _local(tensor)
+        num_bytes = local.numel() * local.element_size()
+        entries.append(Entry(key, tuple(local.shape), str(local.dtype).removeprefix("torch."), offset, num_bytes,
+                             isinstance(tensor, DTensor), key.startswith("optim.") and tensor.device.type == "cpu"))
+        offset += -(-num_bytes // _ALIGN) * _ALIGN
+    return entries
+
+
+def _layout_bytes(entries: list[Entry]) -> int:
+    return max((entry.offset + entry.num_bytes for entry in entries), default=0)
+
+
+def mesh_description(model: nn.Module) -> str:
+    """The device mesh the model's parameters are sharded over, as the manifest records it."""
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            return f"{mesh.device_type}{tuple(mesh.shape)}{tuple(mesh.mesh_dim_names or ())}"
+    return "unsharded"
+
+
+class _Slot:
+    """One slot file mapped into this process."""
+
+    def __init__(self, path: Path, num_bytes: int) -> None:
+        self.path, self.num_bytes = path, num_bytes
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(descriptor).st_size < num_bytes:
+                os.posix_fallocate(descriptor, 0, num_bytes)  # a full tmpfs fails here, not as SIGBUS mid-copy
+            self._map = mmap.mmap(descriptor, max(num_bytes, 1))
+        finally:
+            os.close(descriptor)
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=num_bytes) if num_bytes else \
+            torch.empty(0, dtype=torch.uint8)
+        self.pinned = False
+
+    def view(self, entry: Entry) -> torch.Tensor:
+        raw = self.bytes[entry.offset:entry.offset + entry.num_bytes]
+        return raw.view(getattr(torch, entry.dtype)).view(entry.shape)
+
+    def pin(self) -> None:
+        """Page-lock the slot for the GPU's copies (cudaHostRegister), once."""
+        if not self.pinned and self.num_bytes:
+            torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.num_bytes, 0)
+            self.pinned = True
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+        self.bytes = torch.empty(0, dtype=torch.uint8)
+        try:
+            self._map.close()
+        except BufferError:  # a view handed out is still alive: the mapping goes with it
+            pass
+
+
+class MemorySnapshots:
+    """One Checkpointer's snapshots in the pool's store; made on every rank."""
+
+    def __init__(self, store: str, directory: Path, *, rank: int, world_size: int, local_ranks: range,
+                 group: dist.ProcessGroup | None) -> None:
+        self.folder = memory_store.checkpointer_folder(store, directory)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # another host's store may not exist yet
+        self.directory, self.rank, self.world_size = str(directory), rank, world_size
+        self.local_ranks, self._group = local_ranks, group
+        self._slots: list[_Slot | None] = [None, None]
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="fsdp2nb-memory")
+        self._copy: Future | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._board = _Board(self.folder / "board", world_size)
+        self.manifest = memory_store.read_manifest(self.folder, rank) or {}
+        self._restored_mesh: str | None = None
+        self.copy_s = 0.0
+        """Seconds spent in copies (on the thread)."""
+
+    # ---- taking ------------------------------------------------------------------------------
+
+    def take(self, tracked: Tracked, step: int) -> None:
+        """Start copying the state at `step`; returns once the copy runs. Collective only when
+        slots are (re)made: the ranks agree that the host has room for them first."""
+        self.wait()
+        tensors = live_tensors(tracked.model, tracked.optimizer)
+        layout = layout_of(tensors)
+        index = self._slot_to_write()
+        slot = self._slot_for(index, layout)
+        blob = _state_blob(tracked, step)
+        ready = _queued_gpu_work(tensors)
+        previous = self.newest_step()
+        self._copy = self._copier.submit(self._copy_into, index, slot, step, layout, tensors, blob, previous,
+                                         mesh_description(tracked.model), ready)
+
+    def wait(self) -> None:
+        """Block until the copy in flight is in its slot; raise what failed it."""
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            copy.result()
+
+    def newest_step(self) -> int | None:
+        steps = complete_steps(self.manifest) if self.manifest else {}
+        return max(steps) if steps else None
+
+    def _slot_to_write(self) -> int:
+        slots = self.manifest.get("slots") or [None, None]
+        if slots[0] is None:
+            return 0
+        if slots[1] is None:
+            return 1
+        return 0 if slots[0]["step"] < slots[1]["step"] else 1
+
+    def _slot_for(self, index: int, layout: list[Entry]) -> _Slot:
+        needed = _layout_bytes(layout)
+        slot = self._slots[index]
+        if slot is not None and slot.num_bytes == needed:
+            return slot
+        self._check_room(needed, slot.num_bytes if slot is not None else 0)
+        if slot is not None:
+            slot.close()
+        self._slots[index] = slot = _Slot(memory_store.slot_path(self.folder, self.rank, index), needed)
+        return slot
+
+    def _check_room(self, needed: int, held: int) -> None:
+        """Refuse, on every rank alike and before any copy, slots the host cannot hold."""
+        wanted = 2 * needed - held if not any(self._slots) else needed - held
+        mine = (int(os.environ.get("GROUP_RANK", "0")), max(0, wanted), available_bytes(), _tmpfs_free(self.folder))
+        gathered = all_gathered_objects(mine, self._group)
+        node = mine[0]
+        here = [entry for entry in gathered if entry[0] == node]
+        total = sum(entry[1] for entry in here)
+        room = min(min(entry[2] for entry in here), min(entry[3] for entry in here))
+        if total > room:
+            raise MemorySnapshotRefused(
+                f"memory_every: the snapshots of this host's {len(here)} ranks need {size(total)} more host memory "
+                f"(two copies of {size(needed)} per rank) but {size(room)} is available "
+                f"(in {memory_store.shared_memory_dir()}); nothing was copied: free memory, or save to disk "
+                "only (memory_every=None)")
+
+    def _copy_into(self, index: int, slot: _Slot, step: int, layout: list[Entry], tensors: dict[str, torch.Tensor],
+                   blob: bytes, previous: int | None, mesh: str, ready: Any) -> None:
+        started = time.perf_counter()
+        if previous is not None:
+            self._wait_for_neighbours(previous)
+        slots = list(self.manifest.get("slots") or [None, None])
+        slots[index] = None  # incomplete until the copy is whole
+        self._write_manifest(slots, mesh)
+        _copy_tensors(slot, layout, tensors, ready, self)
+        (slot.path.parent / f"{slot.path.name}.state").write_bytes(blob)
+        slots[index] = {"step": step, "layout": [entry.as_json() for entry in layout]}
+        self._write_manifest(slots, mesh)
+        self._board.set(self.rank, step)
+        self.copy_s += time.perf_counter() - started
+
+    def _wait_for_neighbours(self, step: int) -> None:
+        """Until every rank of this host holds `step` (see the module's docstring)."""
+        while any(self._board.get(rank) < step for rank in self.local_ranks):
+            time.sleep(_PEER_POLL_S)
+
+    def _write_manifest(self, slots: list, mesh: str) -> None:
+        self.manifest = {
+            "version": MANIFEST_VERSION, "directory": self.directory, "rank": self.rank,
+            "world_size": self.world_size, "local_world_size": len(self.local_ranks), "mesh": mesh,
+            "pid": os.getpid(), "slots": slots,
+        }
+        memory_store.write_manifest(self.folder, self.rank, self.manifest)
+
+    # ---- restoring ---------------------------------------------------------------------------
+
+    def agreed_step(self, *, unless_own: bool = False) -> int | None:
+        """Collective: the newest step every rank holds; None if there is none (or, with
+        `unless_own`, when every rank's snapshot is this very process's: the state is live)."""
+        manifest = memory_store.read_manifest(self.folder, self.rank) or {}
+        taken_on = manifest.get("world_size")
+        steps = sorted(complete_steps(manifest)) if taken_on == self.world_size else []
+        own = manifest.get("pid") == os.getpid()
+        gathered = all_gathered_objects((steps, own, taken_on), self._group)
+        other_sizes = {entry[2] for entry in gathered if entry[2] not in (None, self.world_size)}
+        if other_sizes:
+            raise MemorySnapshotRefused(
+                f"the snapshot of {self.directory} in host memory was taken on {other_sizes.pop()} ranks, this pool "
+                f"has {self.world_size}; nothing was changed: `%fsdp2 stop` frees it (or use another directory)")
+        if unless_own and all(entry[1] for entry in gathered):
+            return None
+        common = set.intersection(*(set(entry[0]) for entry in gathered))
+        return max(common) if common else None
+
+    def describe_missing(self) -> str:
+        """Why no snapshot can be restored, for `load("memory")`."""
+        if not any(self.folder.glob("rank-*.json")):
+            return f"no snapshot of {self.directory} is kept in this pool's host memory"
+        return f"no step of {self.directory} is held whole by every rank in host memory"
+
+    def restore(self, tracked: Tracked, step: int) -> dict[str, Any]:
+        """Collective: copy snapshot `step` into the live state; returns the rank's other state
+        (applied by the caller). Refused on every rank, nothing changed, if it does not fit."""
+        error: BaseException | None = None
+        try:
+            slot, layout, blob = self._open_step(step)
+            state = torch.load(io.BytesIO(blob), weights_only=True)
+            self._check_matches(tracked, layout, state)
+        except (MemorySnapshotRefused, OSError, ValueError, KeyError, RuntimeError) as exc:
+            error = exc if isinstance(exc, MemorySnapshotRefused) else MemorySnapshotRefused(
+                f"rank {self.rank}: the snapshot of step {step} cannot be read ({describe(exc)}); nothing was changed")
+        try:
+            gathered_if_all_succeeded(None, error, "restoring from memory", self._group)
+        except FailedElsewhere as elsewhere:
+            raise MemorySnapshotRefused(f"{elsewhere}") from None
+        _copy_back(slot, layout, tracked)
+        if tracked.optimizer is not None:
+            for live, saved in zip(tracked.optimizer.param_groups, state["param_groups"], strict=True):
+                live.update(saved)
+        if tracked.scheduler is not None and state["scheduler"] is not None:
+            tracked.scheduler.load_state_dict(state["scheduler"])
+        for name, obj in tracked.extra.items():
+            if name in state["extra"]:
+                obj.load_state_dict(state["extra"][name])
+        restore_rng_state(state["rng"])
+        self._adopt(slot, step)
+        return state
+
+    def _open_step(self, step: int) -> tuple[_Slot, list[Entry], bytes]:
+        manifest = memory_store.read_manifest(self.folder, self.rank)
+        if manifest is None:
+            raise MemorySnapshotRefused(f"rank {self.rank} has no snapshot manifest in {self.folder}")
+        index = complete_steps(manifest)[step]
+        layout = [Entry.from_json(row) for row in manifest["slots"][index]["layout"]]
+        path = memory_store.slot_path(self.folder, self.rank, index)
+        slot = self._slots[index]
+        if slot is None or slot.num_bytes != _layout_bytes(layout):
+            slot = _Slot(path, _layout_bytes(layout))
+        self.manifest = manifest
+        self._restored_mesh = manifest.get("mesh")
+        return slot, layout, (path.parent / f"{path.name}.state").read_bytes()
+
+    def _check_matches(self, tracked: Tracked, layout: list[Entry], state: dict[str, Any]) -> None:
+        optimizer = tracked.optimizer
+        if optimizer is not None and len(state["param_groups"]) != len(optimizer.param_groups):
+            raise MemorySnapshotRefused(f"the snapshot's optimizer has {len(state['param_groups'])} parameter groups, "
+                                        f"this one {len(optimizer.param_groups)}; nothing was changed")
+        mesh = mesh_description(tracked.model)
+        if self._restored_mesh != mesh:
+            raise MemorySnapshotRefused(f"the snapshot of {self.directory} was taken on the mesh {self._restored_mesh}, "
+                                        f"this model is sharded on {mesh}; nothing was changed")
+        live = {entry.key: entry for entry in layout_of(live_tensors(tracked.model, None))}
+        saved = {entry.key: entry for entry in layout if entry.key.startswith("model.")}
+        differ = [key for key in saved.keys() | live.keys()
+                  if key not in live or key not in saved or (saved[key].shape, saved[key].dtype)
+                  != (live[key].shape, live[key].dtype)]
+        if differ:
+            listed = ", ".join(sorted(differ)[:_MAX_LISTED]) + (" ..." if len(differ) > _MAX_LISTED else "")
+            raise MemorySnapshotRefused(f"the snapshot of {self.directory} in host memory is of another model "
+                                        f"({len(differ)} tensors differ: {listed}); nothing was changed: "
+                                        "`%fsdp2 stop` frees it (or use another directory)")
+        params = {f"optim.{fqn}." for fqn, param in tracked.model.named_parameters() if param.requires_grad}
+        for entry in layout:
+            if entry.key.startswith("optim.") and tracked.optimizer is None:
+                raise MemorySnapshotRefused("the snapshot holds optimizer state but no optimizer is tracked; "
+                                            "track the optimizer too; nothing was changed")
+            if entry.key.startswith("optim.") and not any(entry.key.startswith(prefix) for prefix in params):
+                raise MemorySnapshotRefused(f"the snapshot's {entry.key} names no trainable parameter of this "
+                                            "model; nothing was changed")
+
+    def _adopt(self, slot: _Slot, step: int) -> None:
+        """Take the restored slot as this rank's own: the next snapshot goes into the other."""
+        index = complete_steps(self.manifest)[step]
+        other = self._slots[index]
+        if other is not None and other is not slot:
+            other.close()
+        self._slots[index] = slot
+        slots = list(self.manifest["slots"])
+        slots[1 - index] = None  # never written by these ranks: not whole for them
+        self._write_manifest(slots, self.manifest.get("mesh", ""))
+        self._board.set(self.rank, step)
+
+    def saved_views(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The tensors of snapshot `step` (views of its slot) and its other state, for writing it to disk."""
+        slot, layout, blob = self._open_step(step)
+        return {entry.key: slot.view(entry) for entry in layout}, torch.load(io.BytesIO(blob), weights_only=True)
+
+    def close(self) -> None:
+        """Wait for the copy in flight, then unmap the slots (the store keeps the files)."""
+        try:
+            self.wait()
+        finally:
+            self._copier.shutdown(wait=True)
+            for slot in self._slots:
+                if slot is not None:
+                    slot.close()
+            self._slots = [None, None]
+            self._board.close()
+
+
+class _Board:
+    """Each rank's newest complete step, an int64 per rank in a shared file (-1: none)."""
+
+    def __init__(self, path: Path, world_size: int) -> None:
+        num_bytes = 8 * world_size
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(descriptor).st_size < num_bytes:
+                os.posix_fallocate(descriptor, 0, num_bytes)
+            self._map = mmap.mmap(descriptor, num_bytes)
+        finally:
+            os.close(descriptor)
+        self._steps = memoryview(self._map).cast("q")
+
+    def get(self, rank: int) -> int:
+        return self._steps[rank] - 1  # a new file is zeros: 0 means none
+
+    def set(self, rank: int, step: int) -> None:
+        self._steps[rank] = step + 1
+
+    def close(self) -> None:
+        self._steps.release()
+        self._map.close()
+
+
+def _state_blob(tracked: Tracked, step: int) -> bytes:
+    """What the snapshot keeps besides tensors, taken now (training goes on changing it)."""
+    optimizer = tracked.optimizer
+    groups = [{key: value for key, value in group.items() if key != "params"}
+              for group in optimizer.param_groups] if optimizer is not None else []
+    state = {
+        "step": step, "rng": capture_rng_state(), "param_groups": groups,
+        "scheduler": tracked.scheduler.state_dict() if tracked.scheduler is not None else None,
+        "extra": {name: obj.state_dict() for name, obj in tracked.extra.items()},
+    }
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _queued_gpu_work(tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
+    """An event after the work queued so far on this thread's stream, where the state is on a GPU."""
+    if not any(_local(tensor).is_cuda for tensor in tensors.values()):
+        return None
+    return torch.cuda.current_stream().record_event()
+
+
+def _copy_tensors(slot: _Slot, layout: list[Entry], tensors: dict[str, torch.Tensor], ready: Any,
+                  owner: MemorySnapshots) -> None:
+    if ready is None:
+        for entry, tensor in zip(layout, tensors.values(), strict=True):
+            slot.view(entry).copy_(_local(tensor).detach())
+        return
+    slot.pin()  # device to page-locked host memory: the copies run without blocking the stream
+    if owner._stream is None:
+        owner._stream = torch.cuda.Stream()
+    with torch.cuda.stream(owner._stream):
+        owner._stream.wait_event(ready)
+        for entry, tensor in zip(layout, tensors.values(), strict=True):
+            slot.view(entry).copy_(_local(tensor).detach(), non_blocking=True)
+    owner._stream.synchronize()
+
+
+def _copy_back(slot: _Slot, layout: list[Entry], tracked: Tracked) -> None:
+    """Put the slot's tensors into the live model and optimizer; optimizer state a fresh
+    optimizer has not made yet is made like its parameter."""
+    live = live_tensors(tracked.model, None)
+    params = {fqn: param for fqn, param in tracked.model.named_parameters()}
+    optimizer = tracked.optimizer
+    with torch.no_grad():
+        for entry in layout:
+            saved = slot.view(entry)
+            if entry.key.startswith("model."):
+                _local(live[entry.key]).copy_(saved)
+                continue
+            assert optimizer is not None, "checked before: optimizer state needs an optimizer"
+            fqn, _, name = entry.key.removeprefix("optim.").rpartition(".")
+            param = params[fqn]
+            state = optimizer.state[param]
+            current = state.get(name)
+            if isinstance(current, torch.Tensor) and tuple(_local(current).shape) == entry.shape:
+                _local(current).copy_(saved)
+            else:
+                state[name] = _made_like(param, saved, entry)
+
+
+def _made_like(param: torch.Tensor, saved: torch.Tensor, entry: Entry) -> torch.Tensor:
+    device = torch.device("cpu") if entry.on_cpu else _local(param).device
+    local = saved.to(device=device, copy=True)
+    if entry.sharded and isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return local
+
+
+def _tmpfs_free(folder: Path) -> int:
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return 0
+    return info.f_bavail * info.f_frsize
+
+
+def local_rank_range(rank: int) -> range:
+    """The ranks of this rank's host, from torchrun's variables (all ranks of one host: together)."""
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    node = int(os.environ.get("GROUP_RANK", str(rank // max(1, local_world_size))))
+    return range(node * local_world_size, (node + 1) * local_world_size)
+
+
+def store_of_this_rank() -> str | None:
+    """The pool's snapshot store (set on every rank), or None outside a pool."""
+    return os.environ.get(memory_store.MEMORY_DIR_ENV) or None
+

@@ -1,0 +1,176 @@
+"""Where in-memory snapshots of training state live, and what their manifests say (no torch).
+
+A snapshot store is a directory on a tmpfs (`/dev/shm`, or `FSDP2NB_SHARED_MEMORY_DIR`): its files
+are host memory that outlives the processes that wrote them, so a rank killed by the OOM killer,
+a dead host agent or a restarted pool leaves the last snapshot for the next ranks to restore.
+Each store belongs to one kernel's session (`session-PID-START`) or to one kept pool (`kept-NAME`),
+and inside it each Checkpointer directory has its own folder of per-rank files:
+
+    rank-00000.json         the manifest: each slot's step and tensor layout (replaced whole)
+    rank-00000.slot0/1      the tensors of a slot, at the offsets the layout gives
+    rank-00000.slot0/1.state  the rank's other state (RNG, scheduler, step), a torch.save blob
+    board                   the newest complete step of every rank, an int64 each
+
+The kernel reads the manifests (which step is kept, how big) for `%fsdp2 status` and for the note
+after a restart; the ranks write and restore the slots (checkpoint/memory_snapshots.py). Whoever
+ends the owner removes the store: `%fsdp2 stop` and the kernel's exit, a kept pool's end, the host
+agent when its kernel is gone, and the reaper for a store whose kernel or kept pool no longer exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MEMORY_DIR_ENV = "FSDP2NB_MEMORY_DIR"
+"""Set on every rank of a pool: the store its Checkpointers keep snapshots in."""
+SHARED_MEMORY_DIR_ENV = "FSDP2NB_SHARED_MEMORY_DIR"
+"""Another tmpfs instead of /dev/shm (a container whose /dev/shm is 64 MB)."""
+MANIFEST_VERSION = 1
+
+
+def shared_memory_dir() -> str:
+    return os.environ.get(SHARED_MEMORY_DIR_ENV) or "/dev/shm"
+
+
+def stores_root() -> Path:
+    """This user's directory of snapshot stores (0700), made on first use."""
+    path = Path(shared_memory_dir()) / f"fsdp2nb-snapshots-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = os.lstat(path)  # another user could have made the name first in a shared tmpfs
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is not a directory owned by this user; remove it (or set "
+                           f"{SHARED_MEMORY_DIR_ENV} elsewhere) and start the pool again")
+    return path
+
+
+def session_store(pid: int, create_time: float) -> Path:
+    """The store of the kernel (pid, start time): its pools' snapshots survive their restarts."""
+    return stores_root() / f"session-{pid}-{int(create_time * 1000)}"
+
+
+def kept_store(name: str) -> Path:
+    """The store of the kept pool `name`: it outlives the kernels that hold the pool."""
+    return stores_root() / f"kept-{name}"
+
+
+def checkpointer_folder(store: str | os.PathLike, directory: str | os.PathLike) -> Path:
+    """Where the snapshots of the Checkpointer of `directory` live in `store`."""
+    digest = hashlib.sha256(str(directory).encode()).hexdigest()[:16]
+    return Path(store) / digest
+
+
+def manifest_path(folder: Path, rank: int) -> Path:
+    return folder / f"rank-{rank:05d}.json"
+
+
+def slot_path(folder: Path, rank: int, slot: int) -> Path:
+    return folder / f"rank-{rank:05d}.slot{slot}"
+
+
+def write_manifest(folder: Path, rank: int, manifest: dict[str, Any]) -> None:
+    """Replace the rank's manifest whole: a reader sees the old one or the new one."""
+    target = manifest_path(folder, rank)
+    temporary = target.with_suffix(".tmp")
+    temporary.write_text(json.dumps(manifest))
+    os.replace(temporary, target)
+
+
+def read_manifest(folder: Path, rank: int) -> dict[str, Any] | None:
+    """The rank's manifest, or None if it has none or it cannot be read."""
+    try:
+        manifest = json.loads(manifest_path(folder, rank).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("version") == MANIFEST_VERSION else None
+
+
+def complete_steps(manifest: dict[str, Any]) -> dict[int, int]:
+    """Step -> slot of each complete snapshot the manifest names."""
+    return {slot["step"]: index for index, slot in enumerate(manifest.get("slots", ())) if slot is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class KeptSnapshot:
+    """The newest snapshot of one Checkpointer that every rank of this host holds."""
+
+    directory: str
+    """The Checkpointer's directory."""
+    step: int
+    world_size: int
+    num_ranks_here: int
+    num_bytes: int
+    """Host memory the store's files of this Checkpointer take (both slots of every rank here)."""
+
+    def describe(self) -> str:
+        from fsdp2nb.sizes import size
+
+        return f"step {self.step} of {self.directory} ({size(self.num_bytes)} of host memory)"
+
+
+def kept_snapshots(store: str | os.PathLike | None) -> list[KeptSnapshot]:
+    """What `store` holds, one entry per Checkpointer with a step complete on every rank here."""
+    if not store or not Path(store).is_dir():
+        return []
+    found = []
+    for folder in sorted(Path(store).iterdir()):
+        snapshot = _newest_common(folder)
+        if snapshot is not None:
+            found.append(snapshot)
+    return found
+
+
+def _newest_common(folder: Path) -> KeptSnapshot | None:
+    manifests = [m for path in folder.glob("rank-*.json") if (m := _read_json(path)) is not None]
+    if not manifests:
+        return None
+    common = set.intersection(*(set(complete_steps(m)) for m in manifests))
+    world_size = manifests[0].get("world_size", len(manifests))
+    if not common or len(manifests) < manifests[0].get("local_world_size", 1):
+        return None
+    num_bytes = sum(path.stat().st_size for path in folder.iterdir() if path.is_file())
+    return KeptSnapshot(directory=manifests[0].get("directory", "?"), step=max(common), world_size=world_size,
+                        num_ranks_here=len(manifests), num_bytes=num_bytes)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) and value.get("version") == MANIFEST_VERSION else None
+
+
+def remove_store(store: str | os.PathLike | None) -> None:
+    """Free a store's memory; safe to call twice."""
+    if store:
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def sweep_stores(session_alive: Callable[[int, float], bool], kept_exists: Callable[[str], bool]) -> int:
+    """Remove the stores whose kernel has ended or whose kept pool is gone; returns how many."""
+    removed = 0
+    try:
+        stores = list(stores_root().iterdir())
+    except (OSError, RuntimeError):
+        return 0
+    for store in stores:
+        kind, _, rest = store.name.partition("-")
+        if kind == "session":
+            pid, _, millis = rest.partition("-")
+            orphaned = not (pid.isdigit() and millis.isdigit() and session_alive(int(pid), int(millis) / 1000))
+        elif kind == "kept":
+            orphaned = not kept_exists(rest)
+        else:
+            continue
+        if orphaned:
+            remove_store(store)
+            removed += 1
+    return removed

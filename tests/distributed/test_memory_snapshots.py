@@ -1,0 +1,137 @@
+"""Snapshots in host memory (`memory_every`): taken by one set of ranks, restored bitwise by the
+next (new processes, as after a pool restart), refused for another model or world size."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from fsdp2nb.checkpoint import Checkpointer
+from fsdp2nb.errors import MemorySnapshotRefused
+from fsdp2nb.wire import memory_store
+from tests.support.checkpoint_helpers import (
+    assert_same,
+    build,
+    full_model_state,
+    full_optim_state,
+    train_step,
+)
+from tests.support.gloo_harness import run_ranks
+
+SNAPSHOT_STEP = 4
+NUM_STEPS = 7
+
+
+def _seeded(rank: int) -> None:
+    torch.manual_seed(1234 + rank)
+    random.seed(rank)
+
+
+def _train(store: str, directory: str, *, stop_after: int, memory_every: int | None = 1) -> dict:
+    import torch.distributed as dist
+
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    _seeded(dist.get_rank())
+    model, optimizer, scheduler = build(seed=0)
+    ckpt = Checkpointer(directory, memory_every=memory_every).track(model=model, optimizer=optimizer,
+                                                                    scheduler=scheduler)
+    losses = []
+    for step in range(stop_after + 1):
+        losses.append(train_step(model, optimizer, scheduler))
+        ckpt.maybe_save(step)
+    ckpt.wait()
+    at_stop = (full_model_state(model), full_optim_state(model, optimizer), scheduler.get_last_lr())
+    rest = [train_step(model, optimizer, scheduler) for _ in range(stop_after + 1, NUM_STEPS)]
+    ckpt.close()
+    return dict(losses=losses, at_stop=at_stop, rest=rest)
+
+
+def _restore(store: str, directory: str) -> dict:
+    import torch.distributed as dist
+
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    torch.manual_seed(999)  # the restored run must not depend on the generator's state now
+    model, optimizer, scheduler = build(seed=7)
+    ckpt = Checkpointer(directory, memory_every=1).track(model=model, optimizer=optimizer, scheduler=scheduler)
+    restored = ckpt.last_step
+    state = (full_model_state(model), full_optim_state(model, optimizer), scheduler.get_last_lr())
+    rest = [train_step(model, optimizer, scheduler) for _ in range(restored + 1, NUM_STEPS)]
+    latest = ckpt.latest()
+    ckpt.close()
+    return dict(restored=restored, state=state, rest=rest, latest=latest, rank=dist.get_rank())
+
+
+def _refused_for_other_model(store: str, directory: str) -> str:
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    model, optimizer, scheduler = build(seed=7, hidden_size=48)
+    before = full_model_state(model)
+    try:
+        Checkpointer(directory).track(model=model, optimizer=optimizer, scheduler=scheduler)
+    except MemorySnapshotRefused as refused:
+        assert_same(before, full_model_state(model))  # nothing changed
+        assert not optimizer.state
+        return str(refused)
+    return "not refused"
+
+
+def _refused_for_other_world_size(store: str, directory: str) -> str:
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    model, optimizer, _ = build(seed=0)
+    try:
+        Checkpointer(directory).track(model=model, optimizer=optimizer)
+    except MemorySnapshotRefused as refused:
+        assert not optimizer.state
+        return str(refused)
+    return "not refused"
+
+
+def _load_memory_without_snapshot(store: str, directory: str) -> str:
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    model, optimizer, _ = build(seed=0)
+    ckpt = Checkpointer(directory).track(model=model, optimizer=optimizer)
+    try:
+        ckpt.load("memory")
+    except ValueError as refused:
+        return str(refused)
+    finally:
+        ckpt.close()
+    return "not refused"
+
+
+@pytest.fixture()
+def store(tmp_path):
+    directory = memory_store.stores_root() / f"test-{os.getpid()}-{random.getrandbits(32)}"
+    directory.mkdir(mode=0o700)
+    yield str(directory)
+    memory_store.remove_store(directory)
+
+
+def test_a_new_set_of_ranks_restores_the_snapshot_bitwise_and_trains_on_alike(store, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    unfaulted = run_ranks(_train, 2, store, directory, stop_after=NUM_STEPS - 1, memory_every=None)
+    memory_store.remove_store(memory_store.checkpointer_folder(store, os.path.abspath(directory)))
+    first = run_ranks(_train, 2, store, directory, stop_after=SNAPSHOT_STEP)
+    kept = memory_store.kept_snapshots(store)
+    assert [(k.step, k.num_ranks_here, k.world_size) for k in kept] == [(SNAPSHOT_STEP, 2, 2)]
+
+    second = run_ranks(_restore, 2, store, directory)
+    for before, after, plain in zip(first, second, unfaulted, strict=True):
+        assert after["restored"] == SNAPSHOT_STEP and after["latest"] == SNAPSHOT_STEP
+        assert_same(before["at_stop"][0], after["state"][0])
+        assert_same(before["at_stop"][1], after["state"][1])
+        assert before["at_stop"][2] == after["state"][2]
+        assert before["rest"] == after["rest"] == plain["losses"][SNAPSHOT_STEP + 1:]
+
+
+def test_a_snapshot_of_another_model_or_world_size_is_refused(store, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    run_ranks(_train, 2, store, directory, stop_after=2)
+    messages = run_ranks(_refused_for_other_model, 2, store, directory)
+    assert all("of another model" in message and "nothing was changed" in message for message in messages)
+    other = run_ranks(_refused_for_other_world_size, 3, store, directory)
+    assert all("taken on 2 ranks, this pool has 3" in message for message in other), other
+    nothing = run_ranks(_load_memory_without_snapshot, 2, store, str(tmp_path / "elsewhere"))
+    assert all("no snapshot of" in message for message in nothing), nothing
