@@ -43,6 +43,7 @@ from fsdp2nb.errors import WrongTrainerClass
 logger = logging.getLogger(__name__)
 
 _MARK = "_fsdp2nb_trainer_building"
+_ACCELERATE_MARK = "_is_accelerate_prepared"  # set on a model by accelerate's prepare_model
 
 
 class FSDP2TrainerMixin:
@@ -64,6 +65,41 @@ class FSDP2TrainerMixin:
         # Set after __init__, which refuses optimizer checkpoints for such models: we save them with DCP.
         self.is_distributed_loading_by_transformers = True
         self.place_model_on_device = False
+        self._prepared_the_model = False  # whether this trainer's accelerator has prepared self.model
+        self._in_call = False
+
+    # ---- the model between calls ----------------------------------------------------------------
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        with self._accelerate_mark_held():
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        with self._accelerate_mark_held():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        with self._accelerate_mark_held():
+            return super().predict(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _accelerate_mark_held(self):
+        """Accelerate marks a model it prepared on the model itself, and every later Accelerator
+        then takes it as prepared: a plain Trainer given the model next would skip the DDP wrap
+        that refuses it, train it unwrapped and fail deep in safetensors at its first save. So
+        the mark is on the model only while one of this trainer's calls runs; between calls the
+        model is as `load_model` left it, and a plain Trainer is refused as on a fresh model."""
+        if self._in_call:  # evaluate() inside train()
+            yield
+            return
+        model, self._in_call = self.model, True
+        if self._prepared_the_model:  # prepared before: accelerate must not wrap its forward again
+            setattr(model, _ACCELERATE_MARK, True)
+        try:
+            yield
+        finally:
+            self._in_call = False
+            self._prepared_the_model = model.__dict__.pop(_ACCELERATE_MARK, False)
 
     # ---- saving -------------------------------------------------------------------------------
 

@@ -89,6 +89,28 @@ def test_a_plain_trainer_given_a_load_model_model_says_in_one_line_to_use_traine
 
 
 @pytest.mark.timeout(300)
+def test_a_plain_trainer_after_trainer_for_trained_the_model_says_in_one_line_to_use_trainer_for(dash):
+    trained = dash.run("%%fsdp2\nmodel = load()\nfsdp2nb.trainer_for(transformers.Trainer)(model=model, "
+                       "args=arguments(max_steps=2), train_dataset=data).train()\n"
+                       "before = {name: p.detach().clone() for name, p in model.named_parameters()}")
+    assert not _error_lines(trained), _error_lines(trained)
+    messages = dash.run("%%fsdp2\ntransformers.Trainer(model=model, args=arguments(max_steps=2), "
+                        "train_dataset=data).train()\nprint('trained')")
+    lines = [line for line in _error_lines(messages) if "re-formed in place" not in line]
+    assert "trained" not in _stream(messages)
+    assert len(lines) == 1 and lines[0].startswith("[all] ranks 0, 1 raised"), lines
+    assert "fsdp2nb.trainer_for(Trainer)" in lines[0], lines
+    # Nothing changed on the ranks: the model is the same module with the same weights, and trains on.
+    after = dash.run("%%fsdp2\nprint('unchanged', type(model).__name__, all(torch.equal(p, before[name]) "
+                     "for name, p in model.named_parameters()))\n"
+                     "fsdp2nb.trainer_for(transformers.Trainer)(model=model, args=arguments(max_steps=1), "
+                     "train_dataset=data).train()\nprint('trained on')")
+    out = _stream(after)
+    assert not _error_lines(after), _error_lines(after)
+    assert "unchanged FSDPLlamaForCausalLM True" in out and "trained on" in out, out
+
+
+@pytest.mark.timeout(300)
 def test_save_and_stop_from_the_dashboard_drive_a_running_trainer(dash):
     save = dash.comm_of(_model_name="ButtonModel", description="Save now")
     stop = dash.comm_of(_model_name="ButtonModel", description="Stop")
