@@ -19,6 +19,7 @@ from fsdp2nb.engine.config import INIT_CHOICES
 from fsdp2nb.engine.engine import FSDP2Engine
 from fsdp2nb.engine.hf_files import find_checkpoint_files, refuse_quantized
 from fsdp2nb.engine.hub import resolve_model_dir
+from fsdp2nb.engine.loaded_model import note_loaded
 from fsdp2nb.engine.lora import apply_lora, materialize_adapter_init, shared_seed
 from fsdp2nb.engine.mesh import InvalidMesh
 from fsdp2nb.engine.wrapping import cast_frozen_parameters
@@ -63,6 +64,7 @@ def load_model(
     if task is not progress.SILENT:
         task.advance(task.total_bytes)
     task.finish()
+    note_loaded(model)  # an out-of-memory report splits what the rank holds by it
     return model, load_processor(directory)
 
 

@@ -24,13 +24,13 @@ def _lines(rank: int, memory: MemoryShortage) -> list[str]:
         + (f" of {size(memory.capacity_bytes)}" if memory.capacity_bytes else "")
     used = "allocated" if memory.device != "cpu" else "resident (RSS)"
     if not memory.tracked:
-        held = (f"rank {rank} held {size(memory.used_bytes)} {used}; no model is tracked, so it is not split: "
-                "`fsdp2nb.Checkpointer(dir).track(model=..., optimizer=...)` does")
+        held = (f"rank {rank} held {size(memory.used_bytes)} {used}; it knows no model, so it is not split: "
+                "load it with `fsdp2nb.load_model` or track it with `fsdp2nb.Checkpointer(dir).track(model=...)`")
     else:
-        tracked = memory.param_bytes + memory.grad_bytes + memory.optimizer_bytes
-        held = (f"rank {rank} held {size(memory.used_bytes)} {used}: the tracked model's parameters "
+        model = memory.param_bytes + memory.grad_bytes + memory.optimizer_bytes
+        held = (f"rank {rank} held {size(memory.used_bytes)} {used}: model parameters "
                 f"{size(memory.param_bytes)}, gradients {size(memory.grad_bytes)}, optimizer state "
-                f"{size(memory.optimizer_bytes)}, the rest {size(max(0, memory.used_bytes - tracked))}")
+                f"{size(memory.optimizer_bytes)}, other {size(max(0, memory.used_bytes - model))}")
     return [f"rank {rank} ran out of memory: {asked}; {had}", f"  {held}"]
 
 

@@ -286,7 +286,8 @@ class MemoryShortage:
     used_bytes: int
     """What the rank held there: the CUDA allocator's allocated bytes, or the process's RSS."""
     tracked: bool
-    """Whether a Checkpointer tracks a model on the rank (the three figures below are its)."""
+    """Whether the rank knows its model (the three figures below are its): the one a Checkpointer
+    tracks, else the one `fsdp2nb.load_model` returned last, with the optimizers that stepped over it."""
     param_bytes: int = 0
     grad_bytes: int = 0
     optimizer_bytes: int = 0

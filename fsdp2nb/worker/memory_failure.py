@@ -2,7 +2,7 @@
 and what the rank held by category (`MemoryShortage`, carried by the cell's `ErrorInfo`).
 
 Read on the rank's main thread as the error is reported, when no user code runs, so the
-tracked model's tensors may be read (the sampler thread must never read them).
+model's tensors may be read (the sampler thread must never read them).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from typing import Any
 
 from fsdp2nb.wire.protocol import MemoryShortage
 
@@ -93,14 +94,29 @@ def _host_memory() -> tuple[int | None, int | None, int]:
 
 
 def tracked_bytes() -> dict[str, int] | None:
-    """Bytes of the tracked model's parameters, gradients and optimizer state on this rank, read
-    now (after a failed backward only some gradients exist); None when no model is tracked."""
+    """Bytes of this rank's model's parameters, gradients and optimizer state, read now (after a
+    failed backward only some gradients exist); None when the rank knows no model.
+
+    The model is the one a Checkpointer tracks, with its optimizer; else the one `load_model`
+    returned last, with the optimizers that have stepped over it."""
+    from fsdp2nb.worker.sampler import held_bytes
+
+    known = _known_model()
+    if known is None:
+        return None
+    model, optimizers = known
+    params = list(model.parameters())
+    states = [state for optimizer in optimizers for state in optimizer.state.values()]
+    return dict(param_bytes=held_bytes(params), grad_bytes=held_bytes([p.grad for p in params]),
+                optimizer_bytes=held_bytes([value for state in states for value in state.values()]))
+
+
+def _known_model() -> tuple[Any, list[Any]] | None:  # (a torch module, its torch optimizers)
     from fsdp2nb.checkpoint.tracking import current_checkpointer
-    from fsdp2nb.worker.sampler import held_bytes, optimizer_bytes
 
     tracked = getattr(current_checkpointer(), "_tracked", None)
-    if tracked is None:
-        return None
-    params = list(tracked.model.parameters())
-    return dict(param_bytes=held_bytes(params), grad_bytes=held_bytes([p.grad for p in params]),
-                optimizer_bytes=optimizer_bytes(tracked.optimizer))
+    if tracked is not None:
+        return tracked.model, [tracked.optimizer] if tracked.optimizer is not None else []
+    loaded = sys.modules.get("fsdp2nb.engine.loaded_model")  # not imported: no model was loaded
+    model = loaded.last_loaded_model() if loaded is not None else None
+    return (model, loaded.optimizers_of(model)) if model is not None else None

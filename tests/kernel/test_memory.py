@@ -113,6 +113,27 @@ def test_plan_needs_no_pool_and_refuses_bad_options_in_one_line(kernel):
         assert len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
+def test_a_failed_allocation_is_split_by_the_loaded_model_without_a_checkpointer(kernel):
+    """No Checkpointer: the split is the model `load_model` returned and the optimizer that stepped
+    over it, kept out of the namespace (in a closure, as a Trainer keeps its own)."""
+    run = kernel.execute("%%fsdp2\nmodel, _ = fsdp2nb.load_model(model_dir)\n"
+                         "def trainer():\n    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+                         "    def step():\n        ids = torch.randint(0, 131, (2, 8))\n"
+                         "        model(input_ids=ids, labels=ids).loss.backward()\n        optimizer.step()\n"
+                         "    return step\nstep = trainer()\nstep()", timeout=300)
+    assert run.status == "ok", run.traceback_text + run.stderr
+    run = kernel.execute("%%fsdp2\nif rank == 1:\n    torch.empty(10**13, dtype=torch.uint8)")
+    assert run.status == "error"
+    text = run.traceback_text
+    plan = kernel.execute("from fsdp2nb.sizes import size\n"
+                          f"p = %fsdp2 plan {{model_dir}} --cpu {WORLD_SIZE}\n"
+                          "print(size(p.per_rank[1]['parameters']), size(p.per_rank[1]['optimizer']))")
+    params, optimizer = _two_sizes(plan.stdout)
+    assert "rank 1 ran out of memory: it asked for 9.09 TiB" in text, text
+    assert ("rank 1 held " in text and f"resident (RSS): model parameters {params}, gradients {params}, "
+            f"optimizer state {optimizer}, other " in text), (text, plan.stdout)
+
+
 def test_a_failed_allocation_says_what_each_failing_rank_asked_for_had_and_held(kernel):
     """Rank 1 asks the CPU allocator for 9 TiB, rank 2 numpy for 7 PiB (a MemoryError), rank 0
     succeeds; the ranks keep their state."""
@@ -135,8 +156,8 @@ def test_a_failed_allocation_says_what_each_failing_rank_asked_for_had_and_held(
                           f"p = %fsdp2 plan {{model_dir}} --cpu {WORLD_SIZE}\n"
                           "print(size(p.per_rank[1]['parameters']), size(p.per_rank[1]['optimizer']))")
     params, optimizer = _two_sizes(plan.stdout)
-    assert ("rank 1 held " in text and f"the tracked model's parameters {params}, gradients {params}, "
-            f"optimizer state {optimizer}, the rest " in text), (text, plan.stdout)
+    assert ("rank 1 held " in text and f"model parameters {params}, gradients {params}, "
+            f"optimizer state {optimizer}, other " in text), (text, plan.stdout)
     after = kernel.execute("%%fsdp2\nprint(kept_before, type(model).__name__)")
     assert after.status == "ok" and after.stdout == "[all] still here FSDPLlamaForCausalLM\n", after.traceback_text
 

@@ -51,14 +51,14 @@ def test_the_notes_say_what_was_asked_free_and_held_rank_by_rank():
     errors = [(2, ErrorInfo("RuntimeError", CPU_MESSAGE, (), memory=memory)), (0, ErrorInfo("ValueError", "x", ()))]
     assert shortage_lines(errors) == [
         "rank 2 ran out of memory: it asked for 9.09 TiB; the host had 20 GiB free of 24 GiB",
-        "  rank 2 held 400 MiB resident (RSS): the tracked model's parameters 1 MiB, gradients 1 MiB, "
-        "optimizer state 2 MiB, the rest 396 MiB",
+        "  rank 2 held 400 MiB resident (RSS): model parameters 1 MiB, gradients 1 MiB, "
+        "optimizer state 2 MiB, other 396 MiB",
     ]
     untracked = MemoryShortage(device="cuda:0", requested_bytes=None, free_bytes=None, capacity_bytes=None,
                                used_bytes=2**30, tracked=False)
     lines = shortage_lines([(1, ErrorInfo("OutOfMemoryError", "", (), memory=untracked))])
     assert lines[0] == "rank 1 ran out of memory: the allocator did not say how much it asked for; cuda:0's free memory unknown"
-    assert "no model is tracked" in lines[1]
+    assert "it knows no model" in lines[1] and "fsdp2nb.load_model" in lines[1]
 
 
 @pytest.mark.parametrize(("before", "after", "logged", "sent"), [
