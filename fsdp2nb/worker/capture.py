@@ -18,17 +18,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import BinaryIO
+from typing import Protocol
 
 from fsdp2nb.wire.sigint import sigint_deferred
 
 _READ_SIZE = 1 << 16
 
 
+class LogSink(Protocol):
+    """Where captured bytes are teed: the rank's rotating log (wire/rank_logs.py), or any binary file."""
+
+    def write(self, data: bytes, /) -> int | None: ...
+
+
 class FdCapture:
     """Redirects one file descriptor into a pipe drained by a forwarding thread."""
 
-    def __init__(self, fd: int, on_text: Callable[[str], None], log: BinaryIO,
+    def __init__(self, fd: int, on_text: Callable[[str], None], log: LogSink,
                  pipe: tuple[int, int] | None = None) -> None:
         self._fd = fd
         self._on_text = on_text

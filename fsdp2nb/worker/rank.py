@@ -26,6 +26,7 @@ from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
 from fsdp2nb.errors import UnknownRequest
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.kept import ActivitySlot, host_kept_dir
+from fsdp2nb.wire.memory_store import MEMORY_DIR_ENV
 from fsdp2nb.wire.protocol import (
     AnswerInput,
     CellFinished,
@@ -49,7 +50,7 @@ from fsdp2nb.wire.protocol import (
     Shutdown,
     StreamOutput,
 )
-from fsdp2nb.wire.rank_logs import rank_log_path
+from fsdp2nb.wire.rank_logs import RotatingLog, rank_log_path
 from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import FdCapture, OutputSync, line_buffered_streams
@@ -73,6 +74,7 @@ def torchrun_environment(plan: LaunchPlan, rank_plan: RankPlan) -> dict[str, str
         LOCAL_WORLD_SIZE=str(len(plan.ranks_of_node(rank_plan.node))), GROUP_RANK=str(rank_plan.node),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(plan.master_port), TORCHELASTIC_RUN_ID=plan.pool_id,
         **{COLLECTIVE_TIMEOUT_ENV: str(plan.collective_timeout_s)},
+        **({MEMORY_DIR_ENV: plan.memory_dir} if plan.memory_dir else {}),
     )
 
 
@@ -103,7 +105,7 @@ class Rank:
         kernel to go to: sent to the next kernel that attaches (`_rejoin`)."""
         self._reply_lock = threading.Lock()
         os.environ.update(network_environment(plan, rank_plan, self._channels.local_host()))
-        self._log = open(self.log_path, "ab", buffering=0)  # lives as long as the rank
+        self._log = RotatingLog(self.log_path)  # lives as long as the rank
         pipes = pipes or {}
         self._captures = {
             "stdout": FdCapture(1, lambda text: self._send_stream("stdout", text), self._log, pipes.get(1)),
