@@ -49,7 +49,10 @@ gpu-check: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache
 
-# make soak: the long fault campaign (200 seeded faults on 4 CPU ranks), a test marked soak that the
-# suite deselects; SOAK_ARGS="--soak-faults 30 --soak-seed 7" (also --soak-ranks, --soak-timeout, --soak-kinds).
+# make soak: the tests marked soak, which the suite deselects: the long fault campaign (200 seeded
+# faults on 4 CPU ranks) and the long day (2,000 mixed cells on one 2-rank pool, with a table of
+# the kernel's and ranks' memory, descriptors, threads and files, and whatever grew without bound).
+# SOAK_ARGS="--soak-faults 30 --soak-seed 7" (also --soak-ranks, --soak-timeout, --soak-kinds;
+# --long-day-cells, --long-day-ranks, --long-day-seed).
 soak: $(STAMP)
 	$(PY) -m pytest -m soak -s tests/faults $(SOAK_ARGS)
