@@ -22,7 +22,7 @@ from fsdp2nb.frontend.magic_options import (
     spec_or_none,
     split_magic_line,
 )
-from fsdp2nb.frontend.session import NotebookSession
+from fsdp2nb.frontend.session import RESTORE_HINT, NotebookSession
 from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.kept import (
     KeepOptions,
@@ -209,7 +209,9 @@ class FSDP2Magics(Magics):
 
     def _command_restart(self, options) -> None:
         pool = self.session.restart(self._with_running_devices(spec_or_none(options), options))
-        print(f"restarted: {pool.world_size} fresh ranks ({pool.spec.describe()}); rank state was cleared")
+        kept = self.session.kept_in_memory()
+        kept_note = f"; {kept} is kept in memory: {RESTORE_HINT}" if kept else ""
+        print(f"restarted: {pool.world_size} fresh ranks ({pool.spec.describe()}); rank state was cleared{kept_note}")
 
     def _command_stop(self, options) -> None:
         with self.session.lifecycle_lock:

@@ -51,12 +51,14 @@ from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.rank_prompts import AskInput
 from fsdp2nb.frontend.released_collectives import GroupsNotReformed
 from fsdp2nb.frontend.request_wait import RequestWait, StopPresses
+from fsdp2nb.pool import reaper
 from fsdp2nb.pool.handle import PoolHandle, SnapshotListener
 from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.kept_listing import list_pools
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.protocol import (
     CellFinished,
     ControlMessage,
@@ -76,6 +78,8 @@ logger = logging.getLogger(__name__)
 
 RESUME_HINT = ("to resume, run the cells that set up the ranks again (model, optimizer, Checkpointer); "
                "`ckpt.load(\"latest\")` then continues from the last checkpoint saved")
+RESTORE_HINT = ("run the cells that set up the ranks again (model, optimizer, Checkpointer on the same "
+                "directory): `track()` restores it")
 
 
 class NotebookSession:
@@ -103,6 +107,9 @@ class NotebookSession:
         this session starts or attaches is given this list itself, so a listener is added once
         (`add_snapshot_listener`) and hears the running pool and every later one from its start."""
         self._listeners_lock = threading.Lock()
+        self.memory_dir = ""
+        """The snapshot store of this session's pools (wire/memory_store.py), made with the first
+        pool and kept across restarts; removed by `stop()` (and the kernel's exit)."""
         self.dashboard: DashboardLink | None = None
         """The dashboard's link to this session's pools, once one was asked for (`dashboard_link`)."""
         self._dashboard_lock = threading.Lock()
@@ -131,7 +138,13 @@ class NotebookSession:
     def _pool_with_standby(self, spec: PoolSpec) -> PoolHandle:
         """A pool on this host launches through the session's launcher (and its standby agent);
         one across hosts through the engine its spec names."""
-        return WorkerPool(spec, launcher=self.launcher if spec.placement is None else None)
+        return WorkerPool(spec, launcher=self.launcher if spec.placement is None else None,
+                          memory_dir=self._memory_store())
+
+    def _memory_store(self) -> str:
+        if not self.memory_dir:
+            self.memory_dir = str(memory_store.session_store(*reaper.own_process_key()))
+        return self.memory_dir
 
     def start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> PoolHandle:
         with self.lifecycle_lock:
@@ -180,10 +193,12 @@ class NotebookSession:
             pool, self.pool = self.pool, None
             if self.launcher is not None and not keep_standby:
                 self.launcher.close()
+            if not keep_standby:  # the pools' snapshots end with them (a restart keeps them)
+                memory_store.remove_store(self.memory_dir)
         if pool is None:
             return False
         # Busy ranks (a background run at kernel exit) read no exit request until their cell ends.
-        pool.stop(polite=polite and not pool.busy_ranks)
+        pool.stop(polite=polite and not pool.busy_ranks, keep_memory=keep_standby)
         return True
 
     def restart(self, spec: PoolSpec | None = None) -> PoolHandle:
@@ -283,8 +298,10 @@ class NotebookSession:
         if pool is not None and not pool.check_agent():
             pool = self._replace_dead_pool(pool)
         if pool is not None and pool.state == "broken":
+            kept = self.kept_in_memory()
+            lost = f"variables are lost; {kept} is kept in memory" if kept else "rank state is lost"
             raise PoolBroken(f"the pool is broken ({self._broken_reason()}); "
-                             "`%fsdp2 restart` starts a fresh one (rank state is lost)")
+                             f"`%fsdp2 restart` starts a fresh one ({lost})")
         if pool is None:
             return self._start(spec or default(), keep)
         if spec is not None and spec != pool.spec:
@@ -301,6 +318,12 @@ class NotebookSession:
             raise PoolBroken(f"{pool.broken_reason}, and a new pool did not start; "
                              f"`%fsdp2 start {pool.spec.describe()}` tries again")
         return self.pool
+
+    def kept_in_memory(self) -> str:
+        """What the pool's snapshot store holds, as a phrase ("step 5 of /ckpt (1 MiB of host
+        memory)"); empty when it holds nothing."""
+        store = self.pool.memory_dir if self.pool is not None else self.memory_dir
+        return " and ".join(snapshot.describe() for snapshot in memory_store.kept_snapshots(store))
 
     def _broken_reason(self) -> str:
         if self.pool and self.pool.broken_reason:
@@ -405,6 +428,10 @@ class NotebookSession:
         except (PoolStartError, UsageMistake) as error:  # say so beside why the old pool went, not instead of it
             return (alarm(f"{what_happened}; all rank state was lost and a new pool did not start: {error}")
                 + f"\n`%fsdp2 start {spec.describe()}` tries again")
+        kept = self.kept_in_memory()
+        if kept:
+            return (alarm(f"{what_happened}; the pool was restarted ({spec.describe()}) and its variables were "
+                          f"lost, but {kept} is kept in memory") + f"\nto resume from it, {RESTORE_HINT}")
         return (alarm(f"{what_happened}; the pool was restarted ({spec.describe()}) and all rank state was lost")
                 + f"\n{RESUME_HINT}")
 

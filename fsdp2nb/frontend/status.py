@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fsdp2nb.pool.handle import PoolHandle
+from fsdp2nb.wire.memory_store import kept_snapshots
 
 
 def _mib(num_bytes: int) -> str:
@@ -30,4 +31,6 @@ def status_table(pool: PoolHandle | None) -> str:
                      device_memory))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join([header, *lines])
+    snapshots = [f"in memory: {snapshot.describe()}, held by {snapshot.num_ranks_here} of "
+                 f"{snapshot.world_size} ranks" for snapshot in kept_snapshots(pool.memory_dir)]
+    return "\n".join([header, *lines, *snapshots])

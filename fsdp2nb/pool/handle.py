@@ -38,6 +38,8 @@ class PoolHandle(Protocol):
     broken_reason: str | None
     """Why the pool can run no more cells, besides a rank's exit."""
     log_dir: str
+    memory_dir: str
+    """The snapshot store of the ranks' Checkpointers (wire/memory_store.py); empty: none."""
     ranks: dict[int, RankReady]
     """Each rank as it joined (pid, device, log file)."""
     snapshots: dict[int, RankSnapshot]
@@ -66,7 +68,7 @@ class PoolHandle(Protocol):
 
     def start(self) -> None: ...
 
-    def stop(self, *, polite: bool = True) -> None: ...
+    def stop(self, *, polite: bool = True, keep_memory: bool = False) -> None: ...
 
     def release(self) -> None:
         """Close this kernel's end without ending the ranks."""

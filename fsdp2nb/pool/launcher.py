@@ -133,7 +133,8 @@ def describe_agent_exit(ended: AgentExit, lost_agents: dict[int, str], devices_p
 
 
 def launch_plan(spec: PoolSpec, *, pool_id: str, address: str, runtime_dir: str, log_dir: str,
-                tls_fingerprint: str = "", kept_dir: str = "", keep_for_s: float | None = None) -> LaunchPlan:
+                tls_fingerprint: str = "", kept_dir: str = "", keep_for_s: float | None = None,
+                memory_dir: str = "") -> LaunchPlan:
     """What every host agent of a pool is given: each node runs `spec.devices`, one rank each."""
     per_node = spec.devices
     ranks = tuple(RankPlan(rank=node * len(per_node) + local, local_rank=local, device=device, node=node)
@@ -143,7 +144,7 @@ def launch_plan(spec: PoolSpec, *, pool_id: str, address: str, runtime_dir: str,
         address=address, runtime_dir=runtime_dir, log_dir=log_dir,
         collective_timeout_s=spec.collective_timeout_s, kernel_pid=os.getpid(),
         master_port=_unused_loopback_port(), num_nodes=spec.num_nodes, tls_fingerprint=tls_fingerprint,
-        kept_dir=kept_dir, keep_for_s=keep_for_s,
+        kept_dir=kept_dir, keep_for_s=keep_for_s, memory_dir=memory_dir,
     )
 
 

@@ -35,6 +35,7 @@ from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
 from fsdp2nb.pool.rank_events import RankEvents
 from fsdp2nb.pool.rank_processes import end_leftover_ranks, rank_process_state
 from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
 from fsdp2nb.wire.kept import RankWork
@@ -74,10 +75,14 @@ class WorkerPool:
     """N ranks forming one torch.distributed job, owned by the notebook kernel (a PoolHandle)."""
 
     def __init__(self, spec: PoolSpec, launcher: Launcher | None = None, *,
-                 stalled_frame_s: float = STALLED_FRAME_S, keep: KeepOptions | None = None) -> None:
+                 stalled_frame_s: float = STALLED_FRAME_S, keep: KeepOptions | None = None,
+                 memory_dir: str = "") -> None:
         self.spec = spec
         self.keep = keep
         """Set for a kept pool: it outlives this kernel (pool/kept.py)."""
+        self.memory_dir = str(memory_store.kept_store(keep.name)) if keep is not None else memory_dir
+        """The snapshot store of its Checkpointers (wire/memory_store.py): the session's, which
+        outlives its pools; a kept pool's own. Empty: none."""
         self.pool_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.state: PoolState = "stopped"
         self._events = RankEvents(spec.world_size, self._rank_exited)
@@ -167,7 +172,7 @@ class WorkerPool:
 
     def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
         """Start the ranks and return once every one has joined the process group."""
-        reaper.reap_orphans()
+        reaper.reap_orphans(spare_store=self.memory_dir)
         self.state = "starting"
         try:
             key = secrets.token_bytes(KEY_BYTES)
@@ -182,7 +187,8 @@ class WorkerPool:
                                runtime_dir=self._runtime_dir, log_dir=self.log_dir,
                                tls_fingerprint=certificate.fingerprint if certificate else "",
                                kept_dir=str(self._kept.directory) if self._kept else "",
-                               keep_for_s=self.keep.keep_for_s if self.keep else None)
+                               keep_for_s=self.keep.keep_for_s if self.keep else None,
+                               memory_dir=self.memory_dir)
             launched = self._launched = self._launcher.launch(plan, key)
             self._register(launched, channels.address)
             self._wait_until_ready(timeout_s)
@@ -339,12 +345,13 @@ class WorkerPool:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
         self.state = "stopped"
 
-    def stop(self, *, polite: bool = True, grace_s: float = 30.0) -> None:
+    def stop(self, *, polite: bool = True, grace_s: float = 30.0, keep_memory: bool = False) -> None:
         """End every rank and release every resource; safe to call twice.
 
         Polite: ask each idle rank to exit and give them `grace_s` (an asynchronous checkpoint
         save finishes first); ranks still there are then terminated. `polite=False` is for
         ranks known to be stuck. A kept pool that another kernel took is only let go of.
+        `keep_memory`: a kept pool's snapshots stay for the pool that replaces it (a restart).
         """
         if self.state == "stopped" and self._channels is None:
             return
@@ -360,6 +367,8 @@ class WorkerPool:
         shutil.rmtree(self._runtime_dir, ignore_errors=True)
         if self._kept is not None:
             self._kept.remove()
+            if not keep_memory:
+                memory_store.remove_store(self.memory_dir)
         reaper.forget_pool(self.pool_id)
         self.state = "stopped"
 

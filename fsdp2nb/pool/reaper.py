@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psutil
 
+from fsdp2nb.wire import memory_store
+
 logger = logging.getLogger(__name__)
 
 ProcessKey = tuple[int, float]
@@ -68,8 +70,9 @@ def forget_pool(pool_id: str) -> None:
     (_registry_dir() / f"{pool_id}.json").unlink(missing_ok=True)
 
 
-def reap_orphans() -> int:
-    """Kill the processes of pools whose kernel is gone; returns how many were killed."""
+def reap_orphans(spare_store: str = "") -> int:
+    """Kill the processes of pools whose kernel is gone, and free snapshot stores nobody owns
+    but `spare_store` (that of a kept pool being restarted); returns how many were killed."""
     num_killed = 0
     for path in _registry_dir().glob("*.json"):
         try:
@@ -85,6 +88,8 @@ def reap_orphans() -> int:
         path.unlink(missing_ok=True)
     _prune_old_logs()
     _prune_standby_dirs()
+    memory_store.sweep_stores(lambda pid, create_time: _is_alive((pid, create_time)),
+                              lambda name: (state_dir() / "kept" / name).is_dir(), spare=spare_store)
     return num_killed
 
 

@@ -154,8 +154,10 @@ def remove_store(store: str | os.PathLike | None) -> None:
         shutil.rmtree(store, ignore_errors=True)
 
 
-def sweep_stores(session_alive: Callable[[int, float], bool], kept_exists: Callable[[str], bool]) -> int:
-    """Remove the stores whose kernel has ended or whose kept pool is gone; returns how many."""
+def sweep_stores(session_alive: Callable[[int, float], bool], kept_exists: Callable[[str], bool],
+                 spare: str = "") -> int:
+    """Remove the stores whose kernel has ended or whose kept pool is gone, but `spare`; returns
+    how many."""
     removed = 0
     try:
         stores = list(stores_root().iterdir())
@@ -170,7 +172,7 @@ def sweep_stores(session_alive: Callable[[int, float], bool], kept_exists: Calla
             orphaned = not kept_exists(rest)
         else:
             continue
-        if orphaned:
+        if orphaned and str(store) != spare:
             remove_store(store)
             removed += 1
     return removed

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """The version of the messages below, exchanged with the schema's fingerprint in every
 connection's greeting and hello and in a kept pool's attach record; ends that differ are refused
 in one line naming both (wire/versions.py). Raise it with every change of this module's types:
@@ -580,6 +580,9 @@ class LaunchPlan:
     ends with its kernel."""
     keep_for_s: float | None = None
     """A kept pool that no kernel holds and that runs nothing ends after this long; None: never."""
+    memory_dir: str = ""
+    """The snapshot store of the pool's Checkpointers (wire/memory_store.py), kept across its
+    restarts; removed by the agent when its kernel is gone (a kept pool's: when the pool expires)."""
 
     @property
     def multi_host(self) -> bool:

@@ -29,6 +29,7 @@ import traceback
 from fsdp2nb.host_memory import kernel_log_names_oom_kill, oom_kill_count
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.kept import host_kept_dir
+from fsdp2nb.wire.memory_store import remove_store
 from fsdp2nb.wire.pid_watch import PidWatch
 from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
 from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
@@ -140,6 +141,8 @@ class Agent:
         self.pipes_by_pid: dict[int, list[int]] = {}
         self.stopping = False
         self.stop_requested = False
+        self.pool_ended = False
+        """Its kernel is gone (a kept pool: its time is up): nobody will restore its snapshots."""
         self.keeper: AgentKeeper | None = None
         """A kept pool's holder, wake pipes and keep-for clock (worker/kept.py)."""
         self.oom_kills = oom_kill_count()
@@ -174,6 +177,8 @@ class Agent:
             self.channels.close()
             if self.keeper is not None:
                 self.keeper.remove_directory()
+            if self.pool_ended:  # a restart's SIGTERM keeps them for the next ranks
+                remove_store(self.plan.memory_dir)
         return 128 + signal.SIGTERM if self.stop_requested else 0
 
     def _watch(self) -> None:
@@ -186,6 +191,7 @@ class Agent:
                 self._follow_holder(wakeups)
             else:  # nobody can use these ranks any more:
                 kernel_gone = os.getppid() != self.starter_pid or wakeups.link_closed()
+                self.pool_ended = self.pool_ended or kernel_gone
             if (kernel_gone or self.stop_requested) and not self.stopping:
                 self._stop()
             self._reap_exited()
@@ -217,7 +223,7 @@ class Agent:
         if left is not None and left <= 0 and not self.stop_requested:
             print(f"fsdp2nb agent: no kernel held the pool and it ran nothing for {self.plan.keep_for_s:g} s "
                   "(--keep-for); ending it", flush=True)
-            self.stop_requested = True
+            self.stop_requested = self.pool_ended = True
 
     def _reap_exited(self) -> None:
         while self.ranks_by_pid:

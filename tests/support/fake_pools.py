@@ -25,6 +25,7 @@ class FakePool:
         self.state: PoolState = "ready"
         self.broken_reason: str | None = None
         self.log_dir = "/logs"
+        self.memory_dir = ""
         self.ranks: dict[int, RankReady] = {
             r: RankReady(rank=r, pid=1000 + r, create_time=0.0, device="cpu", hostname="host",
                          log_path=rank_log_path("/logs", r)) for r in range(spec.world_size)} if with_ranks else {}
@@ -57,7 +58,7 @@ class FakePool:
     def start(self) -> None:
         pass
 
-    def stop(self, *, polite: bool = True) -> None:
+    def stop(self, *, polite: bool = True, keep_memory: bool = False) -> None:
         self.stopped = True
 
     def release(self) -> None:
