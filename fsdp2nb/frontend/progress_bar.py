@@ -5,7 +5,8 @@ widget whose display also carries a text form (nbclient and nbconvert show that)
 when a task starts and ends: a few lines, whatever the number of updates. In terminal
 IPython it prints a line when a task starts, every PRINT_EVERY_S and when it ends.
 Only the main thread shows anything: a cell run for a dashboard button is followed by the
-dashboard itself.
+dashboard itself. The bars of the last `MAX_LIVE_BARS` cells stay widgets; an older one is
+turned into its text form and its widgets are closed, so a day of saves keeps no widget per cell.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import deque
 from typing import Any
 
 from fsdp2nb.widgets.model import TaskBoard
@@ -20,6 +22,10 @@ from fsdp2nb.wire.protocol import ProgressUpdate, TaskProgress
 
 MIN_REDRAW_S = 0.25
 PRINT_EVERY_S = 10.0
+MAX_LIVE_BARS = 20
+"""Bars kept as widgets. Each holds three widgets (the HTML, its layout and style) and their comms
+in the kernel for as long as it lives; a cell that saves every time would otherwise add three
+for good, thousands in a long session."""
 
 
 class CellTaskBar:
@@ -33,6 +39,7 @@ class CellTaskBar:
         self._widget: Any = None  # an ipywidgets.HTML, made on first use
         self._display_id = f"fsdp2nb-progress-{uuid.uuid4().hex}"
         self._finished_lines: list[str] = []
+        self._text = ""  # the text form last published: what the bar becomes when retired
         self._shown: tuple[str, str, bool] | None = None  # (kind, label, finished) of the text shown
         self._drawn_at = float("-inf")
         self._printed_at = float("-inf")
@@ -67,6 +74,7 @@ class CellTaskBar:
 
             self._widget = ipywidgets.HTML(task_html(task))  # made on the main thread (see __init__)
             self._publish(task, "display_data")
+            _LIVE_BARS.keep(self)
         elif force or task.finished or now - self._drawn_at >= MIN_REDRAW_S:
             self._widget.value = task_html(task)
         else:
@@ -77,19 +85,30 @@ class CellTaskBar:
             self._publish(task, "update_display_data", note)
 
     def _publish(self, task: ProgressUpdate, msg_type: str, note: str = "") -> None:
-        from IPython.core.getipython import get_ipython
-
         lines = self._finished_lines + [_text(task) + (f" ({note})" if note else "")]
         if task.finished and self._shown != (task.kind, task.label, True):
             self._finished_lines.append(_text(task))
         self._shown = (task.kind, task.label, task.finished)
-        data = {"text/plain": "\n".join(lines), "application/vnd.jupyter.widget-view+json": {
+        self._text = "\n".join(lines)
+        data = {"text/plain": self._text, "application/vnd.jupyter.widget-view+json": {
             "version_major": 2, "version_minor": 0, "model_id": self._widget.model_id}}
+        self._send(data, update=msg_type == "update_display_data")
+
+    def retire(self) -> None:
+        """Show the bar's text form where it was drawn, and close its widgets."""
+        if self._widget is None:
+            return
+        self._send({"text/plain": self._text}, update=True)
+        for widget in (self._widget, self._widget.layout, self._widget.style):
+            widget.close()
+        self._widget = None
+
+    def _send(self, data: dict, update: bool) -> None:
+        from IPython.core.getipython import get_ipython
+
         shell = get_ipython()
         assert shell is not None, "shown in a kernel only (_in_kernel)"
-        publisher = shell.display_pub
-        publisher.publish(data=data, metadata={}, transient={"display_id": self._display_id},
-                          update=msg_type == "update_display_data")
+        shell.display_pub.publish(data=data, metadata={}, transient={"display_id": self._display_id}, update=update)
 
     def _print(self, task: ProgressUpdate) -> None:
         now = self._clock()
@@ -97,6 +116,23 @@ class CellTaskBar:
         if key != self._shown or now - self._printed_at >= PRINT_EVERY_S:
             self._shown, self._printed_at = key, now
             print(_text(task))
+
+
+class _LiveBars:
+    """The bars still drawn as widgets, oldest first; used on the main thread only (bars are)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._bars: deque[CellTaskBar] = deque()
+
+    def keep(self, bar: CellTaskBar) -> None:
+        self._bars.append(bar)
+        while len(self._bars) > self.limit:
+            self._bars.popleft().retire()
+
+
+_LIVE_BARS = _LiveBars(MAX_LIVE_BARS)
+"""The kernel's one list: a bar outlives its cell (its display stays in the notebook)."""
 
 
 def _text(task: ProgressUpdate) -> str:

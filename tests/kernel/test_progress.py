@@ -65,3 +65,29 @@ def test_a_load_through_from_pretrained_shows_its_start_and_end(kernel, tmp_path
             if m["msg_type"] in ("display_data", "update_display_data")
             and m["content"].get("transient", {}).get("display_id", "").startswith("fsdp2nb-progress-")]
     assert bars and bars[-1].startswith("loading model weights (from_pretrained): done, "), bars
+
+
+ONE_TASK = ("%%fsdp2\nfrom fsdp2nb import progress\ntask = progress.start_task('save', 'step {n}', total_items=1)\n"
+            "task.advance(num_items=1)\ntask.finish()")
+LIVE_WIDGETS = "from ipywidgets.widgets import widget\nprint(len(widget._instances))"
+
+
+def _bar_displays(run, msg_type: str) -> list[dict]:
+    return [m["content"] for m in run.messages if m["msg_type"] == msg_type
+            and m["content"].get("transient", {}).get("display_id", "").startswith("fsdp2nb-progress-")]
+
+
+def test_old_bars_become_text_and_free_their_widgets(kernel):
+    """A long session of saves keeps the widgets of the last MAX_LIVE_BARS bars, not one per cell."""
+    from fsdp2nb.frontend.progress_bar import MAX_LIVE_BARS
+
+    runs = [kernel.execute(ONE_TASK.format(n=n)) for n in range(MAX_LIVE_BARS)]
+    assert all(run.status == "ok" for run in runs), runs[-1].traceback_text
+    first_id = _bar_displays(runs[0], "display_data")[0]["transient"]["display_id"]
+    before = int(kernel.execute(LIVE_WIDGETS).stdout)
+    later = [kernel.execute(ONE_TASK.format(n=n)) for n in range(MAX_LIVE_BARS, MAX_LIVE_BARS + 10)]
+    assert int(kernel.execute(LIVE_WIDGETS).stdout) == before  # each new bar's widgets replace an old one's
+    retired = [update for update in _bar_displays(later[0], "update_display_data")
+               if update["transient"]["display_id"] == first_id]
+    assert len(retired) == 1 and list(retired[0]["data"]) == ["text/plain"], retired  # no widget in it
+    assert retired[0]["data"]["text/plain"].startswith("step 0: done"), retired
