@@ -212,7 +212,11 @@ def _summed(by_rank: dict[int, TaskProgress], world_size: int) -> ProgressUpdate
 
 
 class DashboardModel:
-    """Bounded state behind every view of the dashboard; thread-safe (fed and read from threads)."""
+    """Bounded state behind every view of the dashboard; thread-safe (fed and read from threads).
+
+    However long the session, it holds per rank the latest snapshot, `MAX_HISTORY_POINTS` memory
+    readings and at most `MAX_METRIC_POINTS` logged points (older ones at half the resolution),
+    and the last `MAX_TASKS` tasks' progress: a day of cells grows none of it past these."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
