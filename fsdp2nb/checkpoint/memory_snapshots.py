@@ -21,6 +21,7 @@ changed), then copy it back into the live tensors bitwise.
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import mmap
@@ -180,6 +181,8 @@ class MemorySnapshots:
         self._board = _Board(self.folder / "board", world_size)
         self.manifest = memory_store.read_manifest(self.folder, rank) or {}
         self._restored_mesh: str | None = None
+        self._last_shapes: tuple = ()
+        self._last_layout: list[Entry] = []
         self.copy_s = 0.0
         """Seconds spent in copies (on the thread)."""
 
@@ -190,14 +193,21 @@ class MemorySnapshots:
         slots are (re)made: the ranks agree that the host has room for them first."""
         self.wait()
         tensors = live_tensors(tracked.model, tracked.optimizer)
-        layout = layout_of(tensors)
+        layout = self._layout_of(tensors)
         index = self._slot_to_write()
         slot = self._slot_for(index, layout)
-        blob = _state_blob(tracked, step)
+        other_state = _other_state(tracked, step)
         ready = _queued_gpu_work(tensors)
         previous = self.newest_step()
-        self._copy = self._copier.submit(self._copy_into, index, slot, step, layout, tensors, blob, previous,
+        self._copy = self._copier.submit(self._copy_into, index, slot, step, layout, tensors, other_state, previous,
                                          mesh_description(tracked.model), ready)
+
+    def _layout_of(self, tensors: dict[str, torch.Tensor]) -> list[Entry]:
+        """The layout of `tensors`: the last one again while their keys, shapes and dtypes stay."""
+        shapes = tuple((key, tuple(_local(tensor).shape), tensor.dtype) for key, tensor in tensors.items())
+        if shapes != self._last_shapes:
+            self._last_shapes, self._last_layout = shapes, layout_of(tensors)
+        return self._last_layout
 
     def wait(self) -> None:
         """Block until the copy in flight is in its slot; raise what failed it."""
@@ -245,7 +255,7 @@ class MemorySnapshots:
                 "only (memory_every=None)")
 
     def _copy_into(self, index: int, slot: _Slot, step: int, layout: list[Entry], tensors: dict[str, torch.Tensor],
-                   blob: bytes, previous: int | None, mesh: str, ready: Any) -> None:
+                   other_state: dict[str, Any], previous: int | None, mesh: str, ready: Any) -> None:
         started = time.perf_counter()
         if previous is not None:
             self._wait_for_neighbours(previous)
@@ -253,7 +263,9 @@ class MemorySnapshots:
         slots[index] = None  # incomplete until the copy is whole
         self._write_manifest(slots, mesh)
         _copy_tensors(slot, layout, tensors, ready, self)
-        (slot.path.parent / f"{slot.path.name}.state").write_bytes(blob)
+        buffer = io.BytesIO()
+        torch.save(other_state, buffer)
+        (slot.path.parent / f"{slot.path.name}.state").write_bytes(buffer.getvalue())
         slots[index] = {"step": step, "layout": [entry.as_json() for entry in layout]}
         self._write_manifest(slots, mesh)
         self._board.set(self.rank, step)
@@ -423,19 +435,18 @@ class _Board:
         self._map.close()
 
 
-def _state_blob(tracked: Tracked, step: int) -> bytes:
-    """What the snapshot keeps besides tensors, taken now (training goes on changing it)."""
+def _other_state(tracked: Tracked, step: int) -> dict[str, Any]:
+    """What the snapshot keeps besides tensors, taken now: training replaces these values (the
+    scheduler sets a group's lr) but does not change them in place, so copies of the dicts
+    suffice; the copy thread serializes them."""
     optimizer = tracked.optimizer
     groups = [{key: value for key, value in group.items() if key != "params"}
               for group in optimizer.param_groups] if optimizer is not None else []
-    state = {
+    return {
         "step": step, "rng": capture_rng_state(), "param_groups": groups,
-        "scheduler": tracked.scheduler.state_dict() if tracked.scheduler is not None else None,
-        "extra": {name: obj.state_dict() for name, obj in tracked.extra.items()},
+        "scheduler": dict(tracked.scheduler.state_dict()) if tracked.scheduler is not None else None,
+        "extra": {name: copy.deepcopy(obj.state_dict()) for name, obj in tracked.extra.items()},
     }
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
 
 
 def _queued_gpu_work(tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
