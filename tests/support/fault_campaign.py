@@ -6,7 +6,10 @@ seeded scheduler injects one fault at a time at a chosen moment (mid-training, d
 save, during a load, or before a load), then recovers as a user would: the pool restarts on its
 own, a setup cell builds the model again and `%fsdp2 load latest` restores it. Training data is
 seeded per step and every op is deterministic, so the final model and optimizer state must equal,
-bit for bit, those of a fault-free run to the same step.
+bit for bit, those of a fault-free run to the same step. The checkpointer also keeps every step in
+host memory (`memory_every=1`): a fault that ends a process but leaves the host's memory (a rank or
+the host agent killed) must be recovered from that snapshot, at the step the restart said it
+kept, when it is newer than the disk's newest; a killed kernel ends its session's snapshots.
 
 `make soak` runs a long campaign and `tests/faults/` a short one (tests/faults/test_fault_campaign.py).
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 import psutil
 
 from fsdp2nb.checkpoint import layout
+from fsdp2nb.wire import memory_store
 from tests.support.fault_cells import (
     ARMED_LOAD_CELL,
     BATCH,
@@ -163,6 +167,7 @@ class Campaign:
         if not record.state_kept and record.kind not in ENDS_A_PROCESS:
             record.problems.append("every process stayed alive, yet the ranks were replaced and their state lost")
         self._recover(record, struck_at)
+        self._check_memory_used(record)
         if record.kind in DAMAGE_KINDS:  # saves over the damaged step, so later faults meet a sound directory
             self._train_until(self.position + CHUNK)
         return record
@@ -207,6 +212,7 @@ class Campaign:
         if finished is not None:
             self._note_steps(finished.stdout)
             record.cell_outcome = _outcome(finished)
+            self._note_kept_in_memory(record, finished.traceback_text + finished.stderr)
             record.struck = record.struck and finished.status == "error"
         self._empty_tmpfs_filler()
         return struck_at
@@ -220,6 +226,7 @@ class Campaign:
         finished = self._finish_cell(record, msg_id)
         if finished is not None:
             record.cell_outcome = _outcome(finished)
+            self._note_kept_in_memory(record, finished.traceback_text + finished.stderr)
             record.struck = record.struck and finished.status == "error"
         return struck_at
 
@@ -318,6 +325,7 @@ class Campaign:
         else:
             raise RuntimeError(f"fault {record.number} ({record.kind}): no recovery worked; see the log above")
         redone_from = record.restored_step if record.restored_step is not None else -1
+        record.from_memory = record.from_memory and redone_from >= 0
         record.steps_redone = max(0, self.highest_trained - redone_from)
         if record.latest_before is not None and redone_from < record.latest_before:  # step 0 is a step
             record.checkpoint_lost = True
@@ -381,12 +389,14 @@ class Campaign:
         run = self._execute_or_kill(record, code, hung="the setup cell hung")
         if run is None:
             return False
+        self._note_kept_in_memory(record, run.stderr + run.traceback_text)
         if run.status != "ok":
             said = run.traceback_text + run.stderr  # a refusal (UsageError) comes as stderr
             record.notes.append(f"setup cell failed after {time.monotonic() - started:.1f} s: {_last_line(said)}")
             if RESTART_ADVICE in said:
                 self._restart_as_told(record)  # what the error tells the user to do
             return False
+        record.from_memory = record.from_memory or "from memory" in run.stdout
         self._remember_pids()
         return True
 
@@ -395,6 +405,7 @@ class Campaign:
         if run is None:
             return
         record.notes.append(f"%fsdp2 restart, as the cell said: {run.status}")
+        self._note_kept_in_memory(record, run.stdout)
         record.restart_told = True
 
     def _load_latest(self, record: FaultRecord) -> int | None:
@@ -406,6 +417,7 @@ class Campaign:
             return None
         match = re.search(r"loaded step (\d+)", run.stdout)
         if run.status == "ok" and match:
+            record.from_memory = record.from_memory or "from memory" in run.stdout
             return int(match.group(1))
         record.problems.append(f"`%fsdp2 load latest` failed: {_last_line(run.traceback_text)}")
         return self._load_older(record)
@@ -422,6 +434,20 @@ class Campaign:
         return None
 
     # ---- checks -------------------------------------------------------------------------------
+
+    def _note_kept_in_memory(self, record: FaultRecord, said: str) -> None:
+        """What a restart's note (in a struck cell or the next one) says is kept in host memory."""
+        match = re.search(r"step (\d+) of \S+ \([^)]*of host memory\)", said)
+        if match and record.kept_in_memory is None:
+            record.kept_in_memory = int(match.group(1))
+
+    def _check_memory_used(self, record: FaultRecord) -> None:
+        """A snapshot the restart said was kept, newer than the disk's newest, is what comes back."""
+        kept = record.kept_in_memory
+        if kept is None or record.restored_step is None:
+            return
+        if kept > (record.latest_before if record.latest_before is not None else -1) and record.restored_step < kept:
+            record.problems.append(f"step {kept} was kept in memory, but step {record.restored_step} was restored")
 
     def _check_latest(self, record: FaultRecord) -> None:
         """LATEST must name a complete checkpoint after any fault that did not break it on purpose."""
@@ -469,6 +495,9 @@ class Campaign:
                 found.append(f"private dir {path}")
         registry = self.private_tmp / f"fsdp2nb-{os.getuid()}"
         found.extend(f"registry entry {path}" for path in (registry / "pools").glob("*.json"))
+        stores = memory_store.stores_root()
+        found.extend(f"snapshot store {path}" for path in stores.glob("session-*")
+                     if any(path.name.startswith(f"session-{pid}-") for pid in self.seen_pids))
         foreign: list[str] = []
         if os.path.isdir("/dev/shm"):
             for name in sorted(set(os.listdir("/dev/shm")) - self.shm_before):

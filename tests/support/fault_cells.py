@@ -1,6 +1,7 @@
 """The notebook the fault campaign trains: a small MLP sharded with `fully_shard` on CPU ranks,
-saved with an async Checkpointer, its data seeded per step so that a resumed run is bitwise equal
-to one without faults. Each cell is a `str.format` template (the campaign fills in the sizes)."""
+saved with an async Checkpointer that also keeps a snapshot of every step in host memory
+(`memory_every=1`), its data seeded per step so that a resumed run is bitwise equal to one
+without faults. Each cell is a `str.format` template (the campaign fills in the sizes)."""
 
 WIDTH, DEPTH, BATCH = 192, 4, 16
 """The MLP's width and number of hidden blocks, and the rows of each step's batch."""
@@ -30,7 +31,8 @@ for block in model[:-1]:
     fully_shard(block)
 fully_shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-ckpt = fsdp2nb.Checkpointer({ckpt_dir!r}, keep=3, async_save=True).track(model=model, optimizer=optimizer)
+ckpt = fsdp2nb.Checkpointer({ckpt_dir!r}, keep=3, async_save=True, memory_every=1).track(
+    model=model, optimizer=optimizer)
 
 fault_armed = False  # set only while a cell of the campaign runs: a user's code raises, not the idle rank
 
@@ -88,8 +90,7 @@ try:
             ckpt.save(step)
             if rank == 0:
                 print(f"saving {{step}}", flush=True)
-        else:
-            ckpt.maybe_save(step)
+        ckpt.maybe_save(step)  # the snapshot in memory, and a save asked for from the notebook
     ckpt.wait()
 finally:
     fault_armed = False

@@ -47,6 +47,10 @@ class FaultRecord:
     retried_after_restart: bool = False
     state_kept: bool = False
     """The same rank processes ran before and after the struck cell: nothing was restarted."""
+    kept_in_memory: int | None = None
+    """The step the restart's note said was kept in host memory (None: it said none was)."""
+    from_memory: bool = False
+    """The recovery restored the snapshot in host memory, not a checkpoint from disk."""
 
 
 @dataclass
@@ -79,15 +83,16 @@ def record_line(record: FaultRecord) -> str:
     state = "recovered" if record.recovered else f"NOT recovered ({record.recovery_path})"
     problems = f" PROBLEMS: {'; '.join(record.problems)}" if record.problems else ""
     problems += f" notes: {'; '.join(record.notes)}" if record.notes else ""
+    source = "memory" if record.from_memory else "disk"
     return (f"#{record.number:<3} {record.kind:<20} {record.moment:<11} {state}, restored step "
-            f"{record.restored_step} in {record.recover_s:.1f} s, {record.steps_redone} redone "
+            f"{record.restored_step} ({source}) in {record.recover_s:.1f} s, {record.steps_redone} redone "
             f"[{record.detail}] cell: {record.cell_outcome}{problems}")
 
 
 def summary_table(result: CampaignResult) -> str:
     """One table: faults by kind, recovered, time to recover, steps redone, losses, orphans."""
-    rows = [("kind", "injected", "struck mid-work", "state kept", "restarted", "recovered", "recover median s",
-             "recover max s", "steps redone", "ckpt lost", "LATEST bad", "failed")]
+    rows = [("kind", "injected", "struck mid-work", "state kept", "restarted", "restored from memory",
+             "recovered", "recover median s", "recover max s", "steps redone", "ckpt lost", "LATEST bad", "failed")]
     by_kind: dict[str, list[FaultRecord]] = {}
     for record in result.records:
         by_kind.setdefault(record.kind, []).append(record)
@@ -100,7 +105,7 @@ def summary_table(result: CampaignResult) -> str:
         rows.append((kind, str(len(records)) + (f" ({len(skipped)} skipped)" if skipped else ""),
                      str(sum(r.struck for r in records)),
                      str(sum(r.state_kept for r in records)), str(sum(not r.state_kept for r in records)),
-                     str(sum(r.recovered for r in records)),
+                     str(sum(r.from_memory for r in records)), str(sum(r.recovered for r in records)),
                      f"{statistics.median(times):.1f}" if times else "-", f"{max(times):.1f}" if times else "-",
                      str(sum(r.steps_redone for r in records)), str(sum(r.checkpoint_lost for r in records)),
                      str(sum(not r.latest_ok for r in records)),
