@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks on a machine with CUDA: the GPU-marked tests (NCCL pool, device choice, direct reads
-# onto GPUs, async save with pinned staging and resume, bf16 and offloaded parameters), then
+# onto GPUs, async save with pinned staging and resume, snapshots in host memory restored after a
+# restart, bf16 and offloaded parameters), then
 # benchmarks/bench_gpu.py, then notebooks/finetune_gpu.ipynb and sft_trainer.ipynb executed end to
 # end. Everything is written to $OUT (default gpu-check-out/) and printed.
 # Where .whl/ holds wheels (a lent GPU machine reaches no registry), the machine's own python3 and

@@ -151,9 +151,9 @@ class _Slot:
 
     def pin(self) -> None:
         """Page-lock the slot for the GPU's copies (cudaHostRegister), once."""
-        if not self.pinned and self.num_bytes:
-            torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.num_bytes, 0)
-            self.pinned = True
+        if not self.pinned and self.num_bytes:  # where it fails, the copies are synchronous instead
+            error = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.num_bytes, 0)
+            self.pinned = int(error) == 0
 
     def close(self) -> None:
         if self.pinned:

@@ -117,6 +117,35 @@ def test_cold_checkpoint_loads_with_direct_reads_and_async_save_restores_on_gpus
     assert "direct True" in run.stdout
 
 
+def test_snapshots_in_host_memory_copy_from_gpus_and_restore_after_a_restart(gpu_kernel, tmp_path):
+    """memory_every=1 copies device to page-locked host memory; a restarted pool restores it bitwise."""
+    setup = (f"%%fsdp2\nimport fsdp2nb, os\nfrom fsdp2nb.examples.tiny_models import save_tiny_checkpoint\n"
+             f"path, ckpt_dir = {str(tmp_path / 'model')!r}, {str(tmp_path / 'ckpt')!r}\n"
+             "if rank == 0 and not os.path.exists(os.path.join(path, 'config.json')):\n"
+             "    save_tiny_checkpoint(path, 'llama')\n"
+             "dist.barrier()\n"
+             "model, _ = fsdp2nb.load_model(path, engine=fsdp2nb.FSDP2Engine(mixed_precision='bf16'))\n"
+             "opt = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+             "ckpt = fsdp2nb.Checkpointer(ckpt_dir, memory_every=1).track(model=model, optimizer=opt)\n"
+             "ids = torch.randint(0, 100, (2, 16), device=device)\n"
+             "def full_state():\n"
+             "    return {k: getattr(v, 'full_tensor', lambda v=v: v)().cpu() for k, v in model.state_dict().items()}\n")
+    run = gpu_kernel.execute(setup, timeout=600)
+    assert run.status == "ok", run.traceback_text
+    run = gpu_kernel.execute(
+        "%%fsdp2\nfor step in range(3):\n"
+        "    model(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad(); ckpt.maybe_save(step)\n"
+        "ckpt.wait()\nat_2 = full_state()\ntorch.save(at_2, os.path.join(ckpt_dir, f'at-2-{rank}.pt'))", timeout=600)
+    assert run.status == "ok", run.traceback_text
+    assert gpu_kernel.execute("%fsdp2 restart").status == "ok"
+    run = gpu_kernel.execute(setup, timeout=600)
+    assert run.status == "ok" and "restored step 2 from memory" in run.stdout, run.traceback_text or run.stdout
+    run = gpu_kernel.execute("%%fsdp2\nat_2 = torch.load(os.path.join(ckpt_dir, f'at-2-{rank}.pt'))\n"
+                             "print('equal', all(torch.equal(t, at_2[k]) for k, t in full_state().items()))\n"
+                             "ckpt.close()", timeout=600)
+    assert every_rank_printed(gpu_kernel.num_gpus, "equal True") in run.stdout, run.stdout + run.traceback_text
+
+
 def test_cuda_initialised_in_the_kernel_does_not_reach_the_ranks():
     # Ranks are fresh processes, not forks of the kernel: CUDA state in the kernel must not matter.
     kernel = Kernel()
