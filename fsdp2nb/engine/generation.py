@@ -36,7 +36,8 @@ from fsdp2nb.engine.inference import (
 )
 
 STREAM_REDRAW_S = 0.1
-"""A streamed line is redrawn at most ten times a second (the notebook shows at most five)."""
+"""A streamed line is redrawn at most ten times a second; the notebook shows it from its second
+drawing and updates it at most five times a second (`frontend/line_updates.py`)."""
 
 
 class GenerationInputError(InferenceInputError):
@@ -51,7 +52,9 @@ def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, 
     `fsdp2nb.generate(model, tokenizer, ["Once", "The light"], max_new_tokens=32, do_sample=False)`.
     `generate_kwargs` go to the model's `generate` (`max_new_tokens` is required; `pad_token_id`
     defaults to the tokenizer's). `stream=True` shows the first prompt's text in the notebook as
-    it is made, on one line. A string for `prompts` gives a string back.
+    it is made, on one line: redrawn at most ten times a second, updated in the notebook at most
+    five times, so a generation of a quarter of a second or more is seen to grow (a shorter one
+    shows as one line once done). A string for `prompts` gives a string back.
 
     The model is gathered whole on each rank for the duration and sharded again afterwards; where
     it would not fit in a rank's memory (or takes more than `max_gathered_bytes`, default

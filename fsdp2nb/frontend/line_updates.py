@@ -2,9 +2,10 @@
 
 A rank that writes `\\r 10%|█ | 1/10` and then `\\r 20%|██ | 2/10` means one line that changes. In
 the notebook such a line becomes one display per rank, labelled at its start like other output
-(`[1]  20%|██ | 2/10`), that is updated in place while the line is open and left showing its final
-state once the rank ends the line. A line that ends before it was ever shown is written as plain
-text, reduced to what a terminal would show of it, so a short bar costs one line and no display.
+(`[1]  20%|██ | 2/10`), shown once the line has been open for `SHOW_AFTER_S`, updated in place
+(at most every `MIN_UPDATE_INTERVAL_S`) while it is open and left showing its final state once the
+rank ends the line. A line that ends before it was ever shown is written as plain text, reduced to
+what a terminal would show of it, so a short bar costs one line and no display.
 Where the front end cannot update a display (terminal IPython) nothing is shown until the line
 ends: the output reads as clean lines there too.
 
@@ -20,6 +21,11 @@ from typing import Any, Protocol
 
 MIN_UPDATE_INTERVAL_S = 0.2
 """At most five updates a second per line: tqdm redraws up to ten times a second on every rank."""
+
+SHOW_AFTER_S = 0.05
+"""A line gets its display once it has been open this long (at its second drawing, for tqdm or
+a stream redrawn ten times a second): a bar that ends sooner is one line of text and no display,
+and text streamed for a quarter of a second is seen to grow."""
 
 
 def has_carriage_return(text: str) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fsdp2nb.frontend.line_updates import LiveLines, collapsed, counted_chars
+from fsdp2nb.frontend.line_updates import SHOW_AFTER_S, LiveLines, collapsed, counted_chars
 from fsdp2nb.wire.protocol import RankActivity, RichOutput, StreamOutput
 
 if TYPE_CHECKING:
@@ -150,11 +150,15 @@ class StreamMerger:
 
     def _release_stale_partials(self, stream: str, streams: dict[int, _RankStream], now: float) -> None:
         """A line without its newline is shown after a while anyway; one redrawn with `\\r` (a
-        progress bar) in a display of its own, updated in place."""
+        progress bar, streamed text) sooner, in a display of its own updated in place: it is never
+        merged across ranks, so it need not wait for the others."""
         for rank, state in streams.items():
-            if state.partial and now - state.partial_since > PARTIAL_LINE_WINDOW_S:
-                if self._live.hold(rank, stream, state.partial):
-                    continue
+            if not state.partial:
+                continue
+            open_for = now - state.partial_since
+            if open_for >= SHOW_AFTER_S and self._live.hold(rank, stream, state.partial):
+                continue
+            if open_for > PARTIAL_LINE_WINDOW_S:
                 state.lines.append((state.partial, state.partial_since))
                 state.partial = ""
 

@@ -89,23 +89,47 @@ def test_greedy_completions_equal_the_whole_model_in_prompt_order_and_training_g
     assert "lockstep" not in run.stderr
 
 
+PACED = """%%fsdp2
+import time
+from transformers import LogitsProcessor, LogitsProcessorList
+class Paced(LogitsProcessor):  # a token every DELAY_S, as a bigger model would take
+    def __call__(self, input_ids, scores):
+        time.sleep(DELAY_S)
+        return scores
+streamed = fsdp2nb.generate(model, tokenizer, PROMPTS[:3], max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
+                            do_sample=False,
+                            stream=True, logits_processor=LogitsProcessorList([Paced()]))
+print('done')
+"""
+
+
+def _streamed_states(run) -> list[str]:
+    """The first prompt's line as the notebook showed it: its display, then each update."""
+    return [m["content"]["data"]["text/plain"] for m in run.messages
+            if m["msg_type"] in ("display_data", "update_display_data") and "[0] The light" in
+            m["content"].get("data", {}).get("text/plain", "")]
+
+
 def test_the_first_prompt_streams_as_one_line_updated_during_the_cell(loaded):
-    code = ("%%fsdp2\nimport time\nfrom transformers import LogitsProcessor, LogitsProcessorList\n"
-            "class Slow(LogitsProcessor):  # a token every 50 ms, so the line is seen to move\n"
-            "    def __call__(self, input_ids, scores):\n        time.sleep(0.05)\n        return scores\n"
-            "streamed = fsdp2nb.generate(model, tokenizer, PROMPTS[:3], max_new_tokens=40, do_sample=False,\n"
-            "                            stream=True, logits_processor=LogitsProcessorList([Slow()]))\n"
-            "print('done')")
-    run = loaded.execute(code, timeout=120)
+    run = loaded.execute(PACED.replace("DELAY_S", "0.05").replace("NUM_TOKENS", "40"), timeout=120)
     assert run.status == "ok", run.traceback_text
     assert run.stdout == "[all] done\n", run.stdout  # the streamed text is no line of plain output
-    shown = [m["content"]["data"]["text/plain"] for m in run.messages
-             if m["msg_type"] in ("display_data", "update_display_data") and "[0] The light" in
-             m["content"].get("data", {}).get("text/plain", "")]
+    shown = _streamed_states(run)
     assert len(shown) >= 3, shown  # shown once, then updated in place while the tokens came
     assert all(later.startswith(earlier.rstrip()) for earlier, later in zip(shown, shown[1:], strict=False)), shown
     final = loaded.execute("%fsdp2 pull streamed\nprint(repr(streamed[0]))")
     assert shown[-1].rstrip() == "[0] The light" + eval(final.stdout).rstrip(), (shown[-1], final.stdout)
+
+
+def test_a_stream_of_a_quarter_of_a_second_is_seen_growing(loaded):
+    """8 tokens 25 ms apart, about a quarter of a second in all: the line is shown while the tokens
+    come (not only once they are all there), then completed in place."""
+    run = loaded.execute(PACED.replace("DELAY_S", "0.025").replace("NUM_TOKENS", "8"), timeout=120)
+    assert run.status == "ok", run.traceback_text
+    assert run.stdout == "[all] done\n", run.stdout + run.stderr
+    shown = _streamed_states(run)
+    assert len(shown) >= 2 and len(shown[0].rstrip()) < len(shown[-1].rstrip()), shown
+    assert all(later.startswith(earlier.rstrip()) for earlier, later in zip(shown, shown[1:], strict=False)), shown
 
 
 def test_sharded_lockstep_when_a_limit_forbids_gathering(loaded):

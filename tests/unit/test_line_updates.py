@@ -2,7 +2,13 @@
 
 import functools
 
-from fsdp2nb.frontend.line_updates import MIN_UPDATE_INTERVAL_S, LiveLines, counted_chars, visible
+from fsdp2nb.frontend.line_updates import (
+    MIN_UPDATE_INTERVAL_S,
+    SHOW_AFTER_S,
+    LiveLines,
+    counted_chars,
+    visible,
+)
 from fsdp2nb.frontend.output import PARTIAL_LINE_WINDOW_S, StreamMerger
 
 
@@ -78,6 +84,20 @@ def test_a_bar_becomes_one_display_per_rank_updated_in_place_and_left_final():
     merger.flush()
     assert displays.texts == ["[0] 100%|##########| 10/10", "[1] 100%|##########| 10/10 done"]
     assert written == [("stderr", "[all] before\n"), ("stdout", "[all] after\n")]
+
+
+def test_a_redrawn_line_is_shown_at_its_second_drawing_where_plain_text_still_waits():
+    """Text streamed for a fraction of a second is seen to grow; a partial line of plain text is
+    still held for the merge window, in case every rank prints the same."""
+    merger, written, displays, clock = _merger()
+    merger.feed(0, "stdout", "\r[0] The light", now=0.0)
+    merger.feed(1, "stdout", "no newline yet", now=0.0)
+    clock.now = SHOW_AFTER_S
+    merger.feed(0, "stdout", "\r[0] The light is", now=clock.now)
+    merger.poll(now=clock.now)
+    assert displays.texts == ["[0] [0] The light is"] and written == []
+    merger.feed(0, "stdout", "\r[0] The light is on\n", now=clock.now)
+    assert displays.texts == ["[0] [0] The light is on"] and written == []
 
 
 def test_a_bar_that_ends_before_it_is_shown_is_one_clean_line():
