@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 
 import pytest
 import torch
@@ -135,3 +136,35 @@ def test_a_snapshot_of_another_model_or_world_size_is_refused(store, tmp_path):
     assert all("taken on 2 ranks, this pool has 3" in message for message in other), other
     nothing = run_ranks(_load_memory_without_snapshot, 2, store, str(tmp_path / "elsewhere"))
     assert all("no snapshot of" in message for message in nothing), nothing
+
+
+def _refused_for_lack_of_room(store: str, directory: str) -> tuple[str, list[str]]:
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    model, optimizer, scheduler = build(seed=0)
+    ckpt = Checkpointer(directory, memory_every=1).track(model=model, optimizer=optimizer, scheduler=scheduler)
+    train_step(model, optimizer, scheduler)
+    try:
+        ckpt.maybe_save(0)
+    except MemorySnapshotRefused as refused:
+        train_step(model, optimizer, scheduler)  # training goes on as before
+        files = sorted(path.name for path in memory_store.checkpointer_folder(store, ckpt.directory).iterdir())
+        ckpt.close()
+        return str(refused), files
+    return "not refused", []
+
+
+def test_a_snapshot_the_host_has_no_room_for_is_refused_before_any_copy(tmp_path):
+    small = tmp_path / "small-tmpfs"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(small)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a small tmpfs was refused: {mounted.stderr.strip()}")
+    try:
+        outcomes = run_ranks(_refused_for_lack_of_room, 2, str(small), str(tmp_path / "ckpt"))
+    finally:
+        subprocess.run(["umount", "--lazy", str(small)], check=False)
+    for message, files in outcomes:
+        assert "need" in message and "but" in message and "is available" in message, message
+        assert "nothing was copied" in message, message
+        assert not [name for name in files if ".slot" in name], files  # no slot was made
