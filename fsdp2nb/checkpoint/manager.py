@@ -336,9 +336,16 @@ class Checkpointer:
             self._memory.wait()
         self.blocked_s += time.perf_counter() - started
 
-    def save_memory_snapshot(self) -> int:
-        """Write the newest snapshot in host memory to this directory as a checkpoint (as if
-        saved at its step); returns the step. Collective. The live state is not touched."""
+    def save_memory_snapshot(self, path: str | os.PathLike | None = None) -> int:
+        """Write the newest snapshot in host memory as a checkpoint of its step, to `path` (a
+        checkpoint directory; None: this one); returns the step. Collective. The live model and
+        optimizer are not changed (an optimizer that has not stepped yet gets its empty state)."""
+        if path is not None and Path(path).absolute() != self.directory:
+            with Checkpointer(path, keep=None, async_save=False, checksums=self.config.checksums) as other:
+                return self._write_snapshot_with(other)
+        return self._write_snapshot_with(self)
+
+    def _write_snapshot_with(self, writer: Checkpointer) -> int:
         self.wait()
         memory = self._memory
         step = memory.agreed_step() if memory is not None else None
@@ -349,7 +356,7 @@ class Checkpointer:
         views, other = memory.saved_views(step)
         state = snapshot_training_state(tracked, views, other["param_groups"])
         rank_state = {"step": step, "rng": other["rng"], "scheduler": other["scheduler"], "extra": other["extra"]}
-        self._save_sync(tracked, step, state, rank_state)
+        writer._save_sync(tracked, step, state, rank_state)
         return step
 
     def _no_snapshot(self, memory: MemorySnapshots | None) -> str:

@@ -65,6 +65,28 @@ def _restore(store: str, directory: str) -> dict:
     return dict(restored=restored, state=state, rest=rest, latest=latest, rank=dist.get_rank())
 
 
+def _written_to_disk_then_loaded(store: str, directory: str, elsewhere: str) -> dict:
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    _seeded(0)
+    model, optimizer, scheduler = build(seed=0)
+    ckpt = Checkpointer(directory, memory_every=1).track(model=model, optimizer=optimizer, scheduler=scheduler)
+    for step in range(SNAPSHOT_STEP + 1):
+        train_step(model, optimizer, scheduler)
+        ckpt.maybe_save(step)
+    ckpt.wait()
+    at_snapshot = (full_model_state(model), full_optim_state(model, optimizer))
+    train_step(model, optimizer, scheduler)  # the live state moves on; the snapshot stays at its step
+    written = ckpt.save_memory_snapshot(elsewhere)
+    live_after = full_model_state(model)
+    ckpt.close()
+    model, optimizer, scheduler = build(seed=7)
+    reader = Checkpointer(elsewhere).track(model=model, optimizer=optimizer, scheduler=scheduler)
+    loaded = reader.load("latest")
+    state = (full_model_state(model), full_optim_state(model, optimizer))
+    reader.close()
+    return dict(written=written, loaded=loaded, at_snapshot=at_snapshot, state=state, live_after=live_after)
+
+
 def _refused_for_other_model(store: str, directory: str) -> str:
     os.environ[memory_store.MEMORY_DIR_ENV] = store
     model, optimizer, scheduler = build(seed=7, hidden_size=48)
@@ -125,6 +147,16 @@ def test_a_new_set_of_ranks_restores_the_snapshot_bitwise_and_trains_on_alike(st
         assert_same(before["at_stop"][1], after["state"][1])
         assert before["at_stop"][2] == after["state"][2]
         assert before["rest"] == after["rest"] == plain["losses"][SNAPSHOT_STEP + 1:]
+
+
+def test_a_snapshot_written_to_disk_loads_as_its_step(store, tmp_path):
+    outcomes = run_ranks(_written_to_disk_then_loaded, 2, store, str(tmp_path / "ckpt"), str(tmp_path / "elsewhere"))
+    for outcome in outcomes:
+        assert outcome["written"] == outcome["loaded"] == SNAPSHOT_STEP
+        assert_same(outcome["at_snapshot"][0], outcome["state"][0])
+        assert_same(outcome["at_snapshot"][1], outcome["state"][1])
+        assert any(not torch.equal(outcome["live_after"][k], outcome["at_snapshot"][0][k])
+                   for k in outcome["live_after"])  # the live model had moved on, and was left so
 
 
 def test_a_snapshot_of_another_model_or_world_size_is_refused(store, tmp_path):
