@@ -202,3 +202,23 @@ def test_a_killed_kernel_leaves_no_snapshot_behind(tmp_path):
         assert not os.path.exists(store)
     finally:
         k.stop()
+
+
+def test_a_kept_pool_that_expires_frees_its_snapshot(tmp_path):
+    name = f"exp-{uuid.uuid4().hex[:6]}"
+    k = Kernel(env=WITHOUT_GPUS)
+    try:
+        assert k.execute("%load_ext fsdp2nb").status == "ok"
+        _ok(k, f"%fsdp2 start --cpu 2 --keep --name {name} --keep-for 3s --no-dashboard")
+        _ok(k, _defines(tmp_path))
+        _ok(k, SETUP)
+        _ok(k, TRAIN_TO_5)
+        store = Path("/dev/shm") / f"fsdp2nb-snapshots-{os.getuid()}" / f"kept-{name}"
+        assert any(store.rglob("rank-00001.json"))
+        agent = psutil.Process(int(_ok(k, "%%fsdp2 --ranks 0\nprint(os.getppid())").stdout.split()[-1]))
+        _ok(k, "%fsdp2 detach")
+    finally:
+        k.stop()
+    gone, alive = psutil.wait_procs([agent], timeout=60)  # unheld and idle for 3 s: it ends
+    assert not alive
+    assert not store.exists()
