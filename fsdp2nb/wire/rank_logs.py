@@ -13,9 +13,10 @@ import contextlib
 import os
 import threading
 
-RANK_LOG_MAX_BYTES = 8 << 20
+RANK_LOG_MAX_BYTES = 64 << 20
 """Past this a rank's log is moved aside (replacing the one moved aside before): enough for the
-tracebacks and prints of many hours, small beside a checkpoint."""
+tracebacks and prints of many hours and for the whole of a cell whose output the notebook cut
+short (it says the rest is in the log), small beside a checkpoint."""
 
 
 def rank_log_path(log_dir: str, rank: int) -> str:
