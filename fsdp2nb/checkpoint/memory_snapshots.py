@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 _ALIGN = 64
 _PEER_POLL_S = 0.0005
+_PEER_WAIT_S = 120.0
+"""How long a copy waits for a neighbour's previous one; past it the neighbour is stuck or failed
+(its own error says why) and this snapshot is given up rather than spin on."""
 _MAX_LISTED = 4
 
 
@@ -129,19 +132,24 @@ def mesh_description(model: nn.Module) -> str:
     return "unsharded"
 
 
+def _mapped(path: Path, num_bytes: int) -> mmap.mmap | None:
+    """`path` (made if missing, 0600) grown to `num_bytes` and mapped shared; None for no bytes."""
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(descriptor).st_size < num_bytes:
+            os.posix_fallocate(descriptor, 0, num_bytes)  # a full tmpfs fails here, not as SIGBUS mid-copy
+        return mmap.mmap(descriptor, num_bytes) if num_bytes else None
+    finally:
+        os.close(descriptor)
+
+
 class _Slot:
     """One slot file mapped into this process."""
 
     def __init__(self, path: Path, num_bytes: int) -> None:
         self.path, self.num_bytes = path, num_bytes
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(descriptor).st_size < num_bytes:
-                os.posix_fallocate(descriptor, 0, num_bytes)  # a full tmpfs fails here, not as SIGBUS mid-copy
-            self._map = mmap.mmap(descriptor, max(num_bytes, 1))
-        finally:
-            os.close(descriptor)
-        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=num_bytes) if num_bytes else \
+        self._map = _mapped(path, num_bytes)
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else \
             torch.empty(0, dtype=torch.uint8)
         self.pinned = False
 
@@ -160,7 +168,8 @@ class _Slot:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
         self.bytes = torch.empty(0, dtype=torch.uint8)
         try:
-            self._map.close()
+            if self._map is not None:
+                self._map.close()
         except BufferError:  # a view handed out is still alive: the mapping goes with it
             pass
 
@@ -262,7 +271,7 @@ class MemorySnapshots:
         slots = list(self.manifest.get("slots") or [None, None])
         slots[index] = None  # incomplete until the copy is whole
         self._write_manifest(slots, mesh)
-        _copy_tensors(slot, layout, tensors, ready, self)
+        self._copy_tensors(slot, layout, tensors, ready)
         buffer = io.BytesIO()
         torch.save(other_state, buffer)
         (slot.path.parent / f"{slot.path.name}.state").write_bytes(buffer.getvalue())
@@ -271,9 +280,28 @@ class MemorySnapshots:
         self._board.set(self.rank, step)
         self.copy_s += time.perf_counter() - started
 
+    def _copy_tensors(self, slot: _Slot, layout: list[Entry], tensors: dict[str, torch.Tensor],
+                      ready: torch.cuda.Event | None) -> None:
+        if ready is None:
+            for entry, tensor in zip(layout, tensors.values(), strict=True):
+                slot.view(entry).copy_(_local(tensor).detach())
+            return
+        slot.pin()  # device to page-locked host memory: the copies run without blocking the stream
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)  # after the step that made the state
+            for entry, tensor in zip(layout, tensors.values(), strict=True):
+                slot.view(entry).copy_(_local(tensor).detach(), non_blocking=slot.pinned)
+        self._stream.synchronize()
+
     def _wait_for_neighbours(self, step: int) -> None:
         """Until every rank of this host holds `step` (see the module's docstring)."""
-        while any(self._board.get(rank) < step for rank in self.local_ranks):
+        deadline = time.monotonic() + _PEER_WAIT_S
+        while behind := [rank for rank in self.local_ranks if self._board.get(rank) < step]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {self.rank}: rank {behind[0]} did not finish its snapshot of step {step} "
+                                   f"in {_PEER_WAIT_S:.0f} s; this snapshot was given up, the previous one is whole")
             time.sleep(_PEER_POLL_S)
 
     def _write_manifest(self, slots: list, mesh: str) -> None:
@@ -414,14 +442,9 @@ class _Board:
     """Each rank's newest complete step, an int64 per rank in a shared file (-1: none)."""
 
     def __init__(self, path: Path, world_size: int) -> None:
-        num_bytes = 8 * world_size
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(descriptor).st_size < num_bytes:
-                os.posix_fallocate(descriptor, 0, num_bytes)
-            self._map = mmap.mmap(descriptor, num_bytes)
-        finally:
-            os.close(descriptor)
+        mapped = _mapped(path, 8 * world_size)
+        assert mapped is not None, "a world has a rank"
+        self._map = mapped
         self._steps = memoryview(self._map).cast("q")
 
     def get(self, rank: int) -> int:
@@ -454,22 +477,6 @@ def _queued_gpu_work(tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | Non
     if not any(_local(tensor).is_cuda for tensor in tensors.values()):
         return None
     return torch.cuda.current_stream().record_event()
-
-
-def _copy_tensors(slot: _Slot, layout: list[Entry], tensors: dict[str, torch.Tensor], ready: Any,
-                  owner: MemorySnapshots) -> None:
-    if ready is None:
-        for entry, tensor in zip(layout, tensors.values(), strict=True):
-            slot.view(entry).copy_(_local(tensor).detach())
-        return
-    slot.pin()  # device to page-locked host memory: the copies run without blocking the stream
-    if owner._stream is None:
-        owner._stream = torch.cuda.Stream()
-    with torch.cuda.stream(owner._stream):
-        owner._stream.wait_event(ready)
-        for entry, tensor in zip(layout, tensors.values(), strict=True):
-            slot.view(entry).copy_(_local(tensor).detach(), non_blocking=True)
-    owner._stream.synchronize()
 
 
 def _copy_back(slot: _Slot, layout: list[Entry], tracked: Tracked) -> None:

@@ -1,0 +1,57 @@
+"""The snapshot store as the kernel reads it (no torch): which step every rank holds, and which
+stores the reaper frees."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp2nb.wire import memory_store
+
+
+@pytest.fixture()
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv(memory_store.SHARED_MEMORY_DIR_ENV, str(tmp_path))
+    return memory_store.stores_root()
+
+
+def _manifest(folder, rank: int, steps: list[int | None], world_size: int = 2) -> None:
+    slots = [None if step is None else {"step": step, "layout": []} for step in steps]
+    folder.mkdir(parents=True, exist_ok=True)
+    memory_store.write_manifest(folder, rank, {
+        "version": memory_store.MANIFEST_VERSION, "directory": "/ckpt/run", "rank": rank,
+        "world_size": world_size, "local_world_size": world_size, "mesh": "cpu(2,)", "pid": 1, "slots": slots})
+    (folder / f"rank-{rank:05d}.slot0").write_bytes(b"x" * 100)
+
+
+def test_the_kept_step_is_the_newest_that_every_rank_holds(root):
+    store = memory_store.session_store(123, 4.5)
+    folder = memory_store.checkpointer_folder(store, "/ckpt/run")
+    _manifest(folder, 0, [7, 6])
+    _manifest(folder, 1, [None, 6])  # rank 1 died while copying step 7
+    [kept] = memory_store.kept_snapshots(store)
+    assert (kept.step, kept.directory, kept.num_ranks_here, kept.world_size) == (6, "/ckpt/run", 2, 2)
+    assert kept.num_bytes >= 200
+    assert kept.describe().startswith("step 6 of /ckpt/run (")
+
+
+def test_a_store_missing_a_rank_or_a_common_step_keeps_nothing(root):
+    store = memory_store.session_store(123, 4.5)
+    folder = memory_store.checkpointer_folder(store, "/ckpt/run")
+    _manifest(folder, 0, [7, 6])
+    assert memory_store.kept_snapshots(store) == []  # rank 1 has no manifest
+    _manifest(folder, 1, [8, None])
+    assert memory_store.kept_snapshots(store) == []
+    assert memory_store.kept_snapshots("") == []
+
+
+def test_the_sweep_frees_stores_whose_kernel_or_kept_pool_is_gone(root):
+    alive_kernel = memory_store.session_store(10, 1.0)
+    dead_kernel = memory_store.session_store(11, 2.0)
+    kept_alive, kept_gone, spared = (memory_store.kept_store(name) for name in ("lab", "old", "restarting"))
+    for store in (alive_kernel, dead_kernel, kept_alive, kept_gone, spared):
+        store.mkdir()
+    removed = memory_store.sweep_stores(lambda pid, create_time: (pid, create_time) == (10, 1.0),
+                                        lambda name: name == "lab", spare=str(spared))
+    assert removed == 2
+    assert sorted(path.name for path in root.iterdir()) == sorted(
+        [alive_kernel.name, kept_alive.name, spared.name])
