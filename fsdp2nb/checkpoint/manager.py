@@ -529,6 +529,7 @@ class Checkpointer:
         return CheckpointStatus(
             directory=str(self.directory), latest_step=latest_step, saving_step=saving,
             last_error=error_text, entries=entries, blocked_s=self.blocked_s,
+            memory_step=self._memory.newest_step() if self._memory is not None else None,
         )
 
     # ---- lifecycle -----------------------------------------------------------------------------

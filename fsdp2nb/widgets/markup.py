@@ -212,8 +212,10 @@ def checkpoint_header(view: CheckpointStatus | None, trainer_view: CheckpointSta
                 '<code>fsdp2nb.Checkpointer(dir).track(model=..., optimizer=...)</code> on the ranks</span>')
     saving = f" · saving step {view.saving_step}" if view.saving_step is not None else ""
     latest = view.latest_step if view.latest_step is not None else "none"
+    memory = (f' · <span class="fsdp2nb-memory-step">step {view.memory_step} in memory</span>'
+              if view.memory_step is not None else "")
     return (f'<span class="fsdp2nb-ckpt-dir"><b>checkpoints</b> in <code>{html.escape(view.directory)}</code> · '
-            f'LATEST {latest}{saving}</span>')
+            f'LATEST {latest}{saving}{memory}</span>')
 
 
 def trainer_checkpoint_label(entry: CheckpointEntry) -> str:
@@ -296,7 +298,8 @@ def text_tables(rows: list[RankRow], view: CheckpointStatus | None, pool_line: s
     if view is None:
         lines.append("no tracked checkpointer")
     else:
-        lines.append(f"checkpoints in {view.directory} (LATEST {view.latest_step})")
+        memory = f"; step {view.memory_step} in memory" if view.memory_step is not None else ""
+        lines.append(f"checkpoints in {view.directory} (LATEST {view.latest_step}{memory})")
         lines.append(_table([("step", "saved", "size", "ranks", "complete")] + [
             (str(e.step) + (" LATEST" if e.step == view.latest_step else ""),
              time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.wall_time)) if e.wall_time else "-",

@@ -353,6 +353,8 @@ class CheckpointStatus:
     """Every step directory, oldest first."""
     blocked_s: float = 0.0
     """Seconds this rank's training has waited on saves (see Checkpointer.blocked_s)."""
+    memory_step: int | None = None
+    """The newest step this rank holds in host memory (`memory_every`), or None."""
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,8 @@ def _save_during_training(page: Page, shots, flag: str, step_dir,
     page.page.wait_for_function("document.querySelector('.fsdp2nb-plot') && "
                                 "+document.querySelector('.fsdp2nb-plot').dataset.points > 20", timeout=120_000)
     _check_loss_plot(dash)
+    page.page.wait_for_function("(document.querySelector('.fsdp2nb-dashboard .fsdp2nb-memory-step') || "
+                                "{innerText: ''}).innerText.includes('in memory')", timeout=60_000)
     page.shoot(shots / "2-saved-during-training.png")
     if readme_shot and os.environ.get("FSDP2NB_DASHBOARD_SCREENSHOT"):
         dash.screenshot(path=os.environ["FSDP2NB_DASHBOARD_SCREENSHOT"])

@@ -12,7 +12,7 @@ for layer in model:
         fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ckpt = fsdp2nb.Checkpointer(CKPT, keep=None).track(model=model, optimizer=optimizer)
+ckpt = fsdp2nb.Checkpointer(CKPT, keep=None, memory_every=1).track(model=model, optimizer=optimizer)
 target = torch.randn(64, 1, generator=torch.Generator().manual_seed(0))
 """
 

@@ -433,3 +433,12 @@ def test_a_trainers_checkpoints_are_listed_and_its_save_followed():
     view = DashboardView(model, RecordingActions())
     view.refresh("ready")
     assert "checkpoint-3" in view.trainer_checkpoints.value and "asks the Trainer" in view.checkpoint_header.value
+
+
+def test_the_step_kept_in_host_memory_is_shown_beside_latest():
+    status = CheckpointStatus(directory="/ckpt/run1", latest_step=3, saving_step=None, last_error=None,
+                              entries=(), memory_step=7)
+    assert "LATEST 3 · <span class=\"fsdp2nb-memory-step\">step 7 in memory</span>" in markup.checkpoint_header(status)
+    assert "(LATEST 3; step 7 in memory)" in markup.text_tables([], status, "pool")
+    without = CheckpointStatus(directory="/ckpt/run1", latest_step=3, saving_step=None, last_error=None, entries=())
+    assert "in memory" not in markup.checkpoint_header(without)
