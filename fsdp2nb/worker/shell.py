@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import ast
 import bdb
+import functools
+import linecache
 import sys
+import threading
 import types
-from collections.abc import Callable
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
 
 from IPython.core.compilerop import CachingCompiler
 from IPython.core.displayhook import DisplayHook
@@ -51,6 +56,11 @@ class _RankDisplayHook(DisplayHook):
     def finish_displayhook(self) -> None:
         pass
 
+    def log_output(self, format_dict) -> None:
+        """Keep no record of the value. IPython adds each cell's shown value to its history's
+        `outputs` (one entry per cell, never dropped, even with the history disabled); a rank's
+        values are shown in the notebook, which keeps them, and nothing on a rank reads them back."""
+
 
 class _RankDisplayPublisher(DisplayPublisher):
     """Sends `display()` and `clear_output()` to the notebook."""
@@ -65,18 +75,76 @@ class _RankDisplayPublisher(DisplayPublisher):
 
 
 class _RankCompiler(CachingCompiler):
-    """IPython's compiler, naming cells as it does, with the hash of a cell run before reused.
+    """IPython's compiler, naming cells as it does, with the hash of a cell run before reused,
+    and keeping a cell's source only while something can show it.
 
     A cell's name carries a hash of its source. A notebook runs the same cells again and again
     (a training step), and hashing the source is a visible part of an empty cell's cost on a
-    rank whose caches went cold."""
+    rank whose caches went cold.
+
+    IPython puts every cell's source in `linecache` under the cell's name (its number in it) and
+    never removes it: a day of cells would keep them all. A traceback, the debugger or the
+    activity sampler can only show lines of code that still exists, so the rank keeps a cell's
+    source while a code object compiled from it lives (the cell running, a function it defined,
+    a traceback's frames, the compiled-cell cache) or while it is one of the last
+    `KEPT_RECENT_CELLS` cells (a syntax error has no code); the source of every other cell is
+    dropped, which bounds what the rank holds by the code that lives, not by the cells run. (A
+    cell whose traceback IPython drew stays while IPython's traceback formatting, through the
+    `executing` package's cache, keeps that cell's code.)"""
 
     _MAX_NAMED = 32
     _PROBE = 918273645  # a cell number that shows where IPython puts the number in a name
+    KEPT_RECENT_CELLS = 8
 
     def __init__(self) -> None:
         super().__init__()
         self._names: dict[str, tuple[str, str] | None] = {}  # source -> the name around its number
+        self._recent: deque[str] = deque()  # the names of the last cells cached, oldest first
+        self._live_code: dict[str, set[weakref.ref]] = {}  # cell name -> its code objects alive
+        # Reentrant: a code object freed while the lock is held (by a dict's old value going)
+        # runs its weakref callback on the same thread.
+        self._lock = threading.RLock()
+
+    def cache(self, transformed_code: str, number: int = 0, raw_code: str | None = None) -> str:
+        name = super().cache(transformed_code, number, raw_code)
+        with self._lock:
+            if name in self._recent:
+                self._recent.remove(name)
+            self._recent.append(name)
+            while len(self._recent) > self.KEPT_RECENT_CELLS:
+                self._drop_if_unused(self._recent.popleft())
+        return name
+
+    def __call__(self, source, filename, symbol, **kwargs) -> types.CodeType:
+        code = super().__call__(source, filename, symbol, **kwargs)
+        self.keep_source_while_alive(filename, [code])
+        return code
+
+    def keep_source_while_alive(self, name: str, blocks: list[types.CodeType]) -> None:
+        """Keep the source cached under `name` while any of `blocks`, or code nested in them
+        (functions, classes, comprehensions), lives. Names this compiler did not cache (code
+        compiled by `%time`, say) are left alone."""
+        with self._lock:
+            if name not in linecache.cache or name not in self._filename_map:
+                return
+            refs = self._live_code.setdefault(name, set())
+            freed = functools.partial(self._code_freed, name)
+            refs.update(weakref.ref(code, freed) for code in _code_objects(blocks))
+
+    def _code_freed(self, name: str, ref: weakref.ref) -> None:
+        with self._lock:
+            refs = self._live_code.get(name)
+            if refs is not None:
+                refs.discard(ref)
+            if name not in self._recent:
+                self._drop_if_unused(name)
+
+    def _drop_if_unused(self, name: str) -> None:
+        if self._live_code.get(name):
+            return
+        self._live_code.pop(name, None)
+        linecache.cache.pop(name, None)
+        self._filename_map.pop(name, None)
 
     def get_code_name(self, raw_code: str, transformed_code: str, number: int) -> str:
         parts = self._names.get(transformed_code, ())
@@ -315,7 +383,9 @@ def _compile_cell(shell: RankShell, code: str, transformed: str) -> list:
     key = (transformed, shell.compile.flags)
     cached = None if shell.ast_transformers else _compiled_cells.get(key)
     if cached is not None:
-        return [_renamed(block, cell_name) for block in cached]
+        renamed = [_renamed(block, cell_name) for block in cached]
+        shell.compile.keep_source_while_alive(cell_name, renamed)
+        return renamed
     blocks = _compile_blocks(shell, transformed, cell_name)
     if not shell.ast_transformers:
         if len(_compiled_cells) >= _MAX_COMPILED_CELLS:
@@ -326,6 +396,13 @@ def _compile_cell(shell: RankShell, code: str, transformed: str) -> list:
 
 _MAX_COMPILED_CELLS = 32
 _compiled_cells: dict[tuple[str, int], list[types.CodeType]] = {}
+
+
+def _code_objects(blocks: list[types.CodeType]) -> Iterator[types.CodeType]:
+    """`blocks` and every code object nested in them."""
+    for code in blocks:
+        yield code
+        yield from _code_objects([c for c in code.co_consts if isinstance(c, types.CodeType)])
 
 
 def _renamed(code: types.CodeType, filename: str) -> types.CodeType:
