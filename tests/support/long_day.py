@@ -98,10 +98,11 @@ THREAD_ALLOWANCE = 2
 FILE_ALLOWANCE = 2
 """Files in a directory likewise: a checkpoint being written beside the two kept, a log rotated."""
 RSS_GROWTH_PER_1000_CELLS = 8 << 20
-"""Resident memory a process may gain per 1,000 cells after the warm-up. IPython keeps every
-cell's source in its input history and linecache (about 100 bytes a cell here, 0.1 MiB per
-1,000), and malloc's arenas move by a few MiB on their own; anything that kept one message, one
-snapshot or one traceback per cell (several KiB each) would pass 8 MiB within 1,000 cells."""
+"""Resident memory a process may gain per 1,000 cells after the warm-up. A kernel without
+fsdp2nb grows 1.5-1.6 MiB per 1,000 cells of this mix with IPython's own per-cell records
+(docs/benchmarks.md, the long day), and malloc's arenas move by a few MiB on their own; anything
+that kept one message, one snapshot or one traceback per cell (several KiB each) would pass
+8 MiB within 1,000 cells."""
 
 MIN_CELLS_TO_JUDGE_MEMORY = 1000
 """Fewer cells after the warm-up tell too little: the bounded histories (the dashboard's 2,000
