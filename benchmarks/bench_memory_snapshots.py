@@ -1,11 +1,12 @@
 """What a snapshot in host memory every step (`memory_every=1`) costs a training step.
 
 One kernel, one pool of 2 CPU ranks, the tiny Llama the tests train (fp32, AdamW). In one cell the
-same training loop alternates blocks of steps that call `maybe_save` on a Checkpointer without
+same training loop alternates blocks of 6 steps that call `maybe_save` on a Checkpointer without
 snapshots and on one with `memory_every=1` (both track the same model and optimizer, so both
-blocks pay the same agreement on save requests); per round, the median step of each, and across
-rounds the median of the paired ratios. Also printed: the copy's own time per snapshot (on its
-thread) and the restore's time in a new pool.
+blocks pay the same agreement on save requests). Per round, the median of the blocks' paired
+ratios of their median step, in wall time and in the rank's CPU time (all its threads: less moved
+by other work on a shared machine); across rounds, the median. Also printed: the copy's own time
+per snapshot (on its thread) and the restore's time in a new pool.
 Run: .venv/bin/python -m benchmarks.bench_memory_snapshots [--rounds 5]
 """
 
@@ -34,29 +35,42 @@ snapshots = fsdp2nb.Checkpointer(CKPT_DIR, memory_every=1).track(model=model, op
 ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(rank))
 
 def steps(checkpointer, first, count):
-    times = []
+    # The median wall and CPU time (every thread of the rank) of `count` steps, the first left
+    # out: it may pay for the other kind's last copy.
+    walls, cpus = [], []
     for step in range(first, first + count):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         fsdp2nb.clip_grad_norm_(model, 1.0)
         optimizer.step()
         optimizer.zero_grad()
         checkpointer.maybe_save(step)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[2:]) * 1000
+        walls.append(time.perf_counter() - started)
+        cpus.append(time.process_time() - cpu_started)
+    return statistics.median(walls[1:]) * 1000, statistics.median(cpus[1:]) * 1000
 """
 
 ROUND = """%%fsdp2
 step = globals().get("step", 0)
-copied_before = snapshots._memory.copy_s
-plain_ms = steps(plain, step, 20); step += 20
-snapshot_ms = steps(snapshots, step, 20); step += 20
+copied_before, taken_before = snapshots._memory.copy_s, snapshots._memory.num_taken
+blocked_before = snapshots.blocked_s
+pairs = []
+for _ in range(BLOCKS):
+    plain_ms = steps(plain, step, 6); step += 6
+    snapshot_ms = steps(snapshots, step, 6); step += 6
+    pairs.append((plain_ms, snapshot_ms))
 snapshots.wait()
-copy_ms = (snapshots._memory.copy_s - copied_before) / 20 * 1000
+num_taken = snapshots._memory.num_taken - taken_before
+copy_ms = (snapshots._memory.copy_s - copied_before) / num_taken * 1000
+blocked_ms = (snapshots.blocked_s - blocked_before) / num_taken * 1000
+wall = statistics.median(b[0] / a[0] for a, b in pairs)
+cpu = statistics.median(b[1] / a[1] for a, b in pairs)
+plain_wall = statistics.median(a[0] for a, _ in pairs)
 if rank == 0:
-    print("ROUND", plain_ms, snapshot_ms, copy_ms)
+    print("ROUND", plain_wall, wall, cpu, copy_ms, blocked_ms)
 """
+BLOCKS = 8
 
 
 def main() -> None:
@@ -67,7 +81,8 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as workdir:
             for line in ("%load_ext fsdp2nb", "%fsdp2 start --cpu 2 --no-dashboard",
-                         f"%%fsdp2\nMODEL_DIR = {workdir + '/model'!r}\nCKPT_DIR = {workdir + '/ckpt'!r}", SETUP):
+                         f"%%fsdp2\nMODEL_DIR = {workdir + '/model'!r}\nCKPT_DIR = {workdir + '/ckpt'!r}\n"
+                         f"BLOCKS = {BLOCKS}", SETUP):
                 run = kernel.execute(line, timeout=600)
                 assert run.status == "ok", run.traceback_text
             rounds = [_round(kernel) for _ in range(args.rounds)]
@@ -75,20 +90,19 @@ def main() -> None:
             kernel.execute("%fsdp2 stop")
     finally:
         kernel.stop()
-    ratios = [snapshot / plain for plain, snapshot, _ in rounds]
-    for plain, snapshot, copy in rounds:
-        print(f"step {plain:.2f} ms without, {snapshot:.2f} ms with a snapshot every step "
-              f"(x{snapshot / plain:.3f}); the copy itself {copy:.2f} ms on its thread")
-    print(f"memory_every=1 vs none, median of paired ratios: x{statistics.median(ratios):.3f} "
-          f"({len(ratios)} rounds of 20 steps each, 2 CPU ranks, tiny Llama fp32)")
+    for plain_ms, wall, cpu, copy, blocked in rounds:
+        print(f"step {plain_ms:.2f} ms without; with a snapshot every step x{wall:.3f} wall, x{cpu:.3f} CPU "
+              f"(median of {BLOCKS} paired blocks); the copy {copy:.2f} ms on its thread, training blocked "
+              f"{blocked:.2f} ms (taking it, and the optimizer step's wait for it)")
+    print(f"memory_every=1 vs none, median over {len(rounds)} rounds: x{statistics.median(r[1] for r in rounds):.3f} "
+          f"wall, x{statistics.median(r[2] for r in rounds):.3f} CPU per step (2 CPU ranks, tiny Llama fp32)")
     print(f"restoring the snapshot in a new pool: {restore_s}")
 
 
-def _round(kernel: Kernel) -> tuple[float, float, float]:
+def _round(kernel: Kernel) -> tuple[float, ...]:
     run = kernel.execute(ROUND, timeout=600)
     assert run.status == "ok", run.traceback_text
-    plain, snapshot, copy = re.search(r"ROUND (\S+) (\S+) (\S+)", run.stdout).groups()
-    return float(plain), float(snapshot), float(copy)
+    return tuple(float(value) for value in re.search(r"ROUND (.*)", run.stdout).group(1).split())
 
 
 def _restore_in_new_pool(kernel: Kernel, workdir: str) -> str:

@@ -178,6 +178,7 @@ class Checkpointer:
         tracking.set_tracked(self)
         self._gate_optimizer_step(optimizer)
         if self._memory is not None:
+            self._memory.forget_live()
             self._restore_newer_snapshot(self._memory)
         return self
 
@@ -472,6 +473,8 @@ class Checkpointer:
             raise
         task.finish()
         set_training_state(tracked.model, tracked.optimizer, state)
+        if self._memory is not None:
+            self._memory.forget_live()
         restore_rank_state(tracked, rank_state, metadata, self._rank, self._world_size)
         self._last_step = metadata.step
         logger.info("loaded checkpoint step %d from %s", metadata.step, step_dir)

@@ -6,8 +6,10 @@ tmpfs (wire/memory_store.py), and its other state (step, RNG, scheduler, optimiz
 hyperparameters, extras) into a small file beside it. The copy runs on a thread: the next forward
 and backward only read what it copies, and the tracked optimizer's next step waits for it, as for
 an async save. The slot written is never the one that holds the newest complete snapshot, and it
-is marked incomplete in the manifest before the copy starts, so a rank killed mid-copy leaves its
-previous snapshot whole.
+is marked incomplete on the store's board before the copy starts, so a rank killed mid-copy leaves
+its previous snapshot whole. The board (one int64 per rank and slot, in shared memory) is all a
+snapshot writes besides its data: the manifest, with each slot's layout, is written only when a
+slot is made or its layout changes.
 
 Ranks do not finish their copies at the same moment: a rank may start copying step S while a
 slower neighbour still copies S-N. Before overwriting its older slot (step S-2N), a rank waits
@@ -22,10 +24,10 @@ changed), then copy it back into the live tensors bitwise.
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import mmap
 import os
+import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2nb.checkpoint import plain_pickle
 from fsdp2nb.checkpoint.rank_file import Tracked
 from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state
 from fsdp2nb.collectives import FailedElsewhere, all_gathered_objects, describe, gathered_if_all_succeeded
@@ -44,7 +47,7 @@ from fsdp2nb.errors import MemorySnapshotRefused
 from fsdp2nb.host_memory import available_bytes
 from fsdp2nb.sizes import size
 from fsdp2nb.wire import memory_store
-from fsdp2nb.wire.memory_store import MANIFEST_VERSION, complete_steps
+from fsdp2nb.wire.memory_store import MANIFEST_VERSION, complete_steps, read_board
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +155,13 @@ class _Slot:
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else \
             torch.empty(0, dtype=torch.uint8)
         self.pinned = False
+        self._views: tuple[list[Entry], list[torch.Tensor]] | None = None
+
+    def views(self, layout: list[Entry]) -> list[torch.Tensor]:
+        """A view of the slot per entry of `layout`, made once per layout (a copy reuses them)."""
+        if self._views is None or self._views[0] is not layout:
+            self._views = (layout, [self.view(entry) for entry in layout])
+        return self._views[1]
 
     def view(self, entry: Entry) -> torch.Tensor:
         raw = self.bytes[entry.offset:entry.offset + entry.num_bytes]
@@ -167,6 +177,7 @@ class _Slot:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
         self.bytes = torch.empty(0, dtype=torch.uint8)
+        self._views = None
         try:
             if self._map is not None:
                 self._map.close()
@@ -187,13 +198,22 @@ class MemorySnapshots:
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="fsdp2nb-memory")
         self._copy: Future | None = None
         self._stream: torch.cuda.Stream | None = None
-        self._board = _Board(self.folder / "board", world_size)
+        self._board = _Board(memory_store.board_path(self.folder), world_size)
         self.manifest = memory_store.read_manifest(self.folder, rank) or {}
+        self._written_layouts: list[list[Entry] | None] = [None, None]
+        """The layout objects the manifest holds for each slot as written by this process."""
         self._restored_mesh: str | None = None
-        self._last_shapes: tuple = ()
+        self._opened_index = 0
+        self._live_key: tuple | None = None
+        self._live: dict[str, torch.Tensor] = {}
+        self._last_identity: tuple = ()
         self._last_layout: list[Entry] = []
+        self._last_sources: list[torch.Tensor] = []
+        self._last_mesh = ""
         self.copy_s = 0.0
         """Seconds spent in copies (on the thread)."""
+        self.num_taken = 0
+        """Snapshots copied whole by this process."""
 
     # ---- taking ------------------------------------------------------------------------------
 
@@ -201,22 +221,43 @@ class MemorySnapshots:
         """Start copying the state at `step`; returns once the copy runs. Collective only when
         slots are (re)made: the ranks agree that the host has room for them first."""
         self.wait()
-        tensors = live_tensors(tracked.model, tracked.optimizer)
-        layout = self._layout_of(tensors)
+        tensors = self._live_tensors(tracked)
+        layout, sources, mesh = self._layout_of(tensors, tracked.model)
         index = self._slot_to_write()
         slot = self._slot_for(index, layout)
         other_state = _other_state(tracked, step)
-        ready = _queued_gpu_work(tensors)
+        ready = _queued_gpu_work(sources)
         previous = self.newest_step()
-        self._copy = self._copier.submit(self._copy_into, index, slot, step, layout, tensors, other_state, previous,
-                                         mesh_description(tracked.model), ready)
+        self._copy = self._copier.submit(self._copy_into, index, slot, step, layout, sources, other_state, previous,
+                                         mesh, ready)
 
-    def _layout_of(self, tensors: dict[str, torch.Tensor]) -> list[Entry]:
-        """The layout of `tensors`: the last one again while their keys, shapes and dtypes stay."""
-        shapes = tuple((key, tuple(_local(tensor).shape), tensor.dtype) for key, tensor in tensors.items())
-        if shapes != self._last_shapes:
-            self._last_shapes, self._last_layout = shapes, layout_of(tensors)
-        return self._last_layout
+    def _live_tensors(self, tracked: Tracked) -> dict[str, torch.Tensor]:
+        """`live_tensors` of the tracked state, found again only when the model or optimizer or an
+        optimizer state of a parameter is another object: walking the modules each step cost more
+        than the copy. Parameters replaced by other objects (not updated in place) between two
+        snapshots need `forget_live()` (`track()` and `load()` call it)."""
+        optimizer = tracked.optimizer
+        key = (id(tracked.model), id(optimizer),
+               tuple(map(id, optimizer.state.values())) if optimizer is not None else ())
+        if key != self._live_key:
+            self._live_key, self._live = key, live_tensors(tracked.model, optimizer)
+        return self._live
+
+    def forget_live(self) -> None:
+        """Find the tracked tensors afresh at the next snapshot."""
+        self._live_key = None
+
+    def _layout_of(self, tensors: dict[str, torch.Tensor],
+                   model: nn.Module) -> tuple[list[Entry], list[torch.Tensor], str]:
+        """The layout of `tensors`, their local tensors and the mesh: the last ones again while
+        the same tensors are tracked (training updates them in place; a load or a new optimizer
+        state makes new ones)."""
+        identity = tuple(map(id, tensors.values()))
+        if identity != self._last_identity:
+            sources = [_local(tensor).detach() for tensor in tensors.values()]
+            self._last_identity, self._last_layout, self._last_sources = identity, layout_of(tensors), sources
+            self._last_mesh = mesh_description(model)
+        return self._last_layout, self._last_sources, self._last_mesh
 
     def wait(self) -> None:
         """Block until the copy in flight is in its slot; raise what failed it."""
@@ -225,16 +266,14 @@ class MemorySnapshots:
             copy.result()
 
     def newest_step(self) -> int | None:
-        steps = complete_steps(self.manifest) if self.manifest else {}
-        return max(steps) if steps else None
+        """The newest step this rank holds whole (another thread may read it while a copy runs)."""
+        newest = max(self._board.get(self.rank, 0), self._board.get(self.rank, 1))
+        return newest if newest >= 0 else None
 
     def _slot_to_write(self) -> int:
-        slots = self.manifest.get("slots") or [None, None]
-        if slots[0] is None:
-            return 0
-        if slots[1] is None:
-            return 1
-        return 0 if slots[0]["step"] < slots[1]["step"] else 1
+        """The slot that does not hold the newest complete snapshot."""
+        first, second = self._board.get(self.rank, 0), self._board.get(self.rank, 1)
+        return 0 if first < second else 1
 
     def _slot_for(self, index: int, layout: list[Entry]) -> _Slot:
         needed = _layout_bytes(layout)
@@ -263,54 +302,59 @@ class MemorySnapshots:
                 f"(in {memory_store.shared_memory_dir()}); nothing was copied: free memory, or save to disk "
                 "only (memory_every=None)")
 
-    def _copy_into(self, index: int, slot: _Slot, step: int, layout: list[Entry], tensors: dict[str, torch.Tensor],
+    def _copy_into(self, index: int, slot: _Slot, step: int, layout: list[Entry], sources: list[torch.Tensor],
                    other_state: dict[str, Any], previous: int | None, mesh: str, ready: Any) -> None:
         started = time.perf_counter()
         if previous is not None:
             self._wait_for_neighbours(previous)
-        slots = list(self.manifest.get("slots") or [None, None])
-        slots[index] = None  # incomplete until the copy is whole
-        self._write_manifest(slots, mesh)
-        self._copy_tensors(slot, layout, tensors, ready)
-        buffer = io.BytesIO()
-        torch.save(other_state, buffer)
-        (slot.path.parent / f"{slot.path.name}.state").write_bytes(buffer.getvalue())
-        slots[index] = {"step": step, "layout": [entry.as_json() for entry in layout]}
-        self._write_manifest(slots, mesh)
-        self._board.set(self.rank, step)
+        self._board.set(self.rank, index, None)  # incomplete until the copy is whole
+        if self._written_layouts[index] is not layout or self.manifest.get("mesh") != mesh:
+            self._write_manifest(index, layout, mesh)
+        self._copy_tensors(slot.views(layout), sources, slot, ready)
+        (slot.path.parent / f"{slot.path.name}.state").write_bytes(plain_pickle.dumps(other_state))
+        self._board.set(self.rank, index, step)
         self.copy_s += time.perf_counter() - started
+        self.num_taken += 1
 
-    def _copy_tensors(self, slot: _Slot, layout: list[Entry], tensors: dict[str, torch.Tensor],
+    def _copy_tensors(self, views: list[torch.Tensor], sources: list[torch.Tensor], slot: _Slot,
                       ready: torch.cuda.Event | None) -> None:
+        """All of it in one call: each Python-level op of this thread waits for the GIL that the
+        training thread holds, so a copy made of many small calls would take many switches."""
         if ready is None:
-            for entry, tensor in zip(layout, tensors.values(), strict=True):
-                slot.view(entry).copy_(_local(tensor).detach())
+            torch._foreach_copy_(views, sources)
             return
         slot.pin()  # device to page-locked host memory: the copies run without blocking the stream
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)  # after the step that made the state
-            for entry, tensor in zip(layout, tensors.values(), strict=True):
-                slot.view(entry).copy_(_local(tensor).detach(), non_blocking=slot.pinned)
+            torch._foreach_copy_(views, sources, non_blocking=slot.pinned)
         self._stream.synchronize()
 
     def _wait_for_neighbours(self, step: int) -> None:
         """Until every rank of this host holds `step` (see the module's docstring)."""
         deadline = time.monotonic() + _PEER_WAIT_S
-        while behind := [rank for rank in self.local_ranks if self._board.get(rank) < step]:
+        while behind := [rank for rank in self.local_ranks if self._board.newest(rank) < step]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank {self.rank}: rank {behind[0]} did not finish its snapshot of step {step} "
                                    f"in {_PEER_WAIT_S:.0f} s; this snapshot was given up, the previous one is whole")
             time.sleep(_PEER_POLL_S)
 
-    def _write_manifest(self, slots: list, mesh: str) -> None:
+    def _write_manifest(self, index: int | None, layout: list[Entry] | None, mesh: str) -> None:
+        """This process's manifest, with `layout` as slot `index`'s (None: the layouts as they are)."""
+        layouts = list(self.manifest.get("layouts") or [None, None])
+        if index is not None and layout is not None:
+            layouts[index] = [entry.as_json() for entry in layout]
+            self._written_layouts[index] = layout
         self.manifest = {
             "version": MANIFEST_VERSION, "directory": self.directory, "rank": self.rank,
             "world_size": self.world_size, "local_world_size": len(self.local_ranks), "mesh": mesh,
-            "pid": os.getpid(), "slots": slots,
+            "pid": os.getpid(), "layouts": layouts,
         }
         memory_store.write_manifest(self.folder, self.rank, self.manifest)
+
+    def _complete_steps(self, manifest: dict[str, Any]) -> dict[int, int]:
+        return complete_steps(manifest, read_board(self.folder, self.world_size))
 
     # ---- restoring ---------------------------------------------------------------------------
 
@@ -319,7 +363,7 @@ class MemorySnapshots:
         `unless_own`, when every rank's snapshot is this very process's: the state is live)."""
         manifest = memory_store.read_manifest(self.folder, self.rank) or {}
         taken_on = manifest.get("world_size")
-        steps = sorted(complete_steps(manifest)) if taken_on == self.world_size else []
+        steps = sorted(self._complete_steps(manifest)) if taken_on == self.world_size else []
         own = manifest.get("pid") == os.getpid()
         gathered = all_gathered_objects((steps, own, taken_on), self._group)
         other_sizes = {entry[2] for entry in gathered if entry[2] not in (None, self.world_size)}
@@ -344,9 +388,9 @@ class MemorySnapshots:
         error: BaseException | None = None
         try:
             slot, layout, blob = self._open_step(step)
-            state = torch.load(io.BytesIO(blob), weights_only=True)
+            state = plain_pickle.loads(blob)
             self._check_matches(tracked, layout, state)
-        except (MemorySnapshotRefused, OSError, ValueError, KeyError, RuntimeError) as exc:
+        except (MemorySnapshotRefused, OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError) as exc:
             error = exc if isinstance(exc, MemorySnapshotRefused) else MemorySnapshotRefused(
                 f"rank {self.rank}: the snapshot of step {step} cannot be read ({describe(exc)}); nothing was changed")
         try:
@@ -370,14 +414,15 @@ class MemorySnapshots:
         manifest = memory_store.read_manifest(self.folder, self.rank)
         if manifest is None:
             raise MemorySnapshotRefused(f"rank {self.rank} has no snapshot manifest in {self.folder}")
-        index = complete_steps(manifest)[step]
-        layout = [Entry.from_json(row) for row in manifest["slots"][index]["layout"]]
+        index = self._complete_steps(manifest)[step]
+        layout = [Entry.from_json(row) for row in manifest["layouts"][index]]
         path = memory_store.slot_path(self.folder, self.rank, index)
         slot = self._slots[index]
         if slot is None or slot.num_bytes != _layout_bytes(layout):
             slot = _Slot(path, _layout_bytes(layout))
         self.manifest = manifest
         self._restored_mesh = manifest.get("mesh")
+        self._opened_index = index
         return slot, layout, (path.parent / f"{path.name}.state").read_bytes()
 
     def _check_matches(self, tracked: Tracked, layout: list[Entry], state: dict[str, Any]) -> None:
@@ -410,20 +455,20 @@ class MemorySnapshots:
 
     def _adopt(self, slot: _Slot, step: int) -> None:
         """Take the restored slot as this rank's own: the next snapshot goes into the other."""
-        index = complete_steps(self.manifest)[step]
+        index = self._opened_index
         other = self._slots[index]
         if other is not None and other is not slot:
             other.close()
         self._slots[index] = slot
-        slots = list(self.manifest["slots"])
-        slots[1 - index] = None  # never written by these ranks: not whole for them
-        self._write_manifest(slots, self.manifest.get("mesh", ""))
-        self._board.set(self.rank, step)
+        self._board.set(self.rank, 1 - index, None)  # never written by these ranks: not whole for them
+        self._board.set(self.rank, index, step)
+        self._written_layouts = [None, None]
+        self._write_manifest(None, None, self.manifest.get("mesh", ""))
 
     def saved_views(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The tensors of snapshot `step` (views of its slot) and its other state, for writing it to disk."""
         slot, layout, blob = self._open_step(step)
-        return {entry.key: slot.view(entry) for entry in layout}, torch.load(io.BytesIO(blob), weights_only=True)
+        return {entry.key: slot.view(entry) for entry in layout}, plain_pickle.loads(blob)
 
     def close(self) -> None:
         """Wait for the copy in flight, then unmap the slots (the store keeps the files)."""
@@ -439,19 +484,24 @@ class MemorySnapshots:
 
 
 class _Board:
-    """Each rank's newest complete step, an int64 per rank in a shared file (-1: none)."""
+    """Per rank and slot, the step the slot holds whole, in a shared file: an int64 each, step + 1
+    (a new file is zeros: 0 means none, or being written)."""
 
     def __init__(self, path: Path, world_size: int) -> None:
-        mapped = _mapped(path, 8 * world_size)
+        mapped = _mapped(path, 16 * world_size)
         assert mapped is not None, "a world has a rank"
         self._map = mapped
         self._steps = memoryview(self._map).cast("q")
 
-    def get(self, rank: int) -> int:
-        return self._steps[rank] - 1  # a new file is zeros: 0 means none
+    def get(self, rank: int, slot: int) -> int:
+        """The step, or -1."""
+        return self._steps[2 * rank + slot] - 1
 
-    def set(self, rank: int, step: int) -> None:
-        self._steps[rank] = step + 1
+    def newest(self, rank: int) -> int:
+        return max(self.get(rank, 0), self.get(rank, 1))
+
+    def set(self, rank: int, slot: int, step: int | None) -> None:
+        self._steps[2 * rank + slot] = 0 if step is None else step + 1
 
     def close(self) -> None:
         self._steps.release()
@@ -461,7 +511,7 @@ class _Board:
 def _other_state(tracked: Tracked, step: int) -> dict[str, Any]:
     """What the snapshot keeps besides tensors, taken now: training replaces these values (the
     scheduler sets a group's lr) but does not change them in place, so copies of the dicts
-    suffice; the copy thread serializes them."""
+    suffice; the copy thread serializes them (plain_pickle: plain values and tensors only)."""
     optimizer = tracked.optimizer
     groups = [{key: value for key, value in group.items() if key != "params"}
               for group in optimizer.param_groups] if optimizer is not None else []
@@ -472,9 +522,9 @@ def _other_state(tracked: Tracked, step: int) -> dict[str, Any]:
     }
 
 
-def _queued_gpu_work(tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
+def _queued_gpu_work(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
     """An event after the work queued so far on this thread's stream, where the state is on a GPU."""
-    if not any(_local(tensor).is_cuda for tensor in tensors.values()):
+    if not any(tensor.is_cuda for tensor in tensors):
         return None
     return torch.cuda.current_stream().record_event()
 

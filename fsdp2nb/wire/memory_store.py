@@ -6,10 +6,12 @@ a dead host agent or a restarted pool leaves the last snapshot for the next rank
 Each store belongs to one kernel's session (`session-PID-START`) or to one kept pool (`kept-NAME`),
 and inside it each Checkpointer directory has its own folder of per-rank files:
 
-    rank-00000.json         the manifest: each slot's step and tensor layout (replaced whole)
+    rank-00000.json         the manifest: the rank, world size, mesh and each slot's tensor layout
+                            (replaced whole, when a slot is made or its layout changes)
     rank-00000.slot0/1      the tensors of a slot, at the offsets the layout gives
     rank-00000.slot0/1.state  the rank's other state (RNG, scheduler, step), a torch.save blob
-    board                   the newest complete step of every rank, an int64 each
+    board                   per rank and slot, the step the slot holds whole (an int64, step + 1;
+                            0 while it is written): one store per snapshot, no file written
 
 The kernel reads the manifests (which step is kept, how big) for `%fsdp2 status` and for the note
 after a restart; the ranks write and restore the slots (checkpoint/memory_snapshots.py). Whoever
@@ -24,6 +26,7 @@ import json
 import os
 import shutil
 import stat
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +36,7 @@ MEMORY_DIR_ENV = "FSDP2NB_MEMORY_DIR"
 """Set on every rank of a pool: the store its Checkpointers keep snapshots in."""
 SHARED_MEMORY_DIR_ENV = "FSDP2NB_SHARED_MEMORY_DIR"
 """Another tmpfs instead of /dev/shm (a container whose /dev/shm is 64 MB)."""
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 
 
 def shared_memory_dir() -> str:
@@ -75,6 +78,10 @@ def slot_path(folder: Path, rank: int, slot: int) -> Path:
     return folder / f"rank-{rank:05d}.slot{slot}"
 
 
+def board_path(folder: Path) -> Path:
+    return folder / "board"
+
+
 def write_manifest(folder: Path, rank: int, manifest: dict[str, Any]) -> None:
     """Replace the rank's manifest whole: a reader sees the old one or the new one."""
     target = manifest_path(folder, rank)
@@ -85,16 +92,26 @@ def write_manifest(folder: Path, rank: int, manifest: dict[str, Any]) -> None:
 
 def read_manifest(folder: Path, rank: int) -> dict[str, Any] | None:
     """The rank's manifest, or None if it has none or it cannot be read."""
+    return _read_json(manifest_path(folder, rank))
+
+
+def read_board(folder: Path, world_size: int) -> list[tuple[int, int]]:
+    """Per rank, the step held whole in each of its two slots (-1: none, or being written)."""
     try:
-        manifest = json.loads(manifest_path(folder, rank).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("version") == MANIFEST_VERSION else None
+        raw = board_path(folder).read_bytes()
+    except OSError:
+        raw = b""
+    raw = raw[:16 * world_size].ljust(16 * world_size, b"\0")
+    values = struct.unpack(f"<{2 * world_size}q", raw)
+    return [(values[2 * rank] - 1, values[2 * rank + 1] - 1) for rank in range(world_size)]
 
 
-def complete_steps(manifest: dict[str, Any]) -> dict[int, int]:
-    """Step -> slot of each complete snapshot the manifest names."""
-    return {slot["step"]: index for index, slot in enumerate(manifest.get("slots", ())) if slot is not None}
+def complete_steps(manifest: dict[str, Any], board: list[tuple[int, int]]) -> dict[int, int]:
+    """Step -> slot of each snapshot the manifest's rank holds whole."""
+    rank, layouts = manifest.get("rank", -1), manifest.get("layouts") or [None, None]
+    if not 0 <= rank < len(board):
+        return {}
+    return {step: slot for slot, step in enumerate(board[rank]) if step >= 0 and layouts[slot] is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +148,12 @@ def _newest_common(folder: Path) -> KeptSnapshot | None:
     manifests = [m for path in folder.glob("rank-*.json") if (m := _read_json(path)) is not None]
     if not manifests:
         return None
-    common = set.intersection(*(set(complete_steps(m)) for m in manifests))
     world_size = manifests[0].get("world_size", len(manifests))
-    if not common or len(manifests) < manifests[0].get("local_world_size", 1):
+    if len(manifests) < manifests[0].get("local_world_size", 1):
+        return None
+    board = read_board(folder, world_size)
+    common = set.intersection(*(set(complete_steps(manifest, board)) for manifest in manifests))
+    if not common:
         return None
     num_bytes = sum(path.stat().st_size for path in folder.iterdir() if path.is_file())
     return KeptSnapshot(directory=manifests[0].get("directory", "?"), step=max(common), world_size=world_size,

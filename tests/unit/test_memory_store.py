@@ -3,6 +3,8 @@ stores the reaper frees."""
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from fsdp2nb.wire import memory_store
@@ -15,11 +17,16 @@ def root(tmp_path, monkeypatch):
 
 
 def _manifest(folder, rank: int, steps: list[int | None], world_size: int = 2) -> None:
-    slots = [None if step is None else {"step": step, "layout": []} for step in steps]
+    """Rank `rank`'s manifest, and its two slots' steps on the board (None: being written)."""
     folder.mkdir(parents=True, exist_ok=True)
     memory_store.write_manifest(folder, rank, {
         "version": memory_store.MANIFEST_VERSION, "directory": "/ckpt/run", "rank": rank,
-        "world_size": world_size, "local_world_size": world_size, "mesh": "cpu(2,)", "pid": 1, "slots": slots})
+        "world_size": world_size, "local_world_size": world_size, "mesh": "cpu(2,)", "pid": 1,
+        "layouts": [[], []]})
+    board = memory_store.board_path(folder)
+    raw = bytearray(board.read_bytes() if board.exists() else bytes(16 * world_size))
+    raw[16 * rank:16 * rank + 16] = struct.pack("<2q", *(0 if step is None else step + 1 for step in steps))
+    board.write_bytes(bytes(raw))
     (folder / f"rank-{rank:05d}.slot0").write_bytes(b"x" * 100)
 
 
