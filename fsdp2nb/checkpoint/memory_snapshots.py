@@ -24,13 +24,10 @@ changed), then copy it back into the live tensors bitwise.
 from __future__ import annotations
 
 import copy
-import logging
-import mmap
 import os
 import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +39,15 @@ from torch.distributed.tensor import DTensor
 from fsdp2nb.checkpoint import plain_pickle
 from fsdp2nb.checkpoint.rank_file import Tracked
 from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state
+from fsdp2nb.checkpoint.snapshot_files import Board, Slot, tmpfs_free
+from fsdp2nb.checkpoint.snapshot_layout import (
+    Entry,
+    layout_bytes,
+    layout_of,
+    live_tensors,
+    local_shard,
+    mesh_description,
+)
 from fsdp2nb.collectives import FailedElsewhere, all_gathered_objects, describe, gathered_if_all_succeeded
 from fsdp2nb.errors import MemorySnapshotRefused
 from fsdp2nb.host_memory import available_bytes
@@ -49,140 +55,11 @@ from fsdp2nb.sizes import size
 from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.memory_store import MANIFEST_VERSION, complete_steps, read_board
 
-logger = logging.getLogger(__name__)
-
-_ALIGN = 64
 _PEER_POLL_S = 0.0005
 _PEER_WAIT_S = 120.0
 """How long a copy waits for a neighbour's previous one; past it the neighbour is stuck or failed
 (its own error says why) and this snapshot is given up rather than spin on."""
 _MAX_LISTED = 4
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """Where one tensor of the snapshot lies in a slot, and what it is."""
-
-    key: str
-    """"model.<fqn>" or "optim.<fqn>.<state name>"."""
-    shape: tuple[int, ...]
-    """This rank's local shape."""
-    dtype: str
-    offset: int
-    num_bytes: int
-    sharded: bool
-    """A DTensor's local shard (restored into one, made like its parameter if missing)."""
-    on_cpu: bool
-    """Kept on the CPU whatever the parameter's device (Adam's `step`)."""
-
-    def as_json(self) -> list:
-        return [self.key, list(self.shape), self.dtype, self.offset, self.num_bytes, self.sharded, self.on_cpu]
-
-    @classmethod
-    def from_json(cls, row: list) -> Entry:
-        key, shape, dtype, offset, num_bytes, sharded, on_cpu = row
-        return cls(key, tuple(shape), dtype, offset, num_bytes, sharded, on_cpu)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def live_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
-    """What a snapshot copies, by key, in a fixed order: the trainable parameters and persistent
-    buffers of `model`, then each optimizer state tensor (frozen parameters come from the
-    pretrained weights, as for disk checkpoints)."""
-    tensors: dict[str, torch.Tensor] = {}
-    names: dict[int, str] = {}
-    for fqn, param in model.named_parameters():
-        names[id(param)] = fqn
-        if param.requires_grad:
-            tensors[f"model.{fqn}"] = param
-    for module_name, module in model.named_modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                tensors[f"model.{module_name}.{name}".replace("model..", "model.")] = buffer
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                for state_name, value in sorted(optimizer.state.get(param, {}).items()):
-                    if isinstance(value, torch.Tensor):
-                        tensors[f"optim.{names.get(id(param), '?')}.{state_name}"] = value
-    return tensors
-
-
-def layout_of(tensors: dict[str, torch.Tensor]) -> list[Entry]:
-    entries, offset = [], 0
-    for key, tensor in tensors.items():
-        local = _local(tensor)
-        num_bytes = local.numel() * local.element_size()
-        entries.append(Entry(key, tuple(local.shape), str(local.dtype).removeprefix("torch."), offset, num_bytes,
-                             isinstance(tensor, DTensor), key.startswith("optim.") and tensor.device.type == "cpu"))
-        offset += -(-num_bytes // _ALIGN) * _ALIGN
-    return entries
-
-
-def _layout_bytes(entries: list[Entry]) -> int:
-    return max((entry.offset + entry.num_bytes for entry in entries), default=0)
-
-
-def mesh_description(model: nn.Module) -> str:
-    """The device mesh the model's parameters are sharded over, as the manifest records it."""
-    for param in model.parameters():
-        if isinstance(param, DTensor):
-            mesh = param.device_mesh
-            return f"{mesh.device_type}{tuple(mesh.shape)}{tuple(mesh.mesh_dim_names or ())}"
-    return "unsharded"
-
-
-def _mapped(path: Path, num_bytes: int) -> mmap.mmap | None:
-    """`path` (made if missing, 0600) grown to `num_bytes` and mapped shared; None for no bytes."""
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        if os.fstat(descriptor).st_size < num_bytes:
-            os.posix_fallocate(descriptor, 0, num_bytes)  # a full tmpfs fails here, not as SIGBUS mid-copy
-        return mmap.mmap(descriptor, num_bytes) if num_bytes else None
-    finally:
-        os.close(descriptor)
-
-
-class _Slot:
-    """One slot file mapped into this process."""
-
-    def __init__(self, path: Path, num_bytes: int) -> None:
-        self.path, self.num_bytes = path, num_bytes
-        self._map = _mapped(path, num_bytes)
-        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else \
-            torch.empty(0, dtype=torch.uint8)
-        self.pinned = False
-        self._views: tuple[list[Entry], list[torch.Tensor]] | None = None
-
-    def views(self, layout: list[Entry]) -> list[torch.Tensor]:
-        """A view of the slot per entry of `layout`, made once per layout (a copy reuses them)."""
-        if self._views is None or self._views[0] is not layout:
-            self._views = (layout, [self.view(entry) for entry in layout])
-        return self._views[1]
-
-    def view(self, entry: Entry) -> torch.Tensor:
-        raw = self.bytes[entry.offset:entry.offset + entry.num_bytes]
-        return raw.view(getattr(torch, entry.dtype)).view(entry.shape)
-
-    def pin(self) -> None:
-        """Page-lock the slot for the GPU's copies (cudaHostRegister), once."""
-        if not self.pinned and self.num_bytes:  # where it fails, the copies are synchronous instead
-            error = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.num_bytes, 0)
-            self.pinned = int(error) == 0
-
-    def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
-        self.bytes = torch.empty(0, dtype=torch.uint8)
-        self._views = None
-        try:
-            if self._map is not None:
-                self._map.close()
-        except BufferError:  # a view handed out is still alive: the mapping goes with it
-            pass
 
 
 class MemorySnapshots:
@@ -194,11 +71,11 @@ class MemorySnapshots:
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # another host's store may not exist yet
         self.directory, self.rank, self.world_size = str(directory), rank, world_size
         self.local_ranks, self._group = local_ranks, group
-        self._slots: list[_Slot | None] = [None, None]
+        self._slots: list[Slot | None] = [None, None]
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="fsdp2nb-memory")
         self._copy: Future | None = None
         self._stream: torch.cuda.Stream | None = None
-        self._board = _Board(memory_store.board_path(self.folder), world_size)
+        self._board = Board(memory_store.board_path(self.folder), world_size)
         self.manifest = memory_store.read_manifest(self.folder, rank) or {}
         self._written_layouts: list[list[Entry] | None] = [None, None]
         """The layout objects the manifest holds for each slot as written by this process."""
@@ -254,7 +131,7 @@ class MemorySnapshots:
         state makes new ones)."""
         identity = tuple(map(id, tensors.values()))
         if identity != self._last_identity:
-            sources = [_local(tensor).detach() for tensor in tensors.values()]
+            sources = [local_shard(tensor).detach() for tensor in tensors.values()]
             self._last_identity, self._last_layout, self._last_sources = identity, layout_of(tensors), sources
             self._last_mesh = mesh_description(model)
         return self._last_layout, self._last_sources, self._last_mesh
@@ -275,21 +152,21 @@ class MemorySnapshots:
         first, second = self._board.get(self.rank, 0), self._board.get(self.rank, 1)
         return 0 if first < second else 1
 
-    def _slot_for(self, index: int, layout: list[Entry]) -> _Slot:
-        needed = _layout_bytes(layout)
+    def _slot_for(self, index: int, layout: list[Entry]) -> Slot:
+        needed = layout_bytes(layout)
         slot = self._slots[index]
         if slot is not None and slot.num_bytes == needed:
             return slot
         self._check_room(needed, slot.num_bytes if slot is not None else 0)
         if slot is not None:
             slot.close()
-        self._slots[index] = slot = _Slot(memory_store.slot_path(self.folder, self.rank, index), needed)
+        self._slots[index] = slot = Slot(memory_store.slot_path(self.folder, self.rank, index), needed)
         return slot
 
     def _check_room(self, needed: int, held: int) -> None:
         """Refuse, on every rank alike and before any copy, slots the host cannot hold."""
         wanted = 2 * needed - held if not any(self._slots) else needed - held
-        mine = (int(os.environ.get("GROUP_RANK", "0")), max(0, wanted), available_bytes(), _tmpfs_free(self.folder))
+        mine = (int(os.environ.get("GROUP_RANK", "0")), max(0, wanted), available_bytes(), tmpfs_free(self.folder))
         gathered = all_gathered_objects(mine, self._group)
         node = mine[0]
         here = [entry for entry in gathered if entry[0] == node]
@@ -302,7 +179,7 @@ class MemorySnapshots:
                 f"(in {memory_store.shared_memory_dir()}); nothing was copied: free memory, or save to disk "
                 "only (memory_every=None)")
 
-    def _copy_into(self, index: int, slot: _Slot, step: int, layout: list[Entry], sources: list[torch.Tensor],
+    def _copy_into(self, index: int, slot: Slot, step: int, layout: list[Entry], sources: list[torch.Tensor],
                    other_state: dict[str, Any], previous: int | None, mesh: str, ready: Any) -> None:
         started = time.perf_counter()
         if previous is not None:
@@ -316,7 +193,7 @@ class MemorySnapshots:
         self.copy_s += time.perf_counter() - started
         self.num_taken += 1
 
-    def _copy_tensors(self, views: list[torch.Tensor], sources: list[torch.Tensor], slot: _Slot,
+    def _copy_tensors(self, views: list[torch.Tensor], sources: list[torch.Tensor], slot: Slot,
                       ready: torch.cuda.Event | None) -> None:
         """All of it in one call: each Python-level op of this thread waits for the GIL that the
         training thread holds, so a copy made of many small calls would take many switches."""
@@ -410,7 +287,7 @@ class MemorySnapshots:
         self._adopt(slot, step)
         return state
 
-    def _open_step(self, step: int) -> tuple[_Slot, list[Entry], bytes]:
+    def _open_step(self, step: int) -> tuple[Slot, list[Entry], bytes]:
         manifest = memory_store.read_manifest(self.folder, self.rank)
         if manifest is None:
             raise MemorySnapshotRefused(f"rank {self.rank} has no snapshot manifest in {self.folder}")
@@ -418,8 +295,8 @@ class MemorySnapshots:
         layout = [Entry.from_json(row) for row in manifest["layouts"][index]]
         path = memory_store.slot_path(self.folder, self.rank, index)
         slot = self._slots[index]
-        if slot is None or slot.num_bytes != _layout_bytes(layout):
-            slot = _Slot(path, _layout_bytes(layout))
+        if slot is None or slot.num_bytes != layout_bytes(layout):
+            slot = Slot(path, layout_bytes(layout))
         self.manifest = manifest
         self._restored_mesh = manifest.get("mesh")
         self._opened_index = index
@@ -453,7 +330,7 @@ class MemorySnapshots:
                 raise MemorySnapshotRefused(f"the snapshot's {entry.key} names no trainable parameter of this "
                                             "model; nothing was changed")
 
-    def _adopt(self, slot: _Slot, step: int) -> None:
+    def _adopt(self, slot: Slot, step: int) -> None:
         """Take the restored slot as this rank's own: the next snapshot goes into the other."""
         index = self._opened_index
         other = self._slots[index]
@@ -483,31 +360,6 @@ class MemorySnapshots:
             self._board.close()
 
 
-class _Board:
-    """Per rank and slot, the step the slot holds whole, in a shared file: an int64 each, step + 1
-    (a new file is zeros: 0 means none, or being written)."""
-
-    def __init__(self, path: Path, world_size: int) -> None:
-        mapped = _mapped(path, 16 * world_size)
-        assert mapped is not None, "a world has a rank"
-        self._map = mapped
-        self._steps = memoryview(self._map).cast("q")
-
-    def get(self, rank: int, slot: int) -> int:
-        """The step, or -1."""
-        return self._steps[2 * rank + slot] - 1
-
-    def newest(self, rank: int) -> int:
-        return max(self.get(rank, 0), self.get(rank, 1))
-
-    def set(self, rank: int, slot: int, step: int | None) -> None:
-        self._steps[2 * rank + slot] = 0 if step is None else step + 1
-
-    def close(self) -> None:
-        self._steps.release()
-        self._map.close()
-
-
 def _other_state(tracked: Tracked, step: int) -> dict[str, Any]:
     """What the snapshot keeps besides tensors, taken now: training replaces these values (the
     scheduler sets a group's lr) but does not change them in place, so copies of the dicts
@@ -529,7 +381,7 @@ def _queued_gpu_work(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
     return torch.cuda.current_stream().record_event()
 
 
-def _copy_back(slot: _Slot, layout: list[Entry], tracked: Tracked) -> None:
+def _copy_back(slot: Slot, layout: list[Entry], tracked: Tracked) -> None:
     """Put the slot's tensors into the live model and optimizer; optimizer state a fresh
     optimizer has not made yet is made like its parameter."""
     live = live_tensors(tracked.model, None)
@@ -539,34 +391,26 @@ def _copy_back(slot: _Slot, layout: list[Entry], tracked: Tracked) -> None:
         for entry in layout:
             saved = slot.view(entry)
             if entry.key.startswith("model."):
-                _local(live[entry.key]).copy_(saved)
+                local_shard(live[entry.key]).copy_(saved)
                 continue
             assert optimizer is not None, "checked before: optimizer state needs an optimizer"
             fqn, _, name = entry.key.removeprefix("optim.").rpartition(".")
             param = params[fqn]
             state = optimizer.state[param]
             current = state.get(name)
-            if isinstance(current, torch.Tensor) and tuple(_local(current).shape) == entry.shape:
-                _local(current).copy_(saved)
+            if isinstance(current, torch.Tensor) and tuple(local_shard(current).shape) == entry.shape:
+                local_shard(current).copy_(saved)
             else:
                 state[name] = _made_like(param, saved, entry)
 
 
 def _made_like(param: torch.Tensor, saved: torch.Tensor, entry: Entry) -> torch.Tensor:
-    device = torch.device("cpu") if entry.on_cpu else _local(param).device
+    device = torch.device("cpu") if entry.on_cpu else local_shard(param).device
     local = saved.to(device=device, copy=True)
     if entry.sharded and isinstance(param, DTensor):
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
     return local
-
-
-def _tmpfs_free(folder: Path) -> int:
-    try:
-        info = os.statvfs(folder)
-    except OSError:
-        return 0
-    return info.f_bavail * info.f_frsize
 
 
 def local_rank_range(rank: int) -> range:

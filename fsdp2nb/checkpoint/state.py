@@ -56,7 +56,7 @@ def get_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
 
 def snapshot_training_state(tracked: Any, views: dict[str, torch.Tensor], param_groups: list[dict]) -> dict[str, Any]:
     """The state `get_training_state` gives, holding a memory snapshot's tensors (`views`, keyed as
-    memory_snapshots.live_tensors keys them) instead of the live ones, for saving it to disk."""
+    snapshot_layout.live_tensors keys them) instead of the live ones, for saving it to disk."""
     state = get_training_state(tracked.model, tracked.optimizer)
     model_state = state[MODEL_KEY]
     for fqn, live in model_state.items():

@@ -19,7 +19,7 @@ from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 SETUP = """%%fsdp2
 import fsdp2nb, hashlib, os
 from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
-from fsdp2nb.checkpoint.memory_snapshots import live_tensors
+from fsdp2nb.checkpoint.snapshot_layout import live_tensors
 if rank == 0 and not os.path.exists(os.path.join(MODEL_DIR, "config.json")):
     save_tiny_checkpoint(MODEL_DIR, "llama")
 dist.barrier()
