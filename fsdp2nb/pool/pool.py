@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from fsdp2nb.errors import LaunchError, PoolStartError
 from fsdp2nb.pool import kept, ray_kept, reaper
@@ -219,6 +220,7 @@ class WorkerPool:
         if self.keep is not None:
             self._kept = KeptHold.create(self.keep)
             self._runtime_dir = self._kept.runtime_dir
+            memory_store.mark_owner(Path(self.memory_dir), self._kept.directory)
         self.log_dir = str(reaper.state_dir() / "logs" / self.pool_id)
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
 

@@ -88,8 +88,7 @@ def reap_orphans(spare_store: str = "") -> int:
         path.unlink(missing_ok=True)
     _prune_old_logs()
     _prune_standby_dirs()
-    memory_store.sweep_stores(lambda pid, create_time: _is_alive((pid, create_time)),
-                              lambda name: (state_dir() / "kept" / name).is_dir(), spare=spare_store)
+    memory_store.sweep_stores(lambda pid, create_time: _is_alive((pid, create_time)), spare=spare_store)
     return num_killed
 
 

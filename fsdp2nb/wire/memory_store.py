@@ -64,6 +64,17 @@ def kept_store(name: str) -> Path:
     return stores_root() / f"kept-{name}"
 
 
+OWNER_FILE = "owner"
+"""In a kept pool's store: the path of the pool's directory, which lives exactly as long as the
+pool. The name alone would not do: kernels with another TMPDIR keep their pools elsewhere."""
+
+
+def mark_owner(store: Path, pool_dir: str | os.PathLike) -> None:
+    """Make `store` (0700) and record that it belongs to the kept pool in `pool_dir`."""
+    store.mkdir(mode=0o700, exist_ok=True)
+    (store / OWNER_FILE).write_text(str(pool_dir))
+
+
 def checkpointer_folder(store: str | os.PathLike, directory: str | os.PathLike) -> Path:
     """Where the snapshots of the Checkpointer of `directory` live in `store`."""
     digest = hashlib.sha256(str(directory).encode()).hexdigest()[:16]
@@ -160,6 +171,13 @@ def _newest_common(folder: Path) -> KeptSnapshot | None:
                         num_ranks_here=len(manifests), num_bytes=num_bytes)
 
 
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         value = json.loads(path.read_text())
@@ -174,10 +192,9 @@ def remove_store(store: str | os.PathLike | None) -> None:
         shutil.rmtree(store, ignore_errors=True)
 
 
-def sweep_stores(session_alive: Callable[[int, float], bool], kept_exists: Callable[[str], bool],
-                 spare: str = "") -> int:
+def sweep_stores(session_alive: Callable[[int, float], bool], spare: str = "") -> int:
     """Remove the stores whose kernel has ended or whose kept pool is gone, but `spare`; returns
-    how many."""
+    how many. A kept pool's store that names no pool directory is left alone."""
     removed = 0
     try:
         stores = list(stores_root().iterdir())
@@ -189,7 +206,8 @@ def sweep_stores(session_alive: Callable[[int, float], bool], kept_exists: Calla
             pid, _, millis = rest.partition("-")
             orphaned = not (pid.isdigit() and millis.isdigit() and session_alive(int(pid), int(millis) / 1000))
         elif kind == "kept":
-            orphaned = not kept_exists(rest)
+            owner = _read_text(store / OWNER_FILE)
+            orphaned = owner is not None and not os.path.isdir(owner)
         else:
             continue
         if orphaned and str(store) != spare:

@@ -14,28 +14,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.support import training_cells
 from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
-SETUP = """%%fsdp2
-import fsdp2nb, hashlib, os
-from fsdp2nb.examples.tiny_models import save_tiny_checkpoint
+SETUP = training_cells.SETUP.replace("keep=2)", "keep=2, memory_every=1)") + """
+import hashlib, os
 from fsdp2nb.checkpoint.snapshot_layout import live_tensors
-if rank == 0 and not os.path.exists(os.path.join(MODEL_DIR, "config.json")):
-    save_tiny_checkpoint(MODEL_DIR, "llama")
-dist.barrier()
-model, tokenizer = fsdp2nb.load_model(MODEL_DIR, engine=fsdp2nb.FSDP2Engine(mixed_precision="fp32"))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ckpt = fsdp2nb.Checkpointer(CKPT_DIR, keep=2, memory_every=1).track(model=model, optimizer=optimizer)
-
-def train_step(step):
-    generator = torch.Generator().manual_seed(1000 * step + rank)
-    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    fsdp2nb.clip_grad_norm_(model, 1.0)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
 
 def digest():
     hashed = hashlib.sha256()
@@ -44,6 +28,7 @@ def digest():
         hashed.update(key.encode() + local.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return hashed.hexdigest()[:16]
 """
+assert "memory_every=1" in SETUP, "the set-up cell of the training tests makes its Checkpointer so"
 
 TRAIN_TO_5 = """%%fsdp2
 for step in range(6):
@@ -70,7 +55,7 @@ for step in range(6, 9):
 
 
 def _defines(tmp_path: Path) -> str:
-    return f"%%fsdp2\nMODEL_DIR = {str(tmp_path / 'model')!r}\nCKPT_DIR = {str(tmp_path / 'ckpt')!r}\n"
+    return f"%%fsdp2\nmodel_dir = {str(tmp_path / 'model')!r}\nckpt_dir = {str(tmp_path / 'ckpt')!r}\n"
 
 
 def _ok(kernel: Kernel, code: str, timeout: float = 300):
@@ -148,7 +133,7 @@ def test_stop_frees_the_snapshot_and_a_refused_one_changes_nothing(kernel, tmp_p
     _ok(kernel, TRAIN_TO_5)
     stores = _store_files(kernel)
     assert stores and any(Path(stores[0]).rglob("rank-00000.slot0"))
-    other = _ok(kernel, "%%fsdp2\ntry:\n    fsdp2nb.Checkpointer(CKPT_DIR + '-x', memory_every=0)\n"
+    other = _ok(kernel, "%%fsdp2\ntry:\n    fsdp2nb.Checkpointer(ckpt_dir + '-x', memory_every=0)\n"
                         "except ValueError as e:\n    print('refused:', e)")
     assert "refused: memory_every=0 is not allowed" in other.stdout, other.stdout
     _ok(kernel, "%fsdp2 stop")

@@ -51,14 +51,19 @@ def test_a_store_missing_a_rank_or_a_common_step_keeps_nothing(root):
     assert memory_store.kept_snapshots("") == []
 
 
-def test_the_sweep_frees_stores_whose_kernel_or_kept_pool_is_gone(root):
+def test_the_sweep_frees_stores_whose_kernel_or_kept_pool_is_gone(root, tmp_path):
     alive_kernel = memory_store.session_store(10, 1.0)
     dead_kernel = memory_store.session_store(11, 2.0)
-    kept_alive, kept_gone, spared = (memory_store.kept_store(name) for name in ("lab", "old", "restarting"))
-    for store in (alive_kernel, dead_kernel, kept_alive, kept_gone, spared):
+    (tmp_path / "pools" / "lab").mkdir(parents=True)  # a kept pool's directory, wherever its TMPDIR put it
+    kept_alive, kept_gone, spared, unmarked = (memory_store.kept_store(name)
+                                                for name in ("lab", "old", "restarting", "unmarked"))
+    for store in (alive_kernel, dead_kernel, unmarked):
         store.mkdir()
+    memory_store.mark_owner(kept_alive, tmp_path / "pools" / "lab")
+    memory_store.mark_owner(kept_gone, tmp_path / "pools" / "old")
+    memory_store.mark_owner(spared, tmp_path / "pools" / "restarting")
     removed = memory_store.sweep_stores(lambda pid, create_time: (pid, create_time) == (10, 1.0),
-                                        lambda name: name == "lab", spare=str(spared))
+                                        spare=str(spared))
     assert removed == 2
     assert sorted(path.name for path in root.iterdir()) == sorted(
-        [alive_kernel.name, kept_alive.name, spared.name])
+        [alive_kernel.name, kept_alive.name, spared.name, unmarked.name])
