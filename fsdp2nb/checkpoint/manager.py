@@ -14,10 +14,11 @@ Background work talks over its own gloo group and the calling thread over anothe
 flight never interleaves its collectives with `maybe_save`'s or the training step's.
 
 The class stays whole on purpose: save, maybe_save, wait, load and close share the two groups,
-the lock and the pending save, and read best in one place (so the module is near 500 lines).
+the lock and the pending save, and read best in one place (so the module is about 600 lines).
 What does not need that state lives beside it: the rank's file (rank_file), the commit
 (commit), the saves in flight (in_flight), layout, loadable_steps, direct_writes, staging,
-state, collectives.
+state, collectives, and the snapshots in host memory (memory_snapshots), which the Checkpointer
+takes at `maybe_save` and restores at `track()` and `load()`.
 """
 
 from __future__ import annotations
