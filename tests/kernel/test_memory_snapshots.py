@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import psutil
 import pytest
 
 from tests.support import training_cells
+from tests.support.host_processes import wait_until_ended
 from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 SETUP = training_cells.SETUP.replace("keep=2)", "keep=2, memory_every=1)") + """
@@ -48,7 +48,6 @@ print("losses", " ".join(f"{train_step(step):.6f}" for step in range(start, 9)))
 
 SELF_KILL_AT_6 = """%%fsdp2
 import signal
-import time
 for step in range(6, 9):
     if step == 6 and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -90,19 +89,6 @@ def _restores_step_5(kernel: Kernel, at_5: dict, unfaulted: str) -> None:
     assert re.findall(r"losses (.*)", resumed) == re.findall(r"losses (.*)", unfaulted), (resumed, unfaulted)
 
 
-def _until_ended(pid: int, timeout_s: float = 60) -> None:
-    """Until `pid` has ended: gone, or a zombie (it waits only for its parent to collect it)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"process {pid} still runs after {timeout_s:.0f} s")
-
-
 def _store_files(kernel: Kernel) -> list[str]:
     run = _ok(kernel, "import fsdp2nb\nprint(fsdp2nb._session.memory_dir or fsdp2nb._session.pool.memory_dir)")
     store = run.stdout.strip()
@@ -136,7 +122,7 @@ def test_the_host_agent_killed_leaves_the_snapshot_to_restore(kernel, tmp_path):
     at_5, unfaulted = _train_and_remember(kernel, tmp_path)
     agent = int(_ok(kernel, "%%fsdp2 --ranks 0\nprint(os.getppid())").stdout.split()[-1])
     os.kill(agent, signal.SIGKILL)
-    _until_ended(agent)
+    wait_until_ended(agent)
     run = kernel.execute(_defines(tmp_path), timeout=300)  # the next cell restarts the pool and says so
     assert "killed by SIGKILL" in run.stderr and "step 5 of" in run.stderr, run.stderr
     _restores_step_5(kernel, at_5, unfaulted)
@@ -198,7 +184,7 @@ def test_a_killed_kernel_leaves_no_snapshot_behind(tmp_path):
         pool_processes = [psutil.Process(agent), *psutil.Process(agent).children()]
         os.kill(k.pid, signal.SIGKILL)
         for process in pool_processes:
-            _until_ended(process.pid)
+            wait_until_ended(process.pid)
         assert not os.path.exists(store)
     finally:
         k.stop()
@@ -219,5 +205,5 @@ def test_a_kept_pool_that_expires_frees_its_snapshot(tmp_path):
         _ok(k, "%fsdp2 detach")
     finally:
         k.stop()
-    _until_ended(agent.pid)  # unheld and idle for 3 s: it ends
+    wait_until_ended(agent.pid)  # unheld and idle for 3 s: it ends
     assert not store.exists()

@@ -4,10 +4,11 @@ a dying host agent, a rank closing its own stdout, and hostile user code."""
 import os
 import signal
 import threading
-import time
 
 import psutil
 import pytest
+
+from tests.support.host_processes import wait_until_ended
 
 
 def _agent_pid(kernel) -> int:
@@ -20,17 +21,6 @@ def _rank_pids(kernel) -> list[int]:
     run = kernel.execute("%%fsdp2\nimport os\nprint(rank, os.getpid())")
     assert run.status == "ok", run.traceback_text
     return [int(line.split()[-1]) for line in run.stdout.splitlines()]
-
-
-def _until_dead(pid: int) -> None:
-    """Until `pid` has ended (a zombie counts: it waits only for its parent to collect it)."""
-    while True:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
-        time.sleep(0.05)
 
 
 # --- a collective that not every rank entered -----------------------------------------------------
@@ -153,7 +143,7 @@ def test_agent_dying_mid_cell_ends_the_cell_and_restarts_the_pool(kernel, signum
 def test_agent_killed_while_idle_is_reported_and_the_next_cell_restarts(kernel):
     agent = _agent_pid(kernel)
     os.kill(agent, signal.SIGKILL)
-    _until_dead(agent)
+    wait_until_ended(agent)
     status = kernel.execute("%fsdp2 status")
     assert status.status == "ok"
     assert f"broken: the host agent (pid {agent}) killed by SIGKILL" in status.stdout, status.stdout
@@ -170,7 +160,7 @@ def test_rank_gone_unreported_fails_the_next_cell_plainly(kernel):
     os.kill(agent, signal.SIGSTOP)  # it can neither collect the rank nor report its end
     try:
         os.kill(ranks[1], signal.SIGKILL)
-        _until_dead(ranks[1])  # gone before the cell is sent, as a rank that died between cells
+        wait_until_ended(ranks[1])  # gone before the cell is sent, as a rank that died between cells
         run = kernel.execute("%%fsdp2\nprint('ran')", timeout=120)
     finally:
         if psutil.pid_exists(agent):

@@ -1,5 +1,5 @@
 """fsdp2nb's processes on test hosts (network namespaces): finding them, killing a host's agent
-in the middle of a cell, and waiting until none is left."""
+in the middle of a cell, and waiting until none is left (or one has ended)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,17 @@ def wait_for_no_pool_processes(hosts, timeout_s: float = 30.0) -> list[psutil.Pr
     while (left := pool_processes(hosts)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+def wait_until_ended(pid: int, timeout_s: float = 60.0) -> None:
+    """Until `pid` has ended: gone, or a zombie (it waits only for its parent to collect it, which
+    `psutil.wait_procs` would wait out for a process the test did not start)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs after {timeout_s:.0f} s")
