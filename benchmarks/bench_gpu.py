@@ -7,6 +7,9 @@
   cache, alternating.
 - Async save: training stall per save (`Checkpointer.blocked_s`) against a synchronous save.
 - `offload_params=True`: step time and peak GPU memory against no offload.
+- Snapshots in host memory (`memory_every=1`): the step time with a snapshot after every step
+  against without, in alternating blocks; the copy's own time per snapshot, the time training
+  waited for it, and the restore's time into the same model.
 - `generate` (not run by default: `--sections generate`): 8 prompts, 32 new tokens, tokens/s of
   `fsdp2nb.generate` against the same weights whole on the GPU (bf16) and against plain
   `model.generate` on the sharded model, alternating, in one cell.
@@ -163,6 +166,44 @@ del model, optimizer, sync_ckpt, async_ckpt; gc.collect()  # a checkpointer keep
 if device.type == "cuda": torch.cuda.empty_cache()
 """
 
+# Needs TRAIN's model, optimizer and train_step. Alternating blocks of 6 steps without and with a
+# snapshot in host memory after each step (the first of each block left out: it may pay for the
+# other kind's last copy); then one restore of the newest snapshot into the same model.
+SNAPSHOTS = """
+import shutil, fsdp2nb
+snapshots = fsdp2nb.Checkpointer(CKPT_ROOT + "/snapshots", memory_every=1).track(model=model, optimizer=optimizer)
+def block(first, snapshot):
+    times = []
+    for step in range(first, first + 6):
+        sync(); started = time.perf_counter()
+        train_step()
+        if snapshot: snapshots.maybe_save(step)
+        sync(); times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+for _ in range(WARMUP): train_step()
+snapshots.maybe_save(0); snapshots.wait()  # the first allocates and pins the slots
+copied, taken, blocked = snapshots._memory.copy_s, snapshots._memory.num_taken, snapshots.blocked_s
+pairs, step = [], 1
+for _ in range(ROUNDS + 2):
+    pairs.append((block(step, False), block(step + 6, True))); step += 12
+snapshots.wait()
+num_taken = snapshots._memory.num_taken - taken
+sync(); started = time.perf_counter()
+snapshots.load("memory"); sync()
+restore_s = time.perf_counter() - started
+held = sum(t.numel() * t.element_size() for t in snapshots._memory._live_tensors(snapshots._tracked).values())
+if dist.get_rank() == 0:
+    print("RESULT " + json.dumps(dict(plain_step_s=statistics.median(p for p, _ in pairs),
+                                      snapshot_step_s=statistics.median(s for _, s in pairs),
+                                      ratios=[s / p for p, s in pairs],
+                                      copy_s=(snapshots._memory.copy_s - copied) / num_taken,
+                                      blocked_s=(snapshots.blocked_s - blocked) / num_taken,
+                                      restore_s=restore_s, snapshot_bytes=held)))
+snapshots.close(); shutil.rmtree(CKPT_ROOT, ignore_errors=True)
+del model, optimizer, snapshots; gc.collect()
+if device.type == "cuda": torch.cuda.empty_cache()
+"""
+
 # `fsdp2nb.generate`, the model whole (bf16, no FSDP) and plain `generate` on the sharded model, in
 # turn: 8 prompts, 32 tokens each. The character tokenizer skips ids past its 98 when decoding.
 GENERATE = """
@@ -305,6 +346,11 @@ def _offload(kernel: Kernel, model_dir: str, _root: str, args: argparse.Namespac
     return runs
 
 
+def _snapshots(kernel: Kernel, model_dir: str, root: str, args: argparse.Namespace) -> dict:
+    code = _constants(model_dir, args) + f"CKPT_ROOT = {os.path.join(root, 'ckpt')!r}\n" + TRAIN + SNAPSHOTS
+    return dict(snapshots=in_cell(kernel, code))
+
+
 def _generate(kernel: Kernel, model_dir: str, _root: str, args: argparse.Namespace) -> dict:
     return in_cell(kernel, _constants(model_dir, args) + "import torch, fsdp2nb\n" + GENERATE)
 
@@ -316,14 +362,14 @@ def _has_cuda() -> bool:
 
 
 SECTIONS = {"load": _compare_loads, "train": _compare_training, "save": _save_stall, "offload": _offload,
-            "generate": _generate}
+            "snapshots": _snapshots, "generate": _generate}
 
 
 def _report(results: dict, args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
-    rows = [row for make_rows in (_training_rows, _load_row, _save_row, _offload_row, _generate_row)
+    rows = [row for make_rows in (_training_rows, _load_row, _save_row, _offload_row, _snapshot_row, _generate_row)
             for row in _try_row(make_rows, results)]
     for name, error in results.get("errors", {}).items():
         rows.append((f"{name} FAILED", error.strip().splitlines()[-1], ""))
@@ -379,6 +425,13 @@ def _offload_row(results: dict) -> list[tuple[str, str, str]]:
              f"{on['peak_bytes'] / GIB:.2f} GiB; {off['held_bytes'] / GIB:.2f} vs {on['held_bytes'] / GIB:.2f} GiB",
              f"{off['step_s'] / on['step_s']:.1f}x time")]
 
+
+def _snapshot_row(results: dict) -> list[tuple[str, str, str]]:
+    snap = results["snapshots"]
+    return [("step with a snapshot in memory every step vs without; copy, waited, restore per snapshot",
+             f"{snap['snapshot_step_s']:.3f} s vs {snap['plain_step_s']:.3f} s; {snap['copy_s']:.3f}, "
+             f"{snap['blocked_s']:.3f}, {snap['restore_s']:.3f} s for {snap['snapshot_bytes'] / GIB:.2f} GiB",
+             f"{statistics.median(snap['ratios']):.2f}x (paired: {', '.join(f'{r:.2f}' for r in snap['ratios'])})")]
 
 
 def _generate_row(results: dict) -> list[tuple[str, str, str]]:

@@ -38,6 +38,15 @@ def _reset(root: FSDPModule) -> None:
         root.reset_iter_state()
     except Exception:  # the all-gather it waits for was released: drop it and reset the rest
         for state in root._get_fsdp_state()._state_ctx.all_states:
-            for param_group in state._fsdp_param_groups:
+            for param_group in param_groups_of(state):
                 param_group._all_gather_result = None
         root.reset_iter_state()
+
+
+def param_groups_of(state) -> list:
+    """An FSDP2 state's parameter groups: torch 2.13 keeps a list, earlier releases one or None."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp2nb.collectives import all_gathered, get_rank, get_world_size
+from fsdp2nb.engine.failed_iteration import param_groups_of
 from fsdp2nb.engine.host_gather import can_gather_on_one_rank, whole_on_one_rank
 from fsdp2nb.errors import UsageMistake
 
@@ -337,13 +338,13 @@ def _reshard_settings(unit: FSDPModule) -> tuple:
     # resharding to a smaller group), not as the nearest bool.
     state = unit._get_fsdp_state()
     return (state._auto_reshard_after_forward,
-            [group.post_forward_mesh_info for group in state._fsdp_param_groups])
+            [group.post_forward_mesh_info for group in param_groups_of(state)])
 
 
 def _restore_reshard_settings(unit: FSDPModule, settings: tuple) -> None:
     state = unit._get_fsdp_state()
     state._auto_reshard_after_forward = settings[0]
-    for group, mesh_info in zip(state._fsdp_param_groups, settings[1], strict=True):
+    for group, mesh_info in zip(param_groups_of(state), settings[1], strict=True):
         group.post_forward_mesh_info = mesh_info
 
 
