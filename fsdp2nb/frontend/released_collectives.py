@@ -25,9 +25,6 @@ if TYPE_CHECKING:
     from fsdp2nb.frontend.cell_progress import CellProgress
     from fsdp2nb.pool.handle import PoolHandle
 
-RELEASE_AFTER_ERROR_S = 0.5
-"""After a rank failed, how long the others may take to end the cell themselves before their
-collectives are released (ranks raising the same error a moment apart need no release)."""
 RELEASE_AFTER_INTERRUPT_S = 0.5
 """After the stop button, how long ranks may take to return before their collectives are released
 (a thread blocked in one ignores SIGINT)."""
@@ -64,23 +61,28 @@ class CollectiveRelease:
         return self._reform is not None
 
     def when_due(self) -> None:
-        """Release at once after a rank failed (the others can only wait for it), shortly after
-        the stop button, and when ranks sit in collectives that cannot complete."""
+        """Release at once when a rank is seen in a collective after another failed (it can only
+        wait for it), shortly after the stop button or the interrupt that follows a failure, and
+        when ranks sit in collectives that cannot complete. Ranks still computing after a failure
+        are not released (that would only fail their next collective): they are interrupted."""
         progress = self._progress
         if progress.released_at is not None:
             return
         if progress.first_error_at is not None:
             waiting = any(progress.activity_at.get(rank, 0.0) > progress.first_error_at
                           and progress.activity[rank].collective for rank in progress.running)
-            if waiting or time.monotonic() - progress.first_error_at > RELEASE_AFTER_ERROR_S:
+            if waiting or self._interrupted_for(RELEASE_AFTER_INTERRUPT_S):
                 cause = ("the cell was interrupted" if progress.interrupted_at is not None
                          else f"rank {progress.errors[0][0]} failed while they waited")
                 self.release(cause)
-        elif progress.interrupted_at is not None:
-            if time.monotonic() - progress.interrupted_at > RELEASE_AFTER_INTERRUPT_S:
-                self.release("the cell was interrupted")
+        elif self._interrupted_for(RELEASE_AFTER_INTERRUPT_S):
+            self.release("the cell was interrupted")
         elif (unmatched := unmatched_collectives(progress, self._pool.world_size)) is not None:
             self.release(unmatched)
+
+    def _interrupted_for(self, seconds: float) -> bool:
+        interrupted_at = self._progress.interrupted_at
+        return interrupted_at is not None and time.monotonic() - interrupted_at > seconds
 
     def release(self, cause: str) -> None:
         """Cut every rank's collectives: ranks blocked in one return with an error at once, the

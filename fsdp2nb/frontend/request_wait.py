@@ -48,8 +48,11 @@ if TYPE_CHECKING:
     from fsdp2nb.pool.spec import PoolSpec
 
 ERROR_GRACE_S = 3.0
-"""After a rank fails, how long the others may go on before they are interrupted (pools whose
-groups cannot be re-formed; the others release the collectives at once)."""
+"""After a rank fails, how long the others may go on before they are interrupted (where groups
+can be re-formed, a rank seen waiting in a collective is released at once instead)."""
+_ASK_AFTER_ERROR_S = 0.25
+"""After a rank failed, how often the others are asked where they are: one that enters a
+collective is released without waiting for the interrupt."""
 INTERRUPT_GRACE_S = 5.0
 """After an interrupt or a release, how long ranks may take to return before the pool is restarted."""
 WAITING_REPORT_S = 3.0
@@ -240,6 +243,7 @@ class RequestWait:
             progress.errors.append((event.rank, event.error))
             if progress.first_error_at is None and self._release.can_release:
                 self._ask_running_ranks()  # where they wait, for the line that says they were released
+                progress.activity_asked_at = time.monotonic()
             progress.first_error_at = progress.first_error_at or time.monotonic()
         if self._on_rank_finished is not None:
             self._on_rank_finished(event.rank, event.error is not None)
@@ -253,6 +257,7 @@ class RequestWait:
         if not progress.running:  # the last rank returned in this very pass
             return
         if self._release.can_release:
+            self._ask_again_after_error()
             self._release.when_due()
             if progress.released_at is not None:
                 if time.monotonic() - progress.released_at > INTERRUPT_GRACE_S:
@@ -267,6 +272,14 @@ class RequestWait:
         elif progress.interrupted_at is not None and now - progress.interrupted_at > INTERRUPT_GRACE_S:
             stuck = ", ".join(map(str, progress.running))
             self._recover(f"rank(s) {stuck} did not return within {INTERRUPT_GRACE_S:g} s of the interrupt")
+
+    def _ask_again_after_error(self) -> None:
+        progress = self.progress
+        if progress.first_error_at is None or progress.released_at is not None or progress.interrupted_at is not None:
+            return
+        if time.monotonic() - progress.activity_asked_at >= _ASK_AFTER_ERROR_S:
+            progress.activity_asked_at = time.monotonic()
+            self._ask_running_ranks()
 
     def _interrupt(self) -> None:
         self.progress.interrupted_at = time.monotonic()

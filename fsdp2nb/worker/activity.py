@@ -17,6 +17,8 @@ _CELL_NAME = re.compile(r"^<ipython-input-(\d+)-")
 """How IPython names a cell's code (the rank's compiler keeps IPython's naming)."""
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 _WRAPPER_NAMES = {"wrapper", "inner", "_fn"}
+_QUERY_PREFIXES = ("get_", "is_")
+"""Public torch.distributed functions that answer at once (get_rank, is_initialized): not waits."""
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 
 
@@ -56,7 +58,7 @@ def _collective(frames: list[FrameType]) -> str | None:
     for frame in frames:
         name = frame.f_code.co_name
         if frame.f_code.co_filename.endswith(_C10D_FILE) and name not in _WRAPPER_NAMES \
-                and not name.startswith("_"):
+                and not name.startswith(("_", *_QUERY_PREFIXES)):
             return name
     innermost = frames[-1] if frames else None
     if innermost is not None and _TORCH_DISTRIBUTED in innermost.f_code.co_filename:

@@ -2,8 +2,8 @@
 
 On 2 CPU ranks with a tiny model, its optimizer and a variable: a rank raising while the other
 waits in all_reduce, a rank raising inside FSDP2's forward while the other waits in its
-all-gather, the stop button while one rank sleeps and the other waits in all_reduce, and
-collectives that do not match. Each time the cell fails as a cell does, the blocked rank is
+all-gather, the stop button while one rank sleeps and the other waits in all_reduce, a rank
+still computing long after the other failed, and collectives that do not match. Each time the cell fails as a cell does, the blocked rank is
 released, the process groups are re-formed in the same processes, and the variables, the
 parameters and the optimizer state are bitwise the same; training then gives the losses of a
 run that never failed.
@@ -104,6 +104,21 @@ def test_the_stop_button_with_a_rank_in_all_reduce(trained):
     text = _assert_state_kept(trained, cell, when_printed="waiting")
     assert "rank 0 raised KeyboardInterrupt" in text and "released rank(s) 1 from all_reduce" in text
     _assert_trains_as_if_nothing_failed(trained)
+
+
+def test_a_rank_still_computing_when_another_fails_is_interrupted_and_the_pool_keeps_its_state(trained):
+    """No collective to release: the computing rank is interrupted, as a plain cell would be, and
+    nothing is restarted however long its work would have taken."""
+    assert trained.execute(SNAPSHOT.replace("STEP", str(next(_saved_steps)))).status == "ok"
+    cell = ("%%fsdp2\nimport time\nif rank == 0:\n    raise ValueError('bad batch on rank 0')\n"
+            "started = time.monotonic()\nwhile time.monotonic() - started < 60:\n    sum(range(1000))\n"
+            "dist.all_reduce(torch.ones(1))")
+    run = trained.execute(cell, timeout=120)
+    text = run.traceback_text
+    assert run.status == "error" and "[0] rank 0 raised ValueError" in text.splitlines()[0], text
+    assert "rank 1 raised KeyboardInterrupt" in text and "restarted" not in text, text
+    check = trained.execute(UNCHANGED)
+    assert check.stdout == "[all] kept True True True\n", check.traceback_text + check.stdout
 
 
 def test_collectives_that_do_not_match_are_released(trained):
