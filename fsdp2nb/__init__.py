@@ -76,6 +76,7 @@ def load_ipython_extension(ipython) -> None:
         _session = NotebookSession()
         atexit.register(_session.release)  # a kept pool is let go of, not ended
     ipython.register_magics(FSDP2Magics(ipython, _session))
+    _session.prepare_first_start()
 
 
 def unload_ipython_extension(ipython) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import secrets
 import sys
 import threading
@@ -157,6 +158,8 @@ class NotebookSession:
         if keep is not None:
             check_keepable(spec)
         self.stop(keep_standby=True)
+        if spec.placement is not None and self.launcher is not None:
+            self.launcher.close()  # pools across hosts start their agents elsewhere: it would only wait
         started = time.perf_counter()
         if keep is None:
             pool = self._pool_factory(spec)
@@ -173,6 +176,14 @@ class NotebookSession:
         if self.launcher is not None and spec.placement is None:
             self.launcher.start_standby()  # the next restart forks from it (see pool/launcher.py)
         return pool
+
+    def prepare_first_start(self) -> None:
+        """Start the first pool's host agent now, while the kernel waits for the user: it imports
+        torch (most of a cold start) and then waits for its launch plan. Not while a pool runs,
+        nor with FSDP2NB_STANDBY=0 (a kernel that may never start a pool saves the process)."""
+        if self.launcher is None or self.pool is not None or os.environ.get("FSDP2NB_STANDBY") == "0":
+            return
+        self.launcher.start_standby()
 
     def release(self) -> None:
         """At the kernel's exit (or the extension's unload): let go of a kept pool, which goes on

@@ -36,12 +36,13 @@ def bare_kernel():
 
 @pytest.mark.parametrize(("code", "message"), BAD_INPUTS)
 def test_bad_input_gets_one_clear_line_and_starts_nothing(bare_kernel, code, message):
+    before = {p.pid for p in psutil.Process(bare_kernel.pid).children(recursive=True)}  # the standby agent
     run = bare_kernel.execute(code)
     assert run.status == "error"
     usage = [line for line in run.stderr.splitlines() if line.startswith("UsageError")]
     assert len(usage) == 1 and message in usage[0], run.stderr
     assert bare_kernel.execute("%fsdp2 status").stdout.strip() == "no pool is running"
-    assert not psutil.Process(bare_kernel.pid).children(recursive=True)
+    assert {p.pid for p in psutil.Process(bare_kernel.pid).children(recursive=True)} == before
 
 
 def test_load_ext_twice_and_stop_twice_are_harmless(bare_kernel):

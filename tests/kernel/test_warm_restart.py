@@ -1,6 +1,7 @@
 """A pool restarted after a crash forks its ranks from the standby agent (torch already imported):
 the ranks are new, form a new process group, and the cell says that rank state was lost and how
-to resume. The standby leaves no process, registry entry or directory behind."""
+to resume. The standby leaves no process, registry entry or directory behind; the first pool forks
+from the one that loading the extension started."""
 
 import json
 import os
@@ -102,3 +103,25 @@ def test_the_standby_leaves_nothing_behind(how):
             own.manager.cleanup_resources()
         else:
             own.stop()
+
+
+def test_the_first_start_forks_from_the_standby_that_loading_the_extension_started():
+    """`%load_ext` starts the first pool's agent while the user is busy: the first cell's start
+    hands it the plan. With FSDP2NB_STANDBY=0, loading starts no process."""
+    own = Kernel(env=WITHOUT_GPUS)
+    try:
+        assert own.execute("%load_ext fsdp2nb").status == "ok"
+        loaded = own.execute("from fsdp2nb import _session\nprint(_session.launcher.standby_pid())")
+        standby = int(loaded.stdout)
+        assert [p.pid for p in psutil.Process(own.pid).children(recursive=True)] == [standby]
+        assert own.execute("%fsdp2 start --cpu 2").status == "ok"
+        agent, next_standby, _, _ = _agents(own)
+        assert agent == standby and next_standby not in (None, standby)
+    finally:
+        own.stop()
+    without = Kernel(env={**WITHOUT_GPUS, "FSDP2NB_STANDBY": "0"})
+    try:
+        assert without.execute("%load_ext fsdp2nb").status == "ok"
+        assert not psutil.Process(without.pid).children(recursive=True)
+    finally:
+        without.stop()
