@@ -25,6 +25,8 @@ class CellProgress:
     results: list[tuple[int, RichOutput]] = field(default_factory=list)
     first_error_at: float | None = None
     interrupted_at: float | None = None
+    interrupted_after_error: bool = False
+    """The ranks were interrupted because another rank had failed, not by the stop button."""
     task_bar: CellTaskBar | None = None
     """The cell's progress bar (frontend.progress_bar), made when the ranks first report progress."""
     started_at: float = field(default_factory=time.monotonic)
@@ -43,6 +45,8 @@ class CellProgress:
     """When the ranks were first seen at diverging points (see released_collectives.ranks_diverge)."""
     activity_at: dict[int, float] = field(default_factory=dict)
     """When each rank last said where it is."""
+    last_line: dict[int, str] = field(default_factory=dict)
+    """The last cell line each rank was seen on (a rank that has left the cell reports none)."""
     released_at: float | None = None
     """When the ranks' collectives were released (see CollectiveRelease.release)."""
     release_cause: str = ""

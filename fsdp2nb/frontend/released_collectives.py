@@ -104,11 +104,12 @@ class CollectiveRelease:
         failed collective the process groups are re-formed in place (every rank's state kept);
         a pool whose groups cannot be re-formed is marked broken instead."""
         progress = self._progress
-        failed = sorted(rank for rank, error in progress.errors if error.kind in ("collective", "released"))
+        all_errors, interrupted_notes = self._interrupts_as_notes()
+        failed = sorted(rank for rank, error in all_errors if error.kind in ("collective", "released"))
         if progress.released_at is None and not failed:
-            return progress.errors, ()
-        causes = [(rank, error) for rank, error in progress.errors if error.kind != "released"]
-        released = sorted(rank for rank, error in progress.errors if error.kind == "released")
+            return all_errors, interrupted_notes
+        causes = [(rank, error) for rank, error in all_errors if error.kind != "released"]
+        released = sorted(rank for rank, error in all_errors if error.kind == "released")
         if self._reform is None:
             ranks = ", ".join(map(str, failed))
             self._pool.mark_broken(f"a collective failed on rank(s) {ranks}")
@@ -116,12 +117,25 @@ class CollectiveRelease:
                                            "unusable now") + "\n`%fsdp2 restart` starts a fresh pool (rank state "
                                      "is lost); `--timeout SECONDS` there sets the collective timeout",)
         errors = causes or [(rank, self._released_error(rank)) for rank in released]
-        notes = (self._released_line(released),) if released else ()
+        notes = (*interrupted_notes, self._released_line(released)) if released else interrupted_notes
         try:
             return errors, (*notes, self._reform())
         except GroupsNotReformed as restarted:  # state is lost: never a cell that looks fine
             lost = ErrorInfo("GroupsNotReformed", "the process groups could not be re-formed", (), kind="collective")
             return errors or [(progress.ranks[0], lost)], (*notes, str(restarted))
+
+    def _interrupts_as_notes(self) -> tuple[list[tuple[int, ErrorInfo]], tuple[str, ...]]:
+        """Ranks interrupted because another failed (not by the stop button) raised only the
+        KeyboardInterrupt they were sent: one line says where they were, under the real errors."""
+        progress = self._progress
+        interrupted = [rank for rank, error in progress.errors if error.ename == "KeyboardInterrupt"]
+        others = [(rank, error) for rank, error in progress.errors if error.ename != "KeyboardInterrupt"]
+        if not progress.interrupted_after_error or not interrupted or not others:
+            return progress.errors, ()
+        where = [f"rank {rank} at {progress.last_line[rank]}" for rank in interrupted if rank in progress.last_line]
+        cause = f"rank {others[0][0]} failed while they went on"
+        return others, (f"interrupted rank(s) {', '.join(map(str, interrupted))}: {cause}"
+                        + (f" ({'; '.join(where)})" if where else ""),)
 
     def _released_line(self, released: list[int]) -> str:
         """One line for the ranks whose collectives were released."""

@@ -225,6 +225,8 @@ class RequestWait:
             progress.collective_since[event.rank] = time.monotonic()
         progress.activity[event.rank] = event
         progress.activity_at[event.rank] = time.monotonic()
+        if event.where:
+            progress.last_line[event.rank] = event.where
 
     def _show_task_progress(self, event: TaskProgress) -> None:
         if self.progress.task_bar is None:
@@ -268,6 +270,7 @@ class RequestWait:
         now = time.monotonic()
         if progress.interrupted_at is None and progress.first_error_at is not None:
             if now - progress.first_error_at > ERROR_GRACE_S:
+                progress.interrupted_after_error = True
                 self._interrupt()
         elif progress.interrupted_at is not None and now - progress.interrupted_at > INTERRUPT_GRACE_S:
             stuck = ", ".join(map(str, progress.running))
