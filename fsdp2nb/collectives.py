@@ -22,6 +22,9 @@ import torch.distributed as dist
 
 from fsdp2nb.errors import FailedElsewhere
 
+# torch 2.13 names it all_gather_single and warns on every call of the old name, in the user's cell.
+_ALL_GATHER_INTO_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _T = TypeVar("_T")
 
 
@@ -65,13 +68,13 @@ def all_gathered(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -
     all_reduce pass a ring instead, world size - 1 steps one after another, each waiting for the
     next rank's process to be scheduled, which costs milliseconds per step where ranks share few
     cores (`benchmarks/bench_exchanges.py`). Two ranks, and other devices (NCCL), take one
-    all_gather_into_tensor."""
+    all-gather into a tensor."""
     if not is_distributed():
         return tensor[None]
     world_size = dist.get_world_size(group)
     stacked = torch.empty((world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
     if tensor.device.type != "cpu" or world_size <= 2:
-        dist.all_gather_into_tensor(stacked.view(-1), tensor.reshape(-1), group=group)  # gloo takes flat ones
+        _ALL_GATHER_INTO_TENSOR(stacked.view(-1), tensor.reshape(-1), group=group)  # gloo takes flat ones
         return stacked
     first = dist.get_global_rank(group, 0) if group is not None else 0
     rows = list(stacked.unbind()) if dist.get_rank() == first else None
