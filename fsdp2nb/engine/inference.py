@@ -337,13 +337,14 @@ def _reshard_settings(unit: FSDPModule) -> tuple:
     # is read from the unit's state so that it comes back exactly (a root's automatic False, a
     # resharding to a smaller group), not as the nearest bool.
     state = unit._get_fsdp_state()
-    return (state._auto_reshard_after_forward,
+    return (getattr(state, "_auto_reshard_after_forward", None),  # absent before torch 2.8
             [group.post_forward_mesh_info for group in param_groups_of(state)])
 
 
 def _restore_reshard_settings(unit: FSDPModule, settings: tuple) -> None:
     state = unit._get_fsdp_state()
-    state._auto_reshard_after_forward = settings[0]
+    if settings[0] is not None:
+        state._auto_reshard_after_forward = settings[0]
     for group, mesh_info in zip(param_groups_of(state), settings[1], strict=True):
         group.post_forward_mesh_info = mesh_info
 

@@ -34,6 +34,9 @@ class CellProgress:
     """When the kept pool's attach record was last read (see RequestWait._check_still_held)."""
     last_output_at: float = field(default_factory=time.monotonic)
     activity_asked_at: float = 0.0
+    asked_after_error_at: float = 0.0
+    """When the running ranks were last asked where they are after another failed (apart from
+    the quiet ranks' asks, which also look for ranks that ended unreported)."""
     activity: dict[int, RankActivity] = field(default_factory=dict)
     """Where each rank was when last asked (RankActivity), while the cell waited."""
     collective_since: dict[int, float] = field(default_factory=dict)

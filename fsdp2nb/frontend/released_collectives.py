@@ -128,9 +128,11 @@ class CollectiveRelease:
         """Ranks interrupted because another failed (not by the stop button) raised only the
         KeyboardInterrupt they were sent: one line says where they were, under the real errors."""
         progress = self._progress
-        interrupted = [rank for rank, error in progress.errors if error.ename == "KeyboardInterrupt"]
-        others = [(rank, error) for rank, error in progress.errors if error.ename != "KeyboardInterrupt"]
-        if not progress.interrupted_after_error or not interrupted or not others:
+        if not progress.interrupted_after_error or not self.can_release:  # NCCL: a rank pulled out of a wait says so
+            return progress.errors, ()
+        interrupted = [rank for rank, error in progress.errors if _only_interrupted(error)]
+        others = [(rank, error) for rank, error in progress.errors if rank not in interrupted]
+        if not interrupted or not others:
             return progress.errors, ()
         where = [f"rank {rank} at {progress.last_line[rank]}" for rank in interrupted if rank in progress.last_line]
         cause = f"rank {others[0][0]} failed while they went on"
@@ -151,6 +153,11 @@ class CollectiveRelease:
         collective = self._progress.released_from.get(rank, "a collective")
         return ErrorInfo("CollectiveReleased", f"waited in {collective}, which could not complete", (),
                          kind="released")
+
+
+def _only_interrupted(error: ErrorInfo) -> bool:
+    """A KeyboardInterrupt raised in the rank's own code, not while a collective was released."""
+    return error.ename == "KeyboardInterrupt" and error.kind not in ("released", "collective")
 
 
 def unmatched_collectives(progress: CellProgress, world_size: int) -> str | None:

@@ -182,7 +182,8 @@ class RequestWait:
 
     def _stop_pressed(self) -> None:
         progress = self.progress
-        if progress.interrupted_at is None:
+        if progress.interrupted_at is None or progress.interrupted_after_error:
+            progress.interrupted_after_error = False  # the first press: what the ranks raise now is the user's
             self._interrupt()
         elif self._release.can_release and progress.released_at is None:  # a second press: release now
             self._release.release("the stop button was pressed")
@@ -245,7 +246,7 @@ class RequestWait:
             progress.errors.append((event.rank, event.error))
             if progress.first_error_at is None and self._release.can_release:
                 self._ask_running_ranks()  # where they wait, for the line that says they were released
-                progress.activity_asked_at = time.monotonic()
+                progress.asked_after_error_at = time.monotonic()
             progress.first_error_at = progress.first_error_at or time.monotonic()
         if self._on_rank_finished is not None:
             self._on_rank_finished(event.rank, event.error is not None)
@@ -280,8 +281,8 @@ class RequestWait:
         progress = self.progress
         if progress.first_error_at is None or progress.released_at is not None or progress.interrupted_at is not None:
             return
-        if time.monotonic() - progress.activity_asked_at >= _ASK_AFTER_ERROR_S:
-            progress.activity_asked_at = time.monotonic()
+        if time.monotonic() - progress.asked_after_error_at >= _ASK_AFTER_ERROR_S:
+            progress.asked_after_error_at = time.monotonic()
             self._ask_running_ranks()
 
     def _interrupt(self) -> None:
