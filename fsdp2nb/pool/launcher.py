@@ -14,6 +14,7 @@ is closed, or on its own when the kernel goes away (it sleeps on stdin and a pid
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import select
@@ -196,6 +197,7 @@ class StandbyAgent:
         self.standby_id = f"standby-{os.getpid()}-{os.urandom(4).hex()}"
         self.environment = environment
         self.cwd = os.getcwd()
+        self.installed = installed_packages()
         self.log_dir = reaper.state_dir() / "standby" / self.standby_id
         self.log_dir.mkdir(mode=0o700, parents=True)
         try:
@@ -212,7 +214,8 @@ class StandbyAgent:
                            runtime_dir=str(self.log_dir))
 
     def usable(self, environment: dict[str, str]) -> bool:
-        return self.process.poll() is None and environment == self.environment and os.getcwd() == self.cwd
+        return (self.process.poll() is None and environment == self.environment and os.getcwd() == self.cwd
+                and installed_packages() == self.installed)
 
     def hand_over(self, request: bytes) -> AgentProcess:
         """Give the standby its plan; from here on it is the pool's agent, and no longer a standby.
@@ -236,6 +239,26 @@ class StandbyAgent:
         self.process.wait()
         shutil.rmtree(self.log_dir, ignore_errors=True)
         reaper.forget_pool(self.standby_id)
+
+
+IMPORTED_AHEAD = ("torch", "IPython", "fsdp2nb")
+"""The packages a standby agent imports before its plan comes (worker/agent.py `_preload`)."""
+
+
+def installed_packages() -> tuple[tuple[str, str | None, int | None], ...]:
+    """Where each package a standby imports ahead is installed, and when its `__init__` there last
+    changed: a standby started before an upgrade (`%pip install -U torch`) would run the old one.
+    Found without importing them (the kernel never imports torch)."""
+    marks = []
+    for name in IMPORTED_AHEAD:
+        try:
+            spec = importlib.util.find_spec(name)
+            origin = spec.origin if spec is not None else None
+            changed = os.stat(origin).st_mtime_ns if origin else None
+        except (ImportError, ValueError, OSError):
+            origin, changed = None, None
+        marks.append((name, origin, changed))
+    return tuple(marks)
 
 
 class LocalLauncher:
@@ -264,7 +287,7 @@ class LocalLauncher:
                 except OSError as error:  # it ended since (BrokenPipeError): start one afresh
                     logger.info("the standby agent could not take the plan (%s); starting a fresh agent", error)
             else:
-                logger.info("the environment or directory changed since the standby agent started; "
+                logger.info("the environment, directory or installed packages changed since the standby agent started; "
                             "starting a fresh agent")
             standby.close()
         return self._launch_cold(plan, request)

@@ -595,8 +595,9 @@ class LaunchPlan:
 
     def encode(self, key: bytes) -> bytes:
         """The launch request an agent reads on its stdin: this plan and the pool key, as JSON
-        (an agent may run before it can verify anything, so no pickle)."""
-        return json.dumps({"plan": asdict(self), "key": key.hex()}).encode()
+        (an agent may run before it can verify anything, so no pickle), on one line: the agent
+        reads to its end, not to the pipe's, which a process the kernel forked may hold open."""
+        return json.dumps({"plan": asdict(self), "key": key.hex()}).encode() + b"\n"
 
     @classmethod
     def decode(cls, request: bytes) -> tuple[LaunchPlan, bytes]:

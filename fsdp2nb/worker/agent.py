@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     # the agent would never wake for SIGCHLD, nor its ranks for the stop button's SIGINT.
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
     _preload()
-    request = sys.stdin.buffer.read() if _wait_for_plan(kernel_pid) else b""
+    request = sys.stdin.buffer.readline() if _wait_for_plan(kernel_pid) else b""
     if not request:
         _forget_standby_log(standby_log)
         _exit(0)

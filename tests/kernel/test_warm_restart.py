@@ -3,6 +3,7 @@ the ranks are new, form a new process group, and the cell says that rank state w
 to resume. The standby leaves no process, registry entry or directory behind; the first pool forks
 from the one that loading the extension started."""
 
+import contextlib
 import json
 import os
 import signal
@@ -125,3 +126,24 @@ def test_the_first_start_forks_from_the_standby_that_loading_the_extension_start
         assert not psutil.Process(without.pid).children(recursive=True)
     finally:
         without.stop()
+
+
+@pytest.mark.timeout(120)
+def test_the_first_start_is_not_held_up_by_a_process_the_kernel_forked():
+    """A process forked from the kernel after loading (a multiprocessing pool, say) holds the
+    standby's stdin open: the agent reads its plan to the end of its line, not of the pipe."""
+    own = Kernel(env=WITHOUT_GPUS)
+    child = None
+    try:
+        assert own.execute("%load_ext fsdp2nb").status == "ok"
+        forked = own.execute("import os, time\nchild = os.fork()\nif child == 0:\n    time.sleep(300)\n"
+                             "    os._exit(0)\nprint(child)")
+        child = int(forked.stdout)
+        started = own.execute("%fsdp2 start --cpu 2 --no-dashboard", timeout=110)
+        assert started.status == "ok", started.stderr
+        assert own.execute("%%fsdp2\nprint(rank)").stdout == "[0] 0\n[1] 1\n"
+    finally:
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        own.stop()

@@ -1,4 +1,5 @@
-"""The standby agent: a launch hands it the plan, a changed environment or `close()` ends it, and
+"""The standby agent: a launch hands it the plan, a changed environment, an upgraded package or
+`close()` ends it, and
 the orphan registry knows it while it waits. A stand-in agent records what it was handed."""
 
 import contextlib
@@ -17,7 +18,7 @@ from fsdp2nb.wire.protocol import LaunchPlan, RankPlan
 
 # Stands in for `python -m fsdp2nb.worker.agent`: reads its request as the agent does (only once it
 # has "imported"), then writes "<pid> <request>" where the test can read it.
-_FAKE_AGENT = ("import os, sys\nrequest = sys.stdin.buffer.read()\n"
+_FAKE_AGENT = ("import os, sys\nrequest = sys.stdin.buffer.readline().rstrip(b'\\n')\n"
                "with open(os.environ['FAKE_AGENT_OUT'], 'ab') as out:\n"
                "    out.write(str(os.getpid()).encode() + b' ' + request + b'\\n')\n")
 
@@ -69,6 +70,17 @@ def test_a_standby_from_another_environment_is_ended_and_a_fresh_agent_started(l
     assert agent.process.wait(timeout=10) == 0
     assert standby.process.poll() is not None and list(_handed(tmp_path)) == [agent.process.pid]
     assert not standby.log_dir.exists() and _registry_entry(standby.standby_id) is None
+
+
+def test_a_standby_started_before_an_upgrade_is_ended_and_a_fresh_agent_started(launcher, tmp_path, monkeypatch):
+    launcher.start_standby()
+    standby = launcher._standby
+    upgraded = tuple((name, origin, (changed or 0) + 1) for name, origin, changed in standby.installed)
+    monkeypatch.setattr("fsdp2nb.pool.launcher.installed_packages", lambda: upgraded)  # `%pip install -U torch`
+    agent = launcher.launch(_plan(tmp_path), b"key")
+    assert agent.process_ids() != [standby.process.pid]
+    assert agent.process.wait(timeout=10) == 0
+    assert standby.process.poll() is not None and list(_handed(tmp_path)) == [agent.process.pid]
 
 
 def test_close_ends_the_standby_and_is_safe_twice(launcher):
