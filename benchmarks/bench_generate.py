@@ -13,6 +13,8 @@ the matrix products count), fp32. Three ways, alternating round by round:
     gathered once on each;
   * plain sharded: `model.generate` on every rank of the sharded model, each rank all 8 prompts,
     as a user would call it without `fsdp2nb.generate`: every token all-gathers every unit.
+`many`: 64 prompts, at most 16 decoded at once: the whole model decodes 4 batches one after the
+other; `fsdp2nb.generate(..., batch_size=16)` spreads them over every rank (goal: at least 1x).
 `evaluate`: 32 examples of 64 tokens, batches of 8: `fsdp2nb.evaluate` in the cell against this
 process summing the cross-entropy batch by batch with the model whole.
 The cell's figure is rank 0's wall time from a barrier to the call's return. Per comparison: the medians, the
@@ -39,6 +41,7 @@ from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 NUM_NEW_TOKENS = 32
 PROMPTS = ["The light", "Once upon a time there", "A keeper", "Every night the lamp", "Stairs", "Far out at sea",
            "The ships saw it and", "Rain"]
+MANY_PROMPTS, MANY_BATCH = PROMPTS * 8, 16  # more prompts than one rank decodes at once
 NUM_EXAMPLES, EXAMPLE_LEN, EVAL_BATCH = 32, 64, 8
 SIZES = {
     # a decoding step is mostly Python overhead: a batch of 4 costs about what a batch of 8 does
@@ -63,17 +66,20 @@ def run_fsdp2nb():
 def run_plain():
     model.generate(**every_prompt, pad_token_id=tokenizer.pad_token_id, **GENERATE_KWARGS)
 
+def run_many():
+    fsdp2nb.generate(model, tokenizer, MANY_PROMPTS, batch_size=MANY_BATCH, **GENERATE_KWARGS)
+
 def run_evaluate():
     fsdp2nb.evaluate(model, EXAMPLES, batch_size=EVAL_BATCH)
 
 def timed(kind):
-    run = {"fsdp2nb": run_fsdp2nb, "plain": run_plain, "evaluate": run_evaluate}[kind]
+    run = {"fsdp2nb": run_fsdp2nb, "plain": run_plain, "many": run_many, "evaluate": run_evaluate}[kind]
     dist.barrier()
     started = time.perf_counter()
     run()  # each ends in a collective (a gather, or the last token's all-gathers): every rank is done
     return time.perf_counter() - started
 
-for kind in ("fsdp2nb", "plain", "evaluate"):  # untimed: first calls build caches
+for kind in ("fsdp2nb", "plain", "many", "evaluate"):  # untimed: first calls build caches
     timed(kind)
 """
 
@@ -88,13 +94,17 @@ def examples() -> list[dict]:
 class Whole:
     """The checkpoint whole in this process: batched generate, and a plain evaluation loop."""
 
+    TASKS = ("generate", "many", "evaluate")
+
     def __init__(self, model_dir: str) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.inputs = self.tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
-        self.threads = {"generate": self._faster_threads(self.generate_s), "evaluate": self._faster_threads(self.evaluate_s)}
+        self.many_inputs = [self.tokenizer(MANY_PROMPTS[start:start + MANY_BATCH], return_tensors="pt", padding=True,
+                                           padding_side="left") for start in range(0, len(MANY_PROMPTS), MANY_BATCH)]
+        self.threads = {task: self._faster_threads(self._seconds_of(task)) for task in self.TASKS}
         print("whole model, threads: " + ", ".join(f"{task} {threads}" for task, threads in self.threads.items()))
 
     @staticmethod
@@ -111,19 +121,28 @@ class Whole:
         return min(seconds, key=seconds.get)
 
     def timed(self, task: str) -> float:
-        """Seconds of one run of `task` ("generate" or "evaluate") on its faster thread count."""
+        """Seconds of one run of `task` (one of TASKS) on its faster thread count."""
         import torch
 
         default = torch.get_num_threads()
         torch.set_num_threads(self.threads[task])
         try:
-            return self.generate_s() if task == "generate" else self.evaluate_s()
+            return self._seconds_of(task)()
         finally:
             torch.set_num_threads(default)
+
+    def _seconds_of(self, task: str):
+        return {"generate": self.generate_s, "many": self.many_s, "evaluate": self.evaluate_s}[task]
 
     def generate_s(self) -> float:
         started = time.perf_counter()
         self.model.generate(**self.inputs, pad_token_id=self.tokenizer.pad_token_id, **GENERATE_KWARGS)
+        return time.perf_counter() - started
+
+    def many_s(self) -> float:
+        started = time.perf_counter()
+        for inputs in self.many_inputs:
+            self.model.generate(**inputs, pad_token_id=self.tokenizer.pad_token_id, **GENERATE_KWARGS)
         return time.perf_counter() - started
 
     def evaluate_s(self) -> float:
@@ -158,7 +177,7 @@ def start_pool(num_ranks: int, model_dir: str) -> Kernel:
     if kernel.execute(f"%fsdp2 start --cpu {num_ranks} --no-dashboard").status != "ok":
         raise RuntimeError("the pool did not start")
     settings = (f"MODEL_DIR = {model_dir!r}\nPROMPTS = {PROMPTS!r}\nGENERATE_KWARGS = {GENERATE_KWARGS!r}\n"
-                f"EVAL_BATCH = {EVAL_BATCH}\nEXAMPLES = {EXAMPLES!r}\n")
+                f"MANY_PROMPTS = {MANY_PROMPTS!r}\nMANY_BATCH = {MANY_BATCH}\nEVAL_BATCH = {EVAL_BATCH}\nEXAMPLES = {EXAMPLES!r}\n")
     run = kernel.execute("%%fsdp2\n" + settings + RANK_SETUP, timeout=600)
     if run.status != "ok":
         raise RuntimeError(f"the set-up cell failed:\n{run.traceback_text}")
@@ -167,13 +186,16 @@ def start_pool(num_ranks: int, model_dir: str) -> Kernel:
 
 def measure(num_ranks: int, model_dir: str, whole: Whole, rounds: int) -> dict[str, list[float]]:
     """Seconds per run of each way, `rounds` alternating rounds on a pool of `num_ranks`."""
-    runs: dict[str, list[float]] = {"whole": [], "fsdp2nb": [], "plain": [], "whole_evaluate": [], "evaluate": []}
+    runs: dict[str, list[float]] = {"whole": [], "fsdp2nb": [], "plain": [], "whole_many": [], "many": [],
+                                    "whole_evaluate": [], "evaluate": []}
     kernel = start_pool(num_ranks, model_dir)
     try:
         for _ in range(rounds):
             runs["whole"].append(whole.timed("generate"))
             runs["fsdp2nb"].append(in_cell(kernel, "fsdp2nb"))
             runs["plain"].append(in_cell(kernel, "plain"))
+            runs["whole_many"].append(whole.timed("many"))
+            runs["many"].append(in_cell(kernel, "many"))
             runs["whole_evaluate"].append(whole.timed("evaluate"))
             runs["evaluate"].append(in_cell(kernel, "evaluate"))
     finally:
@@ -183,12 +205,19 @@ def measure(num_ranks: int, model_dir: str, whole: Whole, rounds: int) -> dict[s
 
 def print_rates(runs: dict[str, list[float]], label: str) -> None:
     tokens = len(PROMPTS) * NUM_NEW_TOKENS
-    rate = {name: [tokens / seconds for seconds in times] for name, times in runs.items() if "evaluate" not in name}
+    rate = {name: [tokens / seconds for seconds in runs[name]] for name in ("whole", "fsdp2nb", "plain")}
     print(f"\n{label} (CPU), {len(runs['whole'])} alternating rounds; tokens/s, median (best): "
           + ", ".join(f"{name} {statistics.median(values):.0f} ({max(values):.0f})" for name, values in rate.items()))
     for first, second, goal in (("fsdp2nb", "whole", ">= 0.8"), ("plain", "whole", "(0.15 measured before)"),
                                 ("fsdp2nb", "plain", "")):
         print_ratio(rate[first], rate[second], f"generate {first} / {second}", goal)
+    many_tokens = len(MANY_PROMPTS) * NUM_NEW_TOKENS
+    many = [many_tokens / s for s in runs["many"]]
+    whole_many = [many_tokens / s for s in runs["whole_many"]]
+    print(f"  {len(MANY_PROMPTS)} prompts, {MANY_BATCH} at once, tokens/s, median (best): fsdp2nb "
+          f"{statistics.median(many):.0f} ({max(many):.0f}), whole in one process {statistics.median(whole_many):.0f} "
+          f"({max(whole_many):.0f})")
+    print_ratio(many, whole_many, "many prompts fsdp2nb / whole", ">= 1")
     eval_tokens = NUM_EXAMPLES * (EXAMPLE_LEN - 1)
     evaluate = [eval_tokens / s for s in runs["evaluate"]]
     whole = [eval_tokens / s for s in runs["whole_evaluate"]]

@@ -2,9 +2,12 @@
 over the ranks and every completion back on every rank.
 
 Called on every rank with the same prompts. Each rank takes its contiguous share (5 prompts on 2
-GPU ranks: 3 and 2; on CPU ranks one rank per host takes them all and runs them on every core)
-and generates it as one left-padded batch with Hugging Face's `generate`, on the whole model
-gathered once (`inference.as_planned`): no collective per token, each rank at its own pace.
+GPU ranks: 3 and 2) and generates it in left-padded batches of at most `batch_size` with Hugging
+Face's `generate`, on the whole model gathered once (`inference.as_planned`): no collective per
+token, each rank at its own pace. On CPU ranks, where the prompts fit in one batch, one rank per
+host takes them all and runs them on every core (decoding a batch reads every weight per token,
+and the host's ranks share one memory bus); where they do not, every rank decodes its share on
+its own cores, reading the one copy of the model in the host's shared memory.
 Where the whole model does not fit, the ranks generate sharded with `synced_gpus=True`: a rank
 whose sequences are done (or that has no prompt) keeps running forward passes until every rank is
 done, so all run the same number and none waits in an all-gather the others never reach. Then one
@@ -35,6 +38,10 @@ from fsdp2nb.engine.inference import (
     plan_gathering,
 )
 
+DEFAULT_BATCH_SIZE = 32
+"""The most prompts a rank decodes at once unless `batch_size` says otherwise: a longer share is
+decoded batch after batch, so the KV cache and logits stay bounded whatever the list's length."""
+
 STREAM_REDRAW_S = 0.1
 """A streamed line is redrawn at most ten times a second; the notebook shows it from its second
 drawing and updates it at most five times a second (`frontend/line_updates.py`)."""
@@ -45,7 +52,8 @@ class GenerationInputError(InferenceInputError):
 
 
 def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, stream: bool = False,
-             max_gathered_bytes: int | None = None, **generate_kwargs: Any) -> str | list[str]:
+             batch_size: int = DEFAULT_BATCH_SIZE, max_gathered_bytes: int | None = None,
+             **generate_kwargs: Any) -> str | list[str]:
     """The completion of each prompt (the text after it), on every rank, in prompt order.
 
     Collective: call it on every rank with the same prompts (a `%%fsdp2` cell). Example:
@@ -54,7 +62,9 @@ def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, 
     defaults to the tokenizer's). `stream=True` shows the first prompt's text in the notebook as
     it is made, on one line: redrawn at most ten times a second, updated in the notebook at most
     five times, so a generation of a quarter of a second or more is seen to grow (a shorter one
-    shows as one line once done). A string for `prompts` gives a string back.
+    shows as one line once done). A string for `prompts` gives a string back. `batch_size`: the
+    most prompts one rank decodes at once (default DEFAULT_BATCH_SIZE); more prompts than that are
+    spread over every rank, CPU ranks included, each decoding its share batch after batch.
 
     The model is gathered whole on each rank for the duration and sharded again afterwards; where
     it would not fit in a rank's memory (or takes more than `max_gathered_bytes`, default
@@ -62,15 +72,18 @@ def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, 
     """
     prompt_list = _prompt_list(prompts)
     kwargs = _generate_kwargs(tokenizer, stream, generate_kwargs)
+    _require_batch_size(batch_size)
     limit = max_gathered_bytes_from(max_gathered_bytes)
     with evaluating(model):
-        plan, digests = plan_gathering(model, limit, local_facts=_digest(prompt_list), one_cpu_rank_per_host=True)
+        plan, digests = plan_gathering(model, limit, local_facts=_digest(prompt_list),
+                                       one_cpu_rank_per_host=len(prompt_list) <= batch_size)
         _require_same_prompts(digests)
         share = item_share(len(prompt_list), get_rank(), plan.working_ranks)
         error, completions = None, []
         try:
             with as_planned(model, plan, "fsdp2nb.generate"):
-                completions = _generate_share(model, tokenizer, prompt_list, share, plan, stream, kwargs)
+                for batch in _batches(share, len(prompt_list), batch_size, plan):
+                    completions += _generate_batch(model, tokenizer, prompt_list, batch, plan, stream, kwargs)
         except Exception as exc:  # every rank hears of it below, rather than waiting in the gather
             error = exc
     everyone = [text for share_texts in gathered_if_all_succeeded(completions, error, "fsdp2nb.generate")
@@ -121,18 +134,33 @@ def _require_same_prompts(digests: list[tuple[int, ...]]) -> None:
                                    "list on every rank; each rank generates its share")
 
 
-def _generate_share(model: nn.Module, tokenizer: Any, prompts: list[str], share: range, plan: GatherPlan,
+def _require_batch_size(batch_size: Any) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise GenerationInputError(f"batch_size={batch_size!r} must be an int >= 1 (the most prompts a rank "
+                                   "decodes at once)")
+
+
+def _batches(share: range, num_prompts: int, batch_size: int, plan: GatherPlan) -> list[range]:
+    """This rank's share cut into batches of at most `batch_size`. In lockstep every rank runs as
+    many batches as the largest share needs, an empty range standing for each batch it lacks."""
+    batches = [share[start:start + batch_size] for start in range(0, len(share), batch_size)]
+    if plan.lockstep:
+        largest = len(item_share(num_prompts, plan.working_ranks[0], plan.working_ranks))  # the first is largest
+        batches += [range(0)] * (-(-largest // batch_size) - len(batches))
+    return batches
+
+
+def _generate_batch(model: nn.Module, tokenizer: Any, prompts: list[str], batch: range, plan: GatherPlan,
                     stream: bool, kwargs: dict[str, Any]) -> list[str]:
-    """This rank's completions. In lockstep a rank without prompts generates for the first one
-    and drops the result: its forward passes are the collectives the other ranks wait in."""
-    if not share and not plan.lockstep:
-        return []
-    batch = [prompts[index] for index in share] or prompts[:1]
-    inputs = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left").to(model_device(model))
-    streamer = FirstPromptLine(tokenizer, batch[0]) if stream and share and share.start == 0 else None
+    """The completions of one batch of this rank's prompts. In lockstep an empty batch generates
+    for the first prompt and drops the result: its forward passes are the collectives the other
+    ranks wait in."""
+    texts = [prompts[index] for index in batch] or prompts[:1]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left").to(model_device(model))
+    streamer = FirstPromptLine(tokenizer, texts[0]) if stream and batch and batch.start == 0 else None
     output = model.generate(**inputs, synced_gpus=plan.lockstep, streamer=streamer, **kwargs)
     new_tokens = output[:, inputs["input_ids"].shape[1]:]  # (batch, new tokens): the text after the prompt
-    return tokenizer.batch_decode(new_tokens, skip_special_tokens=True) if share else []
+    return tokenizer.batch_decode(new_tokens, skip_special_tokens=True) if batch else []
 
 
 class FirstPromptLine:

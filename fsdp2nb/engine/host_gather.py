@@ -1,21 +1,20 @@
-"""The whole parameters of a sharded model on one rank only: what CPU ranks of one host use to
-generate.
+"""The whole parameters of a sharded model, one copy for a host, read by the ranks that need them:
+what CPU ranks of one host use to generate and evaluate.
 
-CPU ranks of one host share its memory bus, and decoding reads every weight for every token: one
-rank running the whole batch on every core reads them once per step, where each rank running its
-part reads them once per rank. Only that rank needs the whole model, and the ranks share the
-host's memory, so nothing is sent. The root makes one file in shared memory as large as the whole
-model (in /dev/shm or FSDP2NB_SHARED_MEMORY_DIR, in a directory only this user may enter); every
-rank maps it and copies its own rows of every parameter to where they belong; the root uses the
-parameters in place, as views of the file. The file is unlinked as soon as every rank has mapped
-it, and its memory goes when the root lets go of the views on exit. The other ranks unmap it once
-their rows are in, and hold no more memory than before.
+CPU ranks of one host share its memory, so nothing need be sent and nothing held twice. The first
+reader makes one file in shared memory as large as the whole model (in /dev/shm or
+FSDP2NB_SHARED_MEMORY_DIR, in a directory only this user may enter); every rank maps it and copies
+its own rows of every parameter to where they belong; the readers use the parameters in place, as
+views of the file. The file is unlinked as soon as every rank has mapped it, and its memory goes
+when the last reader lets go of the views on exit. The other ranks unmap it once their rows are
+in, and hold no more memory than before. (Decoding reads every weight for every token, so for a
+few prompts one reader on every core beats several; for many, each rank decodes its own batches.)
 
 Where a rank cannot map the file (no room in shared memory, another host), every rank says so and
-`whole_on_one_rank` yields False having changed nothing; the caller then unshards the model on
-every rank instead.
+`whole_in_shared_memory` yields False having changed nothing; the caller then unshards the model
+on every rank instead.
 
-Only for a 1-D mesh whose parameters are all `Shard(0)`, as `fully_shard` makes them; the root's
+Only for a 1-D mesh whose parameters are all `Shard(0)`, as `fully_shard` makes them; the readers'
 forward passes must run with FSDP2's hooks set aside (`inference.fsdp_forward_hooks_set_aside`),
 which would otherwise unshard, a collective the other ranks never join.
 """
@@ -42,7 +41,7 @@ from fsdp2nb.engine.model_census import rows_per_rank
 logger = logging.getLogger(__name__)
 
 SHARED_MEMORY_DIR_ENV = "FSDP2NB_SHARED_MEMORY_DIR"
-"""Where the root makes the file, where not /dev/shm (tmpfs on Linux: a file there is memory,
+"""Where the first reader makes the file, where not /dev/shm (tmpfs on Linux: a file there is memory,
 never written back to a disk); for a container whose /dev/shm is too small, another tmpfs."""
 
 ALIGNMENT = 64
@@ -52,7 +51,7 @@ MAX_PATH_BYTES = 512
 """The file's path travels from the root to the other ranks in a tensor of this many bytes."""
 
 
-def can_gather_on_one_rank(model: nn.Module) -> bool:
+def can_gather_in_shared_memory(model: nn.Module) -> bool:
     """True where every parameter is a DTensor sharded along dim 0 of one 1-D mesh."""
     params = list(model.parameters())
     return bool(params) and all(isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements == (Shard(0),)
@@ -60,19 +59,20 @@ def can_gather_on_one_rank(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def whole_on_one_rank(model: nn.Module, root: int, dtype: torch.dtype | None) -> Iterator[bool]:
-    """On `root`, every parameter whole (in `dtype` where given, for floating point ones) until
-    exit; collective. Yields True, or on every rank False where some rank could not map the shared
-    file (then nothing changed). The model must be resharded on entry."""
+def whole_in_shared_memory(model: nn.Module, readers: tuple[int, ...], dtype: torch.dtype | None) -> Iterator[bool]:
+    """On each rank of `readers`, every parameter whole (in `dtype` where given, for floating point
+    ones) until exit, all of them views of one file; collective. Yields True, or on every rank
+    False where some rank could not map the shared file (then nothing changed). The model must be
+    resharded on entry."""
     params = _unique_params(model)
     group = params[0].device_mesh.get_group()
     layout = FileLayout.of(params, dist.get_world_size(group), dtype)
-    shared = _every_rank_rows_in_shared_file(layout, params, root, group)
+    shared = _every_rank_rows_in_shared_file(layout, params, readers[0], group)
     if shared is None:
         yield False
         return
-    if dist.get_rank() != root:
-        del shared  # unmapped: only the root reads the file
+    if dist.get_rank() not in readers:
+        del shared  # unmapped: only the readers need the file
         yield True
         return
     swapped = _swap(model, layout.whole_views(params, shared))

@@ -8,10 +8,11 @@ run on plain tensors and need no collective: each rank works through its own sha
 pace. On exit the settings are put back as they were and every unit is resharded, so training goes
 on unchanged and the memory is freed.
 
-The items (examples, prompts) go to every rank; prompts, on CPU ranks, to one rank per host, which
-runs them on every core of the host with the whole model gathered on it alone (`host_gather`):
-CPU ranks of a host share its memory bus, and a decoding step reads every weight, so one process
-reading them once per step beats several reading them once each. The others wait.
+The items (examples, prompts) go to every rank; a few prompts, on CPU ranks, to one rank per host,
+which runs them on every core of the host: CPU ranks of a host share its memory bus, and a decoding
+step reads every weight, so one process reading them once per step beats several reading them once
+each. The others wait. Where all the ranks are CPU ranks of one host, the whole model is one copy
+in the host's shared memory that the working ranks read (`host_gather`).
 
 Where the gathered model would not fit (its bytes in the dtype it is gathered in, against what the
 device, or this rank's part of the host's memory, has free; or against `max_gathered_bytes` /
@@ -37,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2nb.collectives import all_gathered, get_rank, get_world_size
 from fsdp2nb.engine.failed_iteration import param_groups_of
-from fsdp2nb.engine.host_gather import can_gather_on_one_rank, whole_on_one_rank
+from fsdp2nb.engine.host_gather import can_gather_in_shared_memory, whole_in_shared_memory
 from fsdp2nb.errors import UsageMistake
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class GatherPlan:
     host_cores_to_one_rank: bool = False
     """True: each host's working CPU rank is its only one, and runs torch on all the host's cores
     for the duration (where every rank works, each keeps its own share of the cores)."""
+    one_host: bool = False
+    """True: every rank is a CPU rank of one host, so the whole model can be one copy in its shared
+    memory (`host_gather`)."""
 
 
 def item_share(num_items: int, rank: int, working_ranks: tuple[int, ...]) -> range:
@@ -189,9 +193,11 @@ def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple
     lockstep = bool(reason) and get_world_size() > 1
     spread = lockstep or not one_cpu_rank_per_host
     working = tuple(range(len(rows))) if spread else working_ranks([row[1:3] for row in rows])
+    one_host = device.type == "cpu" and len({row[1] for row in rows}) == 1
     plan = GatherPlan(gathered=sharded and not reason, lockstep=lockstep, needed_bytes=needed,
                       available_bytes=available, limit_bytes=limit_bytes, reason=reason, device_type=device.type,
-                      working_ranks=working, host_cores_to_one_rank=not spread and device.type == "cpu")
+                      working_ranks=working, host_cores_to_one_rank=not spread and device.type == "cpu",
+                      one_host=one_host)
     return plan, [row[len(own_facts):] for row in rows]
 
 
@@ -251,14 +257,14 @@ def as_planned(model: nn.Module, plan: GatherPlan, what: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _whole_where_needed(model: nn.Module, plan: GatherPlan) -> Iterator[None]:
-    """The whole model on the ranks that work: on the one working CPU rank only, where it is the
-    only one and the host's shared memory has room (`host_gather`), else every unit unsharded on
-    every rank."""
-    if plan.device_type == "cpu" and len(plan.working_ranks) == 1 and can_gather_on_one_rank(model):
+    """The whole model on the ranks that work: one copy in shared memory that they read, where all
+    the ranks are on one host and it has room (`host_gather`), else every unit unsharded on every
+    rank."""
+    if plan.one_host and can_gather_in_shared_memory(model):
         for unit in fsdp_units(model):
             unit.reshard()  # a unit left unsharded by a forward without backward: sharded again first
-        with whole_on_one_rank(model, plan.working_ranks[0], _gather_dtype(model)) as on_one_rank:
-            if on_one_rank:
+        with whole_in_shared_memory(model, plan.working_ranks, _gather_dtype(model)) as shared:
+            if shared:
                 yield
                 return
     with gathered_units(model):

@@ -1,6 +1,6 @@
-"""`host_gather.whole_on_one_rank`: the whole parameters on one rank, every rank's shards copied into
-one file in shared memory; the other ranks unchanged, every rank as before on exit, no file left;
-and where the file cannot be made, nothing changed on any rank."""
+"""`host_gather.whole_in_shared_memory`: the whole parameters on the ranks that read them, every
+rank's shards copied into one file in shared memory; the other ranks unchanged, every rank as
+before on exit, no file left; and where the file cannot be made, nothing changed on any rank."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdp2nb.engine.host_gather import SHARED_MEMORY_DIR_ENV, can_gather_on_one_rank, whole_on_one_rank
+from fsdp2nb.engine.host_gather import (
+    SHARED_MEMORY_DIR_ENV,
+    can_gather_in_shared_memory,
+    whole_in_shared_memory,
+)
 from fsdp2nb.engine.inference import as_planned, fsdp_forward_hooks_set_aside, plan_gathering
 from tests.support.gloo_harness import run_ranks
 
@@ -48,18 +52,18 @@ def _sharded_tied_models() -> tuple[TiedModel, TiedModel]:
     return plain, model
 
 
-def _gather_on_ranks(root: int, dtype: torch.dtype | None, shared_dir: str):
+def _gather_on_ranks(readers: tuple[int, ...], dtype: torch.dtype | None, shared_dir: str):
     os.environ[SHARED_MEMORY_DIR_ENV] = shared_dir
     plain, model = _sharded_tied_models()
     before = [(name, param.to_local().clone()) for name, param in model.named_parameters()]
     ids = torch.tensor([[0, 3, 4]])
-    with torch.no_grad(), whole_on_one_rank(model, root, dtype) as on_one_rank, fsdp_forward_hooks_set_aside(model):
-        dist.barrier()  # the root is in here too
+    with torch.no_grad(), whole_in_shared_memory(model, readers, dtype) as shared, fsdp_forward_hooks_set_aside(model):
+        dist.barrier()  # the readers are in here too
         files_left = os.listdir(shared_dir)  # unlinked once every rank mapped it
-        mapped_inside = _maps_the_file(shared_dir)  # the root only
+        mapped_inside = _maps_the_file(shared_dir)  # the readers only
         kinds = {type(param).__name__ for param in model.parameters()}
         tied = model.out.weight is model.embed.weight
-        if dist.get_rank() == root:
+        if dist.get_rank() in readers:
             same_values = all(torch.equal(mine, plain.get_parameter(name).to(mine.dtype))
                               for name, mine in model.named_parameters())
             dtypes = {str(param.dtype) for param in model.parameters()}
@@ -71,8 +75,8 @@ def _gather_on_ranks(root: int, dtype: torch.dtype | None, shared_dir: str):
     after = [(name, param.to_local()) for name, param in model.named_parameters()]
     restored = [type(param).__name__ for param in model.parameters()] == ["DTensor"] * len(before) and all(
         a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(before, after, strict=True))
-    mapped_where_wanted = mapped_inside == (dist.get_rank() == root) and not mapped_after
-    return (on_one_rank and files_left == [] and mapped_where_wanted, can_gather_on_one_rank(model), sorted(kinds), tied, same_values, dtypes,
+    mapped_where_wanted = mapped_inside == (dist.get_rank() in readers) and not mapped_after
+    return (shared and files_left == [] and mapped_where_wanted, can_gather_in_shared_memory(model), sorted(kinds), tied, same_values, dtypes,
             output_matches, restored, model.out.weight is model.embed.weight)
 
 
@@ -90,14 +94,14 @@ def shared_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.parametrize(("root", "dtype"), [(0, None), (2, torch.bfloat16)])
-def test_the_root_holds_the_whole_model_and_every_rank_gets_its_shards_back(root, dtype, shared_dir):
-    results = run_ranks(_gather_on_ranks, 3, root, dtype, shared_dir)
+@pytest.mark.parametrize(("readers", "dtype"), [((0,), None), ((2,), torch.bfloat16), ((0, 1, 2), None)])
+def test_the_readers_hold_the_whole_model_and_every_rank_gets_its_shards_back(readers, dtype, shared_dir):
+    results = run_ranks(_gather_on_ranks, 3, readers, dtype, shared_dir)
     wanted_dtype = {str(dtype or torch.float32)}
     for rank, result in enumerate(results):
         gathered_no_file_left, gatherable, kinds, tied, same_values, dtypes, output_matches, restored, tied_after = result
         assert gathered_no_file_left and gatherable and tied and restored and tied_after, (rank, result)
-        if rank == root:
+        if rank in readers:
             assert kinds == ["Parameter"] and same_values and dtypes == wanted_dtype and output_matches, result
         else:
             assert kinds == ["DTensor"] and same_values is None, result  # the others hold no more than before
@@ -106,9 +110,9 @@ def test_the_root_holds_the_whole_model_and_every_rank_gets_its_shards_back(root
 def _gather_without_shared_memory(missing_dir: str):
     os.environ[SHARED_MEMORY_DIR_ENV] = missing_dir
     _plain, model = _sharded_tied_models()
-    with torch.no_grad(), whole_on_one_rank(model, 0, None) as on_one_rank:
+    with torch.no_grad(), whole_in_shared_memory(model, (0,), None) as shared:
         kinds = sorted({type(param).__name__ for param in model.parameters()})
-    return on_one_rank, kinds
+    return shared, kinds
 
 
 def test_where_the_root_cannot_make_the_file_no_rank_changes_anything(tmp_path):
@@ -126,21 +130,23 @@ def _threads_while_planned(one_cpu_rank_per_host: bool, shared_dir: str):
             threads = torch.get_num_threads()
             whole = type(model.out.weight).__name__
             output = model(torch.tensor([[0, 3, 4]])).shape if dist.get_rank() in plan.working_ranks else None
-    return plan.working_ranks, threads, whole, output, torch.get_num_threads()
+            mapped = _maps_the_file(shared_dir)
+    return plan.working_ranks, threads, whole, output, torch.get_num_threads(), mapped
 
 
 def test_a_rank_working_alone_for_its_host_takes_its_cores_and_ranks_working_together_do_not(shared_dir):
-    """Decoding: one rank per host, on every core, the whole model on it alone; evaluation: every
-    rank, on its own share of the cores, every rank unsharded."""
+    """Decoding a few prompts: one rank per host, on every core, the whole model on it alone;
+    evaluation and many prompts: every rank, on its own share of the cores, every rank reading the
+    one copy in shared memory."""
     cores = len(os.sched_getaffinity(0))
     one_output = torch.Size([1, 3, 5])
     alone = run_ranks(_threads_while_planned, 2, True, shared_dir)
-    assert alone == [((0,), cores, "Parameter", one_output, 1), ((0,), 1, "DTensor", None, 1)]
+    assert alone == [((0,), cores, "Parameter", one_output, 1, True), ((0,), 1, "DTensor", None, 1, False)]
     together = run_ranks(_threads_while_planned, 2, False, shared_dir)
-    assert together == [((0, 1), 1, "Parameter", one_output, 1)] * 2
+    assert together == [((0, 1), 1, "Parameter", one_output, 1, True)] * 2
 
 
 def test_without_shared_memory_every_rank_unshards_and_the_working_rank_runs(tmp_path):
     cores = len(os.sched_getaffinity(0))
     results = run_ranks(_threads_while_planned, 2, True, str(tmp_path / "missing"))
-    assert results == [((0,), cores, "Parameter", torch.Size([1, 3, 5]), 1), ((0,), 1, "Parameter", None, 1)]
+    assert results == [((0,), cores, "Parameter", torch.Size([1, 3, 5]), 1, False), ((0,), 1, "Parameter", None, 1, False)]

@@ -90,6 +90,29 @@ def test_greedy_completions_equal_the_whole_model_in_prompt_order_and_training_g
     assert "Warning" not in run.stderr, run.stderr  # torch 2.13 warns on all_gather_into_tensor
 
 
+def test_more_prompts_than_a_batch_are_decoded_on_every_rank_batch_after_batch(loaded):
+    """5 prompts, 2 a batch: both CPU ranks work (rank 0: a batch of 2, then 1; rank 1: one of 2),
+    gathered and in lockstep alike, and the completions are the whole model's."""
+    run = loaded.execute("expected = whole_generate(PROMPTS, max_new_tokens=6, min_new_tokens=6)\n%fsdp2 push expected")
+    assert run.status == "ok", run.traceback_text
+    run = loaded.execute(
+        "%%fsdp2\nfrom transformers import LogitsProcessor, LogitsProcessorList\n"
+        "class Rows(LogitsProcessor):  # the batch of each of the 6 tokens decoded\n"
+        "    def __init__(self): self.seen = []\n"
+        "    def __call__(self, input_ids, scores):\n"
+        "        self.seen.append(input_ids.shape[0])\n"
+        "        return scores\n"
+        "for limit in (None, 1000):\n"
+        "    rows = Rows()\n"
+        "    out = fsdp2nb.generate(model, tokenizer, PROMPTS, max_new_tokens=6, min_new_tokens=6, do_sample=False,\n"
+        "                           batch_size=2, max_gathered_bytes=limit, logits_processor=LogitsProcessorList([rows]))\n"
+        "    print(limit, out == expected, rows.seen[::6], sharded_as_loaded())", timeout=120)
+    assert run.status == "ok", run.traceback_text
+    # In lockstep rank 1 runs a second batch (the first prompt, dropped) while rank 0 runs its last.
+    assert sorted(run.stdout.splitlines()) == [
+        "[0] None True [2, 1] True", "[1] None True [2] True", "[all] 1000 True [2, 1] True"], run.stdout + run.stderr
+
+
 PACED = """%%fsdp2
 import time
 from transformers import LogitsProcessor, LogitsProcessorList

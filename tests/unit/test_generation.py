@@ -55,6 +55,8 @@ def test_items_go_to_the_working_ranks_in_rank_order():
     ("hi", {"max_new_tokens": 0}, "max_new_tokens=0 must be an int >= 1"),
     ("hi", {"max_new_tokens": 4, "synced_gpus": True}, "synced_gpus is chosen by fsdp2nb.generate"),
     ([1, 2], {"max_new_tokens": 4}, "prompts must be a string or a list of strings"),
+    ("hi", {"max_new_tokens": 4, "batch_size": 0}, r"batch_size=0 must be an int >= 1 \(the most prompts"),
+    ("hi", {"max_new_tokens": 4, "batch_size": 2.5}, "batch_size=2.5 must be an int >= 1"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(tiny, prompts, kwargs, message):
     model, tokenizer = tiny
