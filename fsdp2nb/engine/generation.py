@@ -4,10 +4,9 @@ over the ranks and every completion back on every rank.
 Called on every rank with the same prompts. Each rank takes its contiguous share (5 prompts on 2
 GPU ranks: 3 and 2) and generates it in left-padded batches of at most `batch_size` with Hugging
 Face's `generate`, on the whole model gathered once (`inference.as_planned`): no collective per
-token, each rank at its own pace. On CPU ranks, where the prompts fit in one batch, one rank per
-host takes them all and runs them on every core (decoding a batch reads every weight per token,
-and the host's ranks share one memory bus); where they do not, every rank decodes its share on
-its own cores, reading the one copy of the model in the host's shared memory.
+token, each rank at its own pace. On CPU ranks at most one rank per core of the host decodes (no
+more than there are prompts), on its part of the cores, reading the one copy of the model in the
+host's shared memory.
 Where the whole model does not fit, the ranks generate sharded with `synced_gpus=True`: a rank
 whose sequences are done (or that has no prompt) keeps running forward passes until every rank is
 done, so all run the same number and none waits in an all-gather the others never reach. Then one
@@ -63,8 +62,8 @@ def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, 
     it is made, on one line: redrawn at most ten times a second, updated in the notebook at most
     five times, so a generation of a quarter of a second or more is seen to grow (a shorter one
     shows as one line once done). A string for `prompts` gives a string back. `batch_size`: the
-    most prompts one rank decodes at once (default DEFAULT_BATCH_SIZE); more prompts than that are
-    spread over every rank, CPU ranks included, each decoding its share batch after batch.
+    most prompts one rank decodes at once (default DEFAULT_BATCH_SIZE); a longer share is decoded
+    batch after batch.
 
     The model is gathered whole on each rank for the duration and sharded again afterwards; where
     it would not fit in a rank's memory (or takes more than `max_gathered_bytes`, default
@@ -76,7 +75,7 @@ def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, 
     limit = max_gathered_bytes_from(max_gathered_bytes)
     with evaluating(model):
         plan, digests = plan_gathering(model, limit, local_facts=_digest(prompt_list),
-                                       one_cpu_rank_per_host=len(prompt_list) <= batch_size)
+                                       items_to_decode=len(prompt_list))
         _require_same_prompts(digests)
         share = item_share(len(prompt_list), get_rank(), plan.working_ranks)
         error, completions = None, []

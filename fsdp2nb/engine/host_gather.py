@@ -7,8 +7,8 @@ FSDP2NB_SHARED_MEMORY_DIR, in a directory only this user may enter); every rank 
 its own rows of every parameter to where they belong; the readers use the parameters in place, as
 views of the file. The file is unlinked as soon as every rank has mapped it, and its memory goes
 when the last reader lets go of the views on exit. The other ranks unmap it once their rows are
-in, and hold no more memory than before. (Decoding reads every weight for every token, so for a
-few prompts one reader on every core beats several; for many, each rank decodes its own batches.)
+in, and hold no more memory than before. (Which ranks read is the caller's choice:
+`inference.working_ranks`.)
 
 Where a rank cannot map the file (no room in shared memory, another host), every rank says so and
 `whole_in_shared_memory` yields False having changed nothing; the caller then unshards the model

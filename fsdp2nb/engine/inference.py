@@ -8,11 +8,13 @@ run on plain tensors and need no collective: each rank works through its own sha
 pace. On exit the settings are put back as they were and every unit is resharded, so training goes
 on unchanged and the memory is freed.
 
-The items (examples, prompts) go to every rank; a few prompts, on CPU ranks, to one rank per host,
-which runs them on every core of the host: CPU ranks of a host share its memory bus, and a decoding
-step reads every weight, so one process reading them once per step beats several reading them once
-each. The others wait. Where all the ranks are CPU ranks of one host, the whole model is one copy
-in the host's shared memory that the working ranks read (`host_gather`).
+The items (examples, prompts) go to every rank; prompts, on CPU ranks, to at most one rank per core
+of the host and no more ranks than prompts, the host's cores split among them: a decoding step is
+a small batch whose per-token Python work one process does alone, and torch's threads share a small
+matrix product poorly, so processes on cores of their own decode faster than one process on all of
+them, while ranks beyond the cores would only take turns on them. The others wait. Where all the
+ranks are CPU ranks of one host, the whole model is one copy in the host's shared memory that the
+working ranks read (`host_gather`), so however many decode, it is in memory once.
 
 Where the gathered model would not fit (its bytes in the dtype it is gathered in, against what the
 device, or this rank's part of the host's memory, has free; or against `max_gathered_bytes` /
@@ -23,6 +25,7 @@ many on every rank (`GatherPlan.lockstep`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import logging
@@ -84,12 +87,12 @@ class GatherPlan:
     device_type: str = "cpu"
     """Where the forward passes run ("cpu", "cuda")."""
     working_ranks: tuple[int, ...] = ()
-    """The ranks that take items, in rank order (`item_share`): every rank, or for generation every
-    GPU rank and of CPU ranks the first of each host (every rank where the model stays sharded:
-    forward passes are collective)."""
-    host_cores_to_one_rank: bool = False
-    """True: each host's working CPU rank is its only one, and runs torch on all the host's cores
-    for the duration (where every rank works, each keeps its own share of the cores)."""
+    """The ranks that take items, in rank order (`item_share`): every rank, or for decoding every
+    GPU rank and of each host's CPU ranks the first, one per core and per item (every rank where
+    the model stays sharded: forward passes are collective)."""
+    working_threads: tuple[int, ...] = ()
+    """Per rank, the torch threads it runs with for the duration: for a CPU rank decoding, the
+    host's cores over its working ranks; 0 to keep its own share of the cores."""
     one_host: bool = False
     """True: every rank is a CPU rank of one host, so the whole model can be one copy in its shared
     memory (`host_gather`)."""
@@ -173,10 +176,10 @@ def max_gathered_bytes_from(value: int | None) -> int | None:
 
 
 def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple[int, ...] = (), *,
-                   one_cpu_rank_per_host: bool = False) -> tuple[GatherPlan, list[tuple[int, ...]]]:
+                   items_to_decode: int | None = None) -> tuple[GatherPlan, list[tuple[int, ...]]]:
     """Decide, the same on every rank, whether the whole model is gathered and which ranks take items:
-    every rank, or with `one_cpu_rank_per_host` (for decoding, which reads every weight per token)
-    one CPU rank per host.
+    every rank, or with `items_to_decode` (the number of prompts) at most one CPU rank per core of
+    its host and per prompt, on the host's cores split among them (`working_ranks`).
 
     Collective: one exchange of a few integers (`collectives.all_gathered`), on the model's device.
     `local_facts` travel with this rank's figures, so that a caller can compare what the ranks were
@@ -191,13 +194,16 @@ def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple
     available = tuple(row[0] for row in rows)
     reason = _why_sharded(needed, available, limit_bytes) if sharded else ""
     lockstep = bool(reason) and get_world_size() > 1
-    spread = lockstep or not one_cpu_rank_per_host
-    working = tuple(range(len(rows))) if spread else working_ranks([row[1:3] for row in rows])
+    host_cores = [row[1:3] for row in rows]
+    if lockstep or items_to_decode is None:
+        working, threads = tuple(range(len(rows))), (0,) * len(rows)
+    else:
+        working = working_ranks(host_cores, items_to_decode)
+        threads = working_threads(host_cores, working)
     one_host = device.type == "cpu" and len({row[1] for row in rows}) == 1
     plan = GatherPlan(gathered=sharded and not reason, lockstep=lockstep, needed_bytes=needed,
                       available_bytes=available, limit_bytes=limit_bytes, reason=reason, device_type=device.type,
-                      working_ranks=working, host_cores_to_one_rank=not spread and device.type == "cpu",
-                      one_host=one_host)
+                      working_ranks=working, working_threads=threads, one_host=one_host)
     return plan, [row[len(own_facts):] for row in rows]
 
 
@@ -215,14 +221,23 @@ def _host_cores(device: torch.device) -> tuple[int, int]:
     return host, len(os.sched_getaffinity(0))
 
 
-def working_ranks(host_cores: list[tuple[int, int]]) -> tuple[int, ...]:
-    """Every GPU rank (0 cores), and of CPU ranks the first of each host; `host_cores` per rank."""
-    working, seen = [], set()
+def working_ranks(host_cores: list[tuple[int, int]], num_items: int) -> tuple[int, ...]:
+    """Every GPU rank (0 cores), and of each host's CPU ranks the first, as many as the host has
+    cores and no more than `num_items`; `host_cores` is (host id, cores) per rank."""
+    working, per_host = [], collections.Counter()
     for rank, (host, cores) in enumerate(host_cores):
-        if cores == 0 or host not in seen:
+        if cores == 0 or per_host[host] < min(cores, num_items):
             working.append(rank)
-            seen.add(host)
+            per_host[host] += 1
     return tuple(working)
+
+
+def working_threads(host_cores: list[tuple[int, int]], working: tuple[int, ...]) -> tuple[int, ...]:
+    """Per rank, the torch threads of a working CPU rank: its host's cores split evenly over the
+    host's working ranks; 0 (its own threads kept) for every other rank."""
+    per_host = collections.Counter(host_cores[rank][0] for rank in working)
+    return tuple(max(1, cores // per_host[host]) if rank in working and cores else 0
+                 for rank, (host, cores) in enumerate(host_cores))
 
 
 def _why_sharded(needed: int, available: tuple[int, ...], limit_bytes: int | None) -> str:
@@ -273,11 +288,11 @@ def _whole_where_needed(model: nn.Module, plan: GatherPlan) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _host_threads(plan: GatherPlan) -> Iterator[None]:
-    """A CPU rank that works for its whole host runs torch on every core it may use, until exit.
-    (Several ranks each on every core would slow all of them: torch's threads spin while they wait.)"""
+    """A decoding CPU rank runs torch on its part of the host's cores, until exit. (Several ranks
+    each on every core would slow all of them: torch's threads spin while they wait.)"""
     threads = torch.get_num_threads()
-    if plan.host_cores_to_one_rank and get_rank() in plan.working_ranks:
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    if plan.working_threads and plan.working_threads[get_rank()]:
+        torch.set_num_threads(plan.working_threads[get_rank()])
     try:
         yield
     finally:

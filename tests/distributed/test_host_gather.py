@@ -120,12 +120,12 @@ def test_where_the_root_cannot_make_the_file_no_rank_changes_anything(tmp_path):
     assert results == [(False, ["DTensor"])] * 2
 
 
-def _threads_while_planned(one_cpu_rank_per_host: bool, shared_dir: str):
+def _threads_while_planned(items_to_decode: int | None, shared_dir: str):
     os.environ[SHARED_MEMORY_DIR_ENV] = shared_dir
     torch.set_num_threads(1)
     _plain, model = _sharded_tied_models()
     with torch.no_grad():
-        plan, _ = plan_gathering(model, None, one_cpu_rank_per_host=one_cpu_rank_per_host)
+        plan, _ = plan_gathering(model, None, items_to_decode=items_to_decode)
         with as_planned(model, plan, "a test"):
             threads = torch.get_num_threads()
             whole = type(model.out.weight).__name__
@@ -134,19 +134,22 @@ def _threads_while_planned(one_cpu_rank_per_host: bool, shared_dir: str):
     return plan.working_ranks, threads, whole, output, torch.get_num_threads(), mapped
 
 
-def test_a_rank_working_alone_for_its_host_takes_its_cores_and_ranks_working_together_do_not(shared_dir):
-    """Decoding a few prompts: one rank per host, on every core, the whole model on it alone;
-    evaluation and many prompts: every rank, on its own share of the cores, every rank reading the
-    one copy in shared memory."""
+def test_a_rank_decoding_alone_takes_the_host_s_cores_and_ranks_decoding_together_split_them(shared_dir):
+    """Decoding one prompt: one rank, on every core, the whole model on it alone; two prompts: a
+    rank per core, the cores split between them; evaluation: every rank, on its own threads. The
+    ranks that work read the one copy in shared memory."""
     cores = len(os.sched_getaffinity(0))
     one_output = torch.Size([1, 3, 5])
-    alone = run_ranks(_threads_while_planned, 2, True, shared_dir)
+    alone = run_ranks(_threads_while_planned, 2, 1, shared_dir)
     assert alone == [((0,), cores, "Parameter", one_output, 1, True), ((0,), 1, "DTensor", None, 1, False)]
-    together = run_ranks(_threads_while_planned, 2, False, shared_dir)
+    if cores >= 2:
+        split = run_ranks(_threads_while_planned, 2, 2, shared_dir)
+        assert split == [((0, 1), cores // 2, "Parameter", one_output, 1, True)] * 2
+    together = run_ranks(_threads_while_planned, 2, None, shared_dir)
     assert together == [((0, 1), 1, "Parameter", one_output, 1, True)] * 2
 
 
 def test_without_shared_memory_every_rank_unshards_and_the_working_rank_runs(tmp_path):
     cores = len(os.sched_getaffinity(0))
-    results = run_ranks(_threads_while_planned, 2, True, str(tmp_path / "missing"))
+    results = run_ranks(_threads_while_planned, 2, 1, str(tmp_path / "missing"))
     assert results == [((0,), cores, "Parameter", torch.Size([1, 3, 5]), 1, False), ((0,), 1, "Parameter", None, 1, False)]

@@ -19,6 +19,7 @@ from fsdp2nb.engine.inference import (
     max_gathered_bytes_from,
     rank_share,
     working_ranks,
+    working_threads,
 )
 from fsdp2nb.examples.tiny_models import make_tiny_model, make_tiny_tokenizer
 
@@ -37,12 +38,21 @@ def test_shares_are_contiguous_in_order_and_cover_every_item_once():
 
 
 
-def test_one_cpu_rank_per_host_works_and_every_gpu_rank():
+def test_cpu_ranks_decode_one_per_core_and_per_prompt_and_every_gpu_rank():
     """(host id, cores) per rank; 0 cores is a GPU rank."""
-    assert working_ranks([(7, 2), (7, 2), (9, 2), (9, 2)]) == (0, 2)
-    assert working_ranks([(7, 16)] * 4) == (0,)
-    assert working_ranks([(0, 0)] * 4) == (0, 1, 2, 3)
-    assert working_ranks([(9, 2), (7, 2), (9, 2)]) == (0, 1)
+    assert working_ranks([(7, 2), (7, 2), (9, 2), (9, 2)], 8) == (0, 1, 2, 3)
+    assert working_ranks([(7, 2)] * 4, 8) == (0, 1)  # 4 ranks on 2 cores: one per core
+    assert working_ranks([(7, 16)] * 4, 1) == (0,)  # one prompt: one rank, on every core
+    assert working_ranks([(7, 16)] * 4, 3) == (0, 1, 2)
+    assert working_ranks([(0, 0)] * 4, 1) == (0, 1, 2, 3)
+    assert working_ranks([(9, 1), (7, 1), (9, 1)], 5) == (0, 1)
+
+
+def test_a_host_s_cores_are_split_over_its_decoding_ranks_and_the_others_keep_theirs():
+    assert working_threads([(7, 2)] * 4, (0, 1)) == (1, 1, 0, 0)
+    assert working_threads([(7, 16)] * 4, (0,)) == (16, 0, 0, 0)
+    assert working_threads([(7, 16)] * 3 + [(9, 4)], (0, 1, 2, 3)) == (5, 5, 5, 4)
+    assert working_threads([(0, 0)] * 2, (0, 1)) == (0, 0)  # GPU ranks: the device does the work
 
 
 def test_items_go_to_the_working_ranks_in_rank_order():
