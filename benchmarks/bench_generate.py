@@ -14,7 +14,7 @@ the matrix products count), fp32. Three ways, alternating round by round:
   * plain sharded: `model.generate` on every rank of the sharded model, each rank all 8 prompts,
     as a user would call it without `fsdp2nb.generate`: every token all-gathers every unit.
 `many`: 64 prompts, at most 16 decoded at once: the whole model decodes 4 batches one after the
-other; `fsdp2nb.generate(..., batch_size=16)` spreads them over every rank (goal: at least 1x).
+other; `fsdp2nb.generate(..., batch_size=16)` spreads them over the ranks that decode (goal: at least 1x).
 `evaluate`: 32 examples of 64 tokens, batches of 8: `fsdp2nb.evaluate` in the cell against this
 process summing the cross-entropy batch by batch with the model whole.
 The cell's figure is rank 0's wall time from a barrier to the call's return. Per comparison: the medians, the
@@ -101,9 +101,7 @@ class Whole:
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.inputs = self.tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
-        self.many_inputs = [self.tokenizer(MANY_PROMPTS[start:start + MANY_BATCH], return_tensors="pt", padding=True,
-                                           padding_side="left") for start in range(0, len(MANY_PROMPTS), MANY_BATCH)]
+        self.batches = {"generate": self._batches(PROMPTS, len(PROMPTS)), "many": self._batches(MANY_PROMPTS, MANY_BATCH)}
         self.threads = {task: self._faster_threads(self._seconds_of(task)) for task in self.TASKS}
         print("whole model, threads: " + ", ".join(f"{task} {threads}" for task, threads in self.threads.items()))
 
@@ -131,17 +129,17 @@ class Whole:
         finally:
             torch.set_num_threads(default)
 
+    def _batches(self, prompts: list[str], batch_size: int) -> list:
+        return [self.tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True,
+                               padding_side="left") for start in range(0, len(prompts), batch_size)]
+
     def _seconds_of(self, task: str):
-        return {"generate": self.generate_s, "many": self.many_s, "evaluate": self.evaluate_s}[task]
+        return self.evaluate_s if task == "evaluate" else lambda: self.generate_s(self.batches[task])
 
-    def generate_s(self) -> float:
+    def generate_s(self, batches: list) -> float:
+        """Seconds to generate for `batches`, one after the other."""
         started = time.perf_counter()
-        self.model.generate(**self.inputs, pad_token_id=self.tokenizer.pad_token_id, **GENERATE_KWARGS)
-        return time.perf_counter() - started
-
-    def many_s(self) -> float:
-        started = time.perf_counter()
-        for inputs in self.many_inputs:
+        for inputs in batches:
             self.model.generate(**inputs, pad_token_id=self.tokenizer.pad_token_id, **GENERATE_KWARGS)
         return time.perf_counter() - started
 

@@ -200,7 +200,7 @@ def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple
     else:
         working = working_ranks(host_cores, items_to_decode)
         threads = working_threads(host_cores, working)
-    one_host = device.type == "cpu" and len({row[1] for row in rows}) == 1
+    one_host = device.type == "cpu" and len({host for host, _cores in host_cores}) == 1
     plan = GatherPlan(gathered=sharded and not reason, lockstep=lockstep, needed_bytes=needed,
                       available_bytes=available, limit_bytes=limit_bytes, reason=reason, device_type=device.type,
                       working_ranks=working, working_threads=threads, one_host=one_host)
