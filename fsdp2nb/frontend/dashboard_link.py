@@ -1,10 +1,11 @@
 """Connects the session's pool to the dashboard: feeds its model, serves its buttons.
 
-One link per session, which holds it. A daemon thread wakes every REFRESH_S, takes the snapshots the pool's
-receiving side queued for it, updates the model and sets the traits of every view that
-changed: background work only sets traits, at most twice a second. Button handlers run on the
-thread the click arrived on (a subshell thread during a busy cell): what they call here is
-thread-safe (pool.send, pool.request_save) or refused while a cell runs (load, delete, export).
+One link per session, which holds it. A daemon thread wakes every REFRESH_S, and AFTER_CHANGE_S
+after a request to the ranks starts or ends, takes the snapshots the pool's receiving side queued
+for it, updates the model and sets the traits of every view that changed: background work only
+sets traits, at most once per BURST_GAP_S. Button handlers run on the thread the click arrived
+on (a subshell thread during a busy cell): what they call here is thread-safe (pool.send,
+pool.request_save) or refused while a cell runs (load, delete, export).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import queue
 import signal
 import tempfile
 import threading
+import time
 from typing import TYPE_CHECKING, Protocol
 
 from fsdp2nb.pool.handle import PoolHandle
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
     from fsdp2nb.frontend.background import BackgroundRuns
     from fsdp2nb.frontend.cell_progress import CellProgress
-    from fsdp2nb.pool.handle import SnapshotListener
+    from fsdp2nb.pool.handle import BusyListener, SnapshotListener
     from fsdp2nb.wire.protocol import ControlMessage
 
 
@@ -55,6 +57,8 @@ class LinkedSession(Protocol):
 
     def add_snapshot_listener(self, listener: SnapshotListener) -> None: ...
 
+    def add_busy_listener(self, listener: BusyListener) -> None: ...
+
     def restart(self) -> PoolHandle: ...
 
     def run_request(self, pool: PoolHandle, ranks: tuple[int, ...],
@@ -63,6 +67,12 @@ class LinkedSession(Protocol):
 logger = logging.getLogger(__name__)
 
 REFRESH_S = 0.5
+AFTER_CHANGE_S = 0.1
+"""How long after a request starts or ends the panel is refreshed: soon enough that its rows and
+header follow the cell, late enough that the cell's reply goes out first."""
+BURST_GAP_S = 0.25
+"""The least time between refreshes in a burst of short cells: each costs the cells beside it
+kernel time."""
 _HOW_TO_TRACK = ("no tracked checkpointer: run `ckpt = fsdp2nb.Checkpointer(dir).track(model=..., optimizer=...)` "
                  "on the ranks first")
 
@@ -83,6 +93,8 @@ class DashboardLink:
         self.views: list = []
         self._snapshots: queue.SimpleQueue = queue.SimpleQueue()
         session.add_snapshot_listener(self._snapshots.put)  # once: it hears every pool of the session
+        self._busy_changed = threading.Event()
+        session.add_busy_listener(self._busy_changed.set)
         self._restarting = False
         self._host_total = _host_memory()
         self._thread = threading.Thread(target=self._run, daemon=True, name="fsdp2nb-dashboard")
@@ -91,8 +103,12 @@ class DashboardLink:
     # --- feeding --------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        stopped = threading.Event()
-        while not stopped.wait(REFRESH_S):
+        refreshed_at = 0.0
+        while True:
+            if self._busy_changed.wait(REFRESH_S):
+                time.sleep(max(AFTER_CHANGE_S, refreshed_at + BURST_GAP_S - time.monotonic()))
+                self._busy_changed.clear()  # after the pause: what changed during it is shown now
+            refreshed_at = time.monotonic()
             try:
                 self.tick()
                 for view in list(self.views):

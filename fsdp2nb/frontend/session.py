@@ -53,7 +53,7 @@ from fsdp2nb.frontend.rank_prompts import AskInput
 from fsdp2nb.frontend.released_collectives import GroupsNotReformed
 from fsdp2nb.frontend.request_wait import RequestWait, StopPresses
 from fsdp2nb.pool import reaper
-from fsdp2nb.pool.handle import PoolHandle, SnapshotListener
+from fsdp2nb.pool.handle import BusyListener, PoolHandle, SnapshotListener
 from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.kept_listing import list_pools
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
@@ -107,6 +107,8 @@ class NotebookSession:
         """Called on a pool's receiving thread with its snapshots and progress events. Every pool
         this session starts or attaches is given this list itself, so a listener is added once
         (`add_snapshot_listener`) and hears the running pool and every later one from its start."""
+        self.busy_listeners: list[BusyListener] = []
+        """Called when a request to a pool's ranks starts or ends; shared with every pool as above."""
         self._listeners_lock = threading.Lock()
         self.memory_dir = ""
         """The snapshot store of this session's pools (wire/memory_store.py), made with the first
@@ -131,8 +133,15 @@ class NotebookSession:
             if listener not in self.snapshot_listeners:
                 self.snapshot_listeners.append(listener)
 
+    def add_busy_listener(self, listener: BusyListener) -> None:
+        """Have `listener` called whenever a request to this session's pools starts or ends."""
+        with self._listeners_lock:
+            if listener not in self.busy_listeners:
+                self.busy_listeners.append(listener)
+
     def _share_listeners(self, pool: PoolHandle) -> None:
         pool.snapshot_listeners = self.snapshot_listeners  # the same list: see `snapshot_listeners`
+        pool.busy_listeners = self.busy_listeners
 
     # --- pool lifecycle -----------------------------------------------------------------------
 

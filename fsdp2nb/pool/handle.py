@@ -25,6 +25,8 @@ from fsdp2nb.wire.protocol import (
 
 PoolState = Literal["stopped", "starting", "ready", "broken"]
 SnapshotListener = Callable[[RankSnapshot | TaskProgress], None]
+BusyListener = Callable[[], None]
+"""Called when a request to the ranks starts or ends."""
 """Hears a pool's snapshots and progress events, on its receiving thread."""
 
 
@@ -48,6 +50,7 @@ class PoolHandle(Protocol):
     held_output: HeldOutput
     """What ranks' own threads printed between cells, for the next cell."""
     snapshot_listeners: list[SnapshotListener]
+    busy_listeners: list[BusyListener]
     work_at_attach: list[RankWork]
     """A kept pool attached: what each rank ran then; else empty."""
 

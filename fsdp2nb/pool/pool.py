@@ -20,7 +20,7 @@ from pathlib import Path
 from fsdp2nb.errors import LaunchError, PoolStartError
 from fsdp2nb.pool import kept, ray_kept, reaper
 from fsdp2nb.pool.busy_ranks import BusyRanks
-from fsdp2nb.pool.handle import PoolState, SnapshotListener
+from fsdp2nb.pool.handle import BusyListener, PoolState, SnapshotListener
 from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.kept_pool import ATTACH_TIMEOUT_S, KeptHold, first_save_request_id
 from fsdp2nb.pool.launcher import (
@@ -130,6 +130,15 @@ class WorkerPool:
     @snapshot_listeners.setter
     def snapshot_listeners(self, listeners: list[SnapshotListener]) -> None:
         self._events.listeners = listeners
+
+    @property
+    def busy_listeners(self) -> list[BusyListener]:
+        """Called when a request starts or ends (`mark_busy`, `mark_idle`), on the thread that marks it."""
+        return self._busy.listeners
+
+    @busy_listeners.setter
+    def busy_listeners(self, listeners: list[BusyListener]) -> None:
+        self._busy.listeners = listeners
 
     @property
     def busy_ranks(self) -> frozenset[int]:

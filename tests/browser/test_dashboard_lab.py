@@ -120,6 +120,10 @@ def _save_during_training(page: Page, shots, flag: str, step_dir,
     assert f"saving step {step}: done" in dash.locator(".fsdp2nb-progress[data-kind='save']").inner_text()
     open(flag, "w").close()
     page.wait_done(2)
+    # The panel is refreshed as the cell ends, not at its next periodic refresh.
+    page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .widget-html')"
+                                ".innerText.includes('--cpu 2 · ready')", timeout=30_000)
+    page.shoot(shots / "2b-cell-ended.png")
     output = page.output(2)
     assert "panel saw the step during the cell" in output and f"saved at {step}" in output, output
     assert f"saving step {step}: done" in output, output  # the cell's own progress bar

@@ -54,6 +54,24 @@ def test_rank_rows_update_while_a_cell_runs(dash):
     assert messages.index(busy_seen[0]) < len(messages) - 1
 
 
+def test_the_header_follows_a_cell_as_it_starts_and_ends(dash):
+    """With the periodic refresh an hour away, the header still says busy during a cell and
+    ready after it: the panel is refreshed as a request starts and as it ends."""
+    header = dash.wait_for_shown("<b>fsdp2nb</b> · pool")
+    dash.run("import time\nimport fsdp2nb.frontend.dashboard_link as _link\n_link.REFRESH_S = 3600.0\n"
+             "time.sleep(1)")  # the panel's current wait ends, the next lasts an hour
+    try:
+        before = len(dash.updates)
+        dash.run("%%fsdp2\nimport time\ntime.sleep(1)")
+        assert dash.was_sent(header, "value", "· busy", after=before, timeout=10), dash.updates[before:]
+        busy_at = next(i for i, (cid, state) in enumerate(dash.updates) if i >= before and cid == header
+                       and "· busy" in state.get("value", ""))
+        assert dash.was_sent(header, "value", "· ready", after=busy_at + 1, timeout=10), dash.updates[busy_at:]
+    finally:
+        dash.run("_link.REFRESH_S = 0.5")
+        dash.run("%%fsdp2\npass")  # wakes the panel's thread from its hour
+
+
 def test_save_clicked_on_a_subshell_lands_at_the_next_maybe_save(dash):
     save = dash.comm_of(_model_name="ButtonModel", description="Save now")
     subshell = create_subshell(dash.kernel)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from fsdp2nb.pool.handle import PoolHandle, PoolState, SnapshotListener
+from fsdp2nb.pool.handle import BusyListener, PoolHandle, PoolState, SnapshotListener
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.kept import KeepOptions, NotedRun
 from fsdp2nb.pool.spec import PoolSpec
@@ -33,6 +33,7 @@ class FakePool:
         self.exited: dict[int, RankExited] = {}
         self.held_output = HeldOutput()
         self.snapshot_listeners: list[SnapshotListener] = []
+        self.busy_listeners: list[BusyListener] = []
         self.work_at_attach: list[RankWork] = []
         self.sent: list[ControlMessage] = []
         self.stopped = False
@@ -87,9 +88,13 @@ class FakePool:
 
     def mark_busy(self, ranks: tuple[int, ...], since: dict[int, float] | None = None) -> None:
         self._busy |= frozenset(ranks)
+        for listener in self.busy_listeners:
+            listener()
 
     def mark_idle(self, ranks: tuple[int, ...]) -> None:
         self._busy -= frozenset(ranks)
+        for listener in self.busy_listeners:
+            listener()
 
     def mark_broken(self, reason: str) -> None:
         self.state, self.broken_reason = "broken", reason

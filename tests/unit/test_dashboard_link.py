@@ -100,3 +100,40 @@ def test_metric_rows_read_while_points_arrive_are_one_moment_of_the_history():
         writer.join(10)
         sys.setswitchinterval(interval)
     assert not torn, torn[0]
+
+
+class _ShownLines:
+    """Stands in for a shown panel: the pool lines it was refreshed with."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def refresh(self, pool_line: str) -> None:
+        self.lines.append(pool_line)
+
+    def wait_for(self, wanted: str, after: int) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if any(wanted in line for line in self.lines[after:]):
+                return True
+            time.sleep(0.01)
+        return False
+
+
+def test_the_panel_is_refreshed_when_a_request_starts_and_ends(monkeypatch):
+    """The rows and header follow a cell as it starts and ends, not at the next periodic refresh
+    (here an hour away)."""
+    from fsdp2nb.frontend import dashboard_link
+
+    monkeypatch.setattr(dashboard_link, "REFRESH_S", 3600.0)
+    session = NotebookSession(pool_factory=FakePool)
+    session.start(SPEC)
+    shown = _ShownLines()
+    session.dashboard_link().views.append(shown)
+    pool = session.pool
+    assert pool is not None
+    pool.mark_busy((0, 1))
+    assert shown.wait_for("· busy", after=0), shown.lines
+    seen = len(shown.lines)
+    pool.mark_idle((0, 1))
+    assert shown.wait_for("· ready", after=seen), shown.lines
