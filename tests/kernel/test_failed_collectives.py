@@ -25,10 +25,9 @@ ckpt.save(STEP)
 ckpt.wait()
 """
 UNCHANGED = """%%fsdp2
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+sharded = all(isinstance(p, DTensor) for p in model.parameters())  # FSDP2 registers plain tensors while unsharded
 now = state_snapshot()
-sharded = all(p.sharded_state.name == "SHARDED" for m in model.modules() if isinstance(m, FSDPModule)
-              for g in m._get_fsdp_state()._fsdp_param_groups for p in g.fsdp_params)
 print(keep_me, pid == os.getpid(), len(now) == len(snapshot) and all(a.equal(b) for a, b in zip(now, snapshot)),
       sharded)
 """
@@ -119,6 +118,23 @@ def test_a_rank_still_computing_when_another_fails_is_interrupted_and_the_pool_k
     # The interrupt is not a second root cause: one line says where the rank was.
     assert "KeyboardInterrupt" not in text and "restarted" not in text, text
     assert "interrupted rank(s) 1: rank 0 failed while they went on (rank 1 at In[" in text, text
+    check = trained.execute(UNCHANGED)
+    assert check.stdout == "[all] kept True True True\n", check.traceback_text + check.stdout
+
+
+def test_the_first_stop_press_after_the_automatic_interrupt_interrupts_again(trained):
+    """A rank that catches the interrupt sent after another rank failed goes on; the user's first
+    press must interrupt it again, as a first press does, not count as a second, which gives up
+    on the ranks and restarts the pool."""
+    assert trained.execute(SNAPSHOT.replace("STEP", str(next(_saved_steps)))).status == "ok"
+    cell = ("%%fsdp2\nimport time\nif rank == 0:\n    raise ValueError('bad batch on rank 0')\n"
+            "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
+            "    print('caught the interrupt', flush=True)\n    time.sleep(60)")
+    run = trained.execute_and_interrupt(cell, when_printed="caught the interrupt", timeout=120)
+    text = run.traceback_text
+    assert run.status == "error" and "[0] rank 0 raised ValueError" in text.splitlines()[0], text
+    assert "[1] caught the interrupt" in run.stdout, run.stdout
+    assert "restarted" not in text + run.stderr and "KeyboardInterrupt" in text, text
     check = trained.execute(UNCHANGED)
     assert check.stdout == "[all] kept True True True\n", check.traceback_text + check.stdout
 
