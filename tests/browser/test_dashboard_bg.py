@@ -60,12 +60,12 @@ def _save_during_background_run(page: Page, shots, ckpt, flag, name: str) -> Non
     dash.locator("button:has-text('Save now')").click()
     page.page.wait_for_function(
         "[...document.querySelectorAll('.fsdp2nb-dashboard .fsdp2nb-steps option')].length > 0 && "
-        "document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message').innerText.includes('saved step')",
+        "document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message').textContent.includes('saved step')",
         timeout=180_000)
-    step = int(re.search(r"saved step (\d+)", dash.locator(".fsdp2nb-message").inner_text()).group(1))
-    header = dash.locator(".widget-html").first.inner_text()
+    step = int(re.search(r"saved step (\d+)", dash.locator(".fsdp2nb-message").text_content()).group(1))
+    header = dash.locator(".widget-html").first.text_content()
     assert re.search(r"background run In\[\d+\] \(train\) running", header), header
-    label = dash.locator(".fsdp2nb-steps option").first.inner_text()
+    label = dash.locator(".fsdp2nb-steps option").first.text_content()
     assert re.match(rf"step\s+{step}\s", label), label
 
     page.run(3)  # another cell runs meanwhile, and sees the run still going

@@ -64,8 +64,8 @@ def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir)
     step, before = _save_during_training(page, shots, flag, step_dir)
     # The tracked sizes are read when a cell ends and reach the panel with the next snapshot.
     page.page.wait_for_function("!document.querySelector(\".fsdp2nb-dashboard .fsdp2nb-rank[data-rank='0'] "
-                                ".fsdp2nb-mem\").innerText.includes('optimizer 0 B')", timeout=30_000)
-    after = [dash.locator(f".fsdp2nb-rank[data-rank='{r}'] .fsdp2nb-mem").inner_text() for r in (0, 1)]
+                                ".fsdp2nb-mem\").textContent.includes('optimizer 0 B')", timeout=30_000)
+    after = [dash.locator(f".fsdp2nb-rank[data-rank='{r}'] .fsdp2nb-mem").text_content() for r in (0, 1)]
     assert all(a != b for a, b in zip(after, before, strict=True)), (before, after)
     assert "params" in after[0] and "optimizer 0 B" not in after[0], after
     _check_memory_bars(dash)
@@ -88,8 +88,8 @@ def _save_during_training(page: Page, shots, flag: str, step_dir,
     assert "error" not in page.output(1).lower(), page.output(1)
     page.page.wait_for_function("document.querySelectorAll('.fsdp2nb-dashboard .fsdp2nb-rank').length == 2 && "
                                 "![...document.querySelectorAll('.fsdp2nb-dashboard .fsdp2nb-mem')]"
-                                ".some(e => e.innerText.includes('no reading'))", timeout=120_000)
-    before = [dash.locator(f".fsdp2nb-rank[data-rank='{r}'] .fsdp2nb-mem").inner_text() for r in (0, 1)]
+                                ".some(e => e.textContent.includes('no reading'))", timeout=120_000)
+    before = [dash.locator(f".fsdp2nb-rank[data-rank='{r}'] .fsdp2nb-mem").text_content() for r in (0, 1)]
     assert all(re.search(r"RSS [1-9][0-9.]* (MiB|GiB)", text) for text in before), before
     page.shoot(shots / "1-pool-started.png")
 
@@ -101,28 +101,28 @@ def _save_during_training(page: Page, shots, flag: str, step_dir,
     # The saved step must show in the panel's list while the training cell still runs.
     page.page.wait_for_function(
         "[...document.querySelectorAll('.fsdp2nb-dashboard .fsdp2nb-steps option')].length > 0 && "
-        "document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message').innerText.includes('saved step')",
+        "document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message').textContent.includes('saved step')",
         timeout=180_000)
     saved_after_s = time.monotonic() - clicked_at  # measured, not asserted: it depends on the machine
-    assert "[*]" in page.page.locator(".jp-CodeCell").nth(2).locator(".jp-InputArea-prompt").inner_text()
-    assert "--cpu 2 · busy" in dash.locator(".widget-html").first.inner_text()
+    assert "[*]" in page.page.locator(".jp-CodeCell").nth(2).locator(".jp-InputArea-prompt").text_content()
+    assert "--cpu 2 · busy" in dash.locator(".widget-html").first.text_content()
     (shots / "click-to-saved.txt").write_text(f"{saved_after_s:.2f} s from the Save click to 'saved step N'\n")
     page.page.wait_for_function("document.querySelector('.fsdp2nb-plot') && "
                                 "+document.querySelector('.fsdp2nb-plot').dataset.points > 20", timeout=120_000)
     _check_loss_plot(dash)
     page.page.wait_for_function("(document.querySelector('.fsdp2nb-dashboard .fsdp2nb-memory-step') || "
-                                "{innerText: ''}).innerText.includes('in memory')", timeout=60_000)
+                                "{textContent: ''}).textContent.includes('in memory')", timeout=60_000)
     page.shoot(shots / "2-saved-during-training.png")
     if readme_shot and os.environ.get("FSDP2NB_DASHBOARD_SCREENSHOT"):
         dash.screenshot(path=os.environ["FSDP2NB_DASHBOARD_SCREENSHOT"])
-    message = dash.locator(".fsdp2nb-message").inner_text()
+    message = dash.locator(".fsdp2nb-message").text_content()
     step = int(re.search(r"saved step (\d+) in [0-9.]+ s", message).group(1))
-    assert f"saving step {step}: done" in dash.locator(".fsdp2nb-progress[data-kind='save']").inner_text()
+    assert f"saving step {step}: done" in dash.locator(".fsdp2nb-progress[data-kind='save']").text_content()
     open(flag, "w").close()
     page.wait_done(2)
     # The panel is refreshed as the cell ends, not at its next periodic refresh.
     page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .widget-html')"
-                                ".innerText.includes('--cpu 2 · ready')", timeout=30_000)
+                                ".textContent.includes('--cpu 2 · ready')", timeout=30_000)
     page.shoot(shots / "2b-cell-ended.png")
     output = page.output(2)
     assert "panel saw the step during the cell" in output and f"saved at {step}" in output, output
@@ -132,21 +132,21 @@ def _save_during_training(page: Page, shots, flag: str, step_dir,
 
 
 def _load_then_delete_latest(page: Page, dash, step: int, step_dir) -> None:
-    label = dash.locator(".fsdp2nb-steps option").first.inner_text()
+    label = dash.locator(".fsdp2nb-steps option").first.text_content()
     assert re.match(rf"step\s+{step}\s", label) and "LATEST" in label, label
     dash.locator(".fsdp2nb-steps select").select_option(label=label)
     dash.locator("button:has-text('Load selected')").click()
     page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-confirm')"
-                                f".innerText.includes('Load step {step}?')", timeout=120_000)
+                                f".textContent.includes('Load step {step}?')", timeout=120_000)
     dash.locator(".fsdp2nb-confirm button:has-text('Yes')").click()
     page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message')"
-                                f".innerText.includes('loaded step {step}')", timeout=180_000)
+                                f".textContent.includes('loaded step {step}')", timeout=180_000)
     dash.locator("button:has-text('Delete selected')").click()  # LATEST: asked twice, then cancelled
     page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-confirm')"
-                                f".innerText.includes('Delete step {step}?')", timeout=120_000)
+                                f".textContent.includes('Delete step {step}?')", timeout=120_000)
     dash.locator(".fsdp2nb-confirm button:has-text('Yes')").click()
     page.page.wait_for_function("document.querySelector('.fsdp2nb-dashboard .fsdp2nb-confirm')"
-                                f".innerText.includes('Step {step} is LATEST')", timeout=120_000)
+                                f".textContent.includes('Step {step} is LATEST')", timeout=120_000)
     dash.locator(".fsdp2nb-confirm button:has-text('Cancel')").click()
     assert (step_dir / f"step-{step:06d}").is_dir()
 

@@ -116,9 +116,9 @@ def _save(page: Page, index: int, after: int | None) -> int:
     """Click Save in the dashboard of cell `index`; the step it reports saved (newer than `after`)."""
     dash = page.page.locator(".jp-CodeCell").nth(index).locator(".fsdp2nb-dashboard")
     dash.locator("button:has-text('Save now')").click()
-    page.page.wait_for_function(f"{_dashboard_of(index)}.querySelector('.fsdp2nb-message').innerText"
+    page.page.wait_for_function(f"{_dashboard_of(index)}.querySelector('.fsdp2nb-message').textContent"
                                 ".includes('saved step')", timeout=180_000)
-    message = dash.locator(".fsdp2nb-message").inner_text()
+    message = dash.locator(".fsdp2nb-message").text_content()
     step = int(re.search(r"saved step (\d+)", message).group(1))
     assert after is None or step > after, (after, message)  # a fresh save, not the old kernel's
     return step
@@ -141,7 +141,7 @@ def _attach_after_restart(page: Page, lab: Lab, shots, ckpt, flag) -> None:
     _restart_kernel(page)
     page.run(LOAD_AGAIN)
     page.wait_done(LOAD_AGAIN)
-    assert page.page.locator(".jp-CodeCell").nth(LOAD_AGAIN).locator(".jp-InputArea-prompt").inner_text() == "[1]:"
+    assert page.page.locator(".jp-CodeCell").nth(LOAD_AGAIN).locator(".jp-InputArea-prompt").text_content() == "[1]:"
     page.run(ATTACH)
     page.wait_done(ATTACH)
     attached = page.output(ATTACH)
@@ -153,13 +153,13 @@ def _attach_after_restart(page: Page, lab: Lab, shots, ckpt, flag) -> None:
     page.page.wait_for_function(f"{_dashboard_of(ATTACH)} && "
                                 f"{_dashboard_of(ATTACH)}.querySelectorAll('.fsdp2nb-rank').length == 2 && "
                                 f"![...{_dashboard_of(ATTACH)}.querySelectorAll('.fsdp2nb-mem')]"
-                                ".some(e => e.innerText.includes('no reading'))", timeout=120_000)
-    header = dash.locator(".widget-html").first.inner_text()
+                                ".some(e => e.textContent.includes('no reading'))", timeout=120_000)
+    header = dash.locator(".widget-html").first.text_content()
     assert re.search(r"background run In\[\d+\] of kernel \d+ \(train\) running", header), header
     assert "--cpu 2" in header, header
     for rank in (0, 1):
         assert re.search(r"RSS [1-9][0-9.]* (MiB|GiB)", dash.locator(f".fsdp2nb-rank[data-rank='{rank}'] "
-                                                                     ".fsdp2nb-mem").inner_text())
+                                                                     ".fsdp2nb-mem").text_content())
     dash.scroll_into_view_if_needed()
     page.page.screenshot(path=str(shots / "kept-attached.png"))
     if os.environ.get("FSDP2NB_KEPT_SCREENSHOT"):

@@ -50,7 +50,7 @@ def test_memory_bars_are_split_by_part(lab, browser, shots):
                       for part in PARTS}
             assert all(width > 0 for width in widths.values()), (rank, widths)
             assert widths["optimizer"] > widths["params"], widths  # AdamW: twice the parameters
-            legend = row.locator(".fsdp2nb-mem").inner_text()
+            legend = row.locator(".fsdp2nb-mem").text_content()
             assert all(f"{part} " in legend for part in PARTS), legend
         page.shoot(shots / "memory-bars-page.png")
         dash.screenshot(path=str(shots / "memory-bars.png"))

@@ -113,21 +113,23 @@ def _save_during_training(page: Page, shots: Path, out: Path, flag: Path) -> Non
     # Trainer's progress in the panel, a few steps in: the click lands mid-training.
     page.page.wait_for_function(
         "(() => { const p = document.querySelector(\".fsdp2nb-dashboard .fsdp2nb-progress[data-kind='train']\");"
-        f" const m = p && p.innerText.match(/step (\\d+) of {MAX_STEPS}/); return m && +m[1] >= 3; }})()",
+        f" const m = p && p.textContent.match(/step (\\d+) of {MAX_STEPS}/); return m && +m[1] >= 3; }})()",
         timeout=240_000)
+    # Lab skips rendering cells out of view (content-visibility), and their innerText is then
+    # empty: the panel is read by its text content, wherever it is scrolled.
     progress = dash.locator(".fsdp2nb-progress[data-kind='train']")
     assert re.search(rf"training: step \d+ of {MAX_STEPS} \(\d+%\) · [0-9.]+ steps/s · \d+ s left",
-                     progress.inner_text()), progress.inner_text()
+                     progress.text_content()), progress.text_content()
     page.shoot(shots / "panel-trainer-progress.png")
     dash.screenshot(path=str(shots / "panel-trainer-progress-only.png"))
     dash.locator("button:has-text('Save now')").click()
     page.page.wait_for_function(
-        "document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message').innerText.includes('saved step') && "
-        "document.querySelector('.fsdp2nb-dashboard .fsdp2nb-trainer-checkpoints')?.innerText"
+        "document.querySelector('.fsdp2nb-dashboard .fsdp2nb-message').textContent.includes('saved step') && "
+        "document.querySelector('.fsdp2nb-dashboard .fsdp2nb-trainer-checkpoints')?.textContent"
         ".includes('checkpoint-')", timeout=180_000)
-    message = dash.locator(".fsdp2nb-message").inner_text()
+    message = dash.locator(".fsdp2nb-message").text_content()
     step = int(re.search(r"saved step (\d+)", message).group(1))
-    listing = dash.locator(".fsdp2nb-trainer-checkpoints").first.inner_text()  # the widget and its markup
+    listing = dash.locator(".fsdp2nb-trainer-checkpoints").first.text_content()  # the widget and its markup
     assert re.search(rf"checkpoint-{step} · .* · 2 ranks", listing) and "incomplete" not in listing, listing
     # Training has not ended: the cell runs until the test makes FLAG.
     assert "[*]" in page.page.locator(".jp-CodeCell").nth(TRAIN_CELL).locator(".jp-InputArea-prompt").inner_text()

@@ -44,7 +44,10 @@ def _bytes(frame: str | bytes) -> bytes:
 
 
 class Page:
-    """The open notebook: run cells, read outputs, find the dashboard."""
+    """The open notebook: run cells, read outputs, find the dashboard.
+
+    Lab skips rendering cells scrolled out of view (content-visibility), and their innerText
+    reads empty: a dashboard or prompt that may be out of view is read by its textContent."""
 
     def __init__(self, page) -> None:
         self.page = page
@@ -72,7 +75,7 @@ class Page:
             self.page.wait_for_timeout(100)
 
     def _prompt(self, index: int) -> str:
-        return f"document.querySelectorAll('.jp-CodeCell')[{index}].querySelector('.jp-InputArea-prompt').innerText"
+        return f"document.querySelectorAll('.jp-CodeCell')[{index}].querySelector('.jp-InputArea-prompt').textContent"
 
     def run(self, index: int) -> None:
         """Run cell `index` and wait until the kernel took it (its prompt is `[*]` or numbered)."""
