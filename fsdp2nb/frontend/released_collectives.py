@@ -13,6 +13,7 @@ a failed collective marks the pool broken.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -35,9 +36,10 @@ FINISHED_WHILE_WAITING_S = 20.0
 """How long ranks may wait in a collective after others finished the cell before it is released:
 longer, since under load a barrier's last message can reach a rank seconds after its peers left."""
 
-Reform = Callable[[], str]
-"""Re-forms the process groups of every rank after a released or failed collective; returns the
-note to show. If that fails it restarts the pool and raises GroupsNotReformed with the note."""
+Reform = Callable[[int | None], str]
+"""Re-forms the process groups of every rank after a released or failed collective, given the id
+of the release sent (None if none was); returns the note to show. If that fails it restarts the
+pool and raises GroupsNotReformed with the note."""
 
 
 class GroupsNotReformed(Fsdp2nbError):
@@ -55,6 +57,7 @@ class CollectiveRelease:
         self._cell_ids = cell_ids
         self._cell_id = cell_id
         self._reform = reform
+        self._release_id: int | None = None
 
     @property
     def can_release(self) -> bool:
@@ -92,10 +95,11 @@ class CollectiveRelease:
         progress.release_cause = cause
         progress.released_from = {rank: activity.collective for rank, activity in progress.activity.items()
                                   if activity.collective and rank in progress.running}
+        self._release_id = secrets.randbits(62)
         for rank in sorted(self._pool.ranks):
             try:
-                self._pool.send(rank, ReleaseCollectives(cell_id=self._cell_ids.get(rank, self._cell_id)),
-                                connect_timeout_s=0)
+                self._pool.send(rank, ReleaseCollectives(cell_id=self._cell_ids.get(rank, self._cell_id),
+                                                         release_id=self._release_id), connect_timeout_s=0)
             except ConnectionError:
                 pass  # its end is reported as an exit of its own
 
@@ -119,7 +123,7 @@ class CollectiveRelease:
         errors = causes or [(rank, self._released_error(rank)) for rank in released]
         notes = (*interrupted_notes, self._released_line(released)) if released else interrupted_notes
         try:
-            return errors, (*notes, self._reform())
+            return errors, (*notes, self._reform(self._release_id))
         except GroupsNotReformed as restarted:  # state is lost: never a cell that looks fine
             lost = ErrorInfo("GroupsNotReformed", "the process groups could not be re-formed", (), kind="collective")
             return errors or [(progress.ranks[0], lost)], (*notes, str(restarted))

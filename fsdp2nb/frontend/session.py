@@ -281,7 +281,7 @@ class NotebookSession:
                            recover=self._restart_after_failure, ask_input=relay.ask,
                            before_prompt=relay.can_answer, stop_presses=run.stops,
                            on_rank_finished=run.rank_finished, started_at=run.started_at,
-                           reform=lambda: self._reform_groups(pool))
+                           reform=lambda release_id: self._reform_groups(pool, release_id))
         resume_background_run(self.background, wait, run, busy_since)
         return run
 
@@ -405,7 +405,7 @@ class NotebookSession:
         """The wait for one request to `ranks`, with a fresh id; recovery restarts this session's pool."""
         return RequestWait(pool, self.next_cell_id(), ranks, recover=self._restart_after_failure,
                            ask_input=ask_input, stop_presses=stop_presses, on_rank_finished=on_rank_finished,
-                           reform=lambda: self._reform_groups(pool))
+                           reform=lambda release_id: self._reform_groups(pool, release_id))
 
     def run_request(self, pool: PoolHandle, ranks: tuple[int, ...],
                     make_request: Callable[[int], ControlMessage]) -> CellProgress:
@@ -417,15 +417,16 @@ class NotebookSession:
             wait.send(make_request(wait.cell_id))  # sent first: what follows runs while the ranks wake up
             return wait.wait_for_replies()
 
-    def _reform_groups(self, pool: PoolHandle) -> str:
-        """After a released or failed collective: every rank connects its process groups afresh
-        and reshards the FSDP2 modules whose iteration failed. The note to show; if the ranks
-        cannot re-form, the pool is restarted and the note says what was lost."""
+    def _reform_groups(self, pool: PoolHandle, release_id: int | None) -> str:
+        """After a released (`release_id`) or failed collective: every rank connects its process
+        groups afresh and reshards the FSDP2 modules whose iteration failed. The note to show; if
+        the ranks cannot re-form, the pool is restarted and the note says what was lost."""
         started = time.monotonic()
         ranks = tuple(sorted(pool.ranks))
         wait = RequestWait(pool, self.next_cell_id(), ranks, recover=self._restart_after_failure,
                            ask_input=refuse_in_background)
-        wait.send(RunCommand(cell_id=wait.cell_id, command=ReformGroups(generation=secrets.randbits(62))))
+        reform = ReformGroups(generation=secrets.randbits(62), after_release=release_id)
+        wait.send(RunCommand(cell_id=wait.cell_id, command=reform))
         try:
             wait.wait_for_replies()
         except RankError as error:

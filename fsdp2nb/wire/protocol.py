@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """The version of the messages below, exchanged with the schema's fingerprint in every
 connection's greeting and hello and in a kept pool's attach record; ends that differ are refused
 in one line naming both (wire/versions.py). Raise it with every change of this module's types:
@@ -97,6 +97,8 @@ class ReleaseCollectives:
     interrupted while others wait); the groups are then re-formed in place (`ReformGroups`)."""
 
     cell_id: int
+    release_id: int
+    """Named by the `ReformGroups` that follows: it comes on the main channel, possibly first."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,10 @@ class ReformGroups:
     state of the iteration that failed. Every rank of the pool runs it together."""
 
     generation: int
-    """Counts re-formings of this pool: the store prefix under which the ranks meet again."""
+    """Fresh for each re-forming: the store prefix under which the ranks meet again."""
+    after_release: int | None = None
+    """The `ReleaseCollectives.release_id` this follows, carried out before the groups connect;
+    None after a collective that failed without a release."""
 
 
 RankCommand = SaveCheckpoint | LoadCheckpoint | DeleteCheckpoint | ExportHF | SaveIfRequested | ReformGroups

@@ -118,14 +118,15 @@ def save_if_requested() -> None:
             print(f"saved step {step} at the end of the cell: the save was asked for after its last maybe_save")
 
 
-def reform_groups(generation: int) -> None:
-    """After the kernel released this rank's collectives: connect every process group afresh and
-    reshard the FSDP2 modules whose iteration failed (those in the user's namespace, a Trainer's,
-    the tracked checkpointer's). The user's variables, parameters and optimizer state stay."""
+def reform_groups(generation: int, after_release: int | None) -> None:
+    """After the kernel released this rank's collectives (`after_release`, None after a collective
+    that failed by itself): connect every process group afresh and reshard the FSDP2 modules whose
+    iteration failed (those in the user's namespace, a Trainer's, the tracked checkpointer's). The
+    user's variables, parameters and optimizer state stay."""
     from fsdp2nb.worker.reformable_groups import reform_groups as reform
     from fsdp2nb.worker.reformable_groups import unreformable_groups
 
-    reform(generation)
+    reform(generation, after_release)
     plain = unreformable_groups()
     if plain and _is_rank0():
         print(f"process group(s) {', '.join(plain)} were made with another backend and cannot be re-formed: "
@@ -152,6 +153,6 @@ HANDLERS: dict[type, Callable[[Any], None]] = {
     DeleteCheckpoint: lambda command: delete_checkpoint(command.step),
     ExportHF: lambda command: export_hf(command.path),
     SaveIfRequested: lambda command: save_if_requested(),
-    ReformGroups: lambda command: reform_groups(command.generation),
+    ReformGroups: lambda command: reform_groups(command.generation, command.after_release),
 }
 """The handler of each command the kernel can send (`RankCommand`)."""

@@ -363,7 +363,7 @@ class Rank:
         elif isinstance(message, ReleaseCollectives):
             from fsdp2nb.worker.reformable_groups import release_collectives
 
-            release_collectives()
+            release_collectives(message.release_id)
         elif isinstance(message, RequestSave):
             from fsdp2nb.checkpoint.requests import post_save_request
 

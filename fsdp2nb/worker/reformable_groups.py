@@ -10,6 +10,11 @@ thread, once every rank's cell has ended) gives each group a fresh inner backend
 store, under a new prefix. The group objects stay, so the `DeviceMesh`, FSDP2's modules, DTensors
 and whatever else holds a group keep working.
 
+The release and the re-forming travel on different channels (control and main), so a busy rank
+can read the release after the re-forming that follows it, and a release carried out then would
+cut the fresh connections. Each release has an id, the re-forming names the one it follows and
+waits for it, and a release that comes later still is dropped.
+
 Every group made with the pool's default backend is one (`new_group()` without `backend=`,
 `init_device_mesh`); a group made with `backend="gloo"` explicitly is plain gloo and cannot be
 re-formed (`unreformable_groups()` names them).
@@ -132,6 +137,15 @@ them one after another never waits on a peer that re-forms another group first."
 _groups_lock = threading.Lock()
 _released = threading.Event()
 
+RELEASE_ARRIVAL_WAIT_S = 10.0
+"""How long a re-forming waits for the release it follows to be carried out on this rank."""
+_releases = threading.Condition()
+"""Held while a release cuts, so that a re-forming never interleaves with it."""
+_carried_out: set[int] = set()
+"""Ids of releases carried out here that no re-forming has waited for yet."""
+_given_up: set[int] = set()
+"""Ids of releases a re-forming stopped waiting for: dropped if they come after all."""
+
 
 def register_backend() -> None:
     """Make `BACKEND_NAME` a backend `init_process_group` and `new_group` can use (once)."""
@@ -164,11 +178,18 @@ def unreformable_groups() -> list[str]:
             if not isinstance(group, ReformableGlooGroup)]
 
 
-def release_collectives() -> int:
+def release_collectives(release_id: int) -> int:
     """Cut every group's connections (the control thread calls it while the main thread may be
-    blocked in one); returns how many were cut."""
-    _released.set()
-    return sum(group.release() for group in live_groups())
+    blocked in one); returns how many were cut, 0 for a release the groups were re-formed after."""
+    with _releases:
+        if release_id in _given_up:
+            _given_up.discard(release_id)
+            return 0
+        _released.set()
+        cut = sum(group.release() for group in live_groups())
+        _carried_out.add(release_id)
+        _releases.notify_all()
+        return cut
 
 
 def was_released() -> bool:
@@ -176,13 +197,25 @@ def was_released() -> bool:
     return _released.is_set()
 
 
-def reform_groups(generation: int) -> int:
-    """Give every group fresh connections under `generation`; returns how many were re-formed."""
+def reform_groups(generation: int, after_release: int | None = None) -> int:
+    """Give every group fresh connections under `generation`, once the release `after_release`
+    (if any) was carried out here; returns how many were re-formed."""
+    if after_release is not None:
+        _wait_for_release(after_release)
     groups = live_groups()
     for group in groups:
         group.reform(generation)
     _released.clear()
     return len(groups)
+
+
+def _wait_for_release(release_id: int) -> None:
+    """Wait until the control thread carried out `release_id`; past RELEASE_ARRIVAL_WAIT_S it is
+    dropped if it comes (the lock is not held while the groups connect: interrupts stay served)."""
+    with _releases:
+        if not _releases.wait_for(lambda: release_id in _carried_out, timeout=RELEASE_ARRIVAL_WAIT_S):
+            _given_up.add(release_id)
+        _carried_out.discard(release_id)
 
 
 def _socket_fds() -> dict[int, int]:

@@ -24,7 +24,7 @@ def _outcome(second_error: ErrorInfo, can_reform: bool = True) -> tuple[list, tu
     progress.last_line = {1: "In[4] line 3: time.sleep(60)"}
     reformed: list[str] = []
 
-    def reform() -> str:
+    def reform(release_id: int | None) -> str:
         reformed.append("re-formed")
         return "the process groups were re-formed in place"
 
