@@ -55,8 +55,7 @@ def _save_during_background_run(page: Page, shots, ckpt, flag, name: str) -> Non
 
     page.run(2)
     page.wait_done(2, timeout_ms=60_000)  # --bg: the cell replies at once, the run goes on
-    page.page.wait_for_function("document.querySelectorAll('.jp-CodeCell')[2].innerText.includes('step 50 ')",
-                                timeout=180_000)
+    page.wait_for_output(2, "step 50 ")
     dash.locator("button:has-text('Save now')").click()
     page.page.wait_for_function(
         "[...document.querySelectorAll('.fsdp2nb-dashboard .fsdp2nb-steps option')].length > 0 && "
@@ -77,8 +76,7 @@ def _save_during_background_run(page: Page, shots, ckpt, flag, name: str) -> Non
     page.run(4)
     page.wait_done(4)
     assert "waited: done" in page.output(4), page.output(4)
-    page.page.wait_for_function("document.querySelectorAll('.jp-CodeCell')[2].innerText.includes('saved at')",
-                                timeout=120_000)
+    page.wait_for_output(2, "saved at", timeout_ms=120_000)
     output = page.output(2)
     assert f"run ended by the flag saved at {step}" in output, output
     assert (ckpt / f"step-{step:06d}").is_dir()

@@ -94,8 +94,7 @@ def _save_during_training(page: Page, shots, flag: str, step_dir,
     page.shoot(shots / "1-pool-started.png")
 
     page.run(2)
-    page.page.wait_for_function("document.querySelectorAll('.jp-CodeCell')[2].innerText.includes('step 50 ')",
-                                timeout=180_000)
+    page.wait_for_output(2, "step 50 ")
     clicked_at = time.monotonic()
     dash.locator("button:has-text('Save now')").click()
     # The saved step must show in the panel's list while the training cell still runs.

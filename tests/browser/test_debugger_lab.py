@@ -30,7 +30,7 @@ _OUTPUTS = r"""(index) => {
               answered: !input || input.dataset.answered === 'yes'};
     }
     const output = child.querySelector('.jp-OutputArea-output');
-    return {kind: output.dataset.mimeType || output.className, text: output.innerText};
+    return {kind: output.dataset.mimeType || output.className, text: output.textContent};
   });
 }"""
 _FRESH_BOX = "input.jp-Stdin-input:not([data-answered=yes])"
@@ -63,7 +63,7 @@ def _wait_for_prompt(page: Page, answered: int) -> list[dict]:
     fresh = [o for o in outputs if o["kind"] == "stdin" and not o["answered"]]
     assert len(fresh) == 1 and outputs[-1] == fresh[0], outputs  # one open prompt, nothing printed below it
     assert fresh[0]["prompt"] == PROMPT, outputs
-    assert "[*]" in page.page.locator(".jp-CodeCell").nth(DEBUG_CELL).locator(".jp-InputArea-prompt").inner_text()
+    assert "[*]" in page.page.locator(".jp-CodeCell").nth(DEBUG_CELL).locator(".jp-InputArea-prompt").text_content()
     return [o for o in outputs if o["kind"] != "stdin" or not o["answered"]]
 
 

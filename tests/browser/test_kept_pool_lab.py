@@ -102,11 +102,6 @@ def test_attach_after_restart_kernel_picks_up_the_run(kept_lab, browser, shots):
     assert _kept_agents(kept_lab.tmpdir) == []  # `%fsdp2 stop` ended the pool and removed its directory
 
 
-def _cell_text_has(page: Page, index: int, text: str, timeout_ms: int = 180_000) -> None:
-    page.page.wait_for_function(f"document.querySelectorAll('.jp-CodeCell')[{index}].innerText.includes({text!r})",
-                                timeout=timeout_ms)
-
-
 def _dashboard_of(index: int) -> str:
     """The dashboard shown in cell `index`'s output (the restarted kernel's, not the lost one's)."""
     return f"document.querySelectorAll('.jp-CodeCell')[{index}].querySelector('.fsdp2nb-dashboard')"
@@ -134,7 +129,7 @@ def _attach_after_restart(page: Page, lab: Lab, shots, ckpt, flag) -> None:
                                 timeout=120_000)
     page.run(TRAIN)
     page.wait_done(TRAIN, timeout_ms=60_000)  # --bg: the cell replies at once, the run goes on
-    _cell_text_has(page, TRAIN, "step 50 ")
+    page.wait_for_output(TRAIN, "step 50 ")
     before = _save(page, START, after=None)  # a save served for the first kernel
     assert (ckpt / f"step-{before:06d}").is_dir()
 
@@ -173,7 +168,7 @@ def _attach_after_restart(page: Page, lab: Lab, shots, ckpt, flag) -> None:
     page.run(WAIT)
     page.wait_done(WAIT)
     assert "error" not in page.output(WAIT).lower(), page.output(WAIT)
-    _cell_text_has(page, ATTACH, "saved at", timeout_ms=60_000)  # the run's last line, in the attach cell
+    page.wait_for_output(ATTACH, "saved at", timeout_ms=60_000)  # the run's last line, in the attach cell
     assert f"run ended by the flag saved at {after}" in page.output(ATTACH), page.output(ATTACH)
     page.run(CHECK)
     page.wait_done(CHECK)

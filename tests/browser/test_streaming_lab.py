@@ -48,8 +48,8 @@ _SAMPLE = r"""(index) => {
   window.fsdp2nbSamples = [];
   window.fsdp2nbSampler = setInterval(() => {
     const cell = document.querySelectorAll('.jp-CodeCell')[index];
-    const busy = cell.querySelector('.jp-InputArea-prompt').innerText.includes('*');
-    const lines = [...cell.querySelectorAll('.jp-OutputArea-output')].map(o => o.innerText)
+    const busy = cell.querySelector('.jp-InputArea-prompt').textContent.includes('*');
+    const lines = [...cell.querySelectorAll('.jp-OutputArea-output')].map(o => o.textContent)
                                                                      .filter(t => t.includes('The light'));
     window.fsdp2nbSamples.push({busy, lines});
   }, 100);
@@ -94,7 +94,7 @@ def _streamed_completion_grows(page: Page, shots, app: str) -> None:
     # and the assertions below say what was seen).
     page.page.wait_for_function(
         "(index) => new Set(window.fsdp2nbSamples.filter(s => s.busy).flatMap(s => s.lines)).size >= 3 || "
-        "/\\[\\d+\\]/.test(document.querySelectorAll('.jp-CodeCell')[index].querySelector('.jp-InputArea-prompt').innerText)",
+        "/\\[\\d+\\]/.test(document.querySelectorAll('.jp-CodeCell')[index].querySelector('.jp-InputArea-prompt').textContent)",
         arg=GENERATE_CELL, timeout=120_000, polling=50)
     page.page.locator(".jp-CodeCell").nth(GENERATE_CELL).scroll_into_view_if_needed()
     page.page.screenshot(path=str(shots / f"stream-{app}-during.png"))

@@ -132,7 +132,7 @@ def _save_during_training(page: Page, shots: Path, out: Path, flag: Path) -> Non
     listing = dash.locator(".fsdp2nb-trainer-checkpoints").first.text_content()  # the widget and its markup
     assert re.search(rf"checkpoint-{step} · .* · 2 ranks", listing) and "incomplete" not in listing, listing
     # Training has not ended: the cell runs until the test makes FLAG.
-    assert "[*]" in page.page.locator(".jp-CodeCell").nth(TRAIN_CELL).locator(".jp-InputArea-prompt").inner_text()
+    assert "[*]" in page.page.locator(".jp-CodeCell").nth(TRAIN_CELL).locator(".jp-InputArea-prompt").text_content()
     assert (out / f"checkpoint-{step}" / "fsdp2nb_dcp" / ".metadata").is_file()
     assert (out / f"checkpoint-{step}" / "trainer_state.json").is_file()
     page.shoot(shots / "panel-saved-during-training.png")

@@ -47,7 +47,8 @@ class Page:
     """The open notebook: run cells, read outputs, find the dashboard.
 
     Lab skips rendering cells scrolled out of view (content-visibility), and their innerText
-    reads empty: a dashboard or prompt that may be out of view is read by its textContent."""
+    reads empty: a dashboard, prompt or output that may be out of view is read by its
+    textContent, or scrolled into view first where its line breaks matter."""
 
     def __init__(self, page) -> None:
         self.page = page
@@ -87,7 +88,15 @@ class Page:
         self.page.wait_for_function(f"/\\[\\d+\\]/.test({self._prompt(index)})", timeout=timeout_ms)
 
     def output(self, index: int) -> str:
-        return self.page.locator(".jp-CodeCell").nth(index).locator(".jp-OutputArea").inner_text()
+        cell = self.page.locator(".jp-CodeCell").nth(index)
+        cell.scroll_into_view_if_needed()  # innerText keeps the lines, and is empty while skipped
+        return cell.locator(".jp-OutputArea").inner_text()
+
+    def wait_for_output(self, index: int, text: str, timeout_ms: int = 180_000) -> None:
+        """Wait until cell `index`'s output contains `text`, in view or not."""
+        self.page.wait_for_function(
+            f"document.querySelectorAll('.jp-CodeCell')[{index}].querySelector('.jp-OutputArea')"
+            f".textContent.includes({text!r})", timeout=timeout_ms)
 
     def shoot(self, path) -> None:
         news = self.page.locator(".jp-toast-container button:has-text('No')")
