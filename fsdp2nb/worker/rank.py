@@ -9,6 +9,7 @@ Threads in a rank:
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import pickle
@@ -422,6 +423,7 @@ def _interrupted() -> ErrorInfo:
 def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
              pipes: dict[int, tuple[int, int]] | None = None, wake_fd: int | None = None) -> None:
     """Entry point of a rank process; returns when the pool shuts it down."""
+    run_as_batch_work()
     os.environ.update(torchrun_environment(plan, rank_plan))
     rank = Rank(plan, rank_plan, key, pipes, wake_fd)
     # A crash in C code (SIGSEGV, SIGABRT) ends the rank before any Python handler runs: have it
@@ -433,6 +435,19 @@ def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
         rank.serve()
     finally:
         rank.close()
+
+
+def run_as_batch_work() -> None:
+    """Put this process, and every thread and process it starts later, under SCHED_BATCH.
+
+    A rank is throughput work, and the notebook kernel is the process a person waits on. A
+    normal task that wakes takes the CPU from the task running there, so each rank woken by a
+    cell's request (or by gloo's loop thread, which polls 100 times a second) could stop the
+    kernel in the middle of sending the request to the next rank. Batch tasks never take a CPU
+    on waking; among themselves they share CPUs exactly as before.
+    """
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or refused: stay as started
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
 def _unknown(message: object) -> UnknownRequest:
