@@ -8,7 +8,7 @@ then `--cells` empty cells run and the medians of each step are printed:
   the send              packing, signing and writing the request to every rank, in turn
   first / last read     from the send's start until the first and the last rank read the request
   on a rank             from reading the request to sending the reply
-  reply to kernel       from the last rank's reply until the kernel's receiving thread has it
+  reply to kernel       from the last rank's reply until the kernel has read it
   after the replies     from then until the magic returns
 Run: .venv/bin/python -m benchmarks.empty_cell_timeline [--ranks 2] [--cells 300]
 """

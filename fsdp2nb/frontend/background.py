@@ -363,8 +363,8 @@ def _taken_over_output(log_dir: str) -> str:
 
 
 def _run(wait: RequestWait, run: BackgroundRun, shell, parent) -> None:
-    """The runner: the blocking cell's wait, on this thread. Its events come through the pool's
-    receiving thread, its output goes to this thread's parent cell."""
+    """The runner: the blocking cell's wait, on this thread, which reads the run's events itself
+    (pool/event_reader.py); its output goes to this thread's parent cell."""
     tokens = shell.set_thread_parent(parent) if parent is not None and hasattr(shell, "set_thread_parent") else None
     error: BaseException | None = None
     try:

@@ -104,7 +104,7 @@ class NotebookSession:
         """Held while the pool is started, stopped or replaced: the dashboard's Restart runs on a
         subshell thread, and a cell started meanwhile must get the new pool, not a half-stopped one."""
         self.snapshot_listeners: list[SnapshotListener] = []
-        """Called on a pool's receiving thread with its snapshots and progress events. Every pool
+        """Called on the thread reading a pool's events with its snapshots and progress events. Every pool
         this session starts or attaches is given this list itself, so a listener is added once
         (`add_snapshot_listener`) and hears the running pool and every later one from its start."""
         self.busy_listeners: list[BusyListener] = []

@@ -27,7 +27,7 @@ PoolState = Literal["stopped", "starting", "ready", "broken"]
 SnapshotListener = Callable[[RankSnapshot | TaskProgress], None]
 BusyListener = Callable[[], None]
 """Called when a request to the ranks starts or ends."""
-"""Hears a pool's snapshots and progress events, on its receiving thread."""
+"""Hears a pool's snapshots and progress events, on the thread reading its events."""
 
 
 class PoolHandle(Protocol):

@@ -1,6 +1,6 @@
 """What ranks' own threads print or display between cells, held (bounded) for the next cell.
 
-The pool's receiving thread adds to it; the session takes it all at the start of a cell.
+The thread reading the pool's events adds to it; the session takes it all at the start of a cell.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The kernel's handle on a pool of ranks: start (or attach a kept one), send requests, stop.
 
-A receiving thread drains the ranks' events as they arrive and sorts them (pool/rank_events.py);
+The ranks' events are read as they arrive, by the thread waiting for them or else a receiving
+thread (pool/event_reader.py), and sorted (pool/rank_events.py);
 a kept pool's directory is its `KeptHold` (pool/kept_pool.py); the ranks as processes of this
 host are pool/rank_processes.py's. The notebook side uses what pool/handle.py declares.
 """
@@ -13,13 +14,13 @@ import os
 import secrets
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from fsdp2nb.errors import LaunchError, PoolStartError
 from fsdp2nb.pool import kept, ray_kept, reaper
 from fsdp2nb.pool.busy_ranks import BusyRanks
+from fsdp2nb.pool.event_reader import EventReader
 from fsdp2nb.pool.handle import BusyListener, PoolState, SnapshotListener
 from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.kept_pool import ATTACH_TIMEOUT_S, KeptHold, first_save_request_id
@@ -56,9 +57,6 @@ from fsdp2nb.wire.tls import PoolCertificate
 logger = logging.getLogger(__name__)
 
 DEFAULT_START_TIMEOUT_S = 300.0
-_RECEIVE_POLL_MS = 100
-
-
 def launcher_for(spec: PoolSpec) -> Launcher:
     """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
     if spec.placement is None:
@@ -88,7 +86,7 @@ class WorkerPool:
         self.state: PoolState = "stopped"
         self._events = RankEvents(spec.world_size, self._rank_exited)
         self.ranks, self.snapshots, self.exited = self._events.ranks, self._events.snapshots, self._events.exited
-        self.held_output = self._events.held_output  # the receiving thread's records, shared
+        self.held_output = self._events.held_output  # the reading thread's records, shared
         self._busy = BusyRanks()
         self.broken_reason: str | None = None
         """Why the pool can run no more cells, besides a rank's exit (a dead host agent, a
@@ -96,10 +94,9 @@ class WorkerPool:
         self.agent_died = False
         self.log_dir = ""
         self._launcher = launcher or launcher_for(spec)
-        self._stop_receiving = threading.Event()
         self._channels: KernelChannels | None = None
         self._launched: LaunchedRanks | None = None
-        self._receiver: threading.Thread | None = None
+        self._reader: EventReader | None = None
         self._runtime_dir = ""
         self._save_request_ids = itertools.count(1)  # atomic: clicks arrive on any thread
         self._socket_dir = ""
@@ -124,7 +121,7 @@ class WorkerPool:
 
     @property
     def snapshot_listeners(self) -> list[SnapshotListener]:
-        """Called on the receiving thread with every snapshot and every progress event."""
+        """Called on the reading thread with every snapshot and every progress event."""
         return self._events.listeners
 
     @snapshot_listeners.setter
@@ -213,14 +210,12 @@ class WorkerPool:
 
     def _listen(self, key: bytes, address: str, certificate: PoolCertificate | None,
                 log: logging.Logger) -> tuple[Signer, KernelChannels]:
-        """Listen for the ranks at `address`, signing with `key`, and start the receiving thread."""
+        """Listen for the ranks at `address`, signing with `key`, and start reading their events."""
         signer = self._signer = Signer(key, log=log)
         channels = self._channels = KernelChannels(
             signer, address, log=log, certificate=certificate, stalled_frame_s=self._stalled_frame_s,
             on_stalled=self._report_stalled, on_agent_lost=self._agent_lost)
-        self._receiver = threading.Thread(target=self._receive_loop, args=(channels,), daemon=True,
-                                          name="fsdp2nb-receiver")
-        self._receiver.start()
+        self._reader = EventReader(channels, self._events)
         return signer, channels
 
     def _make_directories(self) -> None:
@@ -343,9 +338,8 @@ class WorkerPool:
 
     def release(self) -> None:
         """Close this kernel's end without ending the ranks (a kept pool); safe to call twice."""
-        self._stop_receiving.set()
-        if self._receiver is not None and self._receiver is not threading.current_thread():
-            self._receiver.join()
+        if self._reader is not None:
+            self._reader.stop()
         if self._channels is not None:
             self._channels.close()
         self._channels = None
@@ -445,14 +439,9 @@ class WorkerPool:
 
     def next_event(self, timeout_s: float) -> EventMessage | None:
         """The next event for a waiting request, in arrival order; None after `timeout_s`."""
-        return self._events.next_event(timeout_s)
-
-    def _receive_loop(self, channels: KernelChannels) -> None:
-        while not self._stop_receiving.is_set():
-            try:
-                channels.receive(_RECEIVE_POLL_MS, self._events.sort)
-            except Exception:  # nothing known raises here (bad frames are dropped, handlers guarded):
-                logger.exception("fsdp2nb: failed to read an event from the ranks")  # keep serving
+        if self._reader is None:
+            return self._events.next_event(timeout_s)
+        return self._reader.next_event(timeout_s)
 
     def _report_stalled(self, rank: int | None, stalled_s: float) -> None:
         """Say in the cell that waits on `rank` (or the next one) that it stopped mid-message."""

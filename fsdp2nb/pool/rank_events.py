@@ -1,4 +1,5 @@
-"""What the ranks send the kernel, sorted on the pool's receiving thread as it arrives.
+"""What the ranks send the kernel, sorted as it arrives by the thread that reads it
+(pool/event_reader.py: a request's waiting thread, else the pool's receiving thread).
 
 Events never wait unread: snapshots keep flowing and a rank's output never backs up while the
 notebook is idle. Snapshots and progress go to the listeners (the dashboard) and `snapshots`;
@@ -30,16 +31,16 @@ logger = logging.getLogger(__name__)
 
 
 class RankEvents:
-    """The records the receiving thread keeps of a pool's ranks, and its queue of request events."""
+    """The records kept of a pool's ranks as their events are read, and the queue of request events."""
 
     def __init__(self, ranks_to_join: int, on_exit: Callable[[RankExited], None]) -> None:
-        """`on_exit` is called (on the receiving thread) when a rank's agent reports its end."""
+        """`on_exit` is called (on the reading thread) when a rank's agent reports its end."""
         self.ranks: dict[int, RankReady] = {}
         self.snapshots: dict[int, RankSnapshot] = {}
         self.exited: dict[int, RankExited] = {}
         self.held_output = HeldOutput()
         self.listeners: list[SnapshotListener] = []
-        """Called on the receiving thread with every snapshot and every progress event."""
+        """Called on the reading thread with every snapshot and every progress event."""
         self.ranks_to_join = ranks_to_join
         """How many RankReady make the pool ready: fewer when attaching a kept pool a rank of
         which died while no kernel held it."""
@@ -54,9 +55,17 @@ class RankEvents:
         return opened
 
     def next_event(self, timeout_s: float) -> EventMessage | None:
-        """The next event for a waiting request, in arrival order; None after `timeout_s`."""
+        """The next event for a waiting request, in arrival order, as another thread sorts it;
+        None after `timeout_s`."""
         try:
             return self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def take_nowait(self) -> EventMessage | None:
+        """The next event already sorted for a waiting request, if there is one."""
+        try:
+            return self._queue.get_nowait()
         except queue.Empty:
             return None
 

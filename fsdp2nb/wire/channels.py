@@ -91,8 +91,8 @@ class _EventSource:
 class KernelChannels:
     """The kernel's end: accepts rank connections; sends from any thread.
 
-    Events are read by the pool's one receiving thread (`receive`), which hands each to the
-    pool's queue.
+    Events are read (`receive`) by one thread at a time: the one waiting for a request's events,
+    else the pool's receiving thread (pool/event_reader.py).
     """
 
     def __init__(self, signer: Signer, address: str, *, log: logging.Logger = logger,
@@ -116,7 +116,10 @@ class KernelChannels:
         self._part_read: set[_EventSource] = set()
         """Sources with a frame begun and not yet complete (watched for stalls)."""
         self._wake_read, self._wake_write = os.pipe()
+        self._wake_lock = threading.Lock()
+        """Held while the wake-up pipe is written or closed: a closed fd's number may be reused."""
         os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)  # a full pipe already wakes the reader
         self._epoll.register(self._wake_read, select.EPOLLIN)
         self._unregistered: collections.deque[_EventSource] = collections.deque()
         self._closed = False
@@ -128,6 +131,16 @@ class KernelChannels:
         """Where ranks connect (with the port the system picked for `tcp://HOST:0`)."""
         tls = server_context(certificate) if certificate is not None else None
         self._admission = Admission(server, signer, self._admit, log, tls=tls)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def wake_reader(self) -> None:
+        """Make a `receive` waiting on another thread return now (nothing is read for it)."""
+        with self._wake_lock:
+            if not self._closed:
+                _write_wake_up(self._wake_write)
 
     @property
     def refused_version(self) -> str | None:
@@ -255,7 +268,7 @@ class KernelChannels:
             self._links[key] = link
             if hello.role == "events":
                 self._unregistered.append(_EventSource(link, key, hello))
-                os.write(self._wake_write, b"x")
+                _write_wake_up(self._wake_write)
             else:
                 sock.setblocking(True)  # sent to from the kernel's threads; never read here
             self._links_changed.notify_all()
@@ -275,8 +288,9 @@ class KernelChannels:
             for link in links:
                 link.close()
             self._epoll.close()
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        with self._wake_lock:
+            os.close(self._wake_read)
+            os.close(self._wake_write)
 
 
 def _hung_up(sock: socket.socket) -> bool:
@@ -284,6 +298,11 @@ def _hung_up(sock: socket.socket) -> bool:
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLHUP)
     return bool(poller.poll(0))
+
+
+def _write_wake_up(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        os.write(fd, b"x")
 
 
 def _drain(fd: int) -> None:
