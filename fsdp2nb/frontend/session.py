@@ -52,7 +52,6 @@ from fsdp2nb.frontend.output import notebook_color_scheme, write_to_kernel
 from fsdp2nb.frontend.rank_prompts import AskInput
 from fsdp2nb.frontend.released_collectives import GroupsNotReformed
 from fsdp2nb.frontend.request_wait import RequestWait, StopPresses
-from fsdp2nb.pool import reaper
 from fsdp2nb.pool.handle import BusyListener, PoolHandle, SnapshotListener
 from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.kept_listing import list_pools
@@ -60,6 +59,7 @@ from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire import memory_store
+from fsdp2nb.wire.process_identity import own_process_key
 from fsdp2nb.wire.protocol import (
     CellFinished,
     ControlMessage,
@@ -153,7 +153,7 @@ class NotebookSession:
 
     def _memory_store(self) -> str:
         if not self.memory_dir:
-            self.memory_dir = str(memory_store.session_store(*reaper.own_process_key()))
+            self.memory_dir = str(memory_store.session_store(*own_process_key()))
         return self.memory_dir
 
     def start(self, spec: PoolSpec, keep: KeepOptions | None = None) -> PoolHandle:

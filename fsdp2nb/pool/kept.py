@@ -34,6 +34,7 @@ from fsdp2nb.wire.kept import (
     read_attach_record,
     write_attach_record,
 )
+from fsdp2nb.wire.process_identity import process_key
 from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankExited
 from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
 from fsdp2nb.wire.signing import Signer
@@ -140,9 +141,9 @@ class KeptMeta:
         placement = Placement(**fields["placement"]) if fields.get("placement") else None
         spec = PoolSpec(devices=tuple(fields["devices"]), collective_timeout_s=fields["collective_timeout_s"],
                         placement=placement)
-        pid, create_time = fields["agent"]
+        pid, started = fields["agent"]
         return cls(keep=KeepOptions(name=fields["name"], keep_for_s=fields["keep_for_s"]), spec=spec,
-                   pool_id=fields["pool_id"], agent=(pid, create_time), log_dir=fields["log_dir"],
+                   pool_id=fields["pool_id"], agent=(pid, started), log_dir=fields["log_dir"],
                    runtime_dir=fields["runtime_dir"], created=fields["created"], listen=fields.get("listen", ""))
 
     def write(self, directory: Path) -> None:
@@ -184,12 +185,7 @@ def holder_lock(directory: Path) -> Iterator[None]:
 
 
 def agent_alive(meta: KeptMeta) -> bool:
-    pid, create_time = meta.agent
-    try:
-        process = psutil.Process(pid)
-        return abs(process.create_time() - create_time) < 0.01 and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    return reaper.is_alive(tuple(meta.agent))
 
 
 def wake_agent(meta: KeptMeta) -> None:
@@ -221,7 +217,7 @@ def check_wire_version(directory: Path, signer: Signer, meta: KeptMeta) -> None:
 def holder_alive(record: AttachRecord | None) -> TypeGuard[AttachRecord]:
     if record is None or not record.holder_pid:
         return False
-    return reaper._is_alive((record.holder_pid, record.holder_create_time))
+    return reaper.is_alive((record.holder_pid, record.holder_start_time))
 
 
 def describe_holder(record: AttachRecord) -> str:
@@ -234,12 +230,12 @@ def hold(directory: Path, signer: Signer, address: str, *, take: bool, name: str
     kernel holds it and `take` is not given. The caller then wakes the agent."""
     with holder_lock(directory):
         current = read_attach_record(str(directory), signer)
-        me = reaper.process_key(os.getpid())
+        me = process_key(os.getpid())
         if holder_alive(current) and current.holder_pid != os.getpid() and not take:
             raise PoolHeldError(f"pool {name!r} is held by {describe_holder(current)}; "
                                 f"`%fsdp2 attach {name} --take` moves it to this kernel")
         record = AttachRecord(serial=(current.serial if current else 0) + 1, address=address,
-                              holder_pid=os.getpid(), holder_create_time=me[1] if me else 0.0, since=time.time())
+                              holder_pid=os.getpid(), holder_start_time=me[1] if me else 0.0, since=time.time())
         write_attach_record(str(directory), signer, record)
         return record
 
@@ -251,7 +247,7 @@ def let_go(directory: Path, signer: Signer) -> bool:
         if current is None or current.holder_pid != os.getpid():
             return False
         write_attach_record(str(directory), signer, AttachRecord(
-            serial=current.serial + 1, address="", holder_pid=0, holder_create_time=0.0, since=time.time()))
+            serial=current.serial + 1, address="", holder_pid=0, holder_start_time=0.0, since=time.time()))
         return True
 
 
@@ -329,25 +325,24 @@ class KeptAgent:
     watched and ended by (pid, start time)."""
 
     def __init__(self, agent: tuple[int, float]) -> None:
-        self._pid, self._create_time = agent
+        self._agent = agent
 
     def _process(self) -> psutil.Process | None:
+        if not reaper.is_alive(self._agent):
+            return None
         try:
-            process = psutil.Process(self._pid)
-            if abs(process.create_time() - self._create_time) < 0.01 and process.status() != psutil.STATUS_ZOMBIE:
-                return process
+            return psutil.Process(self._agent[0])
         except psutil.Error:
-            pass
-        return None
+            return None
 
     def is_running(self) -> bool:
         return self._process() is not None
 
     def process_ids(self) -> list[int]:
-        return [self._pid]
+        return [self._agent[0]]
 
     def agent_exit(self) -> AgentExit | None:
-        return None if self.is_running() else AgentExit("ended", pid=self._pid)
+        return None if self.is_running() else AgentExit("ended", pid=self._agent[0])
 
     def terminate(self, grace_s: float) -> None:
         process = self._process()

@@ -29,6 +29,7 @@ from typing import Protocol
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.pid_watch import PidWatch
+from fsdp2nb.wire.process_identity import own_process_key, process_key
 from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
 
 logger = logging.getLogger(__name__)
@@ -209,8 +210,8 @@ class StandbyAgent:
         except OSError:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             raise
-        reaper.record_pool(self.standby_id, reaper.own_process_key(),
-                           [key for key in [reaper.process_key(self.process.pid)] if key],
+        reaper.record_pool(self.standby_id, own_process_key(),
+                           [key for key in [process_key(self.process.pid)] if key],
                            runtime_dir=str(self.log_dir))
 
     def usable(self, environment: dict[str, str]) -> bool:

@@ -41,6 +41,7 @@ from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.endpoints import is_tcp
 from fsdp2nb.wire.kept import RankWork
+from fsdp2nb.wire.process_identity import own_process_key, process_key
 from fsdp2nb.wire.protocol import (
     FOR_CONTROL_THREAD,
     ControlMessage,
@@ -262,15 +263,15 @@ class WorkerPool:
         if self._kept is not None:  # no reaper: a kept pool outlives its kernel on purpose
             self._write_kept_meta(self._kept, launched, address)
             return
-        processes = [reaper.process_key(pid) for pid in launched.process_ids()]
-        processes += [(info.pid, info.create_time) for info in self.ranks.values() if not info.address]
-        reaper.record_pool(self.pool_id, reaper.own_process_key(), [p for p in processes if p],
+        processes = [process_key(pid) for pid in launched.process_ids()]
+        processes += [(info.pid, info.start_time) for info in self.ranks.values() if not info.address]
+        reaper.record_pool(self.pool_id, own_process_key(), [p for p in processes if p],
                            runtime_dir=self._runtime_dir)
 
     # --- kept pools (the directory's part is KeptHold's) ------------------------------------
 
     def _write_kept_meta(self, hold: KeptHold, launched: LaunchedRanks, address: str) -> None:
-        agent = reaper.process_key(launched.process_ids()[0])
+        agent = process_key(launched.process_ids()[0])
         if agent is None:
             return  # it ended already: the start fails on that
         listen = ray_kept.listen_host(address) if self.spec.placement is not None else ""

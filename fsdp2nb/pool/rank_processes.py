@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import psutil
 
+from fsdp2nb.wire.process_identity import is_same_process
 from fsdp2nb.wire.protocol import RankReady
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,10 @@ def end_leftover_ranks(ranks: Iterable[RankReady], grace_s: float = 3.0) -> None
 
 def _same_process(info: RankReady) -> psutil.Process | None:
     """The rank's process, unless its pid now belongs to another process (or to none)."""
+    if not is_same_process((info.pid, info.start_time)):
+        return None
     try:
-        process = psutil.Process(info.pid)
-        return process if abs(process.create_time() - info.create_time) < 0.01 else None
+        return psutil.Process(info.pid)
     except psutil.Error:
         return None
 

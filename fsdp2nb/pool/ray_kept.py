@@ -206,7 +206,7 @@ class KeptWatch:
                 current = kept.read_attach_record(str(self._directory), self._signer)
                 if current is not None and current.holder_pid == ended.holder_pid:
                     write_attach_record(str(self._directory), self._signer, AttachRecord(
-                        serial=current.serial + 1, address="", holder_pid=0, holder_create_time=0.0,
+                        serial=current.serial + 1, address="", holder_pid=0, holder_start_time=0.0,
                         since=time.time()))
         except OSError as error:  # the directory was removed: the pool is being stopped
             print(f"fsdp2nb driver: could not note the kernel's end: {error}", file=sys.stderr, flush=True)

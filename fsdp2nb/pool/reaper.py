@@ -1,8 +1,9 @@
 """A registry of running pools, so processes orphaned by a crashed kernel can be ended safely.
 
-Each pool writes its owner (the kernel) and its processes as (pid, start time) pairs; so does a
-standby agent waiting for the next launch (pool/launcher.py), under its own id. A pid alone
-could have been reused by an unrelated process; the pair cannot, so only exact matches are killed.
+Each pool writes its owner (the kernel) and its processes as (pid, start time) pairs
+(wire/process_identity.py); so does a standby agent waiting for the next launch
+(pool/launcher.py), under its own id. A pid alone could have been reused by an unrelated process;
+the pair cannot, so only exact matches are killed.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from pathlib import Path
 import psutil
 
 from fsdp2nb.wire import memory_store
+from fsdp2nb.wire.process_identity import ProcessKey, is_same_process
 
 logger = logging.getLogger(__name__)
 
-ProcessKey = tuple[int, float]
 LOG_RETENTION_S = 7 * 24 * 3600
 
 
@@ -38,18 +39,6 @@ def state_dir(temp_root: str | None = None) -> Path:
                            "and start the pool again")
     os.chmod(path, 0o700)
     return path
-
-
-def process_key(pid: int) -> ProcessKey | None:
-    try:
-        return pid, psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
-def own_process_key() -> ProcessKey:
-    """This process's (pid, start time): the owner a registry entry names."""
-    return os.getpid(), psutil.Process().create_time()
 
 
 def _registry_dir() -> Path:
@@ -79,16 +68,16 @@ def reap_orphans(spare_store: str = "") -> int:
             entry = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if _is_alive(tuple(entry["owner"])):
+        if is_alive(tuple(entry["owner"])):
             continue
-        for pid, create_time in entry["processes"]:
-            num_killed += _kill_if_same(pid, create_time)
+        for pid, started in entry["processes"]:
+            num_killed += _kill_if_same((pid, started))
         if entry.get("runtime_dir"):
             shutil.rmtree(entry["runtime_dir"], ignore_errors=True)
         path.unlink(missing_ok=True)
     _prune_old_logs()
     _prune_standby_dirs()
-    memory_store.sweep_stores(lambda pid, create_time: _is_alive((pid, create_time)), spare=spare_store)
+    memory_store.sweep_stores(lambda pid, started: is_alive((pid, started)), spare=spare_store)
     return num_killed
 
 
@@ -134,20 +123,20 @@ def _prune_standby_dirs(min_age_s: float = 60.0) -> None:
             continue
 
 
-def _is_alive(key: tuple) -> bool:
-    pid, create_time = key
-    current = process_key(pid)
-    if current is None or abs(current[1] - create_time) >= 0.01:
+def is_alive(key: tuple) -> bool:
+    """Whether the process of `key` (pid, start time) runs: not ended, not a zombie."""
+    if not is_same_process(key):
         return False
     try:  # a zombie has ended already; it waits only for its parent to collect its status
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(key[0]).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
 
-def _kill_if_same(pid: int, create_time: float) -> int:
-    if not _is_alive((pid, create_time)):
+def _kill_if_same(key: tuple) -> int:
+    if not is_alive(key):
         return 0
+    pid = key[0]
     try:
         psutil.Process(pid).kill()
     except psutil.Error:

@@ -54,9 +54,10 @@ def stores_root() -> Path:
     return path
 
 
-def session_store(pid: int, create_time: float) -> Path:
-    """The store of the kernel (pid, start time): its pools' snapshots survive their restarts."""
-    return stores_root() / f"session-{pid}-{int(create_time * 1000)}"
+def session_store(pid: int, start_time: float) -> Path:
+    """The store of the kernel (pid, start time after boot: wire/process_identity.py): its pools'
+    snapshots survive their restarts."""
+    return stores_root() / f"session-{pid}-{int(start_time * 1000)}"
 
 
 def kept_store(name: str) -> Path:

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """The version of the messages below, exchanged with the schema's fingerprint in every
 connection's greeting and hello and in a kept pool's attach record; ends that differ are refused
 in one line naming both (wire/versions.py). Raise it with every change of this module's types:
@@ -239,7 +239,8 @@ class RankReady:
 
     rank: int
     pid: int
-    create_time: float
+    start_time: float
+    """When the rank's process started, in seconds after boot (wire/process_identity.py)."""
     device: str
     hostname: str
     log_path: str
@@ -531,7 +532,8 @@ class AttachRecord:
     """The holding kernel's socket; empty while no kernel holds the pool."""
     holder_pid: int
     """The holding kernel's pid; 0 while none holds it."""
-    holder_create_time: float
+    holder_start_time: float
+    """When the holding kernel's process started, in seconds after boot; 0 while none holds it."""
     since: float
     """When this kernel took the pool, or (none holding) when the last one let go (time.time())."""
 

@@ -127,7 +127,7 @@ class AgentKeeper:
             record = read_attach_record(self.directory, self._signer)
             if record is not None and record.holder_pid == ended:
                 detached = AttachRecord(serial=record.serial + 1, address="", holder_pid=0,
-                                        holder_create_time=0.0, since=self.detached_since)
+                                        holder_start_time=0.0, since=self.detached_since)
                 write_attach_record(self.directory, self._signer, detached)
                 self._serial = detached.serial
         except OSError as error:

@@ -20,14 +20,13 @@ import threading
 import traceback
 from datetime import timedelta
 
-import psutil
-
 from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
 from fsdp2nb.errors import UnknownRequest
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.kept import ActivitySlot, host_kept_dir
 from fsdp2nb.wire.memory_store import MEMORY_DIR_ENV
+from fsdp2nb.wire.process_identity import own_process_key
 from fsdp2nb.wire.protocol import (
     AnswerInput,
     CellFinished,
@@ -138,9 +137,9 @@ class Rank:
 
     def _ready_event(self, held_reply: int | None = None) -> RankReady:
         """Sent when the rank joined the pool, and again to each kernel that attaches a kept pool."""
-        process = psutil.Process()
+        pid, started = own_process_key()
         return RankReady(
-            rank=self.rank, pid=process.pid, create_time=process.create_time(), device=self.device,
+            rank=self.rank, pid=pid, start_time=started, device=self.device,
             hostname=socket.gethostname(), log_path=self.log_path, address=self._channels.local_host() or "",
             held_reply=held_reply,
         )

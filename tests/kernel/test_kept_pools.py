@@ -583,12 +583,13 @@ for reach in (lambda: os.listdir(pool_dir), lambda: open(os.path.join(pool_dir, 
     except PermissionError:
         print("denied")
 # A pool directory of this user's own that names the other user's agent: its key is refused.
-import json, psutil
+import json
 from fsdp2nb.pool import kept
+from fsdp2nb.wire.process_identity import process_key
 mine = kept.kept_dir(name)
 mine.mkdir(mode=0o700)
 json.dump(dict(name=name, pool_id="x", devices=["cpu"], collective_timeout_s=60.0, keep_for_s=None,
-               agent=[agent, psutil.Process(agent).create_time()], log_dir=str(mine), runtime_dir=str(mine),
+               agent=list(process_key(agent)), log_dir=str(mine), runtime_dir=str(mine),
                created=0.0), open(mine / "pool.json", "w"))
 (mine / "key").write_text("00" * 32)
 os.chmod(mine / "key", 0o644)

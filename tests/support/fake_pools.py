@@ -27,7 +27,7 @@ class FakePool:
         self.log_dir = "/logs"
         self.memory_dir = ""
         self.ranks: dict[int, RankReady] = {
-            r: RankReady(rank=r, pid=1000 + r, create_time=0.0, device="cpu", hostname="host",
+            r: RankReady(rank=r, pid=1000 + r, start_time=0.0, device="cpu", hostname="host",
                          log_path=rank_log_path("/logs", r)) for r in range(spec.world_size)} if with_ranks else {}
         self.snapshots: dict[int, RankSnapshot] = {}
         self.exited: dict[int, RankExited] = {}

@@ -47,7 +47,7 @@ def test_pool_names_cannot_leave_the_kept_directory(name):
 
 
 def _record(serial: int = 1) -> AttachRecord:
-    return AttachRecord(serial=serial, address="/x/pool.sock", holder_pid=os.getpid(), holder_create_time=1.0,
+    return AttachRecord(serial=serial, address="/x/pool.sock", holder_pid=os.getpid(), holder_start_time=1.0,
                         since=time.time())
 
 
@@ -74,10 +74,10 @@ def test_the_key_file_must_be_private(tmp_path):
 def test_hold_refuses_a_live_holder_unless_taken(tmp_path):
     key = secrets.token_bytes(32)
     parent = os.getppid()  # a live process other than this one
-    from fsdp2nb.pool.reaper import process_key
+    from fsdp2nb.wire.process_identity import process_key
 
     write_attach_record(str(tmp_path), Signer(key), AttachRecord(
-        serial=4, address="/a", holder_pid=parent, holder_create_time=process_key(parent)[1], since=time.time()))
+        serial=4, address="/a", holder_pid=parent, holder_start_time=process_key(parent)[1], since=time.time()))
     with pytest.raises(kept.PoolHeldError, match=f"held by kernel {parent}.*--take"):
         kept.hold(tmp_path, Signer(key), "/b", take=False, name="p")
     assert read_attach_record(str(tmp_path), Signer(key)).address == "/a"  # nothing changed

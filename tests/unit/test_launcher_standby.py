@@ -14,6 +14,7 @@ import pytest
 
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.launcher import LocalLauncher
+from fsdp2nb.wire.process_identity import process_key
 from fsdp2nb.wire.protocol import LaunchPlan, RankPlan
 
 # Stands in for `python -m fsdp2nb.worker.agent`: reads its request as the agent does (only once it
@@ -114,7 +115,7 @@ def test_the_reaper_ends_the_standby_of_a_dead_kernel(launcher):
     launcher.start_standby()
     standby = launcher._standby
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead_owner = reaper.process_key(gone.pid)
+    dead_owner = process_key(gone.pid)
     gone.wait()
     entry = _registry_entry(standby.standby_id)
     reaper.record_pool(standby.standby_id, dead_owner, [tuple(p) for p in entry["processes"]],

@@ -62,7 +62,7 @@ def test_the_sweep_frees_stores_whose_kernel_or_kept_pool_is_gone(root, tmp_path
     memory_store.mark_owner(kept_alive, tmp_path / "pools" / "lab")
     memory_store.mark_owner(kept_gone, tmp_path / "pools" / "old")
     memory_store.mark_owner(spared, tmp_path / "pools" / "restarting")
-    removed = memory_store.sweep_stores(lambda pid, create_time: (pid, create_time) == (10, 1.0),
+    removed = memory_store.sweep_stores(lambda pid, started: (pid, started) == (10, 1.0),
                                         spare=str(spared))
     assert removed == 2
     assert sorted(path.name for path in root.iterdir()) == sorted(

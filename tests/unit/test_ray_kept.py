@@ -26,7 +26,7 @@ def _request(kept_dir: str, key: bytes) -> str:
 def test_each_host_gets_a_private_directory_with_the_record_and_an_idle_board(tmp_path):
     key = secrets.token_bytes(32)
     kept_dir = tmp_path / "state" / "kept" / "rk"  # none of it exists on the other host yet
-    record = AttachRecord(serial=4, address="tcp://10.0.0.1:5000", holder_pid=7, holder_create_time=1.0,
+    record = AttachRecord(serial=4, address="tcp://10.0.0.1:5000", holder_pid=7, holder_start_time=1.0,
                           since=time.time())
     write_attach_record(str(tmp_path), Signer(key), record)
     directory = ray_kept.prepare_host_dir(_request(str(kept_dir), key), 1, (tmp_path / "attach").read_bytes())

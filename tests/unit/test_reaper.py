@@ -5,11 +5,12 @@ import sys
 import time
 
 from fsdp2nb.pool import reaper
+from fsdp2nb.wire.process_identity import process_key
 
 
 def _finished_process_key():
     done = subprocess.Popen([sys.executable, "-c", "pass"])
-    key = reaper.process_key(done.pid)
+    key = process_key(done.pid)
     done.wait()
     return key
 
@@ -19,8 +20,8 @@ def test_orphans_of_a_dead_owner_are_killed_only_on_an_exact_match():
     orphan = subprocess.Popen(["sleep", "60"])
     bystander = subprocess.Popen(["sleep", "60"])
     try:
-        orphan_key = reaper.process_key(orphan.pid)
-        bystander_pid, bystander_time = reaper.process_key(bystander.pid)
+        orphan_key = process_key(orphan.pid)
+        bystander_pid, bystander_time = process_key(bystander.pid)
         # The bystander's pid is listed with another start time: a reused pid must be left alone.
         reaper.record_pool("test-orphans", owner, [orphan_key, (bystander_pid, bystander_time - 100)])
         assert reaper.reap_orphans() >= 1
@@ -36,7 +37,7 @@ def test_orphans_of_a_dead_owner_are_killed_only_on_an_exact_match():
 def test_a_process_that_ended_but_was_not_collected_is_not_reaped(caplog):
     owner = _finished_process_key()
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
-    key = reaper.process_key(ended.pid)
+    key = process_key(ended.pid)
     while reaper.psutil.Process(ended.pid).status() != reaper.psutil.STATUS_ZOMBIE:
         time.sleep(0.01)
     try:
@@ -52,7 +53,7 @@ def test_a_process_that_ended_but_was_not_collected_is_not_reaped(caplog):
 def test_pools_of_a_live_owner_are_left_alone():
     worker = subprocess.Popen(["sleep", "60"])
     try:
-        reaper.record_pool("test-live", reaper.process_key(worker.pid), [reaper.process_key(worker.pid)])
+        reaper.record_pool("test-live", process_key(worker.pid), [process_key(worker.pid)])
         reaper.reap_orphans()
         assert worker.poll() is None
     finally:
@@ -67,7 +68,7 @@ def test_old_logs_go_but_those_of_a_running_pool_stay():
     for pool_id in ("test-logs-running", "test-logs-gone"):
         (logs / pool_id).mkdir(parents=True, exist_ok=True)
         os.utime(logs / pool_id, (old, old))  # appending to a rank's log leaves its directory's time
-    reaper.record_pool("test-logs-running", reaper.process_key(os.getpid()), [])
+    reaper.record_pool("test-logs-running", process_key(os.getpid()), [])
     try:
         reaper.reap_orphans()
         assert (logs / "test-logs-running").exists()

@@ -33,7 +33,7 @@ from fsdp2nb.wire.versions import (
 )
 from tests.support.channels import wait_until
 
-SCHEMAS = {1: "d553d414a6717092", 2: "fc6e6598dd546d43", 3: "fa82194cc008491d"}
+SCHEMAS = {1: "d553d414a6717092", 2: "fc6e6598dd546d43", 3: "fa82194cc008491d", 4: "84d9f9b794046348"}
 """Each protocol version's schema fingerprint. A change to wire/protocol.py's types changes the
 fingerprint: raise PROTOCOL_VERSION with it and add the new pair here (never edit an old one)."""
 
@@ -163,7 +163,7 @@ def _pool_dir(tmp_path: Path, key: bytes) -> kept.KeptMeta:
 def test_a_kept_pool_of_another_version_is_refused_before_anything_is_written(tmp_path):
     key = secrets.token_bytes(KEY_BYTES)
     meta, signer = _pool_dir(tmp_path, key), Signer(key)
-    record = AttachRecord(serial=4, address="/old.sock", holder_pid=0, holder_create_time=0.0, since=1.0)
+    record = AttachRecord(serial=4, address="/old.sock", holder_pid=0, holder_start_time=0.0, since=1.0)
     write_attach_record(str(tmp_path), signer, record)
     kept.check_wire_version(tmp_path, signer, meta)  # this version's: nothing to say
     assert read_attach_record(str(tmp_path), signer) == record
