@@ -34,7 +34,7 @@ from fsdp2nb.wire.kept import (
     read_attach_record,
     write_attach_record,
 )
-from fsdp2nb.wire.process_identity import process_key
+from fsdp2nb.wire.process_identity import own_process_key
 from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankExited
 from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
 from fsdp2nb.wire.signing import Signer
@@ -185,7 +185,7 @@ def holder_lock(directory: Path) -> Iterator[None]:
 
 
 def agent_alive(meta: KeptMeta) -> bool:
-    return reaper.is_alive(tuple(meta.agent))
+    return reaper.is_alive(meta.agent)
 
 
 def wake_agent(meta: KeptMeta) -> None:
@@ -230,12 +230,11 @@ def hold(directory: Path, signer: Signer, address: str, *, take: bool, name: str
     kernel holds it and `take` is not given. The caller then wakes the agent."""
     with holder_lock(directory):
         current = read_attach_record(str(directory), signer)
-        me = process_key(os.getpid())
         if holder_alive(current) and current.holder_pid != os.getpid() and not take:
             raise PoolHeldError(f"pool {name!r} is held by {describe_holder(current)}; "
                                 f"`%fsdp2 attach {name} --take` moves it to this kernel")
         record = AttachRecord(serial=(current.serial if current else 0) + 1, address=address,
-                              holder_pid=os.getpid(), holder_start_time=me[1] if me else 0.0, since=time.time())
+                              holder_pid=os.getpid(), holder_start_time=own_process_key()[1], since=time.time())
         write_attach_record(str(directory), signer, record)
         return record
 
@@ -328,12 +327,7 @@ class KeptAgent:
         self._agent = agent
 
     def _process(self) -> psutil.Process | None:
-        if not reaper.is_alive(self._agent):
-            return None
-        try:
-            return psutil.Process(self._agent[0])
-        except psutil.Error:
-            return None
+        return reaper.running_process(self._agent)
 
     def is_running(self) -> bool:
         return self._process() is not None

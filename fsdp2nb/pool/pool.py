@@ -58,6 +58,8 @@ from fsdp2nb.wire.tls import PoolCertificate
 logger = logging.getLogger(__name__)
 
 DEFAULT_START_TIMEOUT_S = 300.0
+
+
 def launcher_for(spec: PoolSpec) -> Launcher:
     """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
     if spec.placement is None:

@@ -68,7 +68,7 @@ def reap_orphans(spare_store: str = "") -> int:
             entry = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if is_alive(tuple(entry["owner"])):
+        if is_alive((entry["owner"][0], entry["owner"][1])):
             continue
         for pid, started in entry["processes"]:
             num_killed += _kill_if_same((pid, started))
@@ -123,23 +123,28 @@ def _prune_standby_dirs(min_age_s: float = 60.0) -> None:
             continue
 
 
-def is_alive(key: tuple) -> bool:
-    """Whether the process of `key` (pid, start time) runs: not ended, not a zombie."""
+def running_process(key: ProcessKey) -> psutil.Process | None:
+    """The process of `key` (pid, start time) while it runs: not ended, not a zombie."""
     if not is_same_process(key):
-        return False
+        return None
     try:  # a zombie has ended already; it waits only for its parent to collect its status
-        return psutil.Process(key[0]).status() != psutil.STATUS_ZOMBIE
+        process = psutil.Process(key[0])
+        return process if process.status() != psutil.STATUS_ZOMBIE else None
     except psutil.Error:
-        return False
+        return None
 
 
-def _kill_if_same(key: tuple) -> int:
-    if not is_alive(key):
+def is_alive(key: ProcessKey) -> bool:
+    return running_process(key) is not None
+
+
+def _kill_if_same(key: ProcessKey) -> int:
+    process = running_process(key)
+    if process is None:
         return 0
-    pid = key[0]
     try:
-        psutil.Process(pid).kill()
+        process.kill()
     except psutil.Error:
         return 0
-    logger.warning("ended orphaned fsdp2nb process %d", pid)
+    logger.warning("ended orphaned fsdp2nb process %d", key[0])
     return 1
