@@ -52,6 +52,7 @@ _LAZY_NAMES = {
     "plan_memory": "fsdp2nb.engine.memory_plan",
 }
 _session = None
+_cells_ahead = None
 
 
 def __getattr__(name: str) -> Any:
@@ -68,14 +69,17 @@ def __dir__() -> list[str]:
 
 def load_ipython_extension(ipython) -> None:
     """Register %fsdp2 and %%fsdp2; loading twice keeps the one session."""
-    global _session
+    global _session, _cells_ahead
+    from fsdp2nb.frontend.cell_ahead import CellsAhead
     from fsdp2nb.frontend.magics import FSDP2Magics
     from fsdp2nb.frontend.session import NotebookSession
 
     if _session is None:
         _session = NotebookSession()
         atexit.register(_session.release)  # a kept pool is let go of, not ended
-    ipython.register_magics(FSDP2Magics(ipython, _session))
+        _cells_ahead = CellsAhead(ipython, _session)
+        _cells_ahead.listen()
+    ipython.register_magics(FSDP2Magics(ipython, _session, _cells_ahead))
     _session.prepare_first_start()
 
 

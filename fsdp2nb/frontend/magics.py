@@ -22,7 +22,7 @@ from fsdp2nb.frontend.magic_options import (
     spec_or_none,
     split_magic_line,
 )
-from fsdp2nb.frontend.session import RESTORE_HINT, NotebookSession
+from fsdp2nb.frontend.session import RESTORE_HINT, NotebookSession, SentCell
 from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.kept import (
     KeepOptions,
@@ -40,6 +40,7 @@ from fsdp2nb.wire.protocol import (
 from fsdp2nb.wire.rank_logs import rank_log_path
 
 if TYPE_CHECKING:
+    from fsdp2nb.frontend.cell_ahead import CellsAhead
     from fsdp2nb.frontend.dashboard_link import DashboardLink
 
 _WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load", "debug"))
@@ -52,11 +53,14 @@ _REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError
 class FSDP2Magics(Magics):
     """Registers `%fsdp2` / `%%fsdp2` on a shell; all state lives in the session."""
 
-    def __init__(self, shell: InteractiveShell, session: NotebookSession) -> None:
+    def __init__(self, shell: InteractiveShell, session: NotebookSession,
+                 cells_ahead: CellsAhead | None = None) -> None:
         super().__init__(shell)
         self._shell = shell
         """The shell the magics serve (IPython's `self.shell` may be None, by its types)."""
         self.session = session
+        self._cells_ahead = cells_ahead
+        """Plain cells sent to the ranks at `pre_run_cell`, which the cell magic only waits for."""
         self._line_parsers = line_parsers()
 
     @no_var_expand  # done by _expand_variables, only for a line that asks for it
@@ -64,6 +68,9 @@ class FSDP2Magics(Magics):
     def fsdp2(self, line: str, cell: str | None = None):
         # The docstring, shown by `%fsdp2?`, is HELP (frontend/magic_help.py), set below.
         try:
+            sent = self._cells_ahead.claim(line, cell) if self._cells_ahead is not None else None
+            if sent is not None:
+                return self._finish_cell_sent_ahead(sent)
             line = self._expand_variables(line)
             self._wait_for_background_run(line, cell)
             if cell is not None:
@@ -107,6 +114,10 @@ class FSDP2Magics(Magics):
             self._dashboard().show()  # under the cell that starts the pool, above its output
         self.session.run_cell(pool, cell, ranks)
         self._serve_dashboard_save(pool)
+
+    def _finish_cell_sent_ahead(self, sent: SentCell) -> None:
+        self.session.finish_cell(sent)
+        self._serve_dashboard_save(sent.wait.pool)
 
     def _run_in_background(self, options, cell: str, keep: KeepOptions | None = None):
         """`%%fsdp2 --bg`: start the run and return its handle (bound to --name if given)."""

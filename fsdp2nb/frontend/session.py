@@ -8,6 +8,7 @@ every rank that is still running.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fsdp2nb.errors import (
@@ -81,6 +83,17 @@ RESUME_HINT = ("to resume, run the cells that set up the ranks again (model, opt
                "`ckpt.load(\"latest\")` then continues from the last checkpoint saved")
 RESTORE_HINT = ("run the cells that set up the ranks again (model, optimizer, Checkpointer on the same "
                 "directory): `track()` restores it")
+
+
+@dataclass(frozen=True, slots=True)
+class SentCell:
+    """A cell sent to the ranks whose replies are still to be waited for (`finish_cell`)."""
+
+    code: str
+    ranks: tuple[int, ...]
+    wait: RequestWait
+    stop_button: contextlib.ExitStack
+    """Holds the stop button's noting (`sigint_noted`) from the send until the wait ends."""
 
 
 class NotebookSession:
@@ -357,11 +370,44 @@ class NotebookSession:
 
     def run_cell(self, pool: PoolHandle, code: str, ranks: tuple[int, ...]) -> None:
         """Run `code` on `ranks`, streaming output; raises RankError if any rank raised."""
+        self.finish_cell(self.send_cell(pool, code, ranks, notebook_execution_count()))
+
+    def send_cell(self, pool: PoolHandle, code: str, ranks: tuple[int, ...],
+                  execution_count: int | None) -> SentCell:
+        """Send `code` to `ranks` and return at once; `finish_cell` waits for the replies. The cell
+        is transformed and checked first (CellSyntaxError: nothing sent). From the send until
+        `finish_cell` ends, the stop button only takes note, as in `run_request`."""
+        make_request = _cell_request(code, execution_count)
+        stop_button = contextlib.ExitStack()
+        presses = stop_button.enter_context(sigint_noted())
         try:
-            self.run_request(pool, ranks, _cell_request(code, notebook_execution_count()))
-        except RankError as error:
-            self.last_failed_rank = error.errors[0][0]  # the root cause: reported first
+            wait = self.request_wait(pool, ranks, stop_presses=presses)
+            wait.send(make_request(wait.cell_id))
+        except BaseException:
+            stop_button.close()
             raise
+        return SentCell(code=code, ranks=ranks, wait=wait, stop_button=stop_button)
+
+    def finish_cell(self, sent: SentCell) -> None:
+        """Wait for the replies to a cell `send_cell` sent, streaming output; raises RankError if
+        any rank raised. Must follow its `send_cell` on the same (main) thread."""
+        with sent.stop_button:
+            try:
+                sent.wait.wait_for_replies()
+            except RankError as error:
+                self.last_failed_rank = error.errors[0][0]  # the root cause: reported first
+                raise
+
+    def pool_ready_for_a_cell(self) -> PoolHandle | None:
+        """The running pool, where a cell can go to it at once: nothing to start, replace, take
+        back or wait for first (`pool_for` and the background runs do those, saying so)."""
+        pool = self.pool
+        if pool is None or pool.state != "ready" or pool.exited or not pool.held_here() or not pool.check_agent():
+            return None
+        latest = self.background.latest
+        if self.background.active is not None or (latest is not None and latest.unseen_error() is not None):
+            return None
+        return pool
 
     def run_in_background(self, pool: PoolHandle, code: str, ranks: tuple[int, ...],
                           name: str | None) -> BackgroundRun:

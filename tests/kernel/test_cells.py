@@ -54,6 +54,34 @@ def test_output_streams_while_the_cell_runs(kernel):
     assert run.stdout.index("first line") < run.stdout.index("flag seen")
 
 
+def test_a_plain_cell_reaches_the_ranks_before_its_magic_runs(kernel):
+    """Sent at IPython's `pre_run_cell`: a callback of that event registered later sees the ranks
+    at work before IPython has compiled the cell. A cell with options waits for its magic."""
+    directory = tempfile.mkdtemp()
+    setup = kernel.execute(f"""
+import os, time
+def _wait_for_the_ranks(info):
+    for word, wait_s in (('ahead_plain', 60), ('ahead_options', 1)):
+        if word in info.raw_cell:
+            flag, deadline = os.path.join({directory!r}, word), time.time() + wait_s
+            while not os.path.exists(flag) and time.time() < deadline:
+                time.sleep(0.01)
+            print('ranks ran' if os.path.exists(flag) else 'ranks waited', 'before the magic')
+get_ipython().events.register('pre_run_cell', _wait_for_the_ranks)
+""")
+    assert setup.status == "ok", setup.traceback_text
+    try:
+        for word, options in (("ahead_plain", ""), ("ahead_options", " --ranks 0")):
+            flag = os.path.join(directory, word)
+            run = kernel.execute(f"%%fsdp2{options}\nif rank == 0: open({flag!r}, 'w').close()\nprint('done')")
+            assert run.status == "ok", run.traceback_text
+            expected = "ranks waited" if options else "ranks ran"
+            assert run.stdout.startswith(f"{expected} before the magic\n"), run.stdout
+            assert "] done\n" in run.stdout
+    finally:
+        kernel.execute("get_ipython().events.unregister('pre_run_cell', _wait_for_the_ranks)")
+
+
 def test_subset_of_ranks(kernel):
     run = kernel.execute("%%fsdp2 --ranks 1\nprint('only', rank)")
     assert run.stdout == "[1] only 1\n"
