@@ -27,6 +27,9 @@ class CellProgress:
     interrupted_at: float | None = None
     interrupted_after_error: bool = False
     """The ranks were interrupted because another rank had failed, not by the stop button."""
+    second_press: bool = False
+    """The stop button was pressed again after its interrupt: that press releases the collectives
+    (or finds them released after a rank's error); only a press after it restarts the pool."""
     task_bar: CellTaskBar | None = None
     """The cell's progress bar (frontend.progress_bar), made when the ranks first report progress."""
     started_at: float = field(default_factory=time.monotonic)

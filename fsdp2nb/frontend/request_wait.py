@@ -185,8 +185,10 @@ class RequestWait:
         if progress.interrupted_at is None or progress.interrupted_after_error:
             progress.interrupted_after_error = False  # the first press: what the ranks raise now is the user's
             self._interrupt()
-        elif self._release.can_release and progress.released_at is None:  # a second press: release now
-            self._release.release("the stop button was pressed")
+        elif self._release.can_release and not progress.second_press:  # a second press: release now
+            progress.second_press = True
+            if progress.released_at is None:  # else released already, after a rank's error: under way
+                self._release.release("the stop button was pressed")
         else:  # and then: do not wait any longer
             self._recover("the ranks did not return after a second interrupt")
 

@@ -72,7 +72,7 @@ from fsdp2nb.wire.protocol import (
     RunCell,
     RunCommand,
 )
-from fsdp2nb.wire.sigint import sigint_noted
+from fsdp2nb.wire.sigint import drop_late_presses, sigint_noted
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.dashboard_link import DashboardLink
@@ -89,8 +89,6 @@ RESTORE_HINT = ("run the cells that set up the ranks again (model, optimizer, Ch
 class SentCell:
     """A cell sent to the ranks whose replies are still to be waited for (`finish_cell`)."""
 
-    code: str
-    ranks: tuple[int, ...]
     wait: RequestWait
     stop_button: contextlib.ExitStack
     """Holds the stop button's noting (`sigint_noted`) from the send until the wait ends."""
@@ -386,17 +384,20 @@ class NotebookSession:
         except BaseException:
             stop_button.close()
             raise
-        return SentCell(code=code, ranks=ranks, wait=wait, stop_button=stop_button)
+        return SentCell(wait=wait, stop_button=stop_button)
 
     def finish_cell(self, sent: SentCell) -> None:
         """Wait for the replies to a cell `send_cell` sent, streaming output; raises RankError if
         any rank raised. Must follow its `send_cell` on the same (main) thread."""
-        with sent.stop_button:
-            try:
+        try:
+            with sent.stop_button:
                 sent.wait.wait_for_replies()
-            except RankError as error:
-                self.last_failed_rank = error.errors[0][0]  # the root cause: reported first
-                raise
+        except RankError as error:
+            self.last_failed_rank = error.errors[0][0]  # the root cause: reported first
+            raise
+        finally:
+            if sent.wait.progress.interrupted_at is not None:
+                drop_late_presses()  # a double press: its second half may come after the end
 
     def pool_ready_for_a_cell(self) -> PoolHandle | None:
         """The running pool, where a cell can go to it at once: nothing to start, replace, take

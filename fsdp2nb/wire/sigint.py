@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 
 try:
     import _signal as _c_signal  # the C module behind `signal`
@@ -61,6 +62,41 @@ def sigint_noted():
     finally:
         _active_notes = None
         _set_sigint_handler(notes.previous)
+
+
+LATE_PRESS_S = 1.0
+"""After a cell the stop button ended, how long further presses still count as part of that stop."""
+
+
+class _LatePresses:
+    """SIGINT handler for the moment after an interrupted cell: a second press of a double press
+    that lands once the wait has ended would raise KeyboardInterrupt wherever the kernel then is
+    (showing the traceback, sending the reply: ipykernel then drops the reply and the notebook
+    waits for ever). Presses until `until` are dropped; a later one goes to the handler before."""
+
+    def __init__(self, previous, until: float) -> None:  # a signal handler
+        self.previous = previous
+        self.until = until
+
+    def __call__(self, signum: int, frame) -> None:  # a frame or None
+        if time.monotonic() < self.until:
+            return
+        _set_sigint_handler(self.previous)
+        if callable(self.previous):
+            self.previous(signum, frame)
+
+
+def drop_late_presses(seconds: float = LATE_PRESS_S) -> None:
+    """On the main thread, after a cell that the stop button ended: drop presses for `seconds`.
+    ipykernel puts its own handler back once the request is answered, so this never reaches the
+    next cell; elsewhere (a terminal) a press after `seconds` acts as before."""
+    if threading.current_thread() is not threading.main_thread() or _active_notes is not None:
+        return
+    previous = _c_signal.getsignal(signal.SIGINT)
+    if isinstance(previous, _LatePresses):
+        previous = previous.previous
+    if callable(previous):  # SIG_IGN or SIG_DFL need nothing
+        _set_sigint_handler(_LatePresses(previous, time.monotonic() + seconds))
 
 
 def _set_sigint_handler(handler):  # a signal handler

@@ -49,16 +49,21 @@ def _outputs(page: Page) -> list[dict]:
     return page.page.evaluate(_OUTPUTS, DEBUG_CELL)
 
 
-def _wait_for_prompt(page: Page, answered: int) -> list[dict]:
+def _wait_for_prompt(page: Page, answered: int, above: str) -> list[dict]:
     """Wait for a stdin box the test has not answered yet, after the echoes of the `answered`
-    lines before it; returns the output area then. JupyterLab itself keeps an answered box on
-    screen for a moment after the next one shows (a plain kernel's input() does the same): those
-    are told apart by the mark `_answer` puts on them."""
+    lines before it, with the output `above` (a substring) right above it; returns the output
+    area then. JupyterLab itself keeps an answered box on screen for a moment after the next one
+    shows (a plain kernel's input() does the same): those are told apart by the mark `_answer`
+    puts on them. The kernel writes a rank's output before it asks for the line, but output and
+    input requests travel on separate channels (iopub, stdin), so the box may show a moment before
+    the line above it; JupyterLab still places that line above the box."""
     page.page.wait_for_function(
-        f"(index) => ({_OUTPUTS})(index).filter(o => o.kind === 'application/vnd.jupyter.stdout' "
-        f"&& /^\\[0\\] \\(Pdb\\) /.test(o.text)).length === {answered} && "
-        f"!!document.querySelectorAll('.jp-CodeCell')[index].querySelector('{_FRESH_BOX}')",
-        arg=DEBUG_CELL, timeout=120_000)
+        f"([index, above]) => {{ const outputs = ({_OUTPUTS})(index).filter(o => o.kind !== 'stdin' || !o.answered); "
+        f"return outputs.filter(o => o.kind === 'application/vnd.jupyter.stdout' "
+        f"&& /^\\[0\\] \\(Pdb\\) /.test(o.text)).length === {answered} "
+        f"&& !!document.querySelectorAll('.jp-CodeCell')[index].querySelector('{_FRESH_BOX}') "
+        f"&& outputs.length > 1 && (outputs[outputs.length - 2].text || '').includes(above); }}",
+        arg=[DEBUG_CELL, above], timeout=120_000)
     outputs = _outputs(page)
     fresh = [o for o in outputs if o["kind"] == "stdin" and not o["answered"]]
     assert len(fresh) == 1 and outputs[-1] == fresh[0], outputs  # one open prompt, nothing printed below it
@@ -107,16 +112,16 @@ def _debug_session(page: Page, lab, shots) -> None:
     cell = page.page.locator(".jp-CodeCell").nth(DEBUG_CELL)
 
     page.run(DEBUG_CELL)
-    outputs = _wait_for_prompt(page, answered=0)
+    outputs = _wait_for_prompt(page, answered=0, above="[0] -> breakpoint()")
     assert "[0] -> breakpoint()" in _texts(outputs), outputs  # where pdb stopped, above its prompt
     _answer(page, "p x")
 
-    outputs = _wait_for_prompt(page, answered=1)
+    outputs = _wait_for_prompt(page, answered=1, above="[0] 41")
     # pdb's reply, labelled by rank, arrives before its next prompt and sits right above it
     assert outputs[-2]["text"] == "[0] 41\n", outputs
     _answer(page, "!x = 7")
 
-    _wait_for_prompt(page, answered=2)
+    _wait_for_prompt(page, answered=2, above="[0] (Pdb) ")
     _answer(page, "c", typed_shot=shots / "debugger-prompt.png")  # the open box, `c` typed
 
     page.wait_done(DEBUG_CELL)

@@ -33,11 +33,11 @@ class _Session:
         if self.refuse is not None:
             raise self.refuse
         self.sent.append((code, ranks, execution_count))
-        return SentCell(code=code, ranks=ranks, wait=types.SimpleNamespace(pool=pool),  # type: ignore[arg-type]
+        return SentCell(wait=types.SimpleNamespace(pool=pool, code=code),  # type: ignore[arg-type]
                         stop_button=contextlib.ExitStack())
 
     def finish_cell(self, sent: SentCell) -> None:
-        self.finished.append(sent.code)
+        self.finished.append(sent.wait.code)  # type: ignore[attr-defined]
 
 
 @pytest.fixture

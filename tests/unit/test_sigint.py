@@ -78,3 +78,20 @@ def test_a_gate_handler_holds_sigint_without_swapping_handlers():
         assert delivered == [signal.SIGINT, signal.SIGINT]  # outside any block: at once
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_press_just_after_an_interrupted_cell_is_dropped_and_a_later_one_acts():
+    import os
+    import signal
+    import time
+
+    from fsdp2nb.wire.sigint import drop_late_presses
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    drop_late_presses(seconds=0.3)
+    os.kill(os.getpid(), signal.SIGINT)  # the second half of a double press: dropped
+    time.sleep(0.4)
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)  # a press of its own, later: acts as before
+        time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
