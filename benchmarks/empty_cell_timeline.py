@@ -4,12 +4,15 @@ Kernel and ranks share the host's monotonic clock, so the moment each rank reads
 sends its reply can be set beside the kernel's own steps. Cells in the kernel and on the ranks
 wrap a few methods to note times (the wrapping adds a few microseconds to each step it times),
 then `--cells` empty cells run and the medians of each step are printed:
-  before the send       the magic's entry to the request's send (options, pool check, the wait's set-up)
+  before the send       IPython's run_cell up to the send (a plain cell is sent at `pre_run_cell`)
   the send              packing, signing and writing the request to every rank, in turn
   first / last read     from the send's start until the first and the last rank read the request
   on a rank             from reading the request to sending the reply
+  kernel until it waits from the send's end until the wait begins (IPython's history, compiling
+                        and calling the magic, meanwhile the ranks run)
   reply to kernel       from the last rank's reply until the kernel has read it
-  after the replies     from then until the magic returns
+  after the replies     from then until IPython's run_cell returns
+  the cell              IPython's run_cell, whole
 Run: .venv/bin/python -m benchmarks.empty_cell_timeline [--ranks 2] [--cells 300]
 """
 
@@ -43,7 +46,7 @@ _rank.Rank._send_reply = _noting(_rank.Rank._send_reply, "reply", False)
 # In the kernel: the magic's entry and exit, the send's start and end, and each reply's arrival.
 KERNEL_CLOCK = """
 import time
-from fsdp2nb.frontend import magics as _magics, request_wait as _request_wait
+from fsdp2nb.frontend import request_wait as _request_wait
 from fsdp2nb.pool import rank_events as _rank_events
 _noted = []
 def _noting(function, label):
@@ -54,8 +57,9 @@ def _noting(function, label):
         finally:
             _noted.append((label + " end", time.monotonic()))
     return noted
-_magics.FSDP2Magics._run_cell = _noting(_magics.FSDP2Magics._run_cell, "cell")
+get_ipython().run_cell = _noting(get_ipython().run_cell, "cell")
 _request_wait.RequestWait.send = _noting(_request_wait.RequestWait.send, "send")
+_request_wait.RequestWait.wait_for_replies = _noting(_request_wait.RequestWait.wait_for_replies, "wait")
 _sort = _rank_events.RankEvents.sort
 def _sort_noted(self, event):
     if type(event).__name__ == "CellFinished":
@@ -82,13 +86,16 @@ def cells_from(kernel_noted: list, rank_noted: dict[str, list]) -> list[dict]:
             current = None
     for noted in rank_noted.values():
         for cell in cells:
+            if "send start" not in cell:  # a cell of the kernel's own (reading the times)
+                continue
             within = [(label, when) for label, when in noted if cell["send start"] <= when <= cell["cell end"]]
             reads = [when for label, when in within if label == "read"]
             replies = [when for label, when in within if label == "reply"]
             if reads and replies:
                 cell.setdefault("ranks", []).append((reads[0], replies[0]))
     num_ranks = len(rank_noted)
-    return [cell for cell in cells if len(cell.get("ranks", [])) == num_ranks and len(cell["replies"]) >= num_ranks]
+    return [cell for cell in cells if len(cell.get("ranks", [])) == num_ranks and len(cell["replies"]) >= num_ranks
+            and "wait start" in cell]
 
 
 STEPS = {
@@ -97,9 +104,10 @@ STEPS = {
     "first read": lambda c: min(read for read, _ in c["ranks"]) - c["send start"],
     "last read": lambda c: max(read for read, _ in c["ranks"]) - c["send start"],
     "on a rank": lambda c: statistics.mean(reply - read for read, reply in c["ranks"]),
+    "kernel until it waits": lambda c: c["wait start"] - c["send end"],
     "reply to kernel": lambda c: max(c["replies"]) - max(reply for _, reply in c["ranks"]),
     "after the replies": lambda c: c["cell end"] - max(c["replies"]),
-    "the magic": lambda c: c["cell end"] - c["cell start"],
+    "the cell": lambda c: c["cell end"] - c["cell start"],
 }
 
 
@@ -126,7 +134,7 @@ def main() -> None:
     cells = cells_from(kernel_noted, {rank: json.loads(noted) for rank, noted in rank_noted.items()})
     print(f"empty %%fsdp2 cell on {args.ranks} CPU ranks, medians of {len(cells)} cells (us):")
     for step, measure in STEPS.items():
-        print(f"  {step:>18}: {statistics.median(measure(cell) for cell in cells) * 1e6:7.0f}")
+        print(f"  {step:>21}: {statistics.median(measure(cell) for cell in cells) * 1e6:7.0f}")
 
 
 if __name__ == "__main__":
