@@ -396,7 +396,8 @@ class NotebookSession:
             self.last_failed_rank = error.errors[0][0]  # the root cause: reported first
             raise
         finally:
-            if sent.wait.progress.interrupted_at is not None:
+            progress = sent.wait.progress
+            if progress.interrupted_at is not None and not progress.interrupted_after_error:  # the stop button
                 drop_late_presses()  # a double press: its second half may come after the end
 
     def pool_ready_for_a_cell(self) -> PoolHandle | None:

@@ -149,6 +149,34 @@ def test_a_press_after_an_automatic_release_keeps_the_pool(kernel):
     assert kernel.execute("%%fsdp2\nprint(kept)").stdout == "[all] yes\n"
 
 
+def test_a_press_just_after_the_stop_ended_the_cell_is_dropped(kernel):
+    """The second half of a double press that lands once the ranks' cell has ended (here while a
+    slow post_run_cell hook runs) would raise KeyboardInterrupt in the kernel's own code after the
+    cell (in ipykernel, the cell's reply is then lost); it is dropped."""
+    hook = ("import time\n_slow_after = lambda result: time.sleep(1.5)\n"
+            "get_ipython().events.register('post_run_cell', _slow_after)")
+    assert kernel.execute(hook).status == "ok"
+    presses = []
+
+    def on_message(message):
+        text = message["content"].get("text", "") if message["msg_type"] == "stream" else ""
+        if "sleeping" in text and not presses:
+            presses.append("first")
+            kernel.manager.interrupt_kernel()
+        if message["msg_type"] == "error" and len(presses) == 1:
+            presses.append("second")  # the cell's error is out: the wait has ended
+            kernel.manager.interrupt_kernel()
+
+    try:
+        run = kernel.execute("%%fsdp2\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)",
+                             timeout=120, on_message=on_message)
+    finally:
+        kernel.execute("get_ipython().events.unregister('post_run_cell', _slow_after)")
+    assert presses == ["first", "second"] and run.status == "error"
+    assert "raised KeyboardInterrupt" in run.traceback_text
+    assert "Error in callback" not in run.stdout + run.stderr, run.stdout + run.stderr
+
+
 # --- the host agent dying -------------------------------------------------------------------------
 
 
