@@ -89,7 +89,9 @@ class _LatePresses:
 def drop_late_presses(seconds: float = LATE_PRESS_S) -> None:
     """On the main thread, after a cell that the stop button ended: drop presses for `seconds`.
     ipykernel puts its own handler back once the request is answered, so this never reaches the
-    next cell; elsewhere (a terminal) a press after `seconds` acts as before."""
+    next cell; elsewhere (a terminal) a press after `seconds` acts as before. Code that goes on in
+    the same request (a loop of the user's that calls the magic and catches its error) has its
+    presses dropped for that moment too."""
     if threading.current_thread() is not threading.main_thread() or _active_notes is not None:
         return
     previous = _c_signal.getsignal(signal.SIGINT)
