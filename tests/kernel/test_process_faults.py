@@ -140,7 +140,7 @@ def test_a_press_after_an_automatic_release_keeps_the_pool(kernel):
             "if rank == 0:\n    time.sleep(60)\n"
             "else:\n    before = signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
             "    try:\n        dist.barrier()\n    except RuntimeError:\n        print('released', flush=True)\n"
-            "    time.sleep(3)\n    signal.signal(signal.SIGINT, before)\n")
+            "    time.sleep(1.5)\n    signal.signal(signal.SIGINT, before)\n")
     run = kernel.execute(code, timeout=120, on_message=on_message)
     assert len(presses) == 2 and run.status == "error", (presses, run.traceback_text)
     text = run.traceback_text + run.stderr
