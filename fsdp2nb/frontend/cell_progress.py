@@ -65,3 +65,8 @@ class CellProgress:
     @property
     def running(self) -> list[int]:
         return [r for r in self.ranks if r not in self.finished]
+
+    @property
+    def stopped_by_user(self) -> bool:
+        """Whether the stop button interrupted the ranks (not the wait, after another rank failed)."""
+        return self.interrupted_at is not None and not self.interrupted_after_error

@@ -389,16 +389,15 @@ class NotebookSession:
     def finish_cell(self, sent: SentCell) -> None:
         """Wait for the replies to a cell `send_cell` sent, streaming output; raises RankError if
         any rank raised. Must follow its `send_cell` on the same (main) thread."""
-        try:
-            with sent.stop_button:
+        with sent.stop_button:
+            try:
                 sent.wait.wait_for_replies()
-        except RankError as error:
-            self.last_failed_rank = error.errors[0][0]  # the root cause: reported first
-            raise
-        finally:
-            progress = sent.wait.progress
-            if progress.interrupted_at is not None and not progress.interrupted_after_error:  # the stop button
-                drop_late_presses()  # a double press: its second half may come after the end
+            except RankError as error:
+                self.last_failed_rank = error.errors[0][0]  # the root cause: reported first
+                raise
+            finally:
+                if sent.wait.progress.stopped_by_user:
+                    drop_late_presses()  # a double press: its second half may come after the end
 
     def pool_ready_for_a_cell(self) -> PoolHandle | None:
         """The running pool, where a cell can go to it at once: nothing to start, replace, take

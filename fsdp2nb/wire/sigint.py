@@ -25,7 +25,7 @@ class SigintNotes:
     """Stands in for the SIGINT handler: counts presses of the stop button instead of raising."""
 
     def __init__(self) -> None:
-        self.previous = None
+        self.previous: object = None
         """The handler this one replaced (what signal.signal returned)."""
         self._count = 0
 
@@ -91,14 +91,22 @@ def drop_late_presses(seconds: float = LATE_PRESS_S) -> None:
     ipykernel puts its own handler back once the request is answered, so this never reaches the
     next cell; elsewhere (a terminal) a press after `seconds` acts as before. Code that goes on in
     the same request (a loop of the user's that calls the magic and catches its error) has its
-    presses dropped for that moment too."""
-    if threading.current_thread() is not threading.main_thread() or _active_notes is not None:
+    presses dropped for that moment too. Called inside a `sigint_noted` block, it takes over from
+    the block's end, which then puts this handler in place instead of the one before: no press
+    falls between the two."""
+    if threading.current_thread() is not threading.main_thread():
         return
-    previous = _c_signal.getsignal(signal.SIGINT)
+    notes = _active_notes
+    previous = notes.previous if notes is not None else _c_signal.getsignal(signal.SIGINT)
     if isinstance(previous, _LatePresses):
         previous = previous.previous
-    if callable(previous):  # SIG_IGN or SIG_DFL need nothing
-        _set_sigint_handler(_LatePresses(previous, time.monotonic() + seconds))
+    if not callable(previous):  # SIG_IGN or SIG_DFL need nothing
+        return
+    late = _LatePresses(previous, time.monotonic() + seconds)
+    if notes is not None:
+        notes.previous = late
+    else:
+        _set_sigint_handler(late)
 
 
 def _set_sigint_handler(handler):  # a signal handler

@@ -95,3 +95,23 @@ def test_a_press_just_after_an_interrupted_cell_is_dropped_and_a_later_one_acts(
         os.kill(os.getpid(), signal.SIGINT)  # a press of its own, later: acts as before
         time.sleep(1)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_drop_asked_for_inside_a_noted_block_starts_where_the_block_ends():
+    import os
+    import signal
+    import time
+
+    from fsdp2nb.wire.sigint import drop_late_presses, sigint_noted
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with sigint_noted() as notes:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert notes.take()
+        drop_late_presses(seconds=0.3)
+    os.kill(os.getpid(), signal.SIGINT)  # just after the block: dropped, no gap between the two
+    time.sleep(0.4)
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
