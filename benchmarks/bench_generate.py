@@ -9,8 +9,8 @@ the matrix products count), fp32. Three ways, alternating round by round:
     one left-padded batch, with torch's threads over every core or with one thread, whichever was
     faster at the start (on a machine shared with other work torch's threads can wait for each
     other far longer than they save); the same choice for evaluate;
-  * fsdp2nb: `fsdp2nb.generate` in a `%%fsdp2` cell: the prompts spread over the ranks, the model
-    gathered once on each;
+  * fsdp2nb: `fsdp2nb.generate` in a `%%fsdp2` cell: the 8 prompts, one batch, decoded by one rank
+    on every core from the model gathered once into the host's shared memory;
   * plain sharded: `model.generate` on every rank of the sharded model, each rank all 8 prompts,
     as a user would call it without `fsdp2nb.generate`: every token all-gathers every unit.
 `many`: 64 prompts, at most 16 decoded at once: the whole model decodes 4 batches one after the

@@ -4,9 +4,9 @@ over the ranks and every completion back on every rank.
 Called on every rank with the same prompts. Each rank takes its contiguous share (5 prompts on 2
 GPU ranks: 3 and 2) and generates it in left-padded batches of at most `batch_size` with Hugging
 Face's `generate`, on the whole model gathered once (`inference.as_planned`): no collective per
-token, each rank at its own pace. On CPU ranks at most one rank per core of the host decodes (no
-more than there are prompts), on its part of the cores, reading the one copy of the model in the
-host's shared memory.
+token, each rank at its own pace. On CPU ranks a batch goes to one rank, at most one rank per core
+of the host decodes, on its part of the cores (8 prompts in one batch: one rank on every core),
+and every decoding rank reads the one copy of the model in the host's shared memory.
 Where the whole model does not fit, the ranks generate sharded with `synced_gpus=True`: a rank
 whose sequences are done (or that has no prompt) keeps running forward passes until every rank is
 done, so all run the same number and none waits in an all-gather the others never reach. Then one
@@ -75,7 +75,7 @@ def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, 
     limit = max_gathered_bytes_from(max_gathered_bytes)
     with evaluating(model):
         plan, digests = plan_gathering(model, limit, local_facts=_digest(prompt_list),
-                                       items_to_decode=len(prompt_list))
+                                       batches_to_decode=-(-len(prompt_list) // batch_size))
         _require_same_prompts(digests)
         share = item_share(len(prompt_list), get_rank(), plan.working_ranks)
         error, completions = None, []

@@ -8,11 +8,12 @@ run on plain tensors and need no collective: each rank works through its own sha
 pace. On exit the settings are put back as they were and every unit is resharded, so training goes
 on unchanged and the memory is freed.
 
-The items (examples, prompts) go to every rank; prompts, on CPU ranks, to at most one rank per core
-of the host and no more ranks than prompts, the host's cores split among them: a decoding step is
-a small batch whose per-token Python work one process does alone, and torch's threads share a small
-matrix product poorly, so processes on cores of their own decode faster than one process on all of
-them, while ranks beyond the cores would only take turns on them. The others wait. Where all the
+The items (examples, prompts) go to every rank; prompts, on CPU ranks, batch by batch: each batch
+to one rank, on its part of the host's cores, at most one rank per core. A batch is never split
+over processes: decoding is mostly reading every weight once per token, and each process that
+decodes part of a batch reads all of them again, where torch's threads share the one read
+(docs/benchmarks.md). Batches beyond the first go to ranks of their own, which then decode side
+by side; ranks beyond the cores would only take turns on them. The others wait. Where all the
 ranks are CPU ranks of one host, the whole model is one copy in the host's shared memory that the
 working ranks read (`host_gather`), so however many decode, it is in memory once.
 
@@ -88,7 +89,7 @@ class GatherPlan:
     """Where the forward passes run ("cpu", "cuda")."""
     working_ranks: tuple[int, ...] = ()
     """The ranks that take items, in rank order (`item_share`): every rank, or for decoding every
-    GPU rank and of each host's CPU ranks the first, one per core and per item (every rank where
+    GPU rank and of each host's CPU ranks the first, one per batch and per core (every rank where
     the model stays sharded: forward passes are collective)."""
     working_threads: tuple[int, ...] = ()
     """Per rank, the torch threads it runs with for the duration: for a CPU rank decoding, the
@@ -176,10 +177,10 @@ def max_gathered_bytes_from(value: int | None) -> int | None:
 
 
 def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple[int, ...] = (), *,
-                   items_to_decode: int | None = None) -> tuple[GatherPlan, list[tuple[int, ...]]]:
+                   batches_to_decode: int | None = None) -> tuple[GatherPlan, list[tuple[int, ...]]]:
     """Decide, the same on every rank, whether the whole model is gathered and which ranks take items:
-    every rank, or with `items_to_decode` (the number of prompts) at most one CPU rank per core of
-    its host and per prompt, on the host's cores split among them (`working_ranks`).
+    every rank, or with `batches_to_decode` (the batches the prompts make) of each host's CPU ranks
+    one per batch and per core, on the host's cores split among them (`working_ranks`).
 
     Collective: one exchange of a few integers (`collectives.all_gathered`), on the model's device.
     `local_facts` travel with this rank's figures, so that a caller can compare what the ranks were
@@ -195,10 +196,10 @@ def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple
     reason = _why_sharded(needed, available, limit_bytes) if sharded else ""
     lockstep = bool(reason) and get_world_size() > 1
     host_cores = [row[1:3] for row in rows]
-    if lockstep or items_to_decode is None:
+    if lockstep or batches_to_decode is None:
         working, threads = tuple(range(len(rows))), (0,) * len(rows)
     else:
-        working = working_ranks(host_cores, items_to_decode)
+        working = working_ranks(host_cores, batches_to_decode)
         threads = working_threads(host_cores, working)
     one_host = device.type == "cpu" and len({host for host, _cores in host_cores}) == 1
     plan = GatherPlan(gathered=sharded and not reason, lockstep=lockstep, needed_bytes=needed,
@@ -221,12 +222,12 @@ def _host_cores(device: torch.device) -> tuple[int, int]:
     return host, len(os.sched_getaffinity(0))
 
 
-def working_ranks(host_cores: list[tuple[int, int]], num_items: int) -> tuple[int, ...]:
+def working_ranks(host_cores: list[tuple[int, int]], num_batches: int) -> tuple[int, ...]:
     """Every GPU rank (0 cores), and of each host's CPU ranks the first, as many as the host has
-    cores and no more than `num_items`; `host_cores` is (host id, cores) per rank."""
+    cores and no more than `num_batches`; `host_cores` is (host id, cores) per rank."""
     working, per_host = [], collections.Counter()
     for rank, (host, cores) in enumerate(host_cores):
-        if cores == 0 or per_host[host] < min(cores, num_items):
+        if cores == 0 or per_host[host] < min(cores, num_batches):
             working.append(rank)
             per_host[host] += 1
     return tuple(working)

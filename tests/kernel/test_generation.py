@@ -84,7 +84,7 @@ def test_greedy_completions_equal_the_whole_model_in_prompt_order_and_training_g
                          "print(model.training, sharded_as_loaded())\n"
                          "print('loss', train_step() > 0, sharded_as_loaded())")
     assert run.status == "ok", run.traceback_text
-    # Every rank has every completion (5 prompts: 3 on rank 0, 2 on rank 1), in prompt order.
+    # Every rank has every completion (5 prompts, one batch, all on rank 0), in prompt order.
     assert run.stdout == "[all] True 5 True\n[all] True True\n[all] loss True True\n", run.stdout + run.stderr
     assert "lockstep" not in run.stderr
     assert "Warning" not in run.stderr, run.stderr  # torch 2.13 warns on all_gather_into_tensor
@@ -111,6 +111,25 @@ def test_more_prompts_than_a_batch_are_decoded_on_every_rank_batch_after_batch(l
     # In lockstep rank 1 runs a second batch (the first prompt, dropped) while rank 0 runs its last.
     assert sorted(run.stdout.splitlines()) == [
         "[0] None True [2, 1] True", "[1] None True [2] True", "[all] 1000 True [2, 1] True"], run.stdout + run.stderr
+
+
+def test_one_batch_is_decoded_by_one_rank_on_every_core(loaded):
+    """5 prompts in one batch: rank 0 decodes them all on the host's cores (split over two
+    processes, every weight would be read twice per token); rank 1 waits with its own threads."""
+    run = loaded.execute(
+        "%%fsdp2\nimport os\nfrom transformers import LogitsProcessor, LogitsProcessorList\n"
+        "class Rows(LogitsProcessor):\n"
+        "    def __init__(self): self.seen = set()\n"
+        "    def __call__(self, input_ids, scores):\n"
+        "        self.seen.add((input_ids.shape[0], torch.get_num_threads()))\n"
+        "        return scores\n"
+        "rows = Rows()\n"
+        "out = fsdp2nb.generate(model, tokenizer, PROMPTS, max_new_tokens=3, do_sample=False,\n"
+        "                       logits_processor=LogitsProcessorList([rows]))\n"
+        "print(len(out), sorted(rows.seen), len(os.sched_getaffinity(0)))", timeout=120)
+    assert run.status == "ok", run.traceback_text
+    cores = int(run.stdout.split()[-1])
+    assert sorted(run.stdout.splitlines()) == [f"[0] 5 [(5, {cores})] {cores}", f"[1] 5 [] {cores}"], run.stdout
 
 
 PACED = """%%fsdp2

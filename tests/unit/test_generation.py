@@ -38,11 +38,11 @@ def test_shares_are_contiguous_in_order_and_cover_every_item_once():
 
 
 
-def test_cpu_ranks_decode_one_per_core_and_per_prompt_and_every_gpu_rank():
-    """(host id, cores) per rank; 0 cores is a GPU rank."""
+def test_cpu_ranks_decode_one_per_batch_and_per_core_and_every_gpu_rank():
+    """(host id, cores) per rank and the batches the prompts make; 0 cores is a GPU rank."""
     assert working_ranks([(7, 2), (7, 2), (9, 2), (9, 2)], 8) == (0, 1, 2, 3)
     assert working_ranks([(7, 2)] * 4, 8) == (0, 1)  # 4 ranks on 2 cores: one per core
-    assert working_ranks([(7, 16)] * 4, 1) == (0,)  # one prompt: one rank, on every core
+    assert working_ranks([(7, 16)] * 4, 1) == (0,)  # one batch: one rank, on every core
     assert working_ranks([(7, 16)] * 4, 3) == (0, 1, 2)
     assert working_ranks([(0, 0)] * 4, 1) == (0, 1, 2, 3)
     assert working_ranks([(9, 1), (7, 1), (9, 1)], 5) == (0, 1)
