@@ -1,10 +1,11 @@
 """`fsdp2nb.evaluate`: mean loss and perplexity of a causal LM over a dataset spread over the ranks.
 
-Each rank takes its contiguous share of the examples (each example once; the first ranks take one
-more where the count does not divide), runs it in batches with the model in eval mode and without
-gradients, on the whole model gathered once (`inference.gathered_units`) or, where that does not
-fit, sharded: then every rank runs as many forward passes as the rank with the most batches, the
-others a one-token pass whose result is dropped. The loss is summed per predicted token on each
+Each working rank (every GPU rank; on CPU, one per batch and per core, as for generation) takes
+its contiguous share of the examples (each example once; the first ranks take one more where the
+count does not divide) and runs it in batches with the model in eval mode and without gradients,
+on the whole model gathered once (`inference.as_planned`) or, where that does not fit, sharded:
+then every rank runs as many forward passes as the rank with the most batches, the others a
+one-token pass whose result is dropped. The loss is summed per predicted token on each
 rank and the sums added over the ranks, so the mean is weighted by tokens and equals one process
 going through the whole dataset, however the batches fall.
 """
@@ -70,7 +71,8 @@ def evaluate(model: nn.Module, dataset: Sequence, *, batch_size: int = 8,
     limit = max_gathered_bytes_from(max_gathered_bytes)
     collate = collate_fn or collate_examples
     with evaluating(model):
-        plan, facts = plan_gathering(model, limit, local_facts=(num_examples,))
+        plan, facts = plan_gathering(model, limit, local_facts=(num_examples,),
+                                     num_batches=-(-num_examples // batch_size))
         _require_same_dataset([count for (count,) in facts])
         share = item_share(num_examples, get_rank(), plan.working_ranks)
         batches = [share[start:start + batch_size] for start in range(0, len(share), batch_size)]

@@ -75,7 +75,7 @@ def generate(model: nn.Module, tokenizer: Any, prompts: str | Sequence[str], *, 
     limit = max_gathered_bytes_from(max_gathered_bytes)
     with evaluating(model):
         plan, digests = plan_gathering(model, limit, local_facts=_digest(prompt_list),
-                                       batches_to_decode=-(-len(prompt_list) // batch_size))
+                                       num_batches=-(-len(prompt_list) // batch_size))
         _require_same_prompts(digests)
         share = item_share(len(prompt_list), get_rank(), plan.working_ranks)
         error, completions = None, []

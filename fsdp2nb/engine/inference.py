@@ -8,12 +8,12 @@ run on plain tensors and need no collective: each rank works through its own sha
 pace. On exit the settings are put back as they were and every unit is resharded, so training goes
 on unchanged and the memory is freed.
 
-The items (examples, prompts) go to every rank; prompts, on CPU ranks, batch by batch: each batch
+The items (examples, prompts) go to every GPU rank, and on CPU ranks batch by batch: each batch
 to one rank, on its part of the host's cores, at most one rank per core. A batch is never split
 over processes: decoding is mostly reading every weight once per token, and each process that
 decodes part of a batch reads all of them again, where torch's threads share the one read
-(docs/benchmarks.md). Batches beyond the first go to ranks of their own, which then decode side
-by side; ranks beyond the cores would only take turns on them. The others wait. Where all the
+(docs/benchmarks.md). Batches beyond the first go to ranks of their own, which then work side by
+side; ranks beyond the cores would only take turns on them. The others wait. Where all the
 ranks are CPU ranks of one host, the whole model is one copy in the host's shared memory that the
 working ranks read (`host_gather`), so however many decode, it is in memory once.
 
@@ -88,11 +88,11 @@ class GatherPlan:
     device_type: str = "cpu"
     """Where the forward passes run ("cpu", "cuda")."""
     working_ranks: tuple[int, ...] = ()
-    """The ranks that take items, in rank order (`item_share`): every rank, or for decoding every
-    GPU rank and of each host's CPU ranks the first, one per batch and per core (every rank where
-    the model stays sharded: forward passes are collective)."""
+    """The ranks that take items, in rank order (`item_share`): every GPU rank and of each host's
+    CPU ranks the first, one per batch and per core (every rank where the model stays sharded:
+    forward passes are collective)."""
     working_threads: tuple[int, ...] = ()
-    """Per rank, the torch threads it runs with for the duration: for a CPU rank decoding, the
+    """Per rank, the torch threads it runs with for the duration: for a working CPU rank, the
     host's cores over its working ranks; 0 to keep its own share of the cores."""
     one_host: bool = False
     """True: every rank is a CPU rank of one host, so the whole model can be one copy in its shared
@@ -177,10 +177,10 @@ def max_gathered_bytes_from(value: int | None) -> int | None:
 
 
 def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple[int, ...] = (), *,
-                   batches_to_decode: int | None = None) -> tuple[GatherPlan, list[tuple[int, ...]]]:
+                   num_batches: int | None = None) -> tuple[GatherPlan, list[tuple[int, ...]]]:
     """Decide, the same on every rank, whether the whole model is gathered and which ranks take items:
-    every rank, or with `batches_to_decode` (the batches the prompts make) of each host's CPU ranks
-    one per batch and per core, on the host's cores split among them (`working_ranks`).
+    every rank, or given `num_batches` (the batches the items make) of each host's CPU ranks one per
+    batch and per core, on the host's cores split among them (`working_ranks`).
 
     Collective: one exchange of a few integers (`collectives.all_gathered`), on the model's device.
     `local_facts` travel with this rank's figures, so that a caller can compare what the ranks were
@@ -196,10 +196,10 @@ def plan_gathering(model: nn.Module, limit_bytes: int | None, local_facts: tuple
     reason = _why_sharded(needed, available, limit_bytes) if sharded else ""
     lockstep = bool(reason) and get_world_size() > 1
     host_cores = [row[1:3] for row in rows]
-    if lockstep or batches_to_decode is None:
+    if lockstep or num_batches is None:
         working, threads = tuple(range(len(rows))), (0,) * len(rows)
     else:
-        working = working_ranks(host_cores, batches_to_decode)
+        working = working_ranks(host_cores, num_batches)
         threads = working_threads(host_cores, working)
     one_host = device.type == "cpu" and len({host for host, _cores in host_cores}) == 1
     plan = GatherPlan(gathered=sharded and not reason, lockstep=lockstep, needed_bytes=needed,

@@ -120,12 +120,12 @@ def test_where_the_root_cannot_make_the_file_no_rank_changes_anything(tmp_path):
     assert results == [(False, ["DTensor"])] * 2
 
 
-def _threads_while_planned(batches_to_decode: int | None, shared_dir: str):
+def _threads_while_planned(num_batches: int | None, shared_dir: str):
     os.environ[SHARED_MEMORY_DIR_ENV] = shared_dir
     torch.set_num_threads(1)
     _plain, model = _sharded_tied_models()
     with torch.no_grad():
-        plan, _ = plan_gathering(model, None, batches_to_decode=batches_to_decode)
+        plan, _ = plan_gathering(model, None, num_batches=num_batches)
         with as_planned(model, plan, "a test"):
             threads = torch.get_num_threads()
             whole = type(model.out.weight).__name__
@@ -136,7 +136,7 @@ def _threads_while_planned(batches_to_decode: int | None, shared_dir: str):
 
 def test_a_rank_decoding_alone_takes_the_host_s_cores_and_ranks_decoding_together_split_them(shared_dir):
     """Decoding one batch: one rank, on every core, the whole model on it alone; two batches: a
-    rank per core, the cores split between them; evaluation: every rank, on its own threads. The
+    rank per core, the cores split between them; without batches: every rank, on its own threads. The
     ranks that work read the one copy in shared memory."""
     cores = len(os.sched_getaffinity(0))
     one_output = torch.Size([1, 3, 5])

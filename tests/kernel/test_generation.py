@@ -225,6 +225,25 @@ def test_evaluate_equals_one_process_and_logs_to_the_curves(loaded):
     assert _eval_loss_logged_at(loaded, 7)
 
 
+def test_evaluate_runs_one_batch_on_one_rank_with_the_same_loss(loaded):
+    """3 examples, 3 a batch: one batch, so rank 0 runs it alone on the host's cores, and the loss
+    is the one both ranks find with a batch each."""
+    run = loaded.execute(
+        "%%fsdp2\nimport os\nexamples3 = [list(range(3, 3 + length)) for length in (6, 6, 6)]\n"
+        "passes = []\n"
+        "hook = model.register_forward_pre_hook(lambda module, args: passes.append(torch.get_num_threads()))\n"
+        "try:\n"
+        "    one = fsdp2nb.evaluate(model, examples3, batch_size=3)\n"
+        "    mine = len(passes)\n"
+        "    split = fsdp2nb.evaluate(model, examples3, batch_size=2)\n"
+        "finally:\n"
+        "    hook.remove()\n"
+        "print(mine, passes[:1] == [len(os.sched_getaffinity(0))] if mine else '-', abs(one.loss - split.loss) < 1e-5,\n"
+        "      len(passes) - mine)", timeout=120)
+    assert run.status == "ok", run.traceback_text
+    assert sorted(run.stdout.splitlines()) == ["[0] 1 True True 1", "[1] 0 - True 1"], run.stdout + run.stderr
+
+
 def test_bad_input_fails_the_cell_in_one_line_and_changes_nothing(loaded, assert_pool_usable):
     run = loaded.execute("%%fsdp2\nfsdp2nb.generate(model, tokenizer, [], max_new_tokens=4)")
     assert run.status == "error"
