@@ -15,7 +15,7 @@ decodes part of a batch reads all of them again, where torch's threads share the
 (docs/benchmarks.md). Batches beyond the first go to ranks of their own, which then work side by
 side; ranks beyond the cores would only take turns on them. The others wait. Where all the
 ranks are CPU ranks of one host, the whole model is one copy in the host's shared memory that the
-working ranks read (`host_gather`), so however many decode, it is in memory once.
+working ranks read (`host_gather`), so however many work, it is in memory once.
 
 Where the gathered model would not fit (its bytes in the dtype it is gathered in, against what the
 device, or this rank's part of the host's memory, has free; or against `max_gathered_bytes` /
@@ -289,7 +289,7 @@ def _whole_where_needed(model: nn.Module, plan: GatherPlan) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _host_threads(plan: GatherPlan) -> Iterator[None]:
-    """A decoding CPU rank runs torch on its part of the host's cores, until exit. (Several ranks
+    """A working CPU rank runs torch on its part of the host's cores, until exit. (Several ranks
     each on every core would slow all of them: torch's threads spin while they wait.)"""
     threads = torch.get_num_threads()
     if plan.working_threads and plan.working_threads[get_rank()]:
