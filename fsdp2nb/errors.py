@@ -38,6 +38,37 @@ class InvalidValue(UsageMistake):
     the value and what is allowed."""
 
 
+class NotReady(Fsdp2nbError, RuntimeError):
+    """A call made before what it needs exists (a process group, something tracked, a dashboard
+    shown) or after it ended (a closed checkpointer); nothing changed, and the one-line message
+    says what to do first. A RuntimeError, as it was before it had a class of its own."""
+
+
+class NoProcessGroup(NotReady, ValueError):
+    """A function that runs on the ranks (`load_model`, `hsdp_mesh`, `FSDP2Engine`) called where
+    no process group is initialised: in the notebook rather than in a `%%fsdp2` cell. A ValueError
+    too, as torch's own error for it was before."""
+
+
+class NotSupported(Fsdp2nbError, NotImplementedError):
+    """A model, adapter or setting that fsdp2nb cannot handle the way asked (DoRA merged on export,
+    a model whose `_init_weights` rewrites loaded weights); the message says what to use instead."""
+
+
+class ModelNotFound(Fsdp2nbError, FileNotFoundError):
+    """A model path that is not a directory of Hugging Face weights; the message names the path
+    and what it should hold."""
+
+
+class CheckpointNotFound(Fsdp2nbError, FileNotFoundError):
+    """A checkpoint step or directory named that does not exist."""
+
+
+class UnsafeDirectory(Fsdp2nbError, PermissionError, RuntimeError):
+    """A directory fsdp2nb keeps private files in (its runtime directory, a kept pool's) that
+    another user owns, or that is a link; the message says what to remove."""
+
+
 # --- the pool, as the notebook's commands see it (kernel side) -------------------------------------
 
 
@@ -201,6 +232,13 @@ class MemorySnapshotRefused(UsageMistake):
 
 class CheckpointMismatchError(Fsdp2nbError, ValueError):
     """A checkpoint's keys or shapes do not match the model (or optimizer) being loaded into."""
+
+
+class MissingWeights(CheckpointMismatchError, KeyError):
+    """Model keys that the checkpoint has no tensor for (a KeyError too, as it was before)."""
+
+    def __str__(self) -> str:
+        return Exception.__str__(self)  # the message as written, not quoted as a KeyError's key
 
 
 class NoTrackedCheckpointer(Fsdp2nbError, RuntimeError):

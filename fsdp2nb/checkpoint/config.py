@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fsdp2nb.config_checks import check_bool, check_choice
+from fsdp2nb.errors import InvalidValue
 
 AsyncWriter = Literal["process", "thread"]
 ASYNC_WRITERS: tuple[AsyncWriter, ...] = ("process", "thread")
@@ -36,10 +37,10 @@ class CheckpointerConfig:
     def __post_init__(self) -> None:
         if self.memory_every is not None and (isinstance(self.memory_every, bool) or not isinstance(self.memory_every, int)
                                               or self.memory_every < 1):
-            raise ValueError(f"memory_every={self.memory_every!r} is not allowed; choose None (no snapshots in "
-                             "memory) or an int >= 1 (every that many steps)")
+            raise InvalidValue(f"memory_every={self.memory_every!r} is not allowed; choose None (no snapshots in "
+                               "memory) or an int >= 1 (every that many steps)")
         if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1):
-            raise ValueError(f"keep={self.keep!r} is not allowed; choose None (keep all) or an int >= 1")
+            raise InvalidValue(f"keep={self.keep!r} is not allowed; choose None (keep all) or an int >= 1")
         check_bool("async_save", self.async_save)
         check_bool("checksums", self.checksums)
         check_choice("async_writer", self.async_writer, ASYNC_WRITERS)

@@ -110,7 +110,7 @@ def exchange_paths(first: Path, second: Path) -> bool:
     code = ctypes.get_errno()
     if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
-    raise OSError(code, os.strerror(code), str(second))
+    raise OSError(code, os.strerror(code), str(second))  # internal: the system call's own failure, not bad input
 
 
 def _fsync_tree(root: Path) -> None:

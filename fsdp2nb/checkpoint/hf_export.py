@@ -50,6 +50,7 @@ from fsdp2nb.collectives import (
     make_dir_on_rank0_then_everywhere,
     on_rank0_agreed,
 )
+from fsdp2nb.errors import InvalidValue, NotSupported
 
 logger = logging.getLogger(__name__)
 
@@ -88,16 +89,16 @@ def export_hf(model: nn.Module, output_dir: str | os.PathLike, *, processor=None
     also writes the merged model under `output_dir/merged`. Returns the resolved `output_dir`.
     """
     if max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be >= 1")
+        raise InvalidValue(f"max_shard_bytes={max_shard_bytes!r} must be >= 1")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype={dtype!r} must be None or a floating torch.dtype")
+        raise InvalidValue(f"dtype={dtype!r} must be None or a floating torch.dtype")
     output_dir = Path(output_dir).resolve()  # through a symlink: replace what it points at, not the link
     if output_dir.exists() and not output_dir.is_dir():
-        raise ValueError(f"output_dir={str(output_dir)!r} is a file; pass a directory (new or earlier export)")
+        raise InvalidValue(f"output_dir={str(output_dir)!r} is a file; pass a directory (new or earlier export)")
     dtype = dtype or _model_dtype(model)
     is_peft = isinstance(getattr(model, "peft_config", None), dict)
     if merge_lora and not is_peft:
-        raise ValueError("merge_lora=True needs a peft model; this one has no peft_config")
+        raise InvalidValue("merge_lora=True needs a peft model; this one has no peft_config")
     staging = on_rank0_agreed(lambda: directory_swap.start_staging(output_dir), _EXPORT)
     try:
         make_dir_everywhere(staging, _EXPORT)  # storage that is not shared between hosts
@@ -185,7 +186,7 @@ def _merged_entries(model: nn.Module) -> list[_Entry]:
 
 def _merged_getter(lora_module: nn.Module, adapter: str, base: Callable[[], torch.Tensor]):
     if getattr(lora_module, "use_dora", {}).get(adapter, False):
-        raise NotImplementedError("merge_lora does not support DoRA adapters yet")
+        raise NotSupported("merge_lora does not support DoRA adapters yet")
 
     def full() -> torch.Tensor:
         weight = base()
@@ -297,7 +298,7 @@ def _export_adapter(model: nn.Module, out: Path, dtype: torch.dtype) -> None:
 def _single_adapter(model: nn.Module) -> str:
     adapter = getattr(model, "active_adapter", "default")
     if not isinstance(adapter, str):
-        raise NotImplementedError(f"export of several active adapters {adapter!r} is not supported")
+        raise NotSupported(f"export of several active adapters {adapter!r} is not supported")
     return adapter
 
 

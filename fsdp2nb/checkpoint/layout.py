@@ -25,6 +25,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsdp2nb.errors import CheckpointNotFound
 from fsdp2nb.wire.protocol import CheckpointEntry
 
 logger = logging.getLogger(__name__)
@@ -363,7 +364,7 @@ def remove_step_dir(directory: Path, step: int) -> None:
     """Delete one step directory: renamed first, so a crash midway leaves no half-deleted `step-N`."""
     final = Path(directory) / step_dir_name(step)
     if not final.is_dir():
-        raise FileNotFoundError(f"there is no checkpoint of step {step} in {directory}")
+        raise CheckpointNotFound(f"there is no checkpoint of step {step} in {directory}")
     doomed = Path(directory) / f".del-{final.name}-{os.getpid():x}"
     os.rename(final, doomed)
     fsync_dir(Path(directory))

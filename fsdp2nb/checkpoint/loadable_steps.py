@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fsdp2nb.checkpoint import layout
 from fsdp2nb.checkpoint.layout import CheckpointEntry, CheckpointMetadata
-from fsdp2nb.errors import CheckpointLoadError
+from fsdp2nb.errors import CheckpointLoadError, InvalidValue
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,9 @@ class LoadableSteps:
         """Rank 0 picks the directories to try, best first, and every rank gets the same answer
         (or the same error): "latest" may fall back to older steps, anything else names one."""
         if isinstance(target, bool) or not isinstance(target, (int, str, os.PathLike)):
-            raise ValueError(f"target={target!r} must be 'latest', a step (int >= 0) or a step directory path")
+            raise InvalidValue(f"target={target!r} must be 'latest', a step (int >= 0) or a step directory path")
         if isinstance(target, int) and target < 0:
-            raise ValueError(f"step={target!r} must be an int >= 0")
+            raise InvalidValue(f"step={target!r} must be an int >= 0")
         answer: list[Any] = [None]
         if self._rank == 0:
             try:
@@ -119,7 +119,7 @@ class LoadableSteps:
         if target == "latest":
             step = self.latest_valid_step()
             if step is None:
-                raise ValueError(f"no complete checkpoint in {self.directory}")
+                raise CheckpointLoadError(f"no complete checkpoint in {self.directory}")
             complete = [e for e in self.entries() if e.valid and e.step <= step]
             return [Path(e.path) for e in reversed(complete)]
         if isinstance(target, str) and target.isdigit():
@@ -130,13 +130,13 @@ class LoadableSteps:
             if reason is not None:
                 steps = [e.step for e in self.entries() if e.valid]
                 why = f" ({reason})" if step_dir.is_dir() else ""
-                raise ValueError(f"step={target} has no complete checkpoint in {self.directory}{why}; "
-                                 f"available: {steps}")
+                raise CheckpointLoadError(f"step={target} has no complete checkpoint in {self.directory}{why}; "
+                                          f"available: {steps}")
             return [step_dir]
         step_dir = Path(target).absolute()
         reason = layout.why_incomplete(step_dir, layout.read_metadata(step_dir))
         if reason is not None:
-            raise ValueError(f"path={str(target)!r} is not a complete checkpoint directory ({reason})")
+            raise CheckpointLoadError(f"path={str(target)!r} is not a complete checkpoint directory ({reason})")
         return [step_dir]
 
     def listing(self) -> tuple[int | None, tuple[CheckpointEntry, ...]]:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fsdp2nb.errors import NotSupported, UsageMistake
+
 logger = logging.getLogger(__name__)
 
 
@@ -69,7 +71,7 @@ def _fill_through_init_weights(module: nn.Module, buffers: list[str], init_weigh
     with _flagged_initialised(loaded):
         init_weights(module)
     if [t._version for t in loaded] != versions:  # it wrote a loaded tensor: such a model cannot take this path
-        raise RuntimeError(f"{type(module).__name__}._init_weights changed loaded weights while filling {buffers}; "
+        raise NotSupported(f"{type(module).__name__}._init_weights changed loaded weights while filling {buffers}; "
                            "load this model with init='default'")
     unset = [name for name in buffers if _still_marked(getattr(module, name))]
     if unset:
@@ -99,7 +101,7 @@ def _flagged_initialised(tensors: list[torch.Tensor]):
 def _rebuild_on_cpu(module: nn.Module, owner: str, buffers: list[str]) -> nn.Module:
     config = getattr(module, "config", None)
     if config is None:
-        raise ValueError(
+        raise UsageMistake(
             f"cannot recompute non-persistent buffers {buffers} of {owner!r} ({type(module).__name__}): "
             "the module has no config to rebuild it from; load this model with init='default'"
         )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fsdp2nb.config_checks import check_bool, check_choice
+from fsdp2nb.errors import InvalidValue
 
 MixedPrecision = Literal["bf16", "fp32"]
 
@@ -44,13 +45,13 @@ def check_offload_supported(offload_params: bool, device_type: str, backend_conf
     if not offload_params:
         return
     if device_type == "cpu":
-        raise ValueError(
+        raise InvalidValue(
             "offload_params=True is not allowed on CPU ranks (parameters already live in CPU memory); "
             "allowed: offload_params=False on device type 'cpu'"
         )
     # Offloaded shards are CPU tensors: gradient-norm and state-dict collectives on them need a CPU backend.
     if "cpu:" not in backend_config and "gloo" not in backend_config:
-        raise ValueError(
+        raise InvalidValue(
             f"offload_params=True needs a process group with a CPU backend, but the backend is "
             f"{backend_config!r}; initialise it with backend='cuda:nccl,cpu:gloo'"
         )

@@ -106,7 +106,7 @@ class RowBlockReader:
 
     def __init__(self, path: str, *, direct: bool | None = None, chunk_bytes: int = _CHUNK_BYTES) -> None:
         if chunk_bytes <= 0 or chunk_bytes % BLOCK:
-            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {BLOCK}")
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {BLOCK}")  # internal: the engine's own reading size, not a user's
         self._chunk_bytes = chunk_bytes
         self._fd, self.direct = _open_for_reading(path, direct)
         self._free_buffers: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
@@ -175,7 +175,7 @@ def release_spare_buffers() -> None:
 
 def _checked(view: memoryview, length: int, offset: int) -> memoryview:
     if len(view) != length:
-        raise OSError(errno.EIO, f"short read: {len(view)} of {length} bytes at offset {offset}")
+        raise OSError(errno.EIO, f"short read: {len(view)} of {length} bytes at offset {offset}")  # internal: the disk returned less than the file holds, not bad input
     return view
 
 

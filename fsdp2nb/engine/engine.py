@@ -12,24 +12,18 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp2nb.collectives import is_distributed
 from fsdp2nb.engine import wrapping
 from fsdp2nb.engine.buffers import recompute_non_persistent_buffers
 from fsdp2nb.engine.config import EngineConfig, check_offload_supported
 from fsdp2nb.engine.device import current_device
 from fsdp2nb.engine.hf_files import find_checkpoint_files
-from fsdp2nb.engine.mesh import check_mesh, flat_mesh
+from fsdp2nb.engine.mesh import check_mesh, flat_mesh, require_process_group
 from fsdp2nb.engine.sharded_load import LoadReport, load_sharded
+from fsdp2nb.errors import InvalidValue, UsageMistake
 
 logger = logging.getLogger(__name__)
 
 
-def _require_process_group() -> None:
-    if not is_distributed():
-        raise RuntimeError(
-            "FSDP2Engine needs an initialised process group: call torch.distributed.init_process_group() "
-            "first (torchrun sets RANK/WORLD_SIZE for it)"
-        )
 
 
 class FSDP2Engine:
@@ -52,7 +46,7 @@ class FSDP2Engine:
             mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
             offload_params=offload_params, pin_memory=pin_memory,
         )
-        _require_process_group()
+        require_process_group("FSDP2Engine")
         self.device = current_device()
         self.mesh = flat_mesh(self.device.type) if mesh is None else check_mesh(mesh, self.device.type)
         check_offload_supported(self.config.offload_params, self.mesh.device_type, dist.get_backend_config())
@@ -105,7 +99,7 @@ class FSDP2Engine:
         if layout == "meta":
             path = checkpoint_dir or getattr(getattr(model, "config", None), "_name_or_path", None)
             if not path:
-                raise ValueError("checkpoint_dir=None is not allowed for a meta model without config._name_or_path")
+                raise InvalidValue("checkpoint_dir=None is not allowed for a meta model without config._name_or_path")
             self.materialize_and_load(model, path, allow_missing=allow_missing, initial_values=initial_values)
         return model
 
@@ -119,8 +113,8 @@ class FSDP2Engine:
             return "default"
         if not flags[0] and all(flags[1:]):
             return "rank0"
-        raise ValueError(f"unsupported weight layout: ranks on meta are {[r for r, f in enumerate(flags) if f]}; "
-                         "allowed: all ranks, none, or all but rank 0")
+        raise UsageMistake(f"unsupported weight layout: ranks on meta are {[r for r, f in enumerate(flags) if f]}; "
+                           "allowed: all ranks, none, or all but rank 0")
 
     @torch.no_grad()
     def materialize_and_load(
@@ -177,7 +171,7 @@ def verify_tied_embeddings(model: nn.Module) -> None:
         return
     _, _, tied = wrapping.embedding_and_head(model)
     if not tied:
-        raise RuntimeError(
+        raise RuntimeError(  # internal: a loading bug, the user's input was valid
             f"rank {dist.get_rank()}: config.tie_word_embeddings=True but the input embedding and the "
             "output head hold different tensors after loading"
         )

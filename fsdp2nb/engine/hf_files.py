@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 import torch
 
 from fsdp2nb.engine.direct_reads import RowBlock, RowBlockReader, StoredTensor, read_header
+from fsdp2nb.errors import ModelNotFound, UsageMistake
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def find_checkpoint_files(directory: str | os.PathLike) -> CheckpointFiles:
             keys = files.header(single_name) if file_format == "safetensors" else _keys_of_bin(directory / single_name)
             files.key_to_file.update(dict.fromkeys(keys, single_name))
             return files
-    raise FileNotFoundError(
+    raise ModelNotFound(
         f"no model.safetensors[.index.json] or pytorch_model.bin[.index.json] in {directory}"
     )
 
@@ -73,8 +74,8 @@ def refuse_quantized(directory: Path) -> None:
     quantization = json.loads(config_path.read_text()).get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
-        raise ValueError(f"{directory} holds a quantized checkpoint (quant_method={method!r}); the engine trains "
-                         "unquantized weights: load the bf16/fp16/fp32 release of this model")
+        raise UsageMistake(f"{directory} holds a quantized checkpoint (quant_method={method!r}); the engine trains "
+                           "unquantized weights: load the bf16/fp16/fp32 release of this model")
 
 
 def _keys_of_bin(path: Path) -> list[str]:

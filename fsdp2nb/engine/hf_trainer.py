@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp2nb.checkpoint.hf_export import export_hf
 from fsdp2nb.checkpoint.trainer_dirs import DCP_DIR
-from fsdp2nb.errors import WrongTrainerClass
+from fsdp2nb.errors import CheckpointLoadError, InvalidValue, WrongTrainerClass
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class FSDP2TrainerMixin:
         finally:
             delattr(model, _MARK)
         if self.args.load_best_model_at_end and self.args.save_only_model:
-            raise ValueError("load_best_model_at_end=True needs save_only_model=False with an FSDP2 model")
+            raise InvalidValue("load_best_model_at_end=True needs save_only_model=False with an FSDP2 model")
         # Set after __init__, which refuses optimizer checkpoints for such models: we save them with DCP.
         self.is_distributed_loading_by_transformers = True
         self.place_model_on_device = False
@@ -173,8 +173,8 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 def _dcp_dir(checkpoint: str) -> str:
     path = os.path.join(checkpoint, DCP_DIR)
     if not os.path.isdir(path):
-        raise ValueError(f"{checkpoint} has no {DCP_DIR}/ to resume from: it was saved with save_only_model=True "
-                         "or without fsdp2nb.trainer_for; resume from a checkpoint saved with save_only_model=False")
+        raise CheckpointLoadError(f"{checkpoint} has no {DCP_DIR}/ to resume from: it was saved with save_only_model=True "
+                                  "or without fsdp2nb.trainer_for; resume from a checkpoint saved with save_only_model=False")
     return path
 
 

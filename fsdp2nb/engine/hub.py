@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fsdp2nb.collectives import is_distributed
+from fsdp2nb.errors import ModelNotFound
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ def resolve_model_dir(
     if os.path.isdir(path):
         return path
     if looks_like_a_path(path):
-        raise FileNotFoundError(f"{path!r} is not a model directory (it {'is a file' if os.path.exists(path) else 'does not exist'}); "
-                                "give the directory holding config.json and the weights, or a Hub id like 'owner/name'")
+        raise ModelNotFound(f"{path!r} is not a model directory (it {'is a file' if os.path.exists(path) else 'does not exist'}); "
+                            "give the directory holding config.json and the weights, or a Hub id like 'owner/name'")
     distributed = is_distributed()
     local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() if distributed else 0))
     failure: BaseException | None = None

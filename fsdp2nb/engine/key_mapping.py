@@ -14,6 +14,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from fsdp2nb.errors import UsageMistake
+
 logger = logging.getLogger(__name__)
 
 _PEFT_PREFIX = "base_model.model."
@@ -59,7 +61,7 @@ def checkpoint_to_model_keys(hf_model: nn.Module, checkpoint_keys: Iterable[str]
         rules = rules or _conversion_rules(hf_model)
         renamed, converter = _rename(key, *rules, prefix, wanted)
         if converter is not None:
-            raise ValueError(
+            raise UsageMistake(
                 f"checkpoint key {key!r} needs transformers' tensor conversion {converter!r}, which "
                 "init='meta' does not slice; use init='rank0' or init='default' for this model"
             )

@@ -21,7 +21,7 @@ from fsdp2nb.engine.hf_files import find_checkpoint_files, refuse_quantized
 from fsdp2nb.engine.hub import resolve_model_dir
 from fsdp2nb.engine.loaded_model import note_loaded
 from fsdp2nb.engine.lora import apply_lora, materialize_adapter_init, shared_seed
-from fsdp2nb.engine.mesh import InvalidMesh
+from fsdp2nb.engine.mesh import InvalidMesh, require_process_group
 from fsdp2nb.engine.wrapping import cast_frozen_parameters
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ def load_model(
     """
     check_choice("init", init, INIT_CHOICES)
     check_bool("activation_checkpointing", activation_checkpointing)
+    require_process_group("load_model")
     engine = _engine_for(engine, mesh)
     directory = resolve_model_dir(name_or_path)
     refuse_quantized(Path(directory))  # from_pretrained would try to quantize or dequantize it

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp2nb.collectives import is_distributed
+from fsdp2nb.errors import UsageMistake
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def _check_meta_supported(layer: nn.Module, adapter: str, init: Any) -> None:
         or adapter in layer.lora_embedding_A
     )
     if unsupported:
-        raise ValueError(
+        raise UsageMistake(
             f"init='meta' supports LoRA on Linear layers with init_lora_weights in {_META_INIT_CHOICES} "
             f"and no DoRA; got init_lora_weights={init!r}, use_dora={layer.use_dora.get(adapter)}; "
             "use init='rank0' for this adapter"

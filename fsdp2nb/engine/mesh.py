@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp2nb.engine.device import current_device
-from fsdp2nb.errors import InvalidValue
+from fsdp2nb.errors import InvalidValue, NoProcessGroup
 
 FLAT_DIM_NAMES: tuple[tuple[str, ...] | None, ...] = (None, ("dp_shard",), ("shard",))
 """The names a 1-D mesh may have (the ranks' `mesh` is `("dp_shard",)`)."""
@@ -32,6 +32,15 @@ _WHAT_TO_PASS = ("pass the ranks' flat `mesh`, fsdp2nb.hsdp_mesh() (replicate ac
 class InvalidMesh(InvalidValue):
     """A mesh the engine cannot shard over (or a `replicate=` that makes none); one line names
     what was wrong and what to pass. Every rank raises it alike: what it checks is the same on all."""
+
+
+def require_process_group(caller: str) -> None:
+    """NoProcessGroup unless this process is a rank of an initialised process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise NoProcessGroup(
+            f"{caller} runs on the ranks of a process group and none is initialised here: call it in a "
+            "%%fsdp2 cell (outside a notebook: after torch.distributed.init_process_group(), as under torchrun)"
+        )
 
 
 def flat_mesh(device_type: str) -> DeviceMesh:
@@ -71,6 +80,7 @@ def hsdp_mesh(replicate: int | None = None, *, device_type: str | None = None) -
     such choice: pass `replicate=` (e.g. `hsdp_mesh(replicate=2)` on 4 ranks). Collective: call
     it on every rank. `device_type` defaults to this rank's (the engine's choice).
     """
+    require_process_group("hsdp_mesh")
     world_size = dist.get_world_size()
     if replicate is None:
         replicate = _num_hosts(world_size)

@@ -23,6 +23,7 @@ from fsdp2nb import progress
 from fsdp2nb.engine.direct_reads import release_spare_buffers
 from fsdp2nb.engine.hf_files import Block, CheckpointFiles, open_reader
 from fsdp2nb.engine.key_mapping import checkpoint_to_model_keys, hf_key, unwrap_peft
+from fsdp2nb.errors import CheckpointMismatchError, MissingWeights
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def _fill_without_checkpoint(
         report.zero_filled.extend(target.keys)
         logger.warning("not in the checkpoint, set to zero (allowed): %s", list(target.keys))
         return
-    raise KeyError(
+    raise MissingWeights(
         f"checkpoint has no tensor for model key(s) {list(target.keys)}; pass allow_missing=[...] "
         "with a matching pattern to start them at zero"
     )
@@ -167,7 +168,7 @@ def _copy_from_file(
         for ckpt_key, target in entries:
             full_shape = reader.shape(ckpt_key)
             if full_shape != tuple(target.tensor.shape):
-                raise ValueError(
+                raise CheckpointMismatchError(
                     f"checkpoint key {ckpt_key!r} has shape {full_shape} but model key "
                     f"{target.keys[0]!r} expects {tuple(target.tensor.shape)}"
                 )

@@ -30,6 +30,7 @@ import transformers
 from fsdp2nb import collectives, progress
 from fsdp2nb.checkpoint import trainer_dirs
 from fsdp2nb.checkpoint.requests import process_requests, process_stops
+from fsdp2nb.errors import InvalidValue, UsageMistake
 from fsdp2nb.metrics import log
 
 logger = logging.getLogger(__name__)
@@ -138,8 +139,8 @@ def _publish_checkpoints(args, state) -> None:
 def _check_world_size(args) -> None:
     world_size = collectives.get_world_size()
     if args.world_size != world_size:
-        raise ValueError(f"TrainingArguments has world_size={args.world_size} but the process group has "
-                         f"{world_size} ranks: build TrainingArguments inside the %%fsdp2 cell, on every rank")
+        raise UsageMistake(f"TrainingArguments has world_size={args.world_size} but the process group has "
+                           f"{world_size} ranks: build TrainingArguments inside the %%fsdp2 cell, on every rank")
 
 
 def _check_trainer_class(model) -> None:
@@ -160,5 +161,5 @@ def _check_report_to(args) -> None:
     line = (f"report_to={sorted(reporters)} sends metrics over the network from rank 0; the dashboard has them "
             "already: pass report_to='none'")
     if offline:
-        raise ValueError(line + " (HF_HUB_OFFLINE is set here)")
+        raise InvalidValue(line + " (HF_HUB_OFFLINE is set here)")
     logger.warning("fsdp2nb: %s", line)

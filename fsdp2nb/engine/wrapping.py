@@ -28,6 +28,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from fsdp2nb.errors import InvalidValue
+
 logger = logging.getLogger(__name__)
 
 
@@ -59,7 +61,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each block's activations in backward; must run before fully_shard."""
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None or not getattr(_base_model(model), "supports_gradient_checkpointing", False):
-        raise ValueError(
+        raise InvalidValue(
             f"activation_checkpointing=True is not allowed for {type(model).__name__}: it has no "
             "per-block gradient checkpointing; allowed: activation_checkpointing=False"
         )

@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fsdp2nb.errors import InvalidValue
+from fsdp2nb.errors import InvalidValue, NotReady
 
 # peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps or loads a model: a
 # warning for peft's authors, not for whoever runs the examples (ranks and kernel alike).
@@ -165,7 +165,7 @@ def press_save_now(wait_s: float = 30.0) -> str:
 
     link = fsdp2nb._session.dashboard if fsdp2nb._session is not None else None
     if link is None or not link.views:
-        raise RuntimeError("no dashboard is shown: run `%fsdp2 start` (without --no-dashboard) or `%fsdp2 dashboard` first")
+        raise NotReady("no dashboard is shown: run `%fsdp2 start` (without --no-dashboard) or `%fsdp2 dashboard` first")
     deadline = time.monotonic() + wait_s
     while link.model.checkpoint is None and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from fsdp2nb.errors import LaunchError
 from fsdp2nb.pool.launcher import DEFAULT_GRACE_S, describe_exit_code, end_process_group, write_and_close
 from fsdp2nb.wire.kept import ACTIVITY_FILE, RECORD_FILE
 
@@ -151,8 +152,8 @@ class Driver:
         self.placement = placement_group([dict(bundle)] * num_nodes, strategy="STRICT_SPREAD", name=name)
         ready, _ = self.ray.wait([self.placement.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
-            raise RuntimeError(f"the Ray cluster did not offer {num_nodes} different hosts with {bundle} free "
-                               f"within {PLACEMENT_TIMEOUT_S:.0f} s (`ray status` shows what it has)")
+            raise LaunchError(f"the Ray cluster did not offer {num_nodes} different hosts with {bundle} free "
+                              f"within {PLACEMENT_TIMEOUT_S:.0f} s (`ray status` shows what it has)")
         from fsdp2nb.pool import ray_driver  # by its module name, not __main__: the actors import it
 
         actor_class = self.ray.remote(max_concurrency=4)(ray_driver.AgentHost)

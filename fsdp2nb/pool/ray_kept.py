@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from fsdp2nb.errors import UnsafeDirectory
 from fsdp2nb.pool import kept
 from fsdp2nb.pool.launcher import DEFAULT_GRACE_S
 from fsdp2nb.wire.endpoints import split_tcp_address, tcp_address
@@ -100,7 +101,7 @@ def _make_private_dirs(path: str) -> None:
     for _ in range(4):
         info = os.lstat(path)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            raise PermissionError(f"{path} is not a directory of this user's: refusing to keep a pool's files there")
+            raise UnsafeDirectory(f"{path} is not a directory of this user's: refusing to keep a pool's files there")
         os.chmod(path, 0o700)
         path = os.path.dirname(path)
 

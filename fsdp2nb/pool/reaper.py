@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from fsdp2nb.errors import UnsafeDirectory
 from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.process_identity import ProcessKey, is_same_process
 
@@ -35,8 +36,8 @@ def state_dir(temp_root: str | None = None) -> Path:
     # In a shared /tmp another user could have made this name first (or a link by it).
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise RuntimeError(f"{path} is not a directory owned by this user; remove it (or set TMPDIR elsewhere) "
-                           "and start the pool again")
+        raise UnsafeDirectory(f"{path} is not a directory owned by this user; remove it (or set TMPDIR elsewhere) "
+                              "and start the pool again")
     os.chmod(path, 0o700)
     return path
 

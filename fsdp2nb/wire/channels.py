@@ -124,7 +124,7 @@ class KernelChannels:
         self._unregistered: collections.deque[_EventSource] = collections.deque()
         self._closed = False
         if endpoints.is_tcp(address) and certificate is None:
-            raise ValueError("a TCP listener needs the pool's certificate: nothing crosses a network unencrypted")
+            raise ValueError("a TCP listener needs the pool's certificate: nothing crosses a network unencrypted")  # internal: the pool always passes its certificate
         server = endpoints.listen(address)
         self._server = server
         self.address = endpoints.bound_address(server)
@@ -346,7 +346,7 @@ class RankChannels:
         except (OSError, EOFError, WireVersionMismatch) as error:
             for link in fresh:
                 link.close()
-            raise OSError(f"could not reconnect to {address}: {error}") from error
+            raise OSError(f"could not reconnect to {address}: {error}") from error  # internal: a lost connection, handled by the caller's recovery
         old = [self._events, self._requests, self._control]
         with self._reconnected:
             self._events = fresh[0]

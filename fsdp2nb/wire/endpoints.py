@@ -35,7 +35,7 @@ def split_tcp_address(address: str) -> tuple[str, int]:
     host, _, port = address.removeprefix(TCP_SCHEME).rpartition(":")
     host = host.strip("[]")
     if not is_tcp(address) or not host or not port.isdigit():
-        raise ValueError(f"{address!r} is not an address such as tcp://10.0.0.1:4567")
+        raise ValueError(f"{address!r} is not an address such as tcp://10.0.0.1:4567")  # internal: addresses come from the launch plan, not from users
     return host, int(port)
 
 
@@ -94,7 +94,7 @@ def connect(address: str, fingerprint: str = "") -> socket.socket:
         client.connect(address)
         return client
     if not fingerprint:
-        raise ValueError("a TCP address needs the pool certificate's fingerprint")
+        raise ValueError("a TCP address needs the pool certificate's fingerprint")  # internal: the launch plan always carries the fingerprint
     host, port = split_tcp_address(address)
     raw = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
     tune_tcp(raw)

@@ -57,7 +57,7 @@ class Link:
         """The next frame; EOFError when the other end closed, OSError for one over `max_bytes`."""
         (size,) = _LENGTH.unpack(_receive_exactly(self.sock, _LENGTH.size))
         if max_bytes is not None and size > max_bytes:
-            raise OSError(f"a frame of {size} bytes is over the {max_bytes} allowed here")
+            raise OSError(f"a frame of {size} bytes is over the {max_bytes} allowed here")  # internal: a peer's oversized frame, refused as a broken connection
         return _receive_exactly(self.sock, size)
 
     def close(self) -> None:

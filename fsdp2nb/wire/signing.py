@@ -35,7 +35,7 @@ class Signer:
 
     def __init__(self, key: bytes, *, log: logging.Logger = logger) -> None:
         if len(key) < KEY_BYTES:
-            raise ValueError(f"the pool key must have at least {KEY_BYTES} bytes, got {len(key)}")
+            raise ValueError(f"the pool key must have at least {KEY_BYTES} bytes, got {len(key)}")  # internal: the pool makes its own keys
         self._keyed_mac = hmac.new(key, digestmod="sha256")
         self._log = log
         """Where dropped frames are reported (the kernel's pool log: never a notebook cell)."""
@@ -108,11 +108,11 @@ def _rebuild(tag: int, values: tuple) -> Any:
     """The message from its field values, without running its (frozen) __init__."""
     known = BY_TAG.get(tag)
     if known is None:
-        raise ValueError(f"no message type of this fsdp2nb has the tag {tag!r}: the sender speaks "
+        raise ValueError(f"no message type of this fsdp2nb has the tag {tag!r}: the sender speaks "  # internal: a verified frame of another protocol version, refused by the receiver
                          "another version of the wire protocol")
     cls, names = known
     if len(values) != len(names):
-        raise ValueError(f"a {cls.__name__} needs {len(names)} fields, got {len(values)}")
+        raise ValueError(f"a {cls.__name__} needs {len(names)} fields, got {len(values)}")  # internal: as above
     message: Any = object.__new__(cls)
     vars(message).update(zip(names, values, strict=True))
     return message

@@ -63,7 +63,7 @@ BY_TAG: dict[int, tuple[type, tuple[str, ...]]] = {
     tag: (cls, tuple(field.name for field in dataclasses.fields(cls))) for cls, tag in TAGS.items()}
 """Tag -> the message type and its field names."""
 if len(BY_TAG) != len(WIRE_TYPES):  # two signatures hashed alike: rename a type
-    raise RuntimeError("two wire message types have the same tag")
+    raise RuntimeError("two wire message types have the same tag")  # internal: two message types hash alike, a bug of the protocol module
 _VERSIONED = {cls.__name__: cls for cls in VERSIONED_TYPES}
 
 

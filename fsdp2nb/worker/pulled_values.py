@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2nb.collectives import all_max
+from fsdp2nb.errors import UsageMistake
 
 
 def value_for_notebook(value: Any, reply_ranks: tuple[int, ...]) -> Any:
@@ -35,8 +36,8 @@ def _is_dtensor_everywhere(is_dtensor: bool) -> bool:
     """Whether every rank holds a DTensor; ValueError if only some do."""
     highest, negated_lowest = all_max((int(is_dtensor), -int(is_dtensor)))  # gloo carries it on every pool
     if highest != -negated_lowest:
-        raise ValueError("it is a DTensor on some ranks only, so its pieces cannot be gathered; "
-                         "make it a DTensor on every rank, or a plain value on every rank")
+        raise UsageMistake("it is a DTensor on some ranks only, so its pieces cannot be gathered; "
+                           "make it a DTensor on every rank, or a plain value on every rank")
     return bool(highest)
 
 

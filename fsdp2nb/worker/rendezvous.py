@@ -26,7 +26,7 @@ def interface_of(host: str) -> str:
     for name, addresses in psutil.net_if_addrs().items():
         if any(address.address.split("%")[0] == host for address in addresses):
             return name
-    raise RuntimeError(f"no network interface of this host has the address {host}")
+    raise RuntimeError(f"no network interface of this host has the address {host}")  # internal: the launch plan named an address of this host that it lacks
 
 
 def network_environment(plan: LaunchPlan, rank_plan: RankPlan, cluster_host: str | None) -> dict[str, str]:

@@ -431,7 +431,7 @@ def _run_synchronously(coroutine):
     except StopIteration as done:
         return done.value
     coroutine.close()
-    raise RuntimeError("a cell that should not await suspended")
+    raise RuntimeError("a cell that should not await suspended")  # internal: an invariant of the shell's own coroutine runner
 
 
 def _flush_matplotlib_figures(result=None) -> None:
