@@ -326,13 +326,8 @@ class NotebookSession:
         if pool is not None and keep is not None and pool.keep is None:
             raise PoolMismatchError("this cell asks for a kept pool but the running one is not kept; "
                                     "`%fsdp2 stop`, then start it with --keep (rank state is lost)")
-        if pool is not None and not pool.check_agent():
+        if pool is not None and (not pool.check_agent() or pool.state == "broken"):
             pool = self._replace_dead_pool(pool)
-        if pool is not None and pool.state == "broken":
-            kept = self.kept_in_memory()
-            lost = f"variables are lost; {kept} is kept in memory" if kept else "rank state is lost"
-            raise PoolBroken(f"the pool is broken ({self._broken_reason()}); "
-                             f"`%fsdp2 restart` starts a fresh one ({lost})")
         if pool is None:
             return self._start(spec or default(), keep)
         if spec is not None and spec != pool.spec:
@@ -342,11 +337,13 @@ class NotebookSession:
         return pool
 
     def _replace_dead_pool(self, pool: PoolHandle) -> PoolHandle:
-        """The host agent died between cells, taking the ranks with it: start afresh and say so."""
-        note = self._restart_after_failure(pool.spec, f"{pool.broken_reason} while the pool was idle")
+        """The host agent or a rank died between cells (or the pool broke otherwise): start afresh
+        and say what died and what is kept, as a death inside a cell does."""
+        reason = self._broken_reason()
+        note = self._restart_after_failure(pool.spec, f"{reason} while the pool was idle")
         write_to_kernel("stderr", note + "\n")
-        if self.pool is None:
-            raise PoolBroken(f"{pool.broken_reason}, and a new pool did not start; "
+        if self.pool is None or self.pool is pool:
+            raise PoolBroken(f"{reason}, and a new pool did not start; "
                              f"`%fsdp2 start {pool.spec.describe()}` tries again")
         return self.pool
 
