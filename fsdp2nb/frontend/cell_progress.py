@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fsdp2nb.frontend.waiting_ranks import CollectiveCounts
 from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, InputRequested, RankActivity, RichOutput
 
 if TYPE_CHECKING:
@@ -44,11 +45,15 @@ class CellProgress:
     """Where each rank was when last asked (RankActivity), while the cell waited."""
     collective_since: dict[int, float] = field(default_factory=dict)
     """When each rank was first seen in the collective it is in now (for the time left of its timeout)."""
+    collective_counts: CollectiveCounts = field(default_factory=CollectiveCounts)
+    """How many collectives each rank had entered, as first seen: a count that does not move
+    while a rank sits in a collective is what makes it wait (frontend/waiting_ranks.py)."""
     waiting_line: WaitingLine | None = None
     stopped: dict[int, int] = field(default_factory=dict)
     """Ranks that did not answer because a signal stopped them (rank -> pid), as last seen."""
     diverged_at: float | None = None
-    """When the ranks were first seen at diverging points (see released_collectives.ranks_diverge)."""
+    """When the ranks were first seen at diverging points (see released_collectives.ranks_diverge),
+    where positions decide: ranks that do not count their collectives."""
     activity_at: dict[int, float] = field(default_factory=dict)
     """When each rank last said where it is."""
     last_line: dict[int, str] = field(default_factory=dict)

@@ -28,6 +28,7 @@ from fsdp2nb.frontend.output import (
 )
 from fsdp2nb.frontend.rank_prompts import AskInput, RankPrompts
 from fsdp2nb.frontend.released_collectives import CollectiveRelease, Reform, ranks_diverge
+from fsdp2nb.frontend.waiting_ranks import rank_waits
 from fsdp2nb.wire.protocol import (
     CellFinished,
     ControlMessage,
@@ -222,9 +223,11 @@ class RequestWait:
     def _note_activity(self, event: RankActivity) -> None:
         progress = self.progress
         before = progress.activity.get(event.rank)
+        entered_another = progress.collective_counts.note(event)
         if event.collective is None:
             progress.collective_since.pop(event.rank, None)
-        elif before is None or (before.collective, before.where) != (event.collective, event.where):
+        elif (before is None or entered_another
+              or (before.collective, before.where) != (event.collective, event.where)):
             progress.collective_since[event.rank] = time.monotonic()
         progress.activity[event.rank] = event
         progress.activity_at[event.rank] = time.monotonic()
@@ -322,23 +325,19 @@ class RequestWait:
                 pass
 
     def _show_waiting_line(self) -> None:
-        """Shown once the ranks' positions diverge in two samples running: some finished while others
-        go on, or a rank waits in a collective that others are not in (ranks left out by `--ranks`
-        included), or for input. Ranks computing quietly, or all in the same collective, show nothing."""
+        """Shown while ranks wait: some finished while others go on, a rank is stopped or waits for
+        input, or a rank sits in a collective without progress while another is elsewhere (ranks
+        left out by `--ranks` included). Ranks computing quietly, a loop of collectives however
+        uneven the ranks' speed, or all in the same collective show nothing."""
         progress, pool = self.progress, self.pool
         running = progress.running
         if not running:
             return
         progress.stopped = {rank: pool.ranks[rank].pid for rank in running if rank not in progress.activity
                             and rank in pool.ranks and pool.rank_process_state(rank) == "stopped"}
-        if not ranks_diverge(progress, pool.world_size):
-            progress.diverged_at = None
+        if not self._ranks_wait():
             return
         now = time.monotonic()
-        progress.diverged_at = progress.diverged_at or now
-        if (progress.waiting_line is None and not progress.stopped and not progress.prompts
-                and now - progress.diverged_at < _ACTIVITY_INTERVAL_S):
-            return  # one sample can catch ranks of a healthy loop at different points; wait for the next
         if progress.waiting_line is None:
             self._merger.flush()  # what the ranks printed comes before the line
             progress.waiting_line = WaitingLine(pool.world_size)
@@ -347,6 +346,24 @@ class RequestWait:
         progress.waiting_line.show(now - progress.started_at, progress.ranks, progress.activity,
                                    finished=set(progress.finished), timeout_s=timeout_s, stopped=progress.stopped,
                                    waiting_for_input=set(progress.prompts), time_left=time_left)
+
+    def _ranks_wait(self) -> bool:
+        """Read from the ranks' counts of collectives where they count them (frontend/waiting_ranks.py).
+        Else from positions, once they diverged in two samples: one sample can catch the ranks of
+        a healthy loop at different points."""
+        progress, world_size = self.progress, self.pool.world_size
+        if not (progress.finished or progress.stopped or progress.prompts):
+            waits = rank_waits(progress.running, progress.activity, progress.collective_counts,
+                               all_ranks_run=len(progress.ranks) == world_size)
+            if waits is not None:
+                return waits
+        if not ranks_diverge(progress, world_size):
+            progress.diverged_at = None
+            return False
+        now = time.monotonic()
+        progress.diverged_at = progress.diverged_at or now
+        return (progress.waiting_line is not None or bool(progress.stopped) or bool(progress.prompts)
+                or now - progress.diverged_at >= _ACTIVITY_INTERVAL_S)
 
     def _show_waiting_line_now(self) -> None:
         """The waiting line at once, without a second sample (a prompt is about to block this thread)."""

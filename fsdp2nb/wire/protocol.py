@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """The version of the messages below, exchanged with the schema's fingerprint in every
 connection's greeting and hello and in a kept pool's attach record; ends that differ are refused
 in one line naming both (wire/versions.py). Raise it with every change of this module's types:
@@ -443,6 +443,11 @@ class RankActivity:
     """The cell line it was on, e.g. "In[3] line 4: dist.all_reduce(t)"; empty outside any cell."""
     collective: str | None = None
     """The torch.distributed call it waits in (e.g. "all_reduce"), if any."""
+    num_collectives: int | None = None
+    """How many collectives the rank has entered so far (`worker/collective_count.py`): a count
+    that moved between two samples is a rank at work. None where they are not counted (NCCL)."""
+    sampled_at: float = 0.0
+    """The rank's `time.monotonic()` at the sample: how far apart two samples of one rank were."""
 
 
 @dataclass(frozen=True)

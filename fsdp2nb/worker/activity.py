@@ -3,6 +3,8 @@
 The kernel asks while a cell waits (a collective that not every rank entered waits silently until
 its timeout), so the notebook can say which cell line each rank is on and which collective it
 waits in. Sampling reads `sys._current_frames()`: the main thread is not stopped or signalled.
+A sample also carries how many collectives the rank has entered (`worker/collective_count.py`),
+the progress that tells a loop of collectives from a hang in one.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ import linecache
 import os
 import re
 import sys
+import time
 from types import FrameType
+
+from fsdp2nb.wire.protocol import RankActivity
+from fsdp2nb.worker.collective_count import num_entered
 
 _CELL_NAME = re.compile(r"^<ipython-input-(\d+)-")
 """How IPython names a cell's code (the rank's compiler keeps IPython's naming)."""
@@ -20,6 +26,15 @@ _WRAPPER_NAMES = {"wrapper", "inner", "_fn"}
 _QUERY_PREFIXES = ("get_", "is_")
 """Public torch.distributed functions that answer at once (get_rank, is_initialized): not waits."""
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+
+
+def sample_activity(rank: int, cell_id: int | None, main_thread_id: int, *,
+                    counts_collectives: bool) -> RankActivity:
+    """Where the main thread is now; `counts_collectives`: whether the rank's groups count what
+    they enter (else the sample carries no count, and the kernel compares positions only)."""
+    where, collective = main_thread_activity(main_thread_id) if cell_id is not None else ("", None)
+    return RankActivity(rank=rank, cell_id=cell_id, where=where, collective=collective,
+                        num_collectives=num_entered() if counts_collectives else None, sampled_at=time.monotonic())
 
 
 def main_thread_activity(main_thread_id: int) -> tuple[str, str | None]:

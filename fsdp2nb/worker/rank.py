@@ -36,7 +36,6 @@ from fsdp2nb.wire.protocol import (
     PostMortem,
     PullValue,
     PushValues,
-    RankActivity,
     RankPlan,
     RankReady,
     ReleaseCollectives,
@@ -376,11 +375,11 @@ class Rank:
             self._stdin.deliver(message)
 
     def _report_activity(self) -> None:
-        from fsdp2nb.worker.activity import main_thread_activity
+        from fsdp2nb.worker.activity import sample_activity
 
-        cell_id = self._cell_id
-        where, collective = main_thread_activity(self._main_thread_id) if cell_id is not None else ("", None)
-        self._channels.send_event(RankActivity(rank=self.rank, cell_id=cell_id, where=where, collective=collective))
+        # A CPU pool's groups count the collectives they enter (worker/reformable_groups.py).
+        self._channels.send_event(sample_activity(self.rank, self._cell_id, self._main_thread_id,
+                                                  counts_collectives=self.plan.backend == "gloo"))
 
     def _interrupt(self, cell_id: int) -> None:
         from fsdp2nb.checkpoint.requests import process_stops

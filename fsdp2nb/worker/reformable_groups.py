@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
+from fsdp2nb.worker.collective_count import note_entered
+
 BACKEND_NAME = "reformable_gloo"
 """What `torch.distributed.get_backend()` says of a CPU pool's groups."""
 
@@ -119,6 +121,7 @@ _COLLECTIVES = (
 
 def _delegate(name: str):
     def collective(self: ReformableGlooGroup, *args, **kwargs):
+        note_entered()  # the progress the kernel's waiting line reads
         return getattr(self._inner, name)(*args, **kwargs)
 
     collective.__name__ = name
