@@ -32,6 +32,7 @@ __all__ = [
     "load_model",
     "log",
     "plan_memory",
+    "profile",
     "trainer_for",
     "unload_ipython_extension",
 ]
@@ -49,6 +50,7 @@ _LAZY_NAMES = {
     "FSDP2TrainerMixin": "fsdp2nb.engine.hf_trainer",
     "trainer_for": "fsdp2nb.engine.hf_trainer",
     "log": "fsdp2nb.metrics",
+    "profile": "fsdp2nb.worker.profiling",
     "plan_memory": "fsdp2nb.engine.memory_plan",
 }
 _session = None

@@ -10,6 +10,7 @@ Cell magic: the first %%fsdp2 cell starts the pool, later cells reuse it and its
     %%fsdp2 --ray --nodes 2 --gpus-per-node 8     # 16 ranks on 2 hosts of a Ray cluster
     %%fsdp2 --slurm --gpus-per-node 4            # inside salloc/sbatch: every allocated host
     %%fsdp2 --ranks 0            # only rank 0 of the running pool
+    %%fsdp2 --profile            # then: each rank's compute, communication, waiting; a timeline
     x = torch.ones(1) * rank
     dist.all_reduce(x)
 
@@ -38,8 +39,14 @@ Line magic::
     %fsdp2 dashboard                        # show the live dashboard (again)
     df = %fsdp2 metrics                     # what fsdp2nb.log recorded, as a table
     %fsdp2 debug [--rank R]                 # post-mortem of the last failed cell (pdb, as %debug)
+    %fsdp2 stacks                           # every rank's Python stacks now; a running cell runs on
     %fsdp2 restart [--cpu 2]                # fresh pool, rank state is lost
     %fsdp2 stop
+
+Profiles: `%%fsdp2 --profile` (or `with fsdp2nb.profile():` around steps in a cell)::
+
+    prof = %fsdp2 profile                   # the last: prof.ranks, prof.straggler, prof.top_ops
+    prof.trace_path                         # every rank on one clock, for ui.perfetto.dev
 
 Memory, before loading (no pool needed; the model is built on meta, no weights read)::
 

@@ -15,7 +15,7 @@ from fsdp2nb.pool.kept import DEFAULT_KEEP_FOR_S, KeepOptions, default_pool_name
 from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, spec_from_options
 
 COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
-            "wait", "interrupt", "debug", "pools", "attach", "detach", "plan", "memory")
+            "wait", "interrupt", "debug", "pools", "attach", "detach", "plan", "memory", "profile", "stacks")
 
 
 def _add_pool_options(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +82,8 @@ def cell_parser() -> MagicArgumentParser:
     _add_pool_options(parser)
     parser.add_argument("--ranks", metavar="R,..", help="run on these ranks only, e.g. 0 or 0,2 or 1-3")
     parser.add_argument("--bg", action="store_true", help="run in the background: return a handle at once")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the cell on every rank; after its output: per-rank times, straggler, timeline")
     parser.add_argument("--name", metavar="NAME",
                         help="with --bg: bind the run's handle to NAME; with --keep: the pool's name")
     _add_keep_options(parser, with_name=False)

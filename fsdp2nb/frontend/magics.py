@@ -22,6 +22,7 @@ from fsdp2nb.frontend.magic_options import (
     spec_or_none,
     split_magic_line,
 )
+from fsdp2nb.frontend.profiles import ProfileCollector, describe_stacks
 from fsdp2nb.frontend.session import RESTORE_HINT, NotebookSession, SentCell
 from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.kept import (
@@ -33,6 +34,7 @@ from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list
 from fsdp2nb.wire.protocol import (
     LoadCheckpoint,
     RankCommand,
+    ReportStacks,
     RunCommand,
     SaveCheckpoint,
     SaveIfRequested,
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
 
 _WAIT_FOR_RUN = frozenset(("start", "stop", "restart", "push", "pull", "save", "load", "debug"))
 """Commands that need the ranks, so wait for a background run as a later cell does."""
+_STACKS_WAIT_S = 10.0
+"""How long `%fsdp2 stacks` waits for the ranks' control threads before naming those that did not answer."""
 _REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError", "MemorySnapshotRefused"))
 """Errors of `%fsdp2 save`/`load` that changed nothing and say what to do: shown without tracebacks."""
 
@@ -62,6 +66,9 @@ class FSDP2Magics(Magics):
         self._cells_ahead = cells_ahead
         """Plain cells sent to the ranks at `pre_run_cell`, which the cell magic only waits for."""
         self._line_parsers = line_parsers()
+        self._profiles = ProfileCollector()
+        """The ranks' profiles and stacks as they arrive (`%%fsdp2 --profile`, `%fsdp2 stacks`)."""
+        session.add_snapshot_listener(self._profiles.hear)
 
     @no_var_expand  # done by _expand_variables, only for a line that asks for it
     @line_cell_magic
@@ -99,6 +106,9 @@ class FSDP2Magics(Magics):
     def _run_cell(self, line: str, cell: str):
         options = cell_options(line)
         keep = keep_options(options, cell=True)
+        if options.profile and options.bg:
+            raise InvalidValue("--profile shows its profile under the cell, so it runs in the foreground: drop --bg, "
+                               "or use `with fsdp2nb.profile():` in the run and `%fsdp2 profile` once it ended")
         if options.bg or (options.name is not None and keep is None):
             return self._run_in_background(options, cell, keep)
         spec = spec_or_none(options)
@@ -112,12 +122,31 @@ class FSDP2Magics(Magics):
         pool = self.session.pool_for(spec, default_spec, keep)
         if starting and not options.no_dashboard:
             self._dashboard().show()  # under the cell that starts the pool, above its output
-        self.session.run_cell(pool, cell, ranks)
+        try:
+            self.session.run_cell(pool, cell, ranks, profile=options.profile)
+        finally:  # a cell that failed shows what ran until then
+            self._show_new_profiles()
         self._serve_dashboard_save(pool)
 
     def _finish_cell_sent_ahead(self, sent: SentCell) -> None:
-        self.session.finish_cell(sent)
+        try:
+            self.session.finish_cell(sent)
+        finally:
+            self._show_new_profiles()
         self._serve_dashboard_save(sent.wait.pool)
+
+    def _show_new_profiles(self) -> None:
+        """The profiles the cell's ranks sent (`--profile`, `fsdp2nb.profile()`), under its output,
+        and the last one's bars to the dashboard."""
+        from IPython.display import display
+
+        profiles = self._profiles.take_new()
+        for profile in profiles:
+            display(profile)
+        if profiles:
+            for listener in list(self.session.snapshot_listeners):
+                listener(profiles[-1].analysis)
+
 
     def _run_in_background(self, options, cell: str, keep: KeepOptions | None = None):
         """`%%fsdp2 --bg`: start the run and return its handle (bound to --name if given)."""
@@ -326,6 +355,21 @@ class FSDP2Magics(Magics):
                              "allocations PyTorch does not record (`%fsdp2 plan` and the dashboard cover them)")
         raise UsageMistake("%fsdp2 memory record on CUDA ranks is not available in this version; "
                          "torch.cuda.memory._record_memory_history() in a %%fsdp2 cell records the same")
+
+    def _command_profile(self, options):
+        """`prof = %fsdp2 profile`: the last profile (of a cell, a block or a background run)."""
+        self._profiles.take_new()
+        if self._profiles.last is None:
+            raise UsageMistake("no profile yet: run a cell with `%%fsdp2 --profile`, or `with fsdp2nb.profile():` in one")
+        return self._profiles.last
+
+    def _command_stacks(self, options) -> None:
+        """Every rank's Python stacks now, all threads, asked of their control threads: a cell runs on."""
+        pool = self._running_pool()
+        ranks = tuple(range(pool.world_size))
+        request_id = self.session.next_cell_id()
+        pool.send(ranks, ReportStacks(request_id=request_id), connect_timeout_s=0)
+        print(describe_stacks(self._profiles.wait_for_stacks(request_id, ranks, _STACKS_WAIT_S), pool.world_size))
 
     def _command_dashboard(self, options) -> None:
         self._dashboard().show()

@@ -363,16 +363,17 @@ class NotebookSession:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def run_cell(self, pool: PoolHandle, code: str, ranks: tuple[int, ...]) -> None:
-        """Run `code` on `ranks`, streaming output; raises RankError if any rank raised."""
-        self.finish_cell(self.send_cell(pool, code, ranks, notebook_execution_count()))
+    def run_cell(self, pool: PoolHandle, code: str, ranks: tuple[int, ...], *, profile: bool = False) -> None:
+        """Run `code` on `ranks`, streaming output; raises RankError if any rank raised.
+        `profile`: under torch.profiler on each rank (`%%fsdp2 --profile`)."""
+        self.finish_cell(self.send_cell(pool, code, ranks, notebook_execution_count(), profile=profile))
 
     def send_cell(self, pool: PoolHandle, code: str, ranks: tuple[int, ...],
-                  execution_count: int | None) -> SentCell:
+                  execution_count: int | None, *, profile: bool = False) -> SentCell:
         """Send `code` to `ranks` and return at once; `finish_cell` waits for the replies. The cell
         is transformed and checked first (CellSyntaxError: nothing sent). From the send until
         `finish_cell` ends, the stop button only takes note, as in `run_request`."""
-        make_request = _cell_request(code, execution_count)
+        make_request = _cell_request(code, execution_count, profile)
         stop_button = contextlib.ExitStack()
         presses = stop_button.enter_context(sigint_noted())
         try:
@@ -507,13 +508,13 @@ def _pulled(reply: CellFinished) -> bytes:
     return reply.value
 
 
-def _cell_request(code: str, execution_count: int | None) -> Callable[[int], RunCell]:
+def _cell_request(code: str, execution_count: int | None, profile: bool = False) -> Callable[[int], RunCell]:
     """The request that runs a notebook cell, for the request id a wait takes; the cell is
     transformed here, once (a SyntaxError is raised before anything is sent)."""
     transformed = transform_and_check(code)
     scheme = notebook_color_scheme()
     return lambda cell_id: RunCell(cell_id=cell_id, code=code, transformed=transformed,
-                                   execution_count=execution_count, color_scheme=scheme)
+                                   execution_count=execution_count, color_scheme=scheme, profile=profile)
 
 
 def check_keepable(spec: PoolSpec) -> None:

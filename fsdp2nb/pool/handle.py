@@ -13,18 +13,21 @@ from typing import Literal, Protocol
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.kept import KeepOptions, NotedRun
 from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.profile_analysis import ProfileAnalysis
 from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.protocol import (
     ControlMessage,
     EventMessage,
     RankExited,
+    RankProfile,
     RankReady,
     RankSnapshot,
+    RankStacks,
     TaskProgress,
 )
 
 PoolState = Literal["stopped", "starting", "ready", "broken"]
-SnapshotListener = Callable[[RankSnapshot | TaskProgress], None]
+SnapshotListener = Callable[[RankSnapshot | TaskProgress | RankProfile | RankStacks | ProfileAnalysis], None]
 BusyListener = Callable[[], None]
 """Called when a request to the ranks starts or ends."""
 """Hears a pool's snapshots and progress events, on the thread reading its events."""

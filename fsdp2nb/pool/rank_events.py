@@ -19,8 +19,10 @@ from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.wire.protocol import (
     EventMessage,
     RankExited,
+    RankProfile,
     RankReady,
     RankSnapshot,
+    RankStacks,
     RendezvousOpened,
     RichOutput,
     StreamOutput,
@@ -84,6 +86,10 @@ class RankEvents:
                 listener(event)
             if isinstance(event, RankSnapshot) or event.cell_id is None:
                 return  # a progress event of a cell also goes to the cell, for its own bar
+        if isinstance(event, (RankProfile, RankStacks)):  # whenever they come: for frontend/profiles.py
+            for listener in list(self.listeners):
+                listener(event)
+            return
         if isinstance(event, RendezvousOpened):
             self._rendezvous = event
             return

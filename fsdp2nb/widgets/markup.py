@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from fsdp2nb.sizes import size
-from fsdp2nb.widgets.model import MemoryReading, RankRow
+from fsdp2nb.widgets.model import MemoryReading, RankRow, TimeSplit
 from fsdp2nb.wire.protocol import CheckpointEntry, CheckpointStatus, ProgressUpdate
 
 _OK, _WARN, _PEAK, _RESERVED = "#3b82f6", "#dc2626", "#111827", "#bfdbfe"
@@ -138,10 +138,33 @@ def rank_row_html(row: RankRow) -> str:
             f'<span><b>rank {row.rank}</b><br><span style="color:#6b7280">{html.escape(row.device)} · '
             f'pid {row.pid or "-"}</span></span>'
             f'<span style="color:{colour}">● {html.escape(row.state_text)}</span>'
-            f'{memory_bar(row.memory)}{sparkline(row.history)}'
+            f'{memory_bar(row.memory)}{sparkline(row.history)}{time_bar(row.time_split)}'
             f'<span class="fsdp2nb-mem"><span{warn}>{html.escape(memory_text(row.memory))}</span>'
             f'{"<br><span style=color:#6b7280 title=" + _TRACKED_WHEN + ">" + tracked + "</span>" if tracked else ""}'
             '</span></div>')
+
+
+_TIME_COLOURS = (("compute", "#4c78a8"), ("communication", "#f2a541"), ("waiting", "#d62728"), ("idle", "#d1d5db"))
+"""The profile view's colours (frontend/profile_view.py), so the two read alike."""
+
+
+def time_bar(split: TimeSplit | None, width: int = 104, height: int = 12) -> str:
+    """The last profiled cell on this rank: compute, communication (waiting in red), idle."""
+    if split is None or split.wall_s <= 0:
+        return ""
+    parts = (split.compute_s, split.communication_s - split.waiting_s, split.waiting_s, split.idle_s)
+    x, rects = 0.0, []
+    for (kind, colour), seconds in zip(_TIME_COLOURS, parts, strict=True):
+        share = max(0.0, seconds) / split.wall_s * width
+        rects.append(f'<rect class="fsdp2nb-time-{kind}" x="{x:.1f}" width="{share:.1f}" height="{height}" '
+                     f'fill="{colour}"/>')
+        x += share
+    title = (f"last profile: wall {split.wall_s * 1e3:.1f} ms = compute {split.compute_s * 1e3:.1f} + communication "
+             f"{split.communication_s * 1e3:.1f} (waiting {split.waiting_s * 1e3:.1f}) + idle {split.idle_s * 1e3:.1f} ms"
+             + ("; the straggler" if split.straggler else ""))
+    outline = ' stroke="#d62728" stroke-width="2"' if split.straggler else ""
+    return (f'<svg class="fsdp2nb-time" width="{width}" height="{height}"><title>{html.escape(title)}</title>'
+            f'{"".join(rects)}<rect width="{width}" height="{height}" fill="none"{outline}/></svg>')
 
 
 # --- training curves ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from fsdp2nb.profile_analysis import ProfileAnalysis
 from fsdp2nb.wire.protocol import (
     CheckpointStatus,
     CheckpointView,
@@ -93,6 +94,22 @@ class RankRow:
     memory: MemoryReading | None
     history: tuple[float, ...]
     """Used bytes over the last HISTORY_S, oldest first."""
+    time_split: TimeSplit | None = None
+    """Where the last profiled cell's time went on this rank; None before any profile."""
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    """A rank's last profiled wall time in parts (seconds): compute + communication + idle = wall."""
+
+    wall_s: float
+    compute_s: float
+    communication_s: float
+    waiting_s: float
+    """Of communication, waiting for the other ranks."""
+    idle_s: float
+    straggler: bool
+    """The rank the others waited for most."""
 
 
 
@@ -234,10 +251,18 @@ class DashboardModel:
         a text shown before (saved step 7, then a new request, then saved step 7 again)."""
         self.notice = ""
         """The last thing that happened to the pool itself (a rank died and the pool was replaced)."""
+        self.profile: ProfileAnalysis | None = None
+        """The last profile the notebook showed (`%%fsdp2 --profile`, `fsdp2nb.profile()`)."""
 
     # --- feeding ------------------------------------------------------------------------------
 
-    def observe(self, snapshot: RankSnapshot | TaskProgress) -> None:
+    def observe(self, snapshot: RankSnapshot | TaskProgress | ProfileAnalysis | object) -> None:
+        if isinstance(snapshot, ProfileAnalysis):
+            with self._lock:
+                self.profile = snapshot
+            return
+        if not isinstance(snapshot, (RankSnapshot, TaskProgress)):
+            return  # a rank's profile or stacks, for the frontend's collector
         if isinstance(snapshot, TaskProgress):
             self.tasks.observe(snapshot)
             return
@@ -359,7 +384,17 @@ class DashboardModel:
         state, text = self._state(rank, now)
         history = tuple(used for t, used in self._history.get(rank, ()) if now - t <= HISTORY_S)
         return RankRow(rank=rank, state=state, state_text=text, device=self.facts.devices.get(rank, "-"),
-                       pid=self.facts.pids.get(rank), memory=self._memory(snapshot), history=history)
+                       pid=self.facts.pids.get(rank), memory=self._memory(snapshot), history=history,
+                       time_split=self._time_split(rank))
+
+    def _time_split(self, rank: int) -> TimeSplit | None:
+        profile = self.profile
+        row = next((row for row in profile.rows if row.rank == rank), None) if profile is not None else None
+        if row is None:
+            return None
+        assert profile is not None, "a row comes from a profile"
+        return TimeSplit(wall_s=row.wall_s, compute_s=row.compute_s, communication_s=row.communication_s,
+                         waiting_s=row.waiting_s, idle_s=row.idle_s, straggler=profile.straggler == rank)
 
     def _state(self, rank: int, now: float) -> tuple[str, str]:
         facts = self.facts

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """The version of the messages below, exchanged with the schema's fingerprint in every
 connection's greeting and hello and in a kept pool's attach record; ends that differ are refused
 in one line naming both (wire/versions.py). Raise it with every change of this module's types:
@@ -63,6 +63,8 @@ class RunCell:
     color_scheme: str | None = None
     """The notebook's IPython colour scheme (`InteractiveShell.colors`), so rank tracebacks are
     coloured as a plain cell's and stay readable on the notebook's light or dark theme."""
+    profile: bool = False
+    """`%%fsdp2 --profile`: run the cell under torch.profiler and send a `RankProfile` before the reply."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,13 @@ class ReportActivity:
     """Ask the rank's control thread where its main thread is (for the kernel's waiting line)."""
 
     cell_id: int
+
+
+@dataclass(frozen=True)
+class ReportStacks:
+    """Ask the rank's control thread for every thread's Python stack (`%fsdp2 stacks`)."""
+
+    request_id: int
 
 
 @dataclass(frozen=True)
@@ -224,8 +233,10 @@ class RunCommand:
 
 
 ControlMessage = (RunCell | PushValues | PullValue | Interrupt | RequestSave | ResetPeak | ReportActivity
-                  | Shutdown | JoinRendezvous | PostMortem | AnswerInput | RunCommand | ReleaseCollectives)
-FOR_CONTROL_THREAD = (Interrupt, RequestSave, ResetPeak, ReportActivity, AnswerInput, ReleaseCollectives)
+                  | Shutdown | JoinRendezvous | PostMortem | AnswerInput | RunCommand | ReleaseCollectives
+                  | ReportStacks)
+FOR_CONTROL_THREAD = (Interrupt, RequestSave, ResetPeak, ReportActivity, AnswerInput, ReleaseCollectives,
+                      ReportStacks)
 """Messages sent on a rank's control connection, which its control thread reads while a cell
 runs; every other message goes to its main thread, on the requests connection."""
 
@@ -521,8 +532,53 @@ class InputRequested:
     password: bool = False
 
 
+@dataclass(frozen=True)
+class ThreadStack:
+    """One thread of a rank, as `%fsdp2 stacks` shows it."""
+
+    name: str
+    main: bool
+    """The thread that runs cells."""
+    frames: tuple[str, ...]
+    """Outermost first, one line each: "In[3] line 4: dist.all_reduce(t)" for a cell's code,
+    "file.py:12 in function" for the rest."""
+
+
+@dataclass(frozen=True)
+class RankStacks:
+    """A rank's answer to `ReportStacks`: every thread's stack, taken without stopping any."""
+
+    rank: int
+    request_id: int
+    cell_id: int | None
+    """The request the rank was running, None between requests."""
+    threads: tuple[ThreadStack, ...]
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    """What torch.profiler recorded on a rank over a profiled cell or `fsdp2nb.profile()` block."""
+
+    rank: int
+    cell_id: int | None
+    device: str
+    start_ns: int
+    """The window's start on the rank's clock (Unix nanoseconds, as the profiler stamps events)."""
+    end_ns: int
+    names: tuple[str, ...]
+    """The ops' names; `ops` refers to them by index."""
+    ops: bytes
+    """Packed int64 records (fsdp2nb/profile_records.py): name, lane, kind, start, duration."""
+    main_lane: int
+    """The lane of the thread that ran the cell."""
+    clock_offset_ns: int = 0
+    """Added to the rank's times to put them on the kernel's clock; 0 on the kernel's host."""
+    clock_error_ns: int = 0
+    """How far that offset may be off (half the round trip it was measured in)."""
+
+
 EventMessage = (RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited | TaskProgress
-                | RankActivity | RendezvousOpened | InputRequested)
+                | RankActivity | RendezvousOpened | InputRequested | RankStacks | RankProfile)
 
 @dataclass(frozen=True)
 class AttachRecord:
@@ -546,7 +602,8 @@ class AttachRecord:
 WIRE_TYPES = (RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
               RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak,
               TaskProgress, ReportActivity, RankActivity, JoinRendezvous, RendezvousOpened,
-              PostMortem, AnswerInput, InputRequested, RunCommand, ReleaseCollectives)
+              PostMortem, AnswerInput, InputRequested, RunCommand, ReleaseCollectives,
+              ReportStacks, RankStacks, RankProfile)
 """Messages that travel as (their type's tag, field values): see signing.Signer; the tag is a
 hash of the type's name and field names (wire/versions.py), not a position in this tuple."""
 VERSIONED_TYPES = (ChannelHello, AttachRecord)

@@ -40,6 +40,7 @@ from fsdp2nb.wire.protocol import (
     RankReady,
     ReleaseCollectives,
     ReportActivity,
+    ReportStacks,
     RequestSave,
     ResetPeak,
     RichKind,
@@ -131,6 +132,11 @@ class Rank:
         from fsdp2nb.worker.progress_sender import ProgressSender
 
         progress.install(ProgressSender(self.rank, self._channels.send_event, lambda: self._cell_id))
+        from fsdp2nb.worker import profiling
+
+        self._profiling = profiling  # where profiles go; nothing is hooked until one records
+        self._profile_sink = profiling.ProfileSink(self.rank, self.device, self._channels.send_event, lambda: self._cell_id)
+        profiling.install(self._profile_sink)
         threading.Thread(target=self._control_loop, daemon=True, name="fsdp2nb-control").start()
         self._channels.send_event(self._ready_event())
 
@@ -264,8 +270,9 @@ class Rank:
 
     def _handle(self, request: RunCell | PushValues | PullValue | RunCommand | PostMortem) -> CellFinished:
         if isinstance(request, RunCell):
-            error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count,
-                                   request.color_scheme)
+            with self._profiling.recording(self._profile_sink, request.profile):
+                error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count,
+                                       request.color_scheme)
             return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
         if isinstance(request, PostMortem):
             from fsdp2nb.worker.shell import post_mortem
@@ -371,6 +378,10 @@ class Rank:
             self._sampler.reset_peak()
         elif isinstance(message, ReportActivity):
             self._report_activity()
+        elif isinstance(message, ReportStacks):
+            from fsdp2nb.worker.stacks import rank_stacks
+
+            self._channels.send_event(rank_stacks(self.rank, message.request_id, self._cell_id, self._main_thread_id))
         elif isinstance(message, AnswerInput):
             self._stdin.deliver(message)
 

@@ -1,0 +1,59 @@
+"""How a rank's profiled ops travel (`RankProfile.ops`): packed int64 records, five to an op.
+
+A profiled training step has tens of thousands of ops; one dataclass each would cost more to
+pickle than the step took. Each record is (name index, lane, kind, start ns, duration ns), start
+on the rank's clock. Shared by the rank that packs and the kernel that reads (no torch).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Final
+
+OP: Final = 0
+"""A CPU op or a user's `record_function` range."""
+COLLECTIVE: Final = 1
+"""A collective in flight on the host (gloo's `gloo:all_reduce`, from its enqueue to its end)."""
+GPU_KERNEL: Final = 2
+"""A GPU kernel that computes."""
+GPU_COLLECTIVE: Final = 3
+"""A GPU kernel of a collective (NCCL)."""
+GPU_COPY: Final = 4
+"""A GPU memory copy or set."""
+KIND_NAMES: Final = ("op", "collective", "gpu kernel", "gpu collective", "gpu copy")
+GPU_LANE_BASE: Final = 1 << 20
+"""GPU streams' lanes follow the host threads' (a thread's lane is a small number)."""
+_FIELDS: Final = 5
+
+
+@dataclass(frozen=True, slots=True)
+class OpRecord:
+    """One op of one rank, its times on the rank's clock."""
+
+    name: str
+    lane: int
+    """A thread (CPU) or a stream (GPU), numbered per rank."""
+    kind: int
+    start_ns: int
+    duration_ns: int
+
+    @property
+    def end_ns(self) -> int:
+        return self.start_ns + self.duration_ns
+
+
+def pack(records: list[tuple[int, int, int, int, int]]) -> bytes:
+    """(name index, lane, kind, start ns, duration ns) records as bytes."""
+    flat = array("q")
+    for record in records:
+        flat.extend(record)
+    return flat.tobytes()
+
+
+def unpack(names: tuple[str, ...], packed: bytes) -> list[OpRecord]:
+    """The records `pack` made, with their names."""
+    flat = array("q")
+    flat.frombytes(packed)
+    return [OpRecord(names[flat[i]], flat[i + 1], flat[i + 2], flat[i + 3], flat[i + 4])
+            for i in range(0, len(flat), _FIELDS)]

@@ -1,0 +1,118 @@
+"""A rank's side of profiling: torch.profiler over a cell (`%%fsdp2 --profile`) or a block
+(`fsdp2nb.profile()`), its ops packed into one `RankProfile` event for the kernel.
+
+Nothing is installed until a profile starts: the rank only keeps where to send one
+(`install`). The profiler's own events are read as Kineto returns them (Unix-nanosecond
+stamps), without building torch's FunctionEvent tree, which would cost more than the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from fsdp2nb.errors import UsageMistake
+from fsdp2nb.profile_records import COLLECTIVE, GPU_COLLECTIVE, GPU_COPY, GPU_KERNEL, GPU_LANE_BASE, OP, pack
+from fsdp2nb.wire.protocol import RankProfile
+
+WINDOW_NAME = "fsdp2nb:profiled"
+"""The range around what is profiled, on the thread that runs it: its lane is the main lane."""
+_HOST_COLLECTIVE_PREFIX = "gloo:"
+"""How gloo names a collective on the thread that runs it, from its enqueue to its end."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileSink:
+    """Where a rank sends what it profiled."""
+
+    rank: int
+    device: str
+    send_event: Callable[[RankProfile], object]
+    current_cell_id: Callable[[], int | None]
+
+
+_sink: ProfileSink | None = None
+_recording = threading.Lock()
+"""Held while a profile records: torch.profiler cannot nest, so an inner one is a no-op."""
+
+
+def install(sink: ProfileSink) -> None:
+    """Where this rank's profiles go (called once by the rank at start; installs no hooks)."""
+    global _sink
+    _sink = sink
+
+
+@contextlib.contextmanager
+def profile() -> Iterator[None]:
+    """Profile the block on every rank that runs it; after the cell the notebook shows it as
+    `%%fsdp2 --profile` does, and `%fsdp2 profile` returns it.
+
+        for step in range(20):
+            with fsdp2nb.profile() if step in (10, 11, 12) else contextlib.nullcontext():
+                train_step()
+
+    Call it on every rank (collectives are matched across ranks). Inside a profiled cell, or
+    another `profile()`, it profiles nothing more.
+    """
+    if _sink is None:
+        raise UsageMistake("fsdp2nb.profile() profiles on the ranks of a pool: use it in a %%fsdp2 cell")
+    with recording(_sink, True):
+        yield
+
+
+@contextlib.contextmanager
+def recording(sink: ProfileSink, active: bool) -> Iterator[None]:
+    """Record what the block runs and send it, whether the block returns or raises."""
+    if not active or not _recording.acquire(blocking=False):
+        yield
+        return
+    try:
+        # torch.autograd's profiler, which torch.profiler.profile drives: the latter's first start
+        # imports torch._inductor, seconds at which the ranks would start their cells far apart.
+        from torch.autograd.profiler import profile as autograd_profile
+        from torch.autograd.profiler import record_function
+
+        profiler = autograd_profile(use_cpu=True, use_device="cuda" if sink.device.startswith("cuda") else None,
+                                    use_kineto=True)
+        profiler.__enter__()
+        try:
+            with record_function(WINDOW_NAME):
+                yield
+        finally:
+            profiler.__exit__(None, None, None)
+            sink.send_event(rank_profile(sink, profiler.kineto_results))
+    finally:
+        _recording.release()
+
+
+def rank_profile(sink: ProfileSink, results) -> RankProfile:
+    """The profiler's events as one event for the kernel (`results`: torch's Kineto results)."""
+    names: dict[str, int] = {}
+    lanes: dict[tuple[bool, int], int] = {}
+    records: list[tuple[int, int, int, int, int]] = []
+    window = (results.trace_start_ns(), results.trace_start_ns())
+    main_lane = 0
+    for event in results.events():
+        name = event.name()
+        on_gpu = event.device_type().name != "CPU"
+        lane_key = (on_gpu, event.device_resource_id() if on_gpu else event.start_thread_id())
+        lane = lanes.setdefault(lane_key, len(lanes) + (GPU_LANE_BASE if on_gpu else 0))
+        if name == WINDOW_NAME:
+            window, main_lane = (event.start_ns(), event.end_ns()), lane
+            continue
+        kind = _kind(name, on_gpu, event.is_user_annotation())
+        records.append((names.setdefault(name, len(names)), lane, kind, event.start_ns(), event.duration_ns()))
+    return RankProfile(rank=sink.rank, cell_id=sink.current_cell_id(), device=sink.device,
+                       start_ns=window[0], end_ns=window[1], names=tuple(names), ops=pack(records),
+                       main_lane=main_lane)
+
+
+def _kind(name: str, on_gpu: bool, user_annotation: bool) -> int:
+    if not on_gpu:
+        return COLLECTIVE if user_annotation and name.startswith(_HOST_COLLECTIVE_PREFIX) else OP
+    lowered = name.lower()
+    if "nccl" in lowered:
+        return GPU_COLLECTIVE
+    return GPU_COPY if lowered.startswith(("memcpy", "memset")) else GPU_KERNEL

@@ -1,0 +1,47 @@
+"""Every thread's Python stack on a rank, for `%fsdp2 stacks`, taken by the control thread
+from `sys._current_frames()`: no thread is stopped or signalled, so a running cell runs on."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import threading
+from types import FrameType
+
+from fsdp2nb.wire.protocol import RankStacks, ThreadStack
+from fsdp2nb.worker.activity import _CELL_NAME
+
+
+def rank_stacks(rank: int, request_id: int, cell_id: int | None, main_thread_id: int) -> RankStacks:
+    """The stacks of every thread of this process but the one asking, the main thread first."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    asking = threading.get_ident()
+    threads = [ThreadStack(name=names.get(ident, f"thread {ident}"), main=ident == main_thread_id,
+                           frames=tuple(_describe(frame) for frame in _outermost_first(top)))
+               for ident, top in sys._current_frames().items() if ident != asking]
+    threads.sort(key=lambda thread: (not thread.main, thread.name))
+    return RankStacks(rank=rank, request_id=request_id, cell_id=cell_id, threads=tuple(threads))
+
+
+def _outermost_first(frame: FrameType | None) -> list[FrameType]:
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames[::-1]
+
+
+def _describe(frame: FrameType) -> str:
+    """A cell's frame as tracebacks show it ("In[3] line 4: text"), any other as file:line in function."""
+    filename, line = frame.f_code.co_filename, frame.f_lineno
+    text = linecache.getline(filename, line).strip()
+    match = _CELL_NAME.match(filename)
+    where = f"In[{match.group(1)}] line {line}" if match else f"{_short_path(filename)}:{line} in {frame.f_code.co_name}"
+    return where + (f": {text}" if text else "")
+
+
+def _short_path(filename: str) -> str:
+    """A path from its package on (torch/distributed/distributed_c10d.py), not from the root."""
+    marker = os.sep + "site-packages" + os.sep
+    return filename.split(marker, 1)[1] if marker in filename else filename

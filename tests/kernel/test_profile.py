@@ -1,0 +1,153 @@
+"""`%%fsdp2 --profile`, `fsdp2nb.profile()`, `%fsdp2 profile` and `%fsdp2 stacks` through a real
+kernel on 3 CPU ranks: the straggler and the others' waiting, rows whose parts add up, one merged
+trace on one clock, and stacks taken while a cell runs on.
+
+A cell held in place (for `%fsdp2 stacks`) waits for a flag file the test creates once it has seen
+what it must, so nothing here depends on timing."""
+
+import json
+import os
+import tempfile
+from collections import defaultdict
+
+import pytest
+
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel
+
+SLEEP_S = 0.15
+NUM_COLLECTIVES = 4
+STRAGGLER_CELL = f"""%%fsdp2 --profile
+import time
+x = torch.ones(1000)
+for _ in range({NUM_COLLECTIVES}):
+    if rank == 1:
+        time.sleep({SLEEP_S})
+    dist.all_reduce(x)
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel(env=WITHOUT_GPUS)
+    assert k.execute("%load_ext fsdp2nb").status == "ok"
+    run = k.execute("%fsdp2 start --cpu 3 --no-dashboard")
+    assert run.status == "ok", run.traceback_text
+    yield k
+    k.stop()
+
+
+@pytest.fixture(scope="module")
+def straggler_run(kernel):
+    run = kernel.execute(STRAGGLER_CELL)
+    assert run.status == "ok", run.traceback_text
+    assert kernel.execute("prof = %fsdp2 profile").status == "ok"
+    return run
+
+
+def _values(kernel, expression: str):
+    run = kernel.execute(f"import json as _json\nprint(_json.dumps({expression}))")
+    assert run.status == "ok", run.traceback_text
+    return json.loads(run.stdout)
+
+
+def test_the_rank_that_sleeps_is_the_straggler_and_the_others_wait_for_it(kernel, straggler_run):
+    shown = "".join(d["data"].get("text/html", "") for d in straggler_run.displays)
+    assert "straggler: rank 1" in shown and "<svg" in shown, shown[:500]
+    assert _values(kernel, "prof.straggler") == 1
+    waiting = _values(kernel, "{row.rank: row.waiting_s for row in prof.ranks}")
+    slept = SLEEP_S * NUM_COLLECTIVES
+    assert waiting["0"] >= 0.9 * slept and waiting["2"] >= 0.9 * slept, waiting
+    assert waiting["1"] < 0.5 * slept, waiting
+
+
+def test_each_rows_parts_add_up_to_its_wall_time(kernel, straggler_run):
+    rows = _values(kernel, "[(r.wall_s, r.compute_s, r.communication_s, r.idle_s, r.waiting_s) for r in prof.ranks]")
+    assert len(rows) == 3
+    for wall, compute, communication, idle, waiting in rows:
+        assert wall >= SLEEP_S * NUM_COLLECTIVES
+        assert compute + communication + idle == pytest.approx(wall, abs=1e-6)
+        assert min(compute, communication, idle) >= 0 and waiting <= communication + 1e-9
+
+
+def test_the_merged_trace_has_a_process_per_rank_and_collectives_end_together(kernel, straggler_run):
+    path = _values(kernel, "prof.trace_path")
+    with open(path) as file:
+        trace = json.load(file)
+    processes = {event["pid"] for event in trace["traceEvents"] if event.get("name") == "process_name"}
+    assert processes == {0, 1, 2}
+    ends = defaultdict(dict)  # (name, n-th) -> rank -> end (us)
+    for rank in processes:
+        collectives = sorted((e for e in trace["traceEvents"] if e["pid"] == rank and e.get("cat") == "collective"),
+                             key=lambda e: e["ts"])
+        seen = defaultdict(int)
+        for event in collectives:
+            ends[(event["name"], seen[event["name"]])][rank] = event["ts"] + event["dur"]
+            seen[event["name"]] += 1
+    all_reduces = [by_rank for (name, _), by_rank in ends.items() if name.endswith("all_reduce")]
+    assert len(all_reduces) >= NUM_COLLECTIVES
+    for by_rank in all_reduces:
+        assert len(by_rank) == 3
+        assert max(by_rank.values()) - min(by_rank.values()) < 5_000, by_rank  # within 5 ms
+
+
+def test_top_ops_name_the_collective(kernel, straggler_run):
+    names = _values(kernel, "[op.name for op in prof.top_ops]")
+    assert 0 < len(names) <= 10 and any(name.endswith("all_reduce") for name in names), names
+
+
+def test_a_cell_without_profile_runs_without_the_profiler(kernel):
+    plain = kernel.execute("%%fsdp2\nprint(torch.autograd._profiler_enabled())")
+    assert plain.stdout == "[all] False\n", plain.stdout + plain.traceback_text
+    profiled = kernel.execute("%%fsdp2 --profile\nprint(torch.autograd._profiler_enabled())")
+    assert profiled.stdout == "[all] True\n", profiled.stdout + profiled.traceback_text
+
+
+def test_a_failing_cell_still_shows_what_ran(kernel):
+    run = kernel.execute("%%fsdp2 --profile\ntorch.ones(64, 64) @ torch.ones(64, 64)\nraise ValueError('late')")
+    assert run.status == "error" and "late" in run.traceback_text
+    shown = "".join(d["data"].get("text/html", "") for d in run.displays)
+    assert "aten::mm" in shown, shown[:500]
+
+
+def test_profile_block_profiles_only_the_block(kernel):
+    run = kernel.execute("%%fsdp2\nimport fsdp2nb\nfor step in range(4):\n    torch.ones(8).sum()\n"
+                         "    if step == 2:\n        with fsdp2nb.profile():\n            torch.ones(8).cumsum(0)\n")
+    assert run.status == "ok", run.traceback_text
+    assert any("fsdp2nb-profile" in d["data"].get("text/html", "") for d in run.displays)
+    assert kernel.execute("block = %fsdp2 profile").status == "ok"
+    names = _values(kernel, "[op.name for op in block.top_ops]")
+    assert "aten::cumsum" in names and "aten::sum" not in names, names
+
+
+def test_profile_with_bg_is_refused_in_one_line(kernel):
+    run = kernel.execute("%%fsdp2 --profile --bg\nrefused_run = 1")
+    usage = [text for text in run.stderr.splitlines() if text.startswith("UsageError: ")]
+    assert run.status == "error" and len(usage) == 1 and "--profile" in usage[0], run.stderr
+    assert kernel.execute("%%fsdp2\nprint('refused_run' in dir())").stdout == "[all] False\n"
+
+
+def test_stacks_show_every_rank_at_its_cell_line_while_the_cell_runs_on(kernel):
+    flag = os.path.join(tempfile.mkdtemp(), "go")
+    body = (f"import os, time\ny = torch.ones(1)\nif rank == 1:\n"
+            f"    while not os.path.exists({flag!r}):\n        time.sleep(0.01)\n"
+            "dist.all_reduce(y)\n")
+    started = kernel.execute(f"%%fsdp2 --bg --name held\n{body}")
+    assert started.status == "ok", started.traceback_text
+    try:
+        for _ in range(200):  # until rank 0 is in the all_reduce and rank 1 in its loop
+            stacks = kernel.execute("%fsdp2 stacks").stdout
+            if "dist.all_reduce(y)" in _rank_lines(stacks, 0) and "time.sleep(0.01)" in _rank_lines(stacks, 1):
+                break
+        else:
+            pytest.fail(f"the stacks never showed both ranks at their lines:\n{stacks}")
+    finally:
+        open(flag, "w").close()
+    assert "] line 6: dist.all_reduce(y)" in _rank_lines(stacks, 0), stacks
+    assert "] line 5: time.sleep(0.01)" in _rank_lines(stacks, 1), stacks
+    assert "(runs cells)" in _rank_lines(stacks, 2)
+    waited = kernel.execute("%fsdp2 wait held")
+    assert waited.status == "ok", waited.traceback_text
+
+
+def _rank_lines(text: str, rank: int) -> str:
+    return "\n".join(line for line in text.splitlines() if line.startswith(f"[{rank}]"))
