@@ -52,7 +52,6 @@ Memory, before loading (no pool needed; the model is built on meta, no weights r
 
     %fsdp2 plan meta-llama/Llama-3.1-8B --gpus 8 [--lora 16] [--batch 4] [--seq 4096]
     %fsdp2 plan ./my-model --cpu 4 [--fp32] [--ac] [--offload] [--memory 80GiB]
-    %fsdp2 memory record                    # CUDA ranks only (not available yet)
 
 Kept pools outlive the kernel (docs/usage.md, "Kept pools")::
 

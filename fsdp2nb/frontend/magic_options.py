@@ -15,7 +15,7 @@ from fsdp2nb.pool.kept import DEFAULT_KEEP_FOR_S, KeepOptions, default_pool_name
 from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, spec_from_options
 
 COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
-            "wait", "interrupt", "debug", "pools", "attach", "detach", "plan", "memory", "profile", "stacks")
+            "wait", "interrupt", "debug", "pools", "attach", "detach", "plan", "profile", "stacks")
 
 
 def _add_pool_options(parser: argparse.ArgumentParser) -> None:
@@ -112,8 +112,6 @@ def line_parsers() -> dict[str, MagicArgumentParser]:
     parsers["debug"].add_argument("--rank", type=int, default=None,
                                   help="the rank whose last error to open (default: the rank that failed first)")
     _add_plan_options(parsers["plan"])
-    parsers["memory"].add_argument("action", choices=("record",), help="record: CUDA allocations for the memory viewer")
-    parsers["memory"].add_argument("--steps", type=int, default=None, metavar="N", help="how many steps to record")
     for command in ("wait", "interrupt"):
         parsers[command].add_argument("name", nargs="?", default=None, metavar="NAME",
                                       help="the background run's --name (default: the latest run)")

@@ -147,7 +147,6 @@ class FSDP2Magics(Magics):
             for listener in list(self.session.snapshot_listeners):
                 listener(profiles[-1].analysis)
 
-
     def _run_in_background(self, options, cell: str, keep: KeepOptions | None = None):
         """`%%fsdp2 --bg`: start the run and return its handle (bound to --name if given)."""
         from fsdp2nb.frontend.background import check_run_name
@@ -346,15 +345,6 @@ class FSDP2Magics(Magics):
         return plan_memory(options.model, world_size, lora=options.lora, engine=engine, activation_checkpointing=options.ac,
                            batch_size=options.batch, seq_len=options.seq, optimizer=options.optimizer, device=device,
                            capacity_bytes=capacity)
-
-    def _command_memory(self, options) -> None:
-        """`%fsdp2 memory record`: PyTorch's allocation history needs CUDA ranks."""
-        pool = self._running_pool()
-        if not any(device.startswith("cuda") for device in pool.spec.devices):
-            raise UsageMistake("%fsdp2 memory record needs CUDA ranks: this pool's ranks are CPU ranks, whose "
-                             "allocations PyTorch does not record (`%fsdp2 plan` and the dashboard cover them)")
-        raise UsageMistake("%fsdp2 memory record on CUDA ranks is not available in this version; "
-                         "torch.cuda.memory._record_memory_history() in a %%fsdp2 cell records the same")
 
     def _command_profile(self, options):
         """`prof = %fsdp2 profile`: the last profile (of a cell, a block or a background run)."""

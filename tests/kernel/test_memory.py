@@ -167,10 +167,12 @@ def _two_sizes(line: str) -> tuple[str, str]:
     return f"{words[0]} {words[1]}", f"{words[2]} {words[3]}"
 
 
-def test_memory_record_says_in_one_line_that_it_needs_cuda_ranks(kernel):
+def test_memory_record_is_not_offered_until_it_is_built(kernel):
     run = kernel.execute("%fsdp2 memory record --steps 3")
-    assert run.status == "error" and run.stderr.startswith("UsageError: %fsdp2 memory record needs CUDA ranks")
-    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert run.status == "error" and run.stderr.startswith("UsageError: %fsdp2 takes one of"), run.stderr
+    assert "got 'memory'" in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    help_text = kernel.execute("print(get_ipython().find_line_magic('fsdp2').__doc__)").stdout  # what %fsdp2? shows
+    assert "memory record" not in help_text and "%fsdp2 plan" in help_text
 
 def test_a_rank_killed_by_sigkill_says_whether_the_oom_killer_sent_it(kernel):
     """Last in the module: the pool restarts after the death."""
