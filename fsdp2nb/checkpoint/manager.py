@@ -50,7 +50,7 @@ from fsdp2nb.checkpoint.direct_writes import ShardWriter
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointEntry
 from fsdp2nb.checkpoint.loadable_steps import LoadableSteps
-from fsdp2nb.checkpoint.memory_snapshots import MemorySnapshots, local_rank_range, store_of_this_rank
+from fsdp2nb.checkpoint.memory_snapshots import MemorySnapshots, open_snapshots, store_of_this_rank
 from fsdp2nb.checkpoint.rank_file import (
     Tracked,
     capture_rank_state,
@@ -77,7 +77,7 @@ from fsdp2nb.collectives import (
     on_rank0_agreed,
 )
 from fsdp2nb.errors import CheckpointLoadError, CheckpointSaveError
-from fsdp2nb.wire.memory_store import MEMORY_DIR_ENV, checkpointer_folder
+from fsdp2nb.wire.memory_store import MEMORY_DIR_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +152,13 @@ class Checkpointer:
             in_flight.sweep(self.directory)
         self._memory: MemorySnapshots | None = None
         """Snapshots in host memory: taken with memory_every, or restorable from an earlier pool."""
-        if store is not None and (memory_every is not None or checkpointer_folder(store, self.directory).is_dir()):
-            self._memory = MemorySnapshots(store, self.directory, rank=self._rank, world_size=self._world_size,
-                                           local_ranks=local_rank_range(self._rank), group=self._fg_group)
+        if store is not None:
+            try:  # collective: on every rank alike, or on none
+                self._memory = open_snapshots(store, self.directory, wanted=memory_every is not None, rank=self._rank,
+                                              world_size=self._world_size, group=self._fg_group)
+            except BaseException:
+                self._destroy_groups()
+                raise
         self._memory_step: int | None = None
         """The snapshot step the ranks agreed on at `track()` (what `latest()` counts)."""
 
@@ -476,6 +480,7 @@ class Checkpointer:
         set_training_state(tracked.model, tracked.optimizer, state)
         if self._memory is not None:
             self._memory.forget_live()
+            self._memory.invalidate()  # snapshots after this step belong to the run it abandons
         restore_rank_state(tracked, rank_state, metadata, self._rank, self._world_size)
         self._last_step = metadata.step
         logger.info("loaded checkpoint step %d from %s", metadata.step, step_dir)

@@ -5,29 +5,38 @@ persistent buffers, optimizer state) into one of two slot files of the pool's sn
 tmpfs (wire/memory_store.py), and its other state (step, RNG, scheduler, optimizer
 hyperparameters, extras) into a small file beside it. The copy runs on a thread: the next forward
 and backward only read what it copies, and the tracked optimizer's next step waits for it, as for
-an async save. The slot written is never the one that holds the newest complete snapshot, and it
-is marked incomplete on the store's board before the copy starts, so a rank killed mid-copy leaves
-its previous snapshot whole. The board (one int64 per rank and slot, in shared memory) is all a
-snapshot writes besides its data: the manifest, with each slot's layout, is written only when a
-slot is made or its layout changes.
+an async save. Buffers are the exception: a forward updates running statistics in place, so they
+are copied aside before `maybe_save` returns. The slot written is never the one that holds the
+newest complete snapshot, and it is marked incomplete on the store's board before the copy starts,
+so a rank killed mid-copy leaves its previous snapshot whole. The board (one int64 per rank and
+slot, in shared memory) is all a snapshot writes besides its data and small state: the manifest,
+with each slot's layout, is written only when a slot is made or its layout changes.
+
+Slots follow the order they were written in, which is the order of their steps: a step lower than
+the last one taken (a loop started again from 0) and a load from disk give up both slots first,
+so a snapshot of an abandoned run is never restored.
 
 Ranks do not finish their copies at the same moment: a rank may start copying step S while a
 slower neighbour still copies S-N. Before overwriting its older slot (step S-2N), a rank waits
 until every rank of its host holds S-N, so that one step stays complete on all of them whichever
 rank dies. (Ranks on other hosts cannot be seen: across hosts that window stays open.)
 
-Restoring is collective: the ranks agree on the newest step every one of them holds, check that
-the snapshot was taken of this model on this world size and mesh (refused in one line, nothing
-changed), then copy it back into the live tensors bitwise.
+Every rank sees the same outcome. A copy that fails on its thread (a neighbour that never
+finishes, a full tmpfs) is not raised inside the optimizer's step, where the other ranks would go on
+into the next collective without it: the next snapshot begins with one small collective in which
+the ranks agree whether any copy failed and whether any rank must make a slot, and every rank
+raises alike, or checks the host's room alike. Restoring is collective too: the ranks agree on the
+newest step every one of them holds, each reads and checks its part (refused in one line on every
+rank, nothing changed, if it was taken of another model, world size or mesh, or cannot be read),
+and after copying it back bitwise they agree again, so a failure there fails every rank alike.
 """
 
 from __future__ import annotations
 
-import copy
 import os
-import pickle
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2nb.checkpoint import plain_pickle
+from fsdp2nb.checkpoint.host_copy import DeviceToHostCopier, QueuedWork, queued_work_of
 from fsdp2nb.checkpoint.rank_file import Tracked
 from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state
 from fsdp2nb.checkpoint.snapshot_files import Board, Slot, tmpfs_free
@@ -47,9 +57,17 @@ from fsdp2nb.checkpoint.snapshot_layout import (
     live_tensors,
     local_shard,
     mesh_description,
+    persistent_buffers,
 )
-from fsdp2nb.collectives import FailedElsewhere, all_gathered_objects, describe, gathered_if_all_succeeded
-from fsdp2nb.errors import MemorySnapshotRefused
+from fsdp2nb.collectives import (
+    FailedElsewhere,
+    all_gathered_objects,
+    all_max,
+    all_ranks_succeeded,
+    describe,
+    gathered_if_all_succeeded,
+)
+from fsdp2nb.errors import Fsdp2nbError, MemorySnapshotRefused
 from fsdp2nb.host_memory import available_bytes
 from fsdp2nb.sizes import size
 from fsdp2nb.wire import memory_store
@@ -62,31 +80,68 @@ _PEER_WAIT_S = 120.0
 _MAX_LISTED = 4
 
 
-class MemorySnapshots:
-    """One Checkpointer's snapshots in the pool's store; made on every rank."""
+class MemorySnapshotFailed(Fsdp2nbError, RuntimeError):
+    """A snapshot's copy, or a restore after the ranks agreed on it, failed on some rank; every
+    rank raises it, naming the rank and the cause."""
 
-    def __init__(self, store: str, directory: Path, *, rank: int, world_size: int, local_ranks: range,
-                 group: dist.ProcessGroup | None) -> None:
-        self.folder = memory_store.checkpointer_folder(store, directory)
-        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # another host's store may not exist yet
+
+@dataclass(slots=True)
+class _Tracked:
+    """The tensors a snapshot copies, found again only when what holds them changes: walking the
+    modules each step cost more than the copy."""
+
+    holders: list[Any]
+    """The model, the optimizer, its state mapping and each parameter's state dict, held so that
+    none is freed and its id() reused by another while compared by identity."""
+    layout: list[Entry]
+    sources: list[torch.Tensor]
+    """Each entry's local tensor, detached: what is copied (buffers: their copy set aside)."""
+    buffers: list[tuple[int, torch.Tensor, torch.Tensor]]
+    """(index in sources, live buffer, its copy set aside) for what a forward updates in place."""
+    mesh: str
+    live: list[torch.Tensor]
+    """The tracked tensors themselves, in layout order."""
+    pointers: list[int]
+    """Where each one's local tensor lay when found."""
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One snapshot as decided on the training thread."""
+
+    step: int
+    index: int
+    tracked: _Tracked
+    state: bytes
+    """The rank's other state, already pickled: what cannot be kept is refused before any copy."""
+    new_slot: bool
+
+
+class MemorySnapshots:
+    """One Checkpointer's snapshots in the pool's store; made on every rank (`open_snapshots`)."""
+
+    def __init__(self, folder: Path, directory: Path, *, rank: int, world_size: int, local_ranks: range,
+                 group: dist.ProcessGroup | None, copier: Executor | None = None) -> None:
+        """`folder`: the Checkpointer's folder of the store, made or checked already; `copier`:
+        where copies run (one thread unless a test injects another)."""
+        self.folder = folder
         self.directory, self.rank, self.world_size = str(directory), rank, world_size
         self.local_ranks, self._group = local_ranks, group
         self._slots: list[Slot | None] = [None, None]
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="fsdp2nb-memory")
+        self._copier = copier or ThreadPoolExecutor(1, thread_name_prefix="fsdp2nb-memory")
         self._copy: Future | None = None
-        self._stream: torch.cuda.Stream | None = None
+        self._failure: BaseException | None = None
+        """What failed the last copy, until the ranks hear of it at the next snapshot."""
+        self._gpu = DeviceToHostCopier()
         self._board = Board(memory_store.board_path(self.folder), world_size)
         self.manifest = memory_store.read_manifest(self.folder, rank) or {}
         self._written_layouts: list[list[Entry] | None] = [None, None]
         """The layout objects the manifest holds for each slot as written by this process."""
         self._restored_mesh: str | None = None
         self._opened_index = 0
-        self._live_key: tuple | None = None
-        self._live: dict[str, torch.Tensor] = {}
-        self._last_identity: tuple = ()
-        self._last_layout: list[Entry] = []
-        self._last_sources: list[torch.Tensor] = []
-        self._last_mesh = ""
+        self._last_taken: int | None = None
+        """The step of the last snapshot this process started (None: none, or given up)."""
+        self._tracked: _Tracked | None = None
         self.copy_s = 0.0
         """Seconds spent in copies (on the thread)."""
         self.num_taken = 0
@@ -95,52 +150,130 @@ class MemorySnapshots:
     # ---- taking ------------------------------------------------------------------------------
 
     def take(self, tracked: Tracked, step: int) -> None:
-        """Start copying the state at `step`; returns once the copy runs. Collective only when
-        slots are (re)made: the ranks agree that the host has room for them first."""
-        self.wait()
-        tensors = self._live_tensors(tracked)
-        layout, sources, mesh = self._layout_of(tensors, tracked.model)
-        index = self._slot_to_write()
-        slot = self._slot_for(index, layout)
-        other_state = _other_state(tracked, step)
-        ready = _queued_gpu_work(sources)
-        previous = self.newest_step()
-        self._copy = self._copier.submit(self._copy_into, index, slot, step, layout, sources, other_state, previous,
-                                         mesh, ready)
+        """Start copying the state at `step`; returns once the copy runs. Collective: one small
+        exchange first, in which every rank hears whether the previous copy failed anywhere (then
+        every rank raises, nothing copied) and whether a slot must be made (then the ranks check
+        that the host has room, alike)."""
+        self._settle()
+        error, self._failure = self._failure, None
+        plan = None
+        if error is None:
+            try:
+                plan = self._plan(tracked, step)
+            except plain_pickle.Unkeepable as exc:
+                error = MemorySnapshotRefused(f"rank {self.rank}: the snapshot of step {step} cannot keep the "
+                                              f"tracked state: {exc}; nothing was copied")
+            except Exception as exc:  # heard by every rank below
+                error = exc
+        any_failed, any_new_slot = all_max((int(error is not None), int(plan is not None and plan.new_slot)),
+                                           self._group)
+        if any_failed:
+            self._raise_everywhere(error, f"the snapshot of step {step}")
+        assert plan is not None, "no rank failed"
+        if any_new_slot:
+            self._make_slot_everywhere(plan)
+        self._start(plan)
 
-    def _live_tensors(self, tracked: Tracked) -> dict[str, torch.Tensor]:
-        """`live_tensors` of the tracked state, found again only when the model or optimizer or an
-        optimizer state of a parameter is another object: walking the modules each step cost more
-        than the copy. Parameters replaced by other objects (not updated in place) between two
-        snapshots need `forget_live()` (`track()` and `load()` call it)."""
+    def _plan(self, tracked: Tracked, step: int) -> _Plan:
+        if self._last_taken is None:
+            self._last_taken = self.newest_step()
+        if self._last_taken is not None and step < self._last_taken:
+            self.invalidate()  # a rewind: what the abandoned run took must never be restored
+        live = self._live_tracked(tracked)
+        index = self._slot_to_write()
+        slot = self._slots[index]
+        state = plain_pickle.dumps(_other_state(tracked, step))
+        new_slot = slot is None or slot.num_bytes != layout_bytes(live.layout)
+        return _Plan(step, index, live, state, new_slot)
+
+    def _live_tracked(self, tracked: Tracked) -> _Tracked:
+        """The tensors to copy, found afresh when the model, the optimizer or a parameter's state
+        dict is another object, or a tensor was moved (`model.to()`). Parameters or state tensors
+        replaced by other objects behind the optimizer's back need `forget_live()`."""
         optimizer = tracked.optimizer
-        key = (id(tracked.model), id(optimizer),
-               tuple(map(id, optimizer.state.values())) if optimizer is not None else ())
-        if key != self._live_key:
-            self._live_key, self._live = key, live_tensors(tracked.model, optimizer)
-        return self._live
+        holders = [tracked.model, optimizer]
+        if optimizer is not None:
+            holders += [optimizer.state, *optimizer.state.values()]
+        cached = self._tracked
+        if (cached is None or len(cached.holders) != len(holders)
+                or any(old is not new for old, new in zip(cached.holders, holders, strict=True))
+                or not _still_live(cached)):
+            self._tracked = cached = _found(tracked.model, optimizer, holders)
+        return cached
 
     def forget_live(self) -> None:
         """Find the tracked tensors afresh at the next snapshot."""
-        self._live_key = None
+        self._tracked = None
 
-    def _layout_of(self, tensors: dict[str, torch.Tensor],
-                   model: nn.Module) -> tuple[list[Entry], list[torch.Tensor], str]:
-        """The layout of `tensors`, their local tensors and the mesh: the last ones again while
-        the same tensors are tracked (training updates them in place; a load or a new optimizer
-        state makes new ones)."""
-        identity = tuple(map(id, tensors.values()))
-        if identity != self._last_identity:
-            sources = [local_shard(tensor).detach() for tensor in tensors.values()]
-            self._last_identity, self._last_layout, self._last_sources = identity, layout_of(tensors), sources
-            self._last_mesh = mesh_description(model)
-        return self._last_layout, self._last_sources, self._last_mesh
+    def invalidate(self) -> None:
+        """Give up this rank's snapshots (the live state is no longer where they lead: a load
+        from disk, a rewind)."""
+        self._settle()
+        self._board.set(self.rank, 0, None)
+        self._board.set(self.rank, 1, None)
+        self._last_taken = None
+
+    def _make_slot_everywhere(self, plan: _Plan) -> None:
+        """Collective: the ranks check the host's room alike, then those that need a slot make it;
+        a failure on one fails all."""
+        needed = layout_bytes(plan.tracked.layout)
+        held_slot = self._slots[plan.index]
+        held = held_slot.num_bytes if held_slot is not None else 0
+        self._check_room(needed if plan.new_slot else 0, held if plan.new_slot else 0)
+        error = None
+        if plan.new_slot:
+            try:
+                self._replace_slot(plan.index, needed)
+            except Exception as exc:  # heard by every rank below
+                error = exc
+        self._raise_everywhere(error, f"making a slot for the snapshot of step {plan.step}")
+
+    def _replace_slot(self, index: int, num_bytes: int) -> None:
+        previous = self.newest_step()
+        if previous is not None:
+            self._wait_for_neighbours(previous)
+        self._board.set(self.rank, index, None)  # before its file changes
+        old = self._slots[index]
+        self._slots[index] = None
+        if old is not None:
+            old.close()
+        self._slots[index] = Slot(memory_store.slot_path(self.folder, self.rank, index), num_bytes, fresh=True)
+
+    def _start(self, plan: _Plan) -> None:
+        """Set buffers aside, then hand the copy to the copy thread."""
+        live = plan.tracked
+        if live.buffers:
+            with torch.no_grad():
+                torch._foreach_copy_([aside for _, _, aside in live.buffers],
+                                     [buffer for _, buffer, _ in live.buffers])
+        ready = queued_work_of(live.sources)
+        previous = self.newest_step()
+        slot = self._slots[plan.index]
+        assert slot is not None, "made above"
+        self._last_taken = plan.step
+        self._copy = self._copier.submit(self._copy_into, plan, slot, previous, ready)
+
+    def _raise_everywhere(self, error: BaseException | None, what: str) -> None:
+        """Collective: raise on every rank if any has an error (its own where it failed)."""
+        try:
+            all_ranks_succeeded(error, what, self._group)
+        except FailedElsewhere as elsewhere:
+            raise MemorySnapshotFailed(f"{elsewhere}") from None
+
+    def _settle(self) -> None:
+        """Wait for the copy in flight; keep what failed it for the next snapshot's agreement."""
+        copy, self._copy = self._copy, None
+        if copy is None:
+            return
+        try:
+            copy.result()
+        except Exception as exc:
+            self._failure = exc
 
     def wait(self) -> None:
-        """Block until the copy in flight is in its slot; raise what failed it."""
-        copy, self._copy = self._copy, None
-        if copy is not None:
-            copy.result()
+        """Block until the copy in flight is in its slot (or failed: every rank hears of it at
+        the next snapshot, raised alike)."""
+        self._settle()
 
     def newest_step(self) -> int | None:
         """The newest step this rank holds whole (another thread may read it while a copy runs)."""
@@ -152,20 +285,9 @@ class MemorySnapshots:
         first, second = self._board.get(self.rank, 0), self._board.get(self.rank, 1)
         return 0 if first < second else 1
 
-    def _slot_for(self, index: int, layout: list[Entry]) -> Slot:
-        needed = layout_bytes(layout)
-        slot = self._slots[index]
-        if slot is not None and slot.num_bytes == needed:
-            return slot
-        self._check_room(needed, slot.num_bytes if slot is not None else 0)
-        if slot is not None:
-            slot.close()
-        self._slots[index] = slot = Slot(memory_store.slot_path(self.folder, self.rank, index), needed)
-        return slot
-
     def _check_room(self, needed: int, held: int) -> None:
-        """Refuse, on every rank alike and before any copy, slots the host cannot hold."""
-        wanted = 2 * needed - held if not any(self._slots) else needed - held
+        """Collective: refuse, on every rank alike and before any copy, slots the host cannot hold."""
+        wanted = 0 if not needed else 2 * needed - held if not any(self._slots) else needed - held
         mine = (int(os.environ.get("GROUP_RANK", "0")), max(0, wanted), available_bytes(), tmpfs_free(self.folder))
         gathered = all_gathered_objects(mine, self._group)
         node = mine[0]
@@ -173,40 +295,40 @@ class MemorySnapshots:
         total = sum(entry[1] for entry in here)
         room = min(min(entry[2] for entry in here), min(entry[3] for entry in here))
         if total > room:
+            largest = max(entry[1] for entry in gathered)
             raise MemorySnapshotRefused(
                 f"memory_every: the snapshots of this host's {len(here)} ranks need {size(total)} more host memory "
-                f"(two copies of {size(needed)} per rank) but {size(room)} is available "
+                f"(up to {size(largest)} per rank, two copies each) but {size(room)} is available "
                 f"(in {memory_store.shared_memory_dir()}); nothing was copied: free memory, or save to disk "
                 "only (memory_every=None)")
 
-    def _copy_into(self, index: int, slot: Slot, step: int, layout: list[Entry], sources: list[torch.Tensor],
-                   other_state: dict[str, Any], previous: int | None, mesh: str, ready: Any) -> None:
+    def _copy_into(self, plan: _Plan, slot: Slot, previous: int | None, ready: QueuedWork | None) -> None:
         started = time.perf_counter()
-        if previous is not None:
-            self._wait_for_neighbours(previous)
-        self._board.set(self.rank, index, None)  # incomplete until the copy is whole
-        if self._written_layouts[index] is not layout or self.manifest.get("mesh") != mesh:
-            self._write_manifest(index, layout, mesh)
-        self._copy_tensors(slot.views(layout), sources, slot, ready)
-        (slot.path.parent / f"{slot.path.name}.state").write_bytes(plain_pickle.dumps(other_state))
-        self._board.set(self.rank, index, step)
+        try:
+            if previous is not None:
+                self._wait_for_neighbours(previous)
+            self._board.set(self.rank, plan.index, None)  # incomplete until the copy is whole
+            live = plan.tracked
+            if self._written_layouts[plan.index] is not live.layout or self.manifest.get("mesh") != live.mesh:
+                self._write_manifest(plan.index, live.layout, live.mesh)
+            self._copy_tensors(slot.views(live.layout), live.sources, slot, ready)
+            memory_store.write_private_file(_state_path(slot.path), plan.state)
+            self._board.set(self.rank, plan.index, plan.step)
+        except Exception as exc:
+            whole = self.newest_step()
+            kept = f"step {whole} is whole" if whole is not None else "no step is whole"
+            raise MemorySnapshotFailed(f"rank {self.rank}: the snapshot of step {plan.step} in host memory failed: "
+                                       f"{describe(exc)}; {kept}, and training can go on") from exc
         self.copy_s += time.perf_counter() - started
         self.num_taken += 1
 
     def _copy_tensors(self, views: list[torch.Tensor], sources: list[torch.Tensor], slot: Slot,
-                      ready: torch.cuda.Event | None) -> None:
+                      ready: QueuedWork | None) -> None:
         """All of it in one call: each Python-level op of this thread waits for the GIL that the
         training thread holds, so a copy made of many small calls would take many switches."""
-        if ready is None:
-            torch._foreach_copy_(views, sources)
-            return
-        slot.pin()  # device to page-locked host memory: the copies run without blocking the stream
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)  # after the step that made the state
-            torch._foreach_copy_(views, sources, non_blocking=slot.pinned)
-        self._stream.synchronize()
+        if ready is not None:
+            slot.pin()  # device to page-locked host memory: the copies run without blocking the stream
+        self._gpu.run(ready, lambda: torch._foreach_copy_(views, sources, non_blocking=slot.pinned))
 
     def _wait_for_neighbours(self, step: int) -> None:
         """Until every rank of this host holds `step` (see the module's docstring)."""
@@ -238,6 +360,7 @@ class MemorySnapshots:
     def agreed_step(self, *, unless_own: bool = False) -> int | None:
         """Collective: the newest step every rank holds; None if there is none (or, with
         `unless_own`, when every rank's snapshot is this very process's: the state is live)."""
+        self._settle()
         manifest = memory_store.read_manifest(self.folder, self.rank) or {}
         taken_on = manifest.get("world_size")
         steps = sorted(self._complete_steps(manifest)) if taken_on == self.world_size else []
@@ -260,47 +383,51 @@ class MemorySnapshots:
         return f"no step of {self.directory} is held whole by every rank in host memory"
 
     def restore(self, tracked: Tracked, step: int) -> dict[str, Any]:
-        """Collective: copy snapshot `step` into the live state; returns the rank's other state
-        (applied by the caller). Refused on every rank, nothing changed, if it does not fit."""
+        """Collective: copy snapshot `step` into the live state; returns the rank's other state.
+        Refused on every rank, nothing changed, if any rank cannot read it or it does not fit; a
+        failure while copying it back fails every rank alike."""
+        self._settle()
         error: BaseException | None = None
         try:
-            slot, layout, blob = self._open_step(step)
-            state = plain_pickle.loads(blob)
+            slot, layout, state = self._read_step(step)
             self._check_matches(tracked, layout, state)
-        except (MemorySnapshotRefused, OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError) as exc:
+            made = _missing_optimizer_state(slot, layout, tracked)
+        except Exception as exc:  # any failure to read, on any rank, is heard by all before a change
             error = exc if isinstance(exc, MemorySnapshotRefused) else MemorySnapshotRefused(
                 f"rank {self.rank}: the snapshot of step {step} cannot be read ({describe(exc)}); nothing was changed")
         try:
             gathered_if_all_succeeded(None, error, "restoring from memory", self._group)
         except FailedElsewhere as elsewhere:
             raise MemorySnapshotRefused(f"{elsewhere}") from None
-        _copy_back(slot, layout, tracked)
-        if tracked.optimizer is not None:
-            for live, saved in zip(tracked.optimizer.param_groups, state["param_groups"], strict=True):
-                live.update(saved)
-        if tracked.scheduler is not None and state["scheduler"] is not None:
-            tracked.scheduler.load_state_dict(state["scheduler"])
-        for name, obj in tracked.extra.items():
-            if name in state["extra"]:
-                obj.load_state_dict(state["extra"][name])
-        restore_rng_state(state["rng"])
+        error = None
+        try:
+            _copy_back(slot, layout, tracked, made)
+            _apply_other_state(tracked, state)
+        except Exception as exc:  # heard by every rank below
+            error = MemorySnapshotFailed(
+                f"rank {self.rank}: restoring step {step} from memory failed: {describe(exc)}; the model and "
+                "optimizer may be partly restored: load a step again before training")
+        self._raise_everywhere(error, f"restoring step {step} from memory")
         self._adopt(slot, step)
         return state
 
-    def _open_step(self, step: int) -> tuple[Slot, list[Entry], bytes]:
+    def _read_step(self, step: int) -> tuple[Slot, list[Entry], dict[str, Any]]:
         manifest = memory_store.read_manifest(self.folder, self.rank)
         if manifest is None:
             raise MemorySnapshotRefused(f"rank {self.rank} has no snapshot manifest in {self.folder}")
         index = self._complete_steps(manifest)[step]
         layout = [Entry.from_json(row) for row in manifest["layouts"][index]]
         path = memory_store.slot_path(self.folder, self.rank, index)
+        state = plain_pickle.loads(memory_store.read_private_file(_state_path(path)))
+        if not isinstance(state, dict) or not {"step", "rng", "param_groups", "scheduler", "extra"} <= state.keys():
+            raise ValueError(f"the state of step {step} in {_state_path(path)} is not a snapshot's")
         slot = self._slots[index]
         if slot is None or slot.num_bytes != layout_bytes(layout):
-            slot = Slot(path, layout_bytes(layout))
+            slot = Slot(path, layout_bytes(layout), fresh=False)
         self.manifest = manifest
         self._restored_mesh = manifest.get("mesh")
         self._opened_index = index
-        return slot, layout, (path.parent / f"{path.name}.state").read_bytes()
+        return slot, layout, state
 
     def _check_matches(self, tracked: Tracked, layout: list[Entry], state: dict[str, Any]) -> None:
         optimizer = tracked.optimizer
@@ -339,69 +466,146 @@ class MemorySnapshots:
         self._slots[index] = slot
         self._board.set(self.rank, 1 - index, None)  # never written by these ranks: not whole for them
         self._board.set(self.rank, index, step)
+        self._last_taken, self._failure = step, None
+        self._tracked = None  # restored optimizer state may be new tensors
         self._written_layouts = [None, None]
         self._write_manifest(None, None, self.manifest.get("mesh", ""))
 
     def saved_views(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The tensors of snapshot `step` (views of its slot) and its other state, for writing it to disk."""
-        slot, layout, blob = self._open_step(step)
-        return {entry.key: slot.view(entry) for entry in layout}, plain_pickle.loads(blob)
+        slot, layout, state = self._read_step(step)
+        return {entry.key: slot.view(entry) for entry in layout}, state
 
     def close(self) -> None:
         """Wait for the copy in flight, then unmap the slots (the store keeps the files)."""
         try:
-            self.wait()
+            self._settle()
         finally:
             self._copier.shutdown(wait=True)
             for slot in self._slots:
                 if slot is not None:
                     slot.close()
             self._slots = [None, None]
+            self._tracked = None
             self._board.close()
 
 
+def open_snapshots(store: str, directory: Path, *, wanted: bool, rank: int, world_size: int,
+                   group: dist.ProcessGroup | None) -> MemorySnapshots | None:
+    """Collective: a Checkpointer's snapshots in `store`, on every rank when `wanted` (memory_every)
+    or when any rank's host holds some of `directory` (a pool restarted after a death); else None
+    on every rank. The store's folders are made or checked on every host alike (wire/memory_store.py),
+    and a folder refused on one rank fails every rank."""
+    folder = memory_store.checkpointer_folder(store, directory)
+    if not wanted and not all_max((int(folder.is_dir()),), group)[0]:
+        return None
+    snapshots, error = None, None
+    try:
+        folder = memory_store.open_checkpointer_folder(store, directory)
+        snapshots = MemorySnapshots(folder, directory, rank=rank, world_size=world_size,
+                                    local_ranks=local_rank_range(rank), group=group)
+    except Exception as exc:  # heard by every rank below
+        error = exc
+    try:
+        all_ranks_succeeded(error, "opening the snapshot store in host memory", group)
+    except BaseException:
+        if snapshots is not None:
+            snapshots.close()
+        raise
+    return snapshots
+
+
 def _other_state(tracked: Tracked, step: int) -> dict[str, Any]:
-    """What the snapshot keeps besides tensors, taken now: training replaces these values (the
-    scheduler sets a group's lr) but does not change them in place, so copies of the dicts
-    suffice; the copy thread serializes them (plain_pickle: plain values and tensors only)."""
+    """What the snapshot keeps besides tensors, pickled at once by the caller (plain_pickle, which
+    refuses what it could not read back)."""
     optimizer = tracked.optimizer
     groups = [{key: value for key, value in group.items() if key != "params"}
               for group in optimizer.param_groups] if optimizer is not None else []
     return {
         "step": step, "rng": capture_rng_state(), "param_groups": groups,
         "scheduler": dict(tracked.scheduler.state_dict()) if tracked.scheduler is not None else None,
-        "extra": {name: copy.deepcopy(obj.state_dict()) for name, obj in tracked.extra.items()},
+        "extra": {name: obj.state_dict() for name, obj in tracked.extra.items()},
     }
 
 
-def _queued_gpu_work(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
-    """An event after the work queued so far on this thread's stream, where the state is on a GPU."""
-    if not any(tensor.is_cuda for tensor in tensors):
-        return None
-    return torch.cuda.current_stream().record_event()
+def _state_path(slot_path: Path) -> Path:
+    return slot_path.with_name(f"{slot_path.name}.state")
 
 
-def _copy_back(slot: Slot, layout: list[Entry], tracked: Tracked) -> None:
-    """Put the slot's tensors into the live model and optimizer; optimizer state a fresh
-    optimizer has not made yet is made like its parameter."""
+def _found(model: nn.Module, optimizer: torch.optim.Optimizer | None, holders: list[Any]) -> _Tracked:
+    """The tensors a snapshot of `model` and `optimizer` copies, with a copy set aside for each buffer."""
+    tensors = live_tensors(model, optimizer)
+    buffer_keys = persistent_buffers(model).keys()
+    with torch.no_grad():
+        sources = [local_shard(tensor).detach() for tensor in tensors.values()]
+    buffers = []
+    for index, key in enumerate(tensors):
+        if key in buffer_keys:
+            aside = torch.empty_like(sources[index])
+            buffers.append((index, sources[index], aside))
+            sources[index] = aside
+    live = list(tensors.values())
+    return _Tracked(holders=holders, layout=layout_of(tensors), sources=sources, buffers=buffers,
+                    mesh=mesh_description(model), live=live, pointers=_local_pointers(live))
+
+
+def _local_pointers(tensors: list[torch.Tensor]) -> list[int]:
+    with torch.no_grad():  # a DTensor's local tensor, without autograd's view
+        return [local_shard(tensor).data_ptr() for tensor in tensors]
+
+
+def _still_live(tracked: _Tracked) -> bool:
+    """Whether every tracked tensor still lies where it was found (`model.to()` moves them)."""
+    return _local_pointers(tracked.live) == tracked.pointers
+
+
+def _missing_optimizer_state(slot: Slot, layout: list[Entry], tracked: Tracked) -> dict[str, torch.Tensor]:
+    """Optimizer state that a fresh optimizer has not made yet (or of another shape), made like its
+    parameter from the slot, by key: before the ranks agree, so that what allocates fails first."""
+    optimizer = tracked.optimizer
+    if optimizer is None:
+        return {}
+    params = dict(tracked.model.named_parameters())
+    made = {}
+    for entry in layout:
+        if not entry.key.startswith("optim."):
+            continue
+        fqn, _, name = entry.key.removeprefix("optim.").rpartition(".")
+        current = optimizer.state.get(params[fqn], {}).get(name)
+        if not (isinstance(current, torch.Tensor) and tuple(local_shard(current).shape) == entry.shape):
+            made[entry.key] = _made_like(params[fqn], slot.view(entry), entry)
+    return made
+
+
+def _copy_back(slot: Slot, layout: list[Entry], tracked: Tracked, made: dict[str, torch.Tensor]) -> None:
+    """Put the slot's tensors into the live model and optimizer (`made`: state made beforehand)."""
     live = live_tensors(tracked.model, None)
-    params = {fqn: param for fqn, param in tracked.model.named_parameters()}
+    params = dict(tracked.model.named_parameters())
     optimizer = tracked.optimizer
     with torch.no_grad():
         for entry in layout:
-            saved = slot.view(entry)
             if entry.key.startswith("model."):
-                local_shard(live[entry.key]).copy_(saved)
+                local_shard(live[entry.key]).copy_(slot.view(entry))
                 continue
             assert optimizer is not None, "checked before: optimizer state needs an optimizer"
             fqn, _, name = entry.key.removeprefix("optim.").rpartition(".")
-            param = params[fqn]
-            state = optimizer.state[param]
-            current = state.get(name)
-            if isinstance(current, torch.Tensor) and tuple(local_shard(current).shape) == entry.shape:
-                local_shard(current).copy_(saved)
+            state = optimizer.state[params[fqn]]
+            if entry.key in made:
+                state[name] = made[entry.key]
             else:
-                state[name] = _made_like(param, saved, entry)
+                local_shard(state[name]).copy_(slot.view(entry))
+
+
+def _apply_other_state(tracked: Tracked, state: dict[str, Any]) -> None:
+    if tracked.optimizer is not None:
+        for live, saved in zip(tracked.optimizer.param_groups, state["param_groups"], strict=True):
+            live.update(saved)
+    if tracked.scheduler is not None and state["scheduler"] is not None:
+        tracked.scheduler.load_state_dict(state["scheduler"])
+    for name, obj in tracked.extra.items():
+        if name in state["extra"]:
+            obj.load_state_dict(state["extra"][name])
+    restore_rng_state(state["rng"])
 
 
 def _made_like(param: torch.Tensor, saved: torch.Tensor, entry: Entry) -> torch.Tensor:

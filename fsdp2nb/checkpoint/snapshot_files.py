@@ -2,37 +2,99 @@
 
 Both live on a tmpfs, so their pages are host memory that outlives the rank; the space is
 reserved with `posix_fallocate` when a file is made, so a full tmpfs fails then, not as a SIGBUS
-in the middle of a copy.
+in the middle of a copy. Files are 0600, opened without following links; a new one is made under
+a random name opened exclusively, then renamed into place.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import secrets
+import stat
 from pathlib import Path
 
 import torch
 
 from fsdp2nb.checkpoint.snapshot_layout import Entry
+from fsdp2nb.errors import UnsafeDirectory
+
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def mapped_file(path: Path, num_bytes: int) -> mmap.mmap | None:
-    """`path` (made if missing, 0600) grown to `num_bytes` and mapped shared; None for no bytes."""
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+def _checked(descriptor: int, path: Path) -> int:
+    """`descriptor`, if it is a regular file of this user's; else closed and refused."""
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        os.close(descriptor)
+        raise UnsafeDirectory(f"the snapshot store's {path} is not a file of this user's; nothing was written: "
+                              "remove it and run the cell again")
+    return descriptor
+
+
+def _fresh_file(path: Path, num_bytes: int) -> Path:
+    """A new 0600 file of `num_bytes` beside `path`, under a random name opened exclusively."""
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    descriptor = os.open(temporary, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        if os.fstat(descriptor).st_size < num_bytes:
+        if num_bytes:
             os.posix_fallocate(descriptor, 0, num_bytes)  # a full tmpfs fails here, not as SIGBUS mid-copy
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    finally:
+        os.close(descriptor)
+    return temporary
+
+
+def _mapped(descriptor: int, path: Path, num_bytes: int, *, grow: bool = False) -> mmap.mmap | None:
+    try:
+        if grow and os.fstat(descriptor).st_size < num_bytes:
+            os.posix_fallocate(descriptor, 0, num_bytes)
+        if os.fstat(descriptor).st_size < num_bytes:
+            raise ValueError(f"{path} holds fewer than the {num_bytes} bytes its manifest gives")
         return mmap.mmap(descriptor, num_bytes) if num_bytes else None
     finally:
         os.close(descriptor)
 
 
+def new_mapped_file(path: Path, num_bytes: int) -> mmap.mmap | None:
+    """A fresh file of `num_bytes` at `path` (replacing what was there), mapped shared; None for no bytes."""
+    temporary = _fresh_file(path, num_bytes)
+    os.replace(temporary, path)
+    return _mapped(_checked(os.open(path, _OPEN_FLAGS), path), path, num_bytes)
+
+
+def existing_mapped_file(path: Path, num_bytes: int) -> mmap.mmap | None:
+    """The file at `path` (a link refused), mapped shared; None for no bytes."""
+    return _mapped(_checked(os.open(path, _OPEN_FLAGS), path), path, num_bytes)
+
+
+def shared_mapped_file(path: Path, num_bytes: int) -> mmap.mmap:
+    """The file at `path` that the ranks of a host share, made by whichever comes first."""
+    try:
+        descriptor = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        temporary = _fresh_file(path, num_bytes)
+        try:
+            os.link(temporary, path)  # fails if another rank made it meanwhile: theirs is taken
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(temporary)
+        descriptor = os.open(path, _OPEN_FLAGS)
+    mapped = _mapped(_checked(descriptor, path), path, num_bytes, grow=True)  # a larger world than the last
+    assert mapped is not None, "a shared file has bytes"
+    return mapped
+
+
 class Slot:
     """One slot file mapped into this process."""
 
-    def __init__(self, path: Path, num_bytes: int) -> None:
+    def __init__(self, path: Path, num_bytes: int, *, fresh: bool) -> None:
+        """`fresh`: a new file replaces what `path` held; else the file there is mapped."""
         self.path, self.num_bytes = path, num_bytes
-        self._map = mapped_file(path, num_bytes)
+        self._map = (new_mapped_file if fresh else existing_mapped_file)(path, num_bytes)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else \
             torch.empty(0, dtype=torch.uint8)
         self.pinned = False
@@ -71,9 +133,7 @@ class Board:
     (a new file is zeros: 0 means none, or being written)."""
 
     def __init__(self, path: Path, world_size: int) -> None:
-        mapped = mapped_file(path, 16 * world_size)
-        assert mapped is not None, "a world has a rank"
-        self._map = mapped
+        self._map = shared_mapped_file(path, 16 * world_size)
         self._steps = memoryview(self._map).cast("q")
 
     def get(self, rank: int, slot: int) -> int:

@@ -56,10 +56,7 @@ def live_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
         names[id(param)] = fqn
         if param.requires_grad:
             tensors[f"model.{fqn}"] = param
-    for module_name, module in model.named_modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                tensors[f"model.{module_name}.{name}".replace("model..", "model.")] = buffer
+    tensors.update(persistent_buffers(model))
     if optimizer is not None:
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -67,6 +64,16 @@ def live_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
                     if isinstance(value, torch.Tensor):
                         tensors[f"optim.{names.get(id(param), '?')}.{state_name}"] = value
     return tensors
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers by key: what a forward may update in place (running statistics)."""
+    buffers = {}
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                buffers[f"model.{module_name}.{name}".replace("model..", "model.")] = buffer
+    return buffers
 
 
 def layout_of(tensors: dict[str, torch.Tensor]) -> list[Entry]:

@@ -9,8 +9,8 @@ The copy goes into host buffers kept from one save to the next: allocating (and 
 fresh memory every save costs several times the copy itself. The DTensor wrapping a buffer is kept
 too: rebuilding ~200 of them costs as much as the copy on a small model. A buffer is reused only
 after the save that used it has finished, which `Checkpointer.save` guarantees by waiting first.
-GPU tensors are copied into pinned buffers on a side stream that first waits for the work queued
-before the save, so the copy overlaps the next forward and backward. (DCP's DefaultStager deep-
+GPU tensors are copied into pinned buffers on a side stream of their GPU that first waits for the
+work queued before the save (host_copy.py), so the copy overlaps the next forward and backward. (DCP's DefaultStager deep-
 copies the whole state dict instead, and in torch 2.11 fails on a state holding a class object.)
 
 A copy can fail on one rank alone (out of memory). Raising there would leave the other ranks
@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from fsdp2nb.checkpoint.faults import fault_point
+from fsdp2nb.checkpoint.host_copy import DeviceToHostCopier, QueuedWork, queued_work_on_current_device
 from fsdp2nb.collectives import describe, get_rank
 from fsdp2nb.errors import Fsdp2nbError
 
@@ -49,31 +50,18 @@ class ReusedBufferStager(AsyncStager):
         self._buffers: dict[str, torch.Tensor] = {}
         self._wrappers: dict[str, DTensor] = {}
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="fsdp2nb-stage")
-        self._stream: torch.cuda.Stream | None = None
+        self._gpu = DeviceToHostCopier()
 
     def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]]:
-        ready = _queued_gpu_work()
+        ready = queued_work_on_current_device()  # what was queued before save() (the last step) lands first
         return self._copier.submit(self._copy_all, state_dict, ready)
 
-    def _copy_all(self, state_dict: dict[str, Any], ready: tuple[int, torch.cuda.Event] | None) -> dict[str, Any]:
+    def _copy_all(self, state_dict: dict[str, Any], ready: QueuedWork | None) -> dict[str, Any]:
         try:
             fault_point("stage_copy", get_rank())
-            return self._copy_all_or_raise(state_dict, ready)
+            return self._gpu.run(ready, lambda: self._copy(state_dict, ""))
         except Exception as exc:  # fails the save on every rank through StagedSavePlanner
             return {STAGING_FAILED_KEY: f"rank {get_rank()}: copying the state failed: {describe(exc)}"}
-
-    def _copy_all_or_raise(self, state_dict: dict[str, Any],
-                           ready: tuple[int, torch.cuda.Event] | None) -> dict[str, Any]:
-        if ready is None:
-            return self._copy(state_dict, "")
-        device, queued = ready
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        with torch.cuda.device(device), torch.cuda.stream(self._stream):
-            self._stream.wait_event(queued)  # what was queued before save() (the last step) lands first
-            staged = self._copy(state_dict, "")
-        self._stream.synchronize()  # the non-blocking copies are in the buffers once this returns
-        return staged
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
@@ -133,10 +121,3 @@ def make_stager() -> AsyncStager:
     """The stager of async saves: reused host buffers, pinned for GPU tensors."""
     return ReusedBufferStager()
 
-
-def _queued_gpu_work() -> tuple[int, torch.cuda.Event] | None:
-    """This thread's GPU and an event after the work queued so far on its current stream; None
-    where CUDA is not in use."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return None
-    return torch.cuda.current_device(), torch.cuda.current_stream().record_event()

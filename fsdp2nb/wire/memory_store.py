@@ -9,9 +9,13 @@ and inside it each Checkpointer directory has its own folder of per-rank files:
     rank-00000.json         the manifest: the rank, world size, mesh and each slot's tensor layout
                             (replaced whole, when a slot is made or its layout changes)
     rank-00000.slot0/1      the tensors of a slot, at the offsets the layout gives
-    rank-00000.slot0/1.state  the rank's other state (RNG, scheduler, step), a torch.save blob
+    rank-00000.slot0/1.state  the rank's other state (RNG, scheduler, step; checkpoint/plain_pickle.py)
     board                   per rank and slot, the step the slot holds whole (an int64, step + 1;
                             0 while it is written): one store per snapshot, no file written
+
+The same rules hold on every host, whoever makes the folders (the kernel, or a rank on another
+host): folders are 0700, owned by this user and not links, or refused in one line; files are
+0600, opened without following links, and replaced through a fresh random name opened exclusively.
 
 The kernel reads the manifests (which step is kept, how big) for `%fsdp2 status` and for the note
 after a restart; the ranks write and restore the slots (checkpoint/memory_snapshots.py). Whoever
@@ -21,9 +25,11 @@ agent when its kernel is gone, and the reaper for a store whose kernel or kept p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import stat
 import struct
@@ -31,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from fsdp2nb.errors import UnsafeDirectory
 
 MEMORY_DIR_ENV = "FSDP2NB_MEMORY_DIR"
 """Set on every rank of a pool: the store its Checkpointers keep snapshots in."""
@@ -45,13 +53,66 @@ def shared_memory_dir() -> str:
 
 def stores_root() -> Path:
     """This user's directory of snapshot stores (0700), made on first use."""
-    path = Path(shared_memory_dir()) / f"fsdp2nb-snapshots-{os.getuid()}"
-    path.mkdir(mode=0o700, exist_ok=True)
-    info = os.lstat(path)  # another user could have made the name first in a shared tmpfs
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise RuntimeError(f"{path} is not a directory owned by this user; remove it (or set "
-                           f"{SHARED_MEMORY_DIR_ENV} elsewhere) and start the pool again")
+    return private_folder(Path(shared_memory_dir()) / f"fsdp2nb-snapshots-{os.getuid()}")
+
+
+def private_folder(path: Path) -> Path:
+    """`path`, made 0700 if missing; refused (`UnsafeDirectory`) unless it is a directory, not a
+    link, owned by this user. Another user can make a name first in a shared tmpfs, or plant a
+    link to where a rank would write the weights; a folder of ours that others may enter is
+    closed to them."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _unsafe(path, "a link or not a directory") from exc
+    try:
+        info = os.fstat(descriptor)
+        if info.st_uid != os.getuid():
+            raise _unsafe(path, f"owned by uid {info.st_uid}, not by this user (uid {os.getuid()})")
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.fchmod(descriptor, 0o700)
+    finally:
+        os.close(descriptor)
     return path
+
+
+def _unsafe(path: Path, what: str) -> UnsafeDirectory:
+    return UnsafeDirectory(f"the snapshot store's {path} is {what}; nothing was written: remove it (or set "
+                           f"{SHARED_MEMORY_DIR_ENV} to a tmpfs of your own) and run the cell again")
+
+
+def open_checkpointer_folder(store: str | os.PathLike, directory: str | os.PathLike) -> Path:
+    """`checkpointer_folder`, with the store and the folder above it made or checked as
+    `private_folder` does (on a host other than the kernel's, a rank makes them)."""
+    private_folder(Path(store).parent)
+    private_folder(Path(store))
+    return private_folder(checkpointer_folder(store, directory))
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """Replace `path` whole with `data` (0600): written under a fresh random name, opened
+    exclusively and without following links, then renamed over it."""
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def read_private_file(path: Path) -> bytes:
+    """`path`'s bytes; a link is refused (OSError), not followed."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(descriptor, "rb") as file:
+        return file.read()
 
 
 def session_store(pid: int, start_time: float) -> Path:
@@ -72,8 +133,8 @@ pool. The name alone would not do: kernels with another TMPDIR keep their pools 
 
 def mark_owner(store: Path, pool_dir: str | os.PathLike) -> None:
     """Make `store` (0700) and record that it belongs to the kept pool in `pool_dir`."""
-    store.mkdir(mode=0o700, exist_ok=True)
-    (store / OWNER_FILE).write_text(str(pool_dir))
+    private_folder(store)
+    write_private_file(store / OWNER_FILE, str(pool_dir).encode())
 
 
 def checkpointer_folder(store: str | os.PathLike, directory: str | os.PathLike) -> Path:
@@ -96,10 +157,7 @@ def board_path(folder: Path) -> Path:
 
 def write_manifest(folder: Path, rank: int, manifest: dict[str, Any]) -> None:
     """Replace the rank's manifest whole: a reader sees the old one or the new one."""
-    target = manifest_path(folder, rank)
-    temporary = target.with_suffix(".tmp")
-    temporary.write_text(json.dumps(manifest))
-    os.replace(temporary, target)
+    write_private_file(manifest_path(folder, rank), json.dumps(manifest).encode())
 
 
 def read_manifest(folder: Path, rank: int) -> dict[str, Any] | None:
@@ -110,7 +168,7 @@ def read_manifest(folder: Path, rank: int) -> dict[str, Any] | None:
 def read_board(folder: Path, world_size: int) -> list[tuple[int, int]]:
     """Per rank, the step held whole in each of its two slots (-1: none, or being written)."""
     try:
-        raw = board_path(folder).read_bytes()
+        raw = read_private_file(board_path(folder))
     except OSError:
         raw = b""
     raw = raw[:16 * world_size].ljust(16 * world_size, b"\0")
@@ -174,14 +232,14 @@ def _newest_common(folder: Path) -> KeptSnapshot | None:
 
 def _read_text(path: Path) -> str | None:
     try:
-        return path.read_text()
-    except OSError:
+        return read_private_file(path).decode()
+    except (OSError, ValueError):
         return None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(read_private_file(path))
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) and value.get("version") == MANIFEST_VERSION else None
