@@ -22,13 +22,17 @@ from fsdp2nb.wire.protocol import CheckpointStatus, CheckpointView, RankSnapshot
 logger = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 0.5
+STEP_REFRESH_INTERVAL_S = 2.0
+"""How often, at most, an optimizer step reads the tracked model's sizes again during a cell."""
 
 
 class ResourceSampler:
     """Sends a RankSnapshot every `interval_s` until stopped; `stop()` is safe to call twice."""
 
     def __init__(self, rank: int, device: str, send: Callable[[RankSnapshot], None],
-                 is_busy: Callable[[], bool], interval_s: float = SAMPLE_INTERVAL_S) -> None:
+                 is_busy: Callable[[], bool], interval_s: float = SAMPLE_INTERVAL_S,
+                 step_refresh_interval_s: float = STEP_REFRESH_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._rank = rank
         self._device = device
         self._send = send
@@ -45,14 +49,41 @@ class ResourceSampler:
         self._rss_peak = 0
         self._tracked_sizes = TrackedSizes()
         self._tracked_sizes_failed = False
+        self._step_refresh_interval_s = step_refresh_interval_s
+        self._clock = clock
+        self._next_step_refresh = float("-inf")
+        self._step_hook = None  # the handle of the optimizer step hook, while one is registered
         self._thread = threading.Thread(target=self._run, daemon=True, name="fsdp2nb-sampler")
 
     def start(self) -> None:
         self._process.cpu_percent()  # the first reading only sets the baseline
+        self.watch_optimizer_steps()
         self._thread.start()
 
     def stop(self) -> None:
         self._stopped.set()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+
+    def watch_optimizer_steps(self) -> None:
+        """Read the tracked sizes after an optimizer step too, so that a training cell's panel
+        shows gradients and optimizer state from its first step, not from the cell's end.
+
+        torch's global step hook sees every optimizer. It runs on the thread that stepped, which is
+        the one training, so reading the tensors there is safe (see TrackedSizes); the sampler's
+        thread never does. At most one step per `step_refresh_interval_s` reads them."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        if self._step_hook is None:
+            self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:  # torch's hook signature
+        now = self._clock()
+        if now < self._next_step_refresh:
+            return
+        self._next_step_refresh = now + self._step_refresh_interval_s
+        self.refresh_tracked_sizes()
 
     def refresh_tracked_sizes(self) -> None:
         """Read the tracked model's sizes (see TrackedSizes); the rank calls it between requests."""
@@ -160,13 +191,14 @@ def _with_requests(status: Callable[[], CheckpointStatus | None]) -> CheckpointV
 class TrackedSizes:
     """Bytes of the tracked model's parameters, gradients and optimizer state on this rank.
 
-    `refresh()` reads them on the rank's main thread, between requests; `read()`, called by the
-    sampler thread, only hands out the last reading. The sampler must not touch the tensors: a
+    `refresh()` reads them on the rank's main thread, between requests and after an optimizer
+    step (at most every few seconds); `read()`, called by the sampler thread, only hands out the
+    last reading. The sampler must not touch the tensors: a
     thread that reads `param.grad` while the main thread trains an FSDP2 model (FSDP2 assigns
     each step's sharded gradients, `zero_grad` drops them) corrupts CPython's object heap now
     and then, and the rank dies of SIGSEGV later, somewhere else (seen with torch 2.13 on Python
-    3.11; `scripts/repro_grad_read_race.py` reproduces it). So the figures are those
-    of the end of the last cell, not of the moment. A gradient's shard is its parameter's (FSDP2
+    3.11; `scripts/repro_grad_read_race.py` reproduces it). So the figures are those of the
+    last step read or the end of the last cell, not of the moment. A gradient's shard is its parameter's (FSDP2
     shards them alike), and gradients come and go together (backward, `zero_grad`), so one
     trainable parameter tells whether they are there."""
 
@@ -185,7 +217,7 @@ class TrackedSizes:
         return self._sizes
 
     def refresh(self) -> None:
-        """Read the sizes again; on the main thread only, while no user code runs."""
+        """Read the sizes again; on the thread that trains, between its steps (or between cells)."""
         tracked = getattr(current_checkpointer(), "_tracked", None)
         if tracked is None:
             self._model, self._probe, self._parameters_key, self._sizes = None, None, [], {}
