@@ -1,11 +1,14 @@
 # make demo: run notebooks/quickstart.ipynb headless on CPU ranks (or GPUs when present), then
-#            print what it showed. make lab: open it in JupyterLab (as root too).
-# make test: ruff, mypy on the kernel side ([tool.mypy] in pyproject.toml), then the whole test
-#            suite (CPU, gloo; tests/browser in Debian's chromium, installed when missing).
+#            print what it showed; installs the package and the `demo` extra only. make lab: open
+#            it in JupyterLab (as root too).
+# make test: make lint (ruff, mypy on the kernel side: [tool.mypy] in pyproject.toml), then the
+#            whole test suite (CPU, gloo; tests/browser in Debian's chromium, installed when
+#            missing); installs the `test` extra, also after a `make demo`.
 #            Both set up .venv themselves and may be run twice.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fsdp2nb-installed
+DEMO_STAMP := $(VENV)/.fsdp2nb-demo-installed
 # pytest-xdist workers for `make test`: most tests wait on kernels, ranks and sockets more than
 # they compute, so two share a 2-core machine well; each worker takes one test file at a time.
 TEST_WORKERS ?= 2
@@ -13,16 +16,22 @@ TEST_WORKERS ?= 2
 .PHONY: demo test lint bench bench-peers lab gpu-check clean soak
 
 $(STAMP): pyproject.toml scripts/setup_venv.sh
-	bash scripts/setup_venv.sh $(VENV)
+	bash scripts/setup_venv.sh $(VENV) test
 	touch $(STAMP)
 
-demo: $(STAMP)
+$(DEMO_STAMP): pyproject.toml scripts/setup_venv.sh
+	bash scripts/setup_venv.sh $(VENV) demo
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) scripts/run_demo.py notebooks/quickstart.ipynb
 
-test: $(STAMP)
-	bash scripts/install_chromium.sh
+lint: $(STAMP)
 	$(PY) -m ruff check fsdp2nb tests benchmarks scripts
 	$(PY) -m mypy
+
+test: $(STAMP) lint
+	bash scripts/install_chromium.sh
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 # JupyterLab comes with the [test] extra; it refuses root (containers, CI) without --allow-root.
