@@ -15,6 +15,7 @@ from typing import Any
 
 from fsdp2nb.errors import Fsdp2nbError, RankError, UsageMistake
 
+__version__ = "0.1.0"  # pyproject.toml reads it from here
 __all__ = [
     "Checkpointer",
     "FSDP2Engine",
@@ -65,8 +66,9 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    """Every public name, the lazy ones too, so tab completion offers them without importing torch."""
-    return sorted([*globals(), *_LAZY_NAMES])
+    """The public API, the lazy names too, so tab completion offers them without importing torch
+    (and not the module's own imports)."""
+    return sorted([*__all__, "__version__"])
 
 
 def load_ipython_extension(ipython) -> None:
