@@ -1,0 +1,21 @@
+"""Options of the session model-checker (tests/faults/test_session_model.py); each has an
+environment variable of the same meaning, for runs that do not go through this directory."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("session", "the seeded session model-checker (tests/faults/test_session_model.py)")
+    group.addoption("--session-seed", type=int, default=None,
+                    help="the first seed (env FSDP2NB_SESSION_SEED); a failure names its seed")
+    group.addoption("--session-seeds", type=int, default=None,
+                    help="seeds of the soak run, from the first (env FSDP2NB_SESSION_SEEDS, default 5)")
+    group.addoption("--session-actions", type=int, default=None,
+                    help="most actions of one session (env FSDP2NB_SESSION_ACTIONS)")
+    group.addoption("--session-examples", type=int, default=None,
+                    help="sessions per seed in the soak run (env FSDP2NB_SESSION_EXAMPLES, default 4)")
+    group.addoption("--session-shrink", action="store_true", default=None,
+                    help="let Hypothesis shrink a failing session to a short one (env FSDP2NB_SESSION_SHRINK=1)")
+
