@@ -1,12 +1,17 @@
 """End to end in JupyterLab: a 2-rank CPU pool's dashboard, Save clicked during a training cell,
-the step listed while the cell still runs, then Load. Screenshots go to /tmp/dash-shots; with
-FSDP2NB_DASHBOARD_SCREENSHOT=path the panel alone, during training, goes to path (the README's)."""
+the step listed and each rank's memory split into parameters, gradients and optimizer state while
+the cell still runs, then Load. Screenshots go to /tmp/dash-shots; with
+FSDP2NB_DASHBOARD_SCREENSHOT=path the panel alone, during training, goes to path (the README's),
+its checkpoints then written to ~/fsdp2nb-runs/run1 (removed afterwards) rather than a test's
+temporary directory, which the panel would show."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import time
+from pathlib import Path
 
 import nbformat
 
@@ -27,17 +32,21 @@ def _notebook(path, ckpt: str, flag: str) -> None:
 
 
 def test_save_during_training_then_load(lab, browser, shots):
-    ckpt, flag = str(lab.root / "ckpt"), str(lab.root / "flag")
-    _notebook(lab.root / "dash.ipynb", ckpt, flag)
+    readme_shot = bool(os.environ.get("FSDP2NB_DASHBOARD_SCREENSHOT"))
+    ckpt = Path.home() / "fsdp2nb-runs" / "run1" if readme_shot else lab.root / "ckpt"
+    flag = str(lab.root / "flag")
+    _notebook(lab.root / "dash.ipynb", str(ckpt), flag)
     context = browser.new_context(viewport={"width": 1280, "height": 1000})
     page = Page(context.new_page())
     try:
-        _save_during_training_then_load(page, lab, shots, flag, step_dir=lab.root / "ckpt")
+        _save_during_training_then_load(page, lab, shots, flag, step_dir=ckpt)
     except Exception:
         page.page.screenshot(path=str(shots / "failure.png"))  # what the page showed when it failed
         raise
     finally:
         context.close()
+        if readme_shot:
+            shutil.rmtree(ckpt.parent, ignore_errors=True)
 
 
 def test_save_during_training_notebook7(notebook7, browser, shots):
@@ -62,9 +71,6 @@ def _save_during_training_then_load(page: Page, lab, shots, flag: str, step_dir)
     page.open(lab.url("dash.ipynb"))
     dash = page.page.locator(".fsdp2nb-dashboard").first
     step, before = _save_during_training(page, shots, flag, step_dir)
-    # The tracked sizes are read when a cell ends and reach the panel with the next snapshot.
-    page.page.wait_for_function("!document.querySelector(\".fsdp2nb-dashboard .fsdp2nb-rank[data-rank='0'] "
-                                ".fsdp2nb-mem\").textContent.includes('optimizer 0 B')", timeout=30_000)
     after = [dash.locator(f".fsdp2nb-rank[data-rank='{r}'] .fsdp2nb-mem").text_content() for r in (0, 1)]
     assert all(a != b for a, b in zip(after, before, strict=True)), (before, after)
     assert "params" in after[0] and "optimizer 0 B" not in after[0], after
@@ -111,6 +117,7 @@ def _save_during_training(page: Page, shots, flag: str, step_dir,
     _check_loss_plot(dash)
     page.page.wait_for_function("(document.querySelector('.fsdp2nb-dashboard .fsdp2nb-memory-step') || "
                                 "{textContent: ''}).textContent.includes('in memory')", timeout=60_000)
+    _wait_for_split_during_training(page, dash)
     page.shoot(shots / "2-saved-during-training.png")
     if readme_shot and os.environ.get("FSDP2NB_DASHBOARD_SCREENSHOT"):
         dash.screenshot(path=os.environ["FSDP2NB_DASHBOARD_SCREENSHOT"])
@@ -128,6 +135,16 @@ def _save_during_training(page: Page, shots, flag: str, step_dir,
     assert f"saving step {step}: done" in output, output  # the cell's own progress bar
     assert (step_dir / f"step-{step:06d}").is_dir()
     return step, before
+
+
+def _wait_for_split_during_training(page: Page, dash) -> None:
+    """Each rank's memory line shows gradients and optimizer state while the cell still runs: the
+    split is read again after optimizer steps, not only when a cell ends."""
+    page.page.wait_for_function(
+        "[0, 1].every(r => { const t = document.querySelector(`.fsdp2nb-dashboard .fsdp2nb-rank[data-rank='${r}'] "
+        ".fsdp2nb-mem`).textContent; return t.includes('grads') && !t.includes('grads 0 B') "
+        "&& !t.includes('optimizer 0 B'); })", timeout=60_000)
+    assert "[*]" in page.page.locator(".jp-CodeCell").nth(2).locator(".jp-InputArea-prompt").text_content()
 
 
 def _load_then_delete_latest(page: Page, dash, step: int, step_dir) -> None:
