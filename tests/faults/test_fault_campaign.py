@@ -28,10 +28,6 @@ COLLECTIVE_TIMEOUT_S = 15.0
 then always ends with the others interrupted and the pool restarted. A shorter timeout lets a
 collective time out first, which leaves gloo's pairs closed in a pool that is kept (see stop_rank)."""
 
-KNOWN_DEFECTS: dict[str, str] = {}
-"""Fault kinds that fail on main because of defects being fixed on other branches; remove an
-entry once its fix is merged, and the kind joins the campaigns again."""
-
 
 def _check(result: CampaignResult) -> None:
     table = summary_table(result)
@@ -44,20 +40,10 @@ def _check(result: CampaignResult) -> None:
 
 
 def test_six_seeded_faults_lose_nothing_and_leave_nothing(tmp_path):
-    kinds = tuple(kind for kind in SUITE_KINDS if kind not in KNOWN_DEFECTS)
-    result = Campaign(seed=SEED, num_faults=len(kinds), num_ranks=2, kinds=kinds, workdir=str(tmp_path),
+    result = Campaign(seed=SEED, num_faults=len(SUITE_KINDS), num_ranks=2, kinds=SUITE_KINDS, workdir=str(tmp_path),
                       collective_timeout_s=COLLECTIVE_TIMEOUT_S).run()
-    assert sorted(record.kind for record in result.records) == sorted(kinds)
+    assert sorted(record.kind for record in result.records) == sorted(SUITE_KINDS)
     _check(result)
-
-
-@pytest.mark.parametrize("kind", sorted(KNOWN_DEFECTS))
-def test_a_known_defect_kind_alone(kind, tmp_path):
-    result = Campaign(seed=SEED, num_faults=1, num_ranks=2, kinds=(kind,), workdir=str(tmp_path)).run()
-    try:
-        _check(result)
-    except AssertionError:
-        pytest.xfail(f"{kind} (seed {SEED}): {KNOWN_DEFECTS[kind]}")
 
 
 @pytest.mark.soak
