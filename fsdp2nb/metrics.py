@@ -44,7 +44,18 @@ class MetricsBuffer:
 
 def _numbers(values: dict[str, object]) -> dict[str, float]:
     """Plain floats (a tensor's `.item()`), so the kernel never needs torch to read them."""
-    return {name: float(value.item() if hasattr(value, "item") else value) for name, value in values.items()}
+    numbers = {}
+    for name, value in values.items():
+        try:
+            numbers[name] = float(value.item() if hasattr(value, "item") else value)
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several values
+            raise InvalidValue(f"{name}={_brief(value)} is not a number; log numbers or 1-element tensors") from None
+    return numbers
+
+
+def _brief(value: object) -> str:
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 _BUFFER = MetricsBuffer()

@@ -182,6 +182,11 @@ def _dcp_dir(checkpoint: str) -> str:
 def trainer_for(trainer_class: type) -> type:
     """`trainer_class` (transformers.Trainer, trl.SFTTrainer, ...) able to train a model from
     `fsdp2nb.load_model` as it is sharded, and to save and resume it shard-wise."""
+    from transformers import Trainer
+
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        given = trainer_class.__name__ if isinstance(trainer_class, type) else f"a {type(trainer_class).__name__}"
+        raise InvalidValue(f"trainer_for takes a Trainer class (transformers.Trainer, trl.SFTTrainer, ...), not {given}")
     if issubclass(trainer_class, FSDP2TrainerMixin):
         return trainer_class
     return type(f"FSDP2{trainer_class.__name__}", (FSDP2TrainerMixin, trainer_class),
