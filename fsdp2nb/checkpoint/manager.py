@@ -365,6 +365,11 @@ class Checkpointer:
         writer._save_sync(tracked, step, state, rank_state)
         return step
 
+    def snapshot_newer_than_disk(self) -> int | None:
+        """Collective: the newest step every rank holds in host memory, where it is newer than
+        the newest checkpoint on disk; None otherwise (or without snapshots)."""
+        return self._memory_step_to_load("latest")
+
     def _no_snapshot(self, memory: MemorySnapshots | None) -> str:
         if memory is None:
             return (f"no snapshot of {self.directory} is kept in host memory (make the Checkpointer with "

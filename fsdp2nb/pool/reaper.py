@@ -21,6 +21,7 @@ import psutil
 
 from fsdp2nb.errors import UnsafeDirectory
 from fsdp2nb.wire import memory_store
+from fsdp2nb.wire.persisting import persisting_until
 from fsdp2nb.wire.process_identity import ProcessKey, is_same_process
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,10 @@ def reap_orphans(spare_store: str = "") -> int:
             entry = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if is_alive((entry["owner"][0], entry["owner"][1])):
+        owner = (entry["owner"][0], entry["owner"][1])
+        if is_alive(owner):
             continue
+        _wait_while_persisting(owner, [(pid, started) for pid, started in entry["processes"]])
         for pid, started in entry["processes"]:
             num_killed += _kill_if_same((pid, started))
         if entry.get("runtime_dir"):
@@ -80,6 +83,22 @@ def reap_orphans(spare_store: str = "") -> int:
     _prune_standby_dirs()
     memory_store.sweep_stores(lambda pid, started: is_alive((pid, started)), spare=spare_store)
     return num_killed
+
+
+_PERSIST_POLL_S = 0.1
+
+
+def _wait_while_persisting(owner: ProcessKey, processes: list[ProcessKey]) -> None:
+    """The ranks of a kernel that died may be writing its newest snapshot to disk (their agent
+    marked its store: wire/persisting.py): wait until they end or their time is up, so that the
+    new pool's `load("latest")` finds what they wrote."""
+    store = memory_store.session_store(*owner)
+    until = persisting_until(store)
+    if until is not None and any(map(is_alive, processes)):
+        logger.info("waiting up to %.0f s for the ranks of kernel %d to write its snapshot to disk",
+                    until - time.time(), owner[0])
+    while persisting_until(store) is not None and any(map(is_alive, processes)):
+        time.sleep(_PERSIST_POLL_S)
 
 
 def _prune_old_logs(max_age_s: float = LOG_RETENTION_S) -> None:

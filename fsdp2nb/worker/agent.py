@@ -3,7 +3,8 @@
 It imports torch and IPython once, then forks each rank from itself, so N ranks cost one heavy
 import instead of N. The agent never touches CUDA or opens sockets before forking, which keeps
 the fork safe. Afterwards it reports each rank's exit (code or signal, last stderr lines) and
-ends every rank when the kernel that started it goes away.
+ends every rank when the kernel that started it goes away, once they have written the newest
+snapshot in host memory to disk (within a bound: wire/persisting.py).
 
 Run as `python -m fsdp2nb.worker.agent`; the launch plan and pool key arrive as JSON on stdin,
 read only once torch is imported, so that an agent can be started ahead of its launch.
@@ -25,11 +26,14 @@ import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 
+from fsdp2nb.checkpoint.layout import read_latest
 from fsdp2nb.host_memory import kernel_log_names_oom_kill, oom_kill_count
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.kept import host_kept_dir
-from fsdp2nb.wire.memory_store import remove_store
+from fsdp2nb.wire.memory_store import KeptSnapshot, kept_snapshots, remove_store
+from fsdp2nb.wire.persisting import PERSIST_TIMEOUT_ENV, mark_persisting, persist_timeout_s
 from fsdp2nb.wire.pid_watch import PidWatch
 from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
 from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
@@ -148,6 +152,8 @@ class Agent:
         self.oom_kills = oom_kill_count()
         """The memory cgroup's OOM-kill count when last read (None: unreadable), to tell whether
         the kernel's OOM killer sent a rank's SIGKILL."""
+        self.persisting: _Persisting | None = None
+        """Set once the kernel is gone: the ranks' time to write its newest snapshot to disk."""
 
     def run(self) -> int:
         """Returns the agent's exit code: 143 (as for SIGTERM) when asked to stop, so the kernel
@@ -177,6 +183,8 @@ class Agent:
             self.channels.close()
             if self.keeper is not None:
                 self.keeper.remove_directory()
+            if self.persisting is not None and self.persisting.bound_s > 0:
+                self._note(self.persisting.outcome())
             if self.pool_ended:  # a restart's SIGTERM keeps them for the next ranks
                 remove_store(self.plan.memory_dir)
         return 128 + signal.SIGTERM if self.stop_requested else 0
@@ -193,15 +201,49 @@ class Agent:
                 kernel_gone = os.getppid() != self.starter_pid or wakeups.link_closed()
                 self.pool_ended = self.pool_ended or kernel_gone
             if (kernel_gone or self.stop_requested) and not self.stopping:
-                self._stop()
+                if self.stop_requested or not self._ranks_may_persist():
+                    self._stop()
             self._reap_exited()
             if not self.ranks_by_pid:
                 break  # the last rank ended: nothing left to wait for (an endless wait here kept a
                 # politely stopped pool's agent alive until the kernel's grace period ran out)
-            if self.stopping:  # the kernel's pidfd may stay readable: no waiting on it
+            if self.stopping or self.persisting is not None:  # the kernel's pidfd may stay readable
                 time.sleep(_WATCH_INTERVAL_S)
             else:
                 wakeups.wait(self.keeper.timeout_ms() if self.keeper is not None else wakeups.timeout_ms)
+
+    def _ranks_may_persist(self) -> bool:
+        """Whether the ranks of a kernel that died may go on writing its newest snapshot to disk
+        (checkpoint/persist_on_exit.py): they end by themselves once done, within the bound."""
+        if self.persisting is None:
+            self.persisting = self._start_persisting()
+        if self.persisting.time_left() > 0:
+            return True
+        self.persisting.gave_up = self.persisting.bound_s > 0
+        return False
+
+    def _start_persisting(self) -> _Persisting:
+        """Nothing to wait for (a bound of 0) where no snapshot is whole or persisting is off."""
+        bound_s, refused = persist_timeout_s()
+        if refused:
+            self._note(refused)
+        snapshots = kept_snapshots(self.plan.memory_dir)
+        if not snapshots or bound_s <= 0:
+            return _Persisting(snapshots, 0.0)
+        mark_persisting(self.plan.memory_dir, time.time() + bound_s)  # a new kernel's reaper waits for it
+        kept = " and ".join(snapshot.describe() for snapshot in snapshots)
+        self._note(f"kernel {self.starter_pid} is gone; its ranks write the newest snapshot in host memory "
+                   f"({kept}) to disk where it is newer than the newest checkpoint, for at most {bound_s:g} s "
+                   f"({PERSIST_TIMEOUT_ENV}), before that memory is freed")
+        return _Persisting(snapshots, bound_s)
+
+    def _note(self, message: str) -> None:
+        """A line for the agent's log and the pool's (the kernel that kept pool.log is gone)."""
+        print(f"fsdp2nb agent: {message}", flush=True)
+        now = time.time()
+        stamp = f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))},{int(now * 1000) % 1000:03d}"
+        with contextlib.suppress(OSError), open(os.path.join(self.plan.log_dir, "pool.log"), "a") as log:
+            log.write(f"{stamp} INFO agent: {message}\n")  # the layout of pool.log's own lines
 
     def _watched_pid(self) -> int | None:
         """Whose end wakes the agent: the kernel; a kept pool's holder; across hosts, a kept
@@ -232,9 +274,12 @@ class Agent:
                 return
             rank_plan = self.ranks_by_pid.pop(pid, None)
             self._save_last_output(pid, rank_plan)
-            if rank_plan is not None and not self.stopping:
+            if rank_plan is not None and not self.stopping and self.persisting is None:  # else no kernel to tell
                 report = self._exit_report(rank_plan.rank, pid, status)
-                told = self.channels.send_event(report)
+                try:
+                    told = self.channels.send_event(report)
+                except OSError:  # the kernel went a moment ago (its connection broke before its pid ended)
+                    told = False
                 if self.keeper is not None and (not told or self.keeper.holder_pid is None):
                     # No kernel to restart it: the others keep their state, the next kernel hears of it.
                     self.keeper.rank_died(report)
@@ -272,6 +317,28 @@ class Agent:
             self._reap_exited()
             time.sleep(_STOP_POLL_S)
         _signal_all(self.ranks_by_pid, signal.SIGKILL)
+
+
+class _Persisting:
+    """The time a dead kernel's ranks get to write its newest snapshot to disk, and how it went."""
+
+    def __init__(self, snapshots: list[KeptSnapshot], bound_s: float) -> None:
+        self.snapshots, self.bound_s = snapshots, bound_s
+        self.started = time.monotonic()
+        self.gave_up = False
+
+    def time_left(self) -> float:
+        return self.started + self.bound_s - time.monotonic()
+
+    def outcome(self) -> str:
+        """What became of it, once the ranks have ended."""
+        if self.gave_up:
+            return (f"the ranks did not finish writing the snapshot in {self.bound_s:g} s ({PERSIST_TIMEOUT_ENV}); "
+                    "they were ended and the host memory freed anyway")
+        latest = "; ".join(f"LATEST of {snapshot.directory} names step {read_latest(Path(snapshot.directory))}"
+                           for snapshot in self.snapshots)
+        return (f"the ranks ended {time.monotonic() - self.started:.1f} s after their kernel ({latest}); "
+                "the host memory is freed")
 
 
 class _Wakeups:

@@ -165,7 +165,11 @@ class Rank:
             self._send_reply_locked(event)
 
     def _send_reply_locked(self, event: RichOutput | CellFinished) -> None:
-        if not self._channels.send_event(event) and self._follower is not None:
+        try:
+            sent = self._channels.send_event(event)
+        except OSError:  # the kernel is gone: the request loop finds so next (see `serve`)
+            return
+        if not sent and self._follower is not None:
             self._held_reply.append(event)
 
     def _init_distributed(self) -> dict:
@@ -211,7 +215,11 @@ class Rank:
                 request = self._channels.receive_request(_BLOCK)
             except (EOFError, OSError):
                 # The kernel is gone. A kept pool waits for the next one (the control thread
-                # reconnects); any other rank exits.
+                # reconnects); any other rank writes its newest snapshot to disk, then exits.
+                if self._follower is None:
+                    from fsdp2nb.checkpoint.persist_on_exit import persist_at_kernel_exit
+
+                    persist_at_kernel_exit(self.rank)
                 if self._follower is None or not self._channels.wait_for_reconnect(generation):
                     return
                 continue
@@ -355,6 +363,9 @@ class Rank:
                 else:
                     message = self._channels.receive_control(_BLOCK)
             except (EOFError, OSError):
+                cell_id = self._cell_id
+                if self._follower is None and cell_id is not None:
+                    self._interrupt(cell_id)  # the kernel is gone: end its cell, so the main thread persists
                 return
             if message is None:
                 continue
