@@ -171,7 +171,7 @@ generated = model.generate(**prompt, max_new_tokens=60, do_sample=False, pad_tok
 print("generated:", tokenizer.decode(generated[0], skip_special_tokens=True))""", "generate"),
     ("markdown", """`%fsdp2 stop` ends the ranks (closing the notebook or restarting its kernel does too). Next:
 `notebooks/checkpoints.ipynb` (saves from the dashboard, async saves, retention, resuming on fewer
-ranks) and `notebooks/finetune_gpu.ipynb` (a real model on GPUs)."""),
+ranks) and `notebooks/finetune_gpu.ipynb` (a Hugging Face model on GPUs)."""),
     ("code", "%fsdp2 stop"),
 ]
 
@@ -284,10 +284,12 @@ print(f"loaded with from_pretrained: {type(merged).__name__}, {merged.num_parame
 ]
 
 FINETUNE_GPU = [
-    ("markdown", """# Fine-tune a real model on GPUs
+    ("markdown", """# Fine-tune a Hugging Face model on GPUs
 
-The quickstart's story with a real Hugging Face model: bf16 compute, LoRA first, then full
-fine-tuning, optionally with parameters offloaded to CPU memory. The parameters below are read
+The quickstart's story with a Hugging Face model from the Hub or a directory (Qwen/Qwen2.5-0.5B by
+default): bf16 compute, LoRA first, then full fine-tuning, optionally with parameters offloaded to
+CPU memory. `make gpu-check` runs it offline, on a model of Qwen2.5-0.5B's shape with random
+weights made from a config: what it shows there is speed and memory, not what a model learns. The parameters below are read
 from environment variables where set (`scripts/gpu_check.sh` runs this notebook that way);
 change them here otherwise. `GPUS = "cpu"` runs the same cells on 2 CPU ranks, for a tiny model."""),
     ("code", """import os
@@ -394,7 +396,7 @@ A model from `fsdp2nb.load_model` is already sharded with FSDP2. `fsdp2nb.traine
 (or `trainer_for(Trainer)`) gives a trainer class that trains it as it is, without wrapping it
 again, and writes its checkpoints and `save_model` shard-wise: no rank gathers the whole model.
 `fsdp2nb.TrainerCallback()` sends Trainer's logs to the dashboard's curve, and its Save and Stop
-buttons to Trainer. Here: LoRA for a few steps, on every visible GPU with a real model where CUDA
+buttons to Trainer. Here: LoRA for a few steps, on every visible GPU with a Hub model where CUDA
 is present, else on 2 CPU ranks with a tiny Llama-style model made in this notebook. The
 parameters below are read from environment variables where set (`scripts/gpu_check.sh` runs
 this notebook that way); change them here otherwise."""),
@@ -452,15 +454,13 @@ if rank == 0:
     print("losses:", losses)
     print("checkpoints:", sorted(p.name for p in out_dir.glob("checkpoint-*")))""", "train"),
     ("markdown", "What `fsdp2nb.TrainerCallback` logged is the dashboard's curve; `%fsdp2 metrics` gives it as a table."),
-    ("code", """import time
+    ("code", """import math
 
-# Logged points reach the notebook with the ranks' next snapshot, a moment after the cell ends.
-for _ in range(100):
-    metrics = %fsdp2 metrics  # a pandas DataFrame: rank, step, time and each logged value
-    if len(metrics) and metrics.dropna(subset=["loss"])["step"].max() >= 8:
-        break
-    time.sleep(0.1)
-print("steps with a loss on the dashboard:", sorted(metrics.dropna(subset=["loss"])["step"].unique().tolist()))""", "metrics"),
+# Each rank sends its last points before its reply: they are all here once the cell has ended.
+rows = %fsdp2 metrics  # a list of dicts (rank, step, time, each logged value); a DataFrame with pandas
+records = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
+steps = {row["step"] for row in records if math.isfinite(row.get("loss", math.nan))}
+print("steps with a loss on the dashboard:", sorted(steps))""", "metrics"),
     ("markdown", """## Save, resume
 
 `trainer.save_model` writes the adapter (`adapter_model.safetensors`, `adapter_config.json`) and the

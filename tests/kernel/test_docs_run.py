@@ -68,7 +68,6 @@ def train_step(step):
 BEFORE = {
     "fsdp2nb.generate(model, tokenizer": "%%fsdp2\nval_examples = text_windows(tokenizer, sample_text(), seq_len=32)[:6]\n"
                                          "step = 0",
-    "engine.shard_model(model, model_dir)": "%%fsdp2\nimport fsdp2nb",
     'Checkpointer("/ckpt/run1", keep=3).track': "%%fsdp2\nmodel, tokenizer = fsdp2nb.load_model(model_dir)\n"
                                                "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)",
     "trainer = Trainer(model": "%%fsdp2\nfrom transformers import AutoModelForCausalLM, Trainer, TrainingArguments\n"
@@ -79,9 +78,9 @@ BEFORE = {
                                        "data = Dataset.from_dict({'text': sample_text().split('. ')[:16]})",
     "--keep --name llama": "%fsdp2 stop",
 }
-# Cells run just after such a block: its first step (compiling), checked against the uncompiled model.
+# Cells run just after such a block: the compiled model's first step, which compiles it.
 AFTER = {
-    "engine.shard_model(model, model_dir)": "%%fsdp2\nprint('compiled loss is finite:', bool(torch.isfinite(model(**batch(0)).loss)))",
+    "engine.shard_model(model, model_dir)": "%%fsdp2\nloss = model(**batch(0)).loss\nloss.backward()\nassert torch.isfinite(loss), loss",
 }
 
 
@@ -167,6 +166,14 @@ def test_doc_block_runs_as_written(block, docs_kernel, places):
     for key, cell in AFTER.items():
         if key in block.code:
             _run(docs_kernel, cell, f"after {block.id}")
+
+
+def test_a_cells_logged_points_are_in_metrics_once_it_has_ended(docs_kernel):
+    """usage.md: "A cell's points are there when the cell has ended" (no waiting for a snapshot)."""
+    _run(docs_kernel, "%%fsdp2\nimport fsdp2nb\nfor step in range(1000, 1003):\n    fsdp2nb.log(step, probe=float(rank))", "logging")
+    rows = docs_kernel.execute("rows = %fsdp2 metrics\nrecords = rows.to_dict('records') if hasattr(rows, 'to_dict') "
+                               "else rows\nprint(sorted((r['rank'], r['step']) for r in records if r['step'] >= 1000))")
+    assert rows.stdout.strip() == str([(rank, step) for rank in (0, 1) for step in range(1000, 1003)]), rows.stdout
 
 
 def _resume_recipe() -> Block:

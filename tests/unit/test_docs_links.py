@@ -38,8 +38,13 @@ def test_the_readme_is_at_most_15000_bytes():
 
 
 def test_the_readme_starts_with_the_two_commands():
-    lines = README.read_text().splitlines()
-    assert lines[2] == "```bash" and lines[3].startswith("make demo") and lines[4].startswith("make test")
+    """Its first code block, after a paragraph saying what fsdp2nb is and the picture."""
+    text = README.read_text()
+    first_block = re.search(r"^```(\w*)\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+    assert first_block.group(1) == "bash"
+    assert [line.split()[:2] for line in first_block.group(2).splitlines()] == [["make", "demo"], ["make", "test"]]
+    before = text[:first_block.start()]
+    assert "](docs/dashboard.png)" in before and len(before.splitlines()) <= 12
 
 
 def test_the_pages_have_links():
