@@ -40,7 +40,7 @@ def _add_keep_options(parser: argparse.ArgumentParser, *, with_name: bool) -> No
     """The options that keep a pool beyond its kernel, shared by `%%fsdp2` and `start`."""
     group = parser.add_argument_group("kept pools")
     group.add_argument("--keep", action="store_true",
-                       help="the ranks outlive this kernel; `%%fsdp2 attach NAME` in another kernel uses them")
+                       help="the ranks outlive this kernel; `%fsdp2 attach NAME` in another kernel uses them")
     if with_name:  # on a %%fsdp2 line, --name is shared with --bg (see keep_options)
         group.add_argument("--name", metavar="NAME", help="with --keep: the pool's name (default pool-N)")
     group.add_argument("--keep-for", metavar="DURATION",
@@ -99,7 +99,7 @@ def line_parsers() -> dict[str, MagicArgumentParser]:
     parsers["attach"].add_argument("--take", action="store_true", help="take it from the kernel that holds it")
     parsers["attach"].add_argument("--no-dashboard", action="store_true", help="do not show the dashboard")
     _add_pool_options(parsers["restart"])
-    parsers["push"].add_argument("names", nargs="+", metavar="NAME")
+    parsers["push"].add_argument("names", nargs="+", metavar="NAME", help="notebook variables to send to every rank")
     parsers["pull"].add_argument("names", nargs="+", metavar="NAME", help="names on the ranks to pull")
     parsers["pull"].add_argument("--value", action="store_true",
                                  help="return the value (several names: a tuple) instead of defining the names")
