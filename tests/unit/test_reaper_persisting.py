@@ -1,0 +1,63 @@
+"""A new kernel's reaper waits for the ranks of a dead kernel that write its snapshot to disk."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import threading
+
+from fsdp2nb.pool import reaper
+from fsdp2nb.wire import memory_store
+from fsdp2nb.wire.persisting import mark_persisting
+from fsdp2nb.wire.process_identity import process_key
+
+
+class _Heard(logging.Handler):
+    def __init__(self, words: str) -> None:
+        super().__init__(logging.INFO)
+        self.words, self.event = words, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.event.set()
+
+
+def _finished_process_key():
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    key = process_key(done.pid)
+    done.wait()
+    return key
+
+
+def test_ranks_writing_a_dead_kernels_snapshot_end_by_themselves_before_the_reaper_acts():
+    owner = _finished_process_key()
+    store = memory_store.session_store(*owner)
+    store.mkdir(mode=0o700)
+    # A "rank" that ends by itself once its stdin closes, as a rank ends once its write is done.
+    rank = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    heard = _Heard("to write its snapshot to disk")
+    reaper.logger.addHandler(heard)
+    level = reaper.logger.level
+    reaper.logger.setLevel(logging.INFO)
+    reaping = threading.Thread(target=reaper.reap_orphans)
+    try:
+        reaper.record_pool("test-persisting", owner, [process_key(rank.pid)])
+        mark_persisting(store, until=float("1e12"))
+        reaping.start()
+        assert heard.event.wait(timeout=60), "the reaper never said it waits"
+        assert rank.poll() is None and reaping.is_alive()
+        rank.stdin.close()  # the write is done
+        reaping.join(timeout=60)
+        assert not reaping.is_alive()
+        assert rank.wait(timeout=10) == 0, "the rank ended by itself, not by the reaper's SIGKILL"
+    finally:
+        reaper.logger.removeHandler(heard)
+        reaper.logger.setLevel(level)
+        if rank.poll() is None:
+            rank.kill()
+        rank.wait()
+        reaping.join(timeout=60)
+        reaper.forget_pool("test-persisting")
+        shutil.rmtree(store, ignore_errors=True)
