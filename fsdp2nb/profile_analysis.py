@@ -16,8 +16,10 @@ that arrived last is the one the others waited for; the straggler is the rank th
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from fsdp2nb.profile_records import (
@@ -100,6 +102,24 @@ class ProfileAnalysis:
 
 def analyse(profiles: list[RankProfile]) -> ProfileAnalysis:
     """The rows, straggler, top ops and timelines of the ranks' profiles of one cell."""
+    with _collector_paused():
+        return _analyse(profiles)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Tens of thousands of short-lived tuples would wake the cyclic garbage collector again and
+    again, each time walking every object of the notebook: most of the analysis's time."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _analyse(profiles: list[RankProfile]) -> ProfileAnalysis:
     profiles = sorted(profiles, key=lambda profile: profile.rank)
     ops = {profile.rank: on_common_clock(profile) for profile in profiles}
     common_start = max((window_on_common_clock(profile)[0] for profile in profiles), default=0)

@@ -8,8 +8,7 @@ on the rank's clock. Shared by the rank that packs and the kernel that reads (no
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 OP: Final = 0
 """A CPU op or a user's `record_function` range."""
@@ -27,9 +26,8 @@ GPU_LANE_BASE: Final = 1 << 20
 _FIELDS: Final = 5
 
 
-@dataclass(frozen=True, slots=True)
-class OpRecord:
-    """One op of one rank, its times on the rank's clock."""
+class OpRecord(NamedTuple):
+    """One op of one rank, its times on the rank's clock (a tuple: a profile has many)."""
 
     name: str
     lane: int
@@ -43,17 +41,15 @@ class OpRecord:
         return self.start_ns + self.duration_ns
 
 
-def pack(records: list[tuple[int, int, int, int, int]]) -> bytes:
-    """(name index, lane, kind, start ns, duration ns) records as bytes."""
-    flat = array("q")
-    for record in records:
-        flat.extend(record)
-    return flat.tobytes()
+def pack(flat_records: list[int]) -> bytes:
+    """Records given one after another (name index, lane, kind, start ns, duration ns) as bytes."""
+    return array("q", flat_records).tobytes()
 
 
 def unpack(names: tuple[str, ...], packed: bytes) -> list[OpRecord]:
     """The records `pack` made, with their names."""
     flat = array("q")
     flat.frombytes(packed)
-    return [OpRecord(names[flat[i]], flat[i + 1], flat[i + 2], flat[i + 3], flat[i + 4])
-            for i in range(0, len(flat), _FIELDS)]
+    columns = [flat[field::_FIELDS] for field in range(_FIELDS)]
+    named = [names[index] for index in columns[0]]
+    return list(map(OpRecord._make, zip(named, *columns[1:], strict=True)))

@@ -89,29 +89,35 @@ def recording(sink: ProfileSink, active: bool) -> Iterator[None]:
 
 def rank_profile(sink: ProfileSink, results) -> RankProfile:
     """The profiler's events as one event for the kernel (`results`: torch's Kineto results)."""
+    from torch._C._autograd import DeviceType
+
     names: dict[str, int] = {}
     lanes: dict[tuple[bool, int], int] = {}
-    records: list[tuple[int, int, int, int, int]] = []
+    flat: list[int] = []
     window = (results.trace_start_ns(), results.trace_start_ns())
     main_lane = 0
     for event in results.events():
         name = event.name()
-        on_gpu = event.device_type().name != "CPU"
+        on_gpu = event.device_type() != DeviceType.CPU
         lane_key = (on_gpu, event.device_resource_id() if on_gpu else event.start_thread_id())
-        lane = lanes.setdefault(lane_key, len(lanes) + (GPU_LANE_BASE if on_gpu else 0))
+        lane = lanes.get(lane_key)
+        if lane is None:
+            lane = lanes[lane_key] = len(lanes) + (GPU_LANE_BASE if on_gpu else 0)
         if name == WINDOW_NAME:
             window, main_lane = (event.start_ns(), event.end_ns()), lane
             continue
-        kind = _kind(name, on_gpu, event.is_user_annotation())
-        records.append((names.setdefault(name, len(names)), lane, kind, event.start_ns(), event.duration_ns()))
+        index = names.get(name)
+        if index is None:
+            index = names[name] = len(names)
+        flat += (index, lane, _kind(name, on_gpu, event), event.start_ns(), event.duration_ns())
     return RankProfile(rank=sink.rank, cell_id=sink.current_cell_id(), device=sink.device,
-                       start_ns=window[0], end_ns=window[1], names=tuple(names), ops=pack(records),
+                       start_ns=window[0], end_ns=window[1], names=tuple(names), ops=pack(flat),
                        main_lane=main_lane)
 
 
-def _kind(name: str, on_gpu: bool, user_annotation: bool) -> int:
+def _kind(name: str, on_gpu: bool, event) -> int:
     if not on_gpu:
-        return COLLECTIVE if user_annotation and name.startswith(_HOST_COLLECTIVE_PREFIX) else OP
+        return COLLECTIVE if name.startswith(_HOST_COLLECTIVE_PREFIX) and event.is_user_annotation() else OP
     lowered = name.lower()
     if "nccl" in lowered:
         return GPU_COLLECTIVE
