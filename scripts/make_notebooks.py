@@ -104,7 +104,7 @@ batches = text_batches(tokenizer, sample_text(), seq_len=64, batch_size=8, devic
 for step in range(40):
     loss = model(**next(batches)).loss
     loss.backward()
-    fsdp2nb.clip_grad_norm_(model, 1.0)
+    fsdp2nb.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad()
     fsdp2nb.log(step, loss=loss.item())
@@ -330,7 +330,7 @@ def train(steps):
     for step in range(steps):
         loss = model(**next(batches)).loss
         loss.backward()
-        fsdp2nb.clip_grad_norm_(model, 1.0)
+        fsdp2nb.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         fsdp2nb.log(step, loss=loss.item())
