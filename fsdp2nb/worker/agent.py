@@ -201,8 +201,8 @@ class Agent:
                 kernel_gone = os.getppid() != self.starter_pid or wakeups.link_closed()
                 self.pool_ended = self.pool_ended or kernel_gone
             if (kernel_gone or self.stop_requested) and not self.stopping:
-                if self.stop_requested or not self._ranks_may_persist():
-                    self._stop()
+                if self.stop_requested or self.keeper is not None or not self._ranks_may_persist():
+                    self._stop()  # the ranks of a kept pool write nothing at its end
             self._reap_exited()
             if not self.ranks_by_pid:
                 break  # the last rank ended: nothing left to wait for (an endless wait here kept a
