@@ -53,7 +53,7 @@ def _rows_table(rows: tuple[RankRow, ...]) -> str:
 
 
 def _top_ops_table(analysis: ProfileAnalysis) -> str:
-    body = [f"<tr><td><code>{escape(op.name)}</code></td><td>{op.calls}</td><td>{_seconds(op.self_s)}</td>"
+    body = [f'<tr><td style="text-align:left"><code>{escape(op.name)}</code></td><td>{op.calls}</td><td>{_seconds(op.self_s)}</td>'
             f"<td>{_seconds(op.total_s)}</td></tr>" for op in analysis.top_ops]
     return "<p>ops with the most time over all ranks</p>" + _table(["op", "calls", "self", "total"], body)
 
@@ -109,7 +109,9 @@ def _on_screen(intervals, origin: int, scale: float) -> list[tuple[float, float]
 
 def _collective_mark(name: str, interval: Interval, origin: int, scale: float, y: int) -> str:
     left = _LABEL + (interval[0] - origin) * scale
-    width = max((interval[1] - interval[0]) * scale, _MIN_PIXELS)
+    width = (interval[1] - interval[0]) * scale
+    if width < 1:  # too short to outline: its colour shows it
+        return ""
     return (f'<rect x="{left:.1f}" y="{y}" width="{width:.1f}" height="{_LANE_HEIGHT - 6}" fill="none" '
             f'stroke="#333" stroke-width="0.6"><title>{escape(name)}</title></rect>')
 

@@ -119,7 +119,7 @@ def _bucket_max(values: tuple[float, ...], buckets: int) -> list[float]:
     return [max(values[int(i * per):max(int((i + 1) * per), int(i * per) + 1)]) for i in range(buckets)]
 
 
-_ROW_STYLE = ("display:grid;grid-template-columns:120px 92px 150px 110px 1fr;align-items:center;"
+_ROW_STYLE = ("display:grid;grid-template-columns:120px 92px 150px 110px 1fr auto;align-items:center;"
               "column-gap:8px;line-height:1.35;padding:2px 0;font-size:12px")
 STYLE = ("<style>.fsdp2nb-steps select{font-family:var(--jp-code-font-family,monospace);font-size:12px}"
          ".fsdp2nb-dashboard .widget-html-content{line-height:1.35}</style>")
@@ -138,10 +138,10 @@ def rank_row_html(row: RankRow) -> str:
             f'<span><b>rank {row.rank}</b><br><span style="color:#6b7280">{html.escape(row.device)} · '
             f'pid {row.pid or "-"}</span></span>'
             f'<span style="color:{colour}">● {html.escape(row.state_text)}</span>'
-            f'{memory_bar(row.memory)}{sparkline(row.history)}{time_bar(row.time_split)}'
+            f'{memory_bar(row.memory)}{sparkline(row.history)}'
             f'<span class="fsdp2nb-mem"><span{warn}>{html.escape(memory_text(row.memory))}</span>'
             f'{"<br><span style=color:#6b7280 title=" + _TRACKED_WHEN + ">" + tracked + "</span>" if tracked else ""}'
-            '</span></div>')
+            f'</span>{time_bar(row.time_split)}</div>')
 
 
 _TIME_COLOURS = (("compute", "#4c78a8"), ("communication", "#f2a541"), ("waiting", "#d62728"), ("idle", "#d1d5db"))
@@ -163,8 +163,9 @@ def time_bar(split: TimeSplit | None, width: int = 104, height: int = 12) -> str
              f"{split.communication_s * 1e3:.1f} (waiting {split.waiting_s * 1e3:.1f}) + idle {split.idle_s * 1e3:.1f} ms"
              + ("; the straggler" if split.straggler else ""))
     outline = ' stroke="#d62728" stroke-width="2"' if split.straggler else ""
-    return (f'<svg class="fsdp2nb-time" width="{width}" height="{height}"><title>{html.escape(title)}</title>'
-            f'{"".join(rects)}<rect width="{width}" height="{height}" fill="none"{outline}/></svg>')
+    return (f'<span title="{html.escape(title)}"><svg class="fsdp2nb-time" width="{width}" height="{height}">'
+            f'{"".join(rects)}<rect width="{width}" height="{height}" fill="none"{outline}/></svg>'
+            '<br><span style="color:#6b7280">last profile</span></span>')
 
 
 # --- training curves ----------------------------------------------------------------------------
