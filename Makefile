@@ -60,8 +60,10 @@ clean:
 
 # make soak: the tests marked soak, which the suite deselects: the long fault campaign (200 seeded
 # faults on 4 CPU ranks) and the long day (2,000 mixed cells on one 2-rank pool, with a table of
-# the kernel's and ranks' memory, descriptors, threads and files, and whatever grew without bound).
+# the kernel's and ranks' memory, descriptors, threads and files, and whatever grew without bound)
+# and the session model-checker (5 seeds of 8 random sessions of up to 100 actions, with counts).
 # SOAK_ARGS="--soak-faults 30 --soak-seed 7" (also --soak-ranks, --soak-timeout, --soak-kinds;
-# --long-day-cells, --long-day-ranks, --long-day-seed).
+# --long-day-cells, --long-day-ranks, --long-day-seed; --session-seed, --session-seeds,
+# --session-actions, --session-examples, --session-shrink).
 soak: $(STAMP)
 	$(PY) -m pytest -m soak -s tests/faults $(SOAK_ARGS)

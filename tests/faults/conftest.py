@@ -13,9 +13,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--session-seeds", type=int, default=None,
                     help="seeds of the soak run, from the first (env FSDP2NB_SESSION_SEEDS, default 5)")
     group.addoption("--session-actions", type=int, default=None,
-                    help="most actions of one session (env FSDP2NB_SESSION_ACTIONS)")
+                    help="most actions of one session (env FSDP2NB_SESSION_ACTIONS; soak default 100)")
     group.addoption("--session-examples", type=int, default=None,
-                    help="sessions per seed in the soak run (env FSDP2NB_SESSION_EXAMPLES, default 4)")
+                    help="sessions per seed in the soak run (env FSDP2NB_SESSION_EXAMPLES, default 8)")
     group.addoption("--session-shrink", action="store_true", default=None,
                     help="let Hypothesis shrink a failing session to a short one (env FSDP2NB_SESSION_SHRINK=1)")
 

@@ -81,7 +81,7 @@ def test_a_short_seeded_session_keeps_saves_restores_and_leaves_nothing(pytestco
 @pytest.mark.timeout(0)  # every cell has a timeout of its own
 def test_seeded_sessions_soak(pytestconfig):
     tally, failures = _run(session_option(pytestconfig, "seed", SHORT_SEED), session_option(pytestconfig, "seeds", 5),
-                           actions=session_option(pytestconfig, "actions", 50),
-                           examples=session_option(pytestconfig, "examples", 4),
+                           actions=session_option(pytestconfig, "actions", 100),
+                           examples=session_option(pytestconfig, "examples", 8),
                            shrink=session_option(pytestconfig, "shrink", False))
     _report(tally, failures)

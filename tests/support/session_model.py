@@ -62,14 +62,22 @@ KILL_PACE_S = 0.3
 
 @dataclass(frozen=True)
 class KnownDefect:
-    """An action that breaks an invariant on this tree, with the seed that shows it."""
+    """An action that breaks an invariant on this tree, with the seed that shows it (the short run's
+    `--session-seed`, which meets it within its first actions)."""
 
     action: str
     invariant: str
     seed: int
 
 
-KNOWN_DEFECTS: dict[str, KnownDefect] = {}
+KNOWN_DEFECTS: dict[str, KnownDefect] = {
+    "save before the first step": KnownDefect(
+        action="save (any mode) right after the set-up, before the optimizer has stepped",
+        invariant="a save changes nothing: DCP's optimizer state dict gives AdamW its state by an optimizer "
+                  "step with zero gradients (step 1, zero moments), so training after the save differs from "
+                  "training without it",
+        seed=3),
+}
 """Defects the checker finds that are not fixed yet, by name; the harness steers around each one
 (see `Session.steers_around`). Remove an entry once its fix is in, and the action joins the runs."""
 
@@ -120,11 +128,15 @@ def _hash_into(digest, value):
     else:
         digest.update(repr(value).encode())
 
+reported_lines = []  # a background run's reports, printed again once it has ended
+
 def report(step):
     digest = hashlib.sha256()
     _hash_into(digest, model.state_dict())
     _hash_into(digest, optimizer.state_dict())
-    print(f"@@state {{rank}} {{-1 if step is None else step}} {{digest.hexdigest()[:16]}} {{os.getpid()}}", flush=True)
+    line = f"@@state {{rank}} {{-1 if step is None else step}} {{digest.hexdigest()[:16]}} {{os.getpid()}}"
+    reported_lines.append(line)
+    print(line, flush=True)
 
 report(ckpt.last_step)
 """
@@ -138,6 +150,7 @@ SAVE_LINES = {
 """How a training cell saves at its chosen step: async (the default), async then wait, synchronous."""
 
 TRAIN_CELL = """%%fsdp2{line}
+reported_lines.clear()
 for step in range({first}, {end}):
     train_step(step, {pace_s})
     report(step)
@@ -153,7 +166,14 @@ step = ckpt.last_step if ckpt.last_step is not None else 0
 {save}
 if rank == 0:
     print(f"@@saved {{step}}", flush=True)
+report(step)
 """
+"""A save of the live state; it reports the state after, which the save must not have changed."""
+
+REPORTED_CELL = """%%fsdp2
+print(*reported_lines, sep="\\n", flush=True)
+"""
+"""What a background run reported, printed again after `%fsdp2 wait`."""
 
 WAIT_CELL = """%%fsdp2
 ckpt.wait()
@@ -372,8 +392,9 @@ class Session:
 
     # ---- saves and the disk ---------------------------------------------------------------------
 
-    def _ask_save(self, step: int, mode: str) -> SavedStep:
-        save = SavedStep(step=step, node=self.current, cell=self.num_cells)
+    def _ask_save(self, step: int, mode: str, cell: int | None = None) -> SavedStep:
+        """A save asked for in `cell` (default: the cell that ran last)."""
+        save = SavedStep(step=step, node=self.current, cell=self.num_cells if cell is None else cell)
         self.saves.append(save)
         self.tally.saves[f"asked {mode}"] += 1
         return save
@@ -536,6 +557,8 @@ class Session:
             if run.status != "ok":
                 raise InvariantBroken(f"a background run did not start: {self._last_lines(run)}")
             run = self.execute(f"%fsdp2 wait run{self.background_runs - 1}")
+            if run.status == "ok":
+                run = self.execute(REPORTED_CELL)
         else:
             run = self.execute(code)
         self._advance(run, first, end if run.status == "ok" else None)
@@ -571,15 +594,20 @@ class Session:
 
     def save_now(self, mode: str) -> None:
         step = self.lineage.nodes[self.current].step
-        if step is None:
-            step = 0
-        save = self._ask_save(step, mode)
+        if step is None and "save before the first step" in self.steers_around:
+            self.note("(steered around: save before the first step)")
+            return
+        save = self._ask_save(0 if step is None else step, mode, cell=self.num_cells + 1)
         run = self.execute(SAVE_CELL.format(save=SAVE_LINES[mode].replace("\n        ", "\n")))
         if run.status != "ok":
             if save.outcome == "pending":
                 save.outcome = "failed"
                 self.tally.saves["failed"] += 1
             return
+        _, seen = self._one_state(run, f"a save ({mode})")
+        if not self.lineage.matches(self.current, seen):
+            raise InvariantBroken(f"a save ({mode}) of step {save.step} changed the live state: digests {seen}, "
+                                  f"{self.lineage.describe(self.current)} had {self.lineage.nodes[self.current].digests}")
         if mode != "async":
             self._saves_done()
         self.check_disk()
