@@ -17,7 +17,17 @@ import pytest
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from tests.support.session_model import KNOWN_DEFECTS, SessionMachine, Tally
+from fsdp2nb.checkpoint import layout
+from tests.support.kernel_client import CellRun
+from tests.support.session_model import (
+    KNOWN_DEFECTS,
+    InvariantBroken,
+    Lineage,
+    SavedStep,
+    Session,
+    SessionMachine,
+    Tally,
+)
 
 
 def session_option(config: pytest.Config, name: str, default):
@@ -85,3 +95,47 @@ def test_seeded_sessions_soak(pytestconfig):
                            examples=session_option(pytestconfig, "examples", 8),
                            shrink=session_option(pytestconfig, "shrink", False))
     _report(tally, failures)
+
+
+# ---- the checker's own invariants, without a kernel -------------------------------------------
+
+def _session_without_kernel() -> Session:
+    return Session(Tally(), kept=False, start=False, log=lambda line: None)
+
+
+def test_the_same_path_with_another_digest_breaks_the_lineage():
+    lineage = Lineage()
+    step_0 = lineage.child(0, 0)
+    lineage.observe(step_0, {0: "aa", 1: "bb"}, "first training")
+    assert lineage.child(0, 0) == step_0  # the same path is the same node
+    lineage.observe(step_0, {1: "bb"}, "one rank again")
+    with pytest.raises(InvariantBroken, match="differ from"):
+        lineage.observe(step_0, {0: "aa", 1: "cc"}, "a restore")
+
+
+def test_latest_older_than_the_last_save_reported_done_breaks_an_invariant():
+    session = _session_without_kernel()
+    try:
+        session.saves = [SavedStep(step=3, node=0, cell=4, outcome="done"),
+                         SavedStep(step=5, node=0, cell=6, outcome="done")]
+        (session.ckpt_dir / layout.LATEST_FILE).write_text(layout.step_dir_name(3) + "\n")
+        with pytest.raises(InvariantBroken, match="LATEST names step 3, but the last save reported done was step 5"):
+            session.check_disk()
+        session.saves.append(SavedStep(step=3, node=0, cell=7))  # a later save of step 3, still pending
+        session.check_disk()  # LATEST may name it: it was asked after
+    finally:
+        session.close()
+
+
+def test_a_failed_save_said_two_cells_late_breaks_an_invariant():
+    session = _session_without_kernel()
+    try:
+        session.saves = [SavedStep(step=2, node=0, cell=1)]
+        session.num_cells = 3
+        failed = CellRun(status="error", messages=[{"msg_type": "stream", "content": {
+            "name": "stderr", "text": "rank 0: an earlier background save failed (see the rank that reports it)"}}])
+        with pytest.raises(InvariantBroken, match="said to have failed only in cell 3"):
+            session._note_save_failures(failed)
+        assert session.saves[0].outcome == "failed"
+    finally:
+        session.close()

@@ -322,7 +322,8 @@ def enabled_defects() -> set[str]:
 class Session:
     """One kernel and its pool, driven as a user would, checked against the lineage after each cell."""
 
-    def __init__(self, tally: Tally, *, kept: bool, log=print) -> None:
+    def __init__(self, tally: Tally, *, kept: bool, log=print, start: bool = True) -> None:
+        """`start=False`: no kernel, for checking the checker itself."""
         self.tally, self.kept, self.log = tally, kept, log
         self.root = Path(tempfile.mkdtemp(prefix="fsdp2nb-session-"))
         self.ckpt_dir = self.root / "ckpt"
@@ -345,7 +346,8 @@ class Session:
         """The actions so far, as the log shows them."""
         self.kernel: Kernel | None = None
         self.steers_around = set(KNOWN_DEFECTS) - enabled_defects()
-        self._start()
+        if start:
+            self._start()
 
     # ---- cells ----------------------------------------------------------------------------------
 
