@@ -11,7 +11,10 @@ succeeded, and rank 0 commits (commit.py: metadata, rename into place, LATEST, r
 crash at any point leaves LATEST naming the previous, complete checkpoint.
 
 Background work talks over its own gloo group and the calling thread over another, so a save in
-flight never interleaves its collectives with `maybe_save`'s or the training step's.
+flight never interleaves its collectives with `maybe_save`'s or the training step's. A cell's
+failure releases and re-forms the calling thread's groups (`worker/reformable_groups.py`), never
+the background one (`in_flight.mark_background_group`): a save in flight goes on through it, and a
+synchronous save, which runs on the calling thread, talks over the calling thread's group.
 
 The class stays whole on purpose: save, maybe_save, wait, load and close share the two groups,
 the lock and the pending save, and read best in one place (so the module is about 600 lines).
@@ -130,6 +133,8 @@ class Checkpointer:
         # Two groups: the calling thread's collectives must never interleave with a background save's.
         self._fg_group = collectives.new_gloo_group() if self._distributed else None
         self._bg_group = collectives.new_gloo_group() if self._distributed else None
+        if self._bg_group is not None:
+            in_flight.mark_background_group(self._bg_group)
         self._closed = False
         self._check_writable()
         self._tracked: Tracked | None = None
@@ -273,7 +278,8 @@ class Checkpointer:
             upload, self._staging = response.upload_completion, response.staging_completion
             if self._step_gate is None:  # no optimizer step to gate: copy before returning
                 self._wait_for_staging()
-        future = self._executor.submit(self._finish, job, rank_state, upload, tracked.model, task, request_id)
+        future = self._executor.submit(self._finish, job, rank_state, upload, tracked.model, task, request_id,
+                                       self._bg_group)
         with self._lock:
             self._pending = (step, future)
 
@@ -289,8 +295,8 @@ class Checkpointer:
         task = start_state_task("save", f"saving step {step}", state)
         writer = ShardWriter(job.tmp_dir, task=task, checksums=self.config.checksums)
         with self._abandoned_on_failure(job, task):
-            dcp.save(state, storage_writer=writer, process_group=self._bg_group, no_dist=not self._distributed)
-        self._finish(job, rank_state, None, tracked.model, task, request_id)
+            dcp.save(state, storage_writer=writer, process_group=self._fg_group, no_dist=not self._distributed)
+        self._finish(job, rank_state, None, tracked.model, task, request_id, self._fg_group)
 
     @contextlib.contextmanager
     def _abandoned_on_failure(self, job: SaveJob, task: progress.AnyTask):
@@ -412,10 +418,11 @@ class Checkpointer:
         return token, time.time()
 
     def _finish(self, job: SaveJob, rank_state: dict[str, Any], upload: Future | None,
-                model: nn.Module, task: progress.AnyTask, request_id: int = 0) -> None:
-        """Wait for the shards, add this rank's file, then commit once every rank succeeded."""
+                model: nn.Module, task: progress.AnyTask, request_id: int, group: dist.ProcessGroup | None) -> None:
+        """Wait for the shards, add this rank's file, then commit once every rank succeeded; `group`
+        is the thread's own (the background group on the save thread)."""
         try:
-            self._finish_and_commit(job, rank_state, upload, model)
+            self._finish_and_commit(job, rank_state, upload, model, group)
             task.finish()
             if request_id:  # after the task's end: the panel says "saved" with the bar full
                 self._requests.mark_committed(request_id)
@@ -428,7 +435,7 @@ class Checkpointer:
             in_flight.ended(job.tmp_dir)
 
     def _finish_and_commit(self, job: SaveJob, rank_state: dict[str, Any], upload: Future | None,
-                           model: nn.Module) -> None:
+                           model: nn.Module, group: dist.ProcessGroup | None) -> None:
         error: BaseException | None = None
         try:
             if upload is not None:
@@ -438,13 +445,13 @@ class Checkpointer:
         except (Exception, CheckpointException) as exc:  # reported to every rank below, then raised
             error = exc
         try:
-            all_ranks_succeeded(error, f"save of step {job.step}", self._bg_group)
+            all_ranks_succeeded(error, f"save of step {job.step}", group)
         except (Exception, CheckpointException) as exc:
             raise self._save_failed(job, exc) from exc
         try:
             on_rank0_agreed(lambda: commit_step(job, self.directory, model, world_size=self._world_size,
                                                 keep=self.keep, rank=self._rank),
-                            f"commit of step {job.step}", self._bg_group)
+                            f"commit of step {job.step}", group)
         except Exception as exc:
             raise CheckpointSaveError(f"rank {self._rank}: commit of step {job.step} failed: {describe(exc)}; "
                                       "LATEST still names the step it named before") from exc

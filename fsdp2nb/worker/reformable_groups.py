@@ -18,6 +18,11 @@ waits for it, and a release that comes later still is dropped.
 Every group made with the pool's default backend is one (`new_group()` without `backend=`,
 `init_device_mesh`); a group made with `backend="gloo"` explicitly is plain gloo and cannot be
 re-formed (`unreformable_groups()` names them).
+
+A checkpointer's background group is neither released nor re-formed: only its save threads talk
+over it, never a cell's code, so a cell's failure leaves its collectives to complete on every rank
+(`checkpoint/in_flight.py` marks it). Cut, a save in flight failed on some ranks, and a rank whose
+save thread reached the re-formed group waited there for peers that had given up.
 """
 
 from __future__ import annotations
@@ -25,13 +30,15 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
-from fsdp2nb.worker.collective_count import note_entered
+from fsdp2nb.checkpoint.in_flight import is_background_group
+from fsdp2nb.worker.error_kinds import error_kind
 
 BACKEND_NAME = "reformable_gloo"
 """What `torch.distributed.get_backend()` says of a CPU pool's groups."""
@@ -121,7 +128,6 @@ _COLLECTIVES = (
 
 def _delegate(name: str):
     def collective(self: ReformableGlooGroup, *args, **kwargs):
-        note_entered()  # the progress the kernel's waiting line reads
         return getattr(self._inner, name)(*args, **kwargs)
 
     collective.__name__ = name
@@ -148,6 +154,8 @@ _carried_out: set[int] = set()
 """Ids of releases carried out here that no re-forming has waited for yet."""
 _given_up: set[int] = set()
 """Ids of releases a re-forming stopped waiting for: dropped if they come after all."""
+_forgetting = False
+"""Whether cells' released errors have their frames cleared (from the first release on)."""
 
 
 def register_backend() -> None:
@@ -172,6 +180,11 @@ def live_groups() -> list[ReformableGlooGroup]:
         return list(_groups)
 
 
+def cell_groups() -> list[ReformableGlooGroup]:
+    """The live groups a cell's code may wait in: all but the background saves' own."""
+    return [group for group in live_groups() if not is_background_group(group)]
+
+
 def unreformable_groups() -> list[str]:
     """Descriptions of the groups of another backend (plain gloo, made with `backend="gloo"`)."""
     if not dist.is_initialized():
@@ -182,17 +195,42 @@ def unreformable_groups() -> list[str]:
 
 
 def release_collectives(release_id: int) -> int:
-    """Cut every group's connections (the control thread calls it while the main thread may be
-    blocked in one); returns how many were cut, 0 for a release the groups were re-formed after."""
+    """Cut every cell group's connections (the control thread calls it while the main thread may
+    be blocked in one); returns how many were cut, 0 for a release the groups were re-formed after."""
     with _releases:
         if release_id in _given_up:
             _given_up.discard(release_id)
             return 0
         _released.set()
-        cut = sum(group.release() for group in live_groups())
+        _forget_released_frames_after_cells()
+        cut = sum(group.release() for group in cell_groups())
         _carried_out.add(release_id)
         _releases.notify_all()
         return cut
+
+
+def _forget_released_frames_after_cells() -> None:
+    """From the first release on, clear the frames of each cell error that a release caused.
+
+    gloo's work object holds the connections it ran on, and the failed collective's frame holds
+    the work; IPython's record of the cell and its frames form a reference cycle, which only a
+    full garbage collection frees (seconds with a model loaded, so it runs rarely). Uncleared,
+    every re-forming left the released rank the replaced connections' listener, pipes, epoll,
+    threads and buffers. A released error is shown as one line and has no post-mortem."""
+    global _forgetting
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if _forgetting or shell is None:
+        return
+    shell.events.register("post_run_cell", _forget_released_frames)
+    _forgetting = True
+
+
+def _forget_released_frames(result) -> None:
+    error = result.error_in_exec
+    if error is not None and error_kind(error, released=was_released()) == "released":
+        traceback.clear_frames(error.__traceback__)
 
 
 def was_released() -> bool:
@@ -201,11 +239,11 @@ def was_released() -> bool:
 
 
 def reform_groups(generation: int, after_release: int | None = None) -> int:
-    """Give every group fresh connections under `generation`, once the release `after_release`
-    (if any) was carried out here; returns how many were re-formed."""
+    """Give every cell group fresh connections under `generation`, once the release
+    `after_release` (if any) was carried out here; returns how many were re-formed."""
     if after_release is not None:
         _wait_for_release(after_release)
-    groups = live_groups()
+    groups = cell_groups()
     for group in groups:
         group.reform(generation)
     _released.clear()
