@@ -14,6 +14,8 @@
 #     stack_data executing asttokens pure_eval platformdirs matplotlib-inline nest-asyncio2 \
 #     jupyterlab_widgets widgetsnbextension nbclient nbformat fastjsonschema jsonschema \
 #     jsonschema-specifications referencing rpds-py attrs
+# and, for `prof.hta()` (tests/gpu/test_profile_gpu.py; the extra `fsdp2nb[profile]`):
+#     holistictraceanalysis networkx plotly pydot pyparsing narwhals
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check-out}

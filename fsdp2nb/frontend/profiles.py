@@ -55,6 +55,13 @@ class Profile:
         """What each rank sent, its ops packed (fsdp2nb/profile_records.py)."""
         return tuple(self._profiles)
 
+    def hta(self) -> dict:
+        """GPU ranks: Holistic Trace Analysis's temporal breakdown and communication/compute
+        overlap (`{"temporal": DataFrame, "overlap": DataFrame}`); needs `fsdp2nb[profile]`."""
+        from fsdp2nb.frontend.profile_hta import hta_breakdown
+
+        return hta_breakdown(self.rank_profiles)
+
     def _repr_html_(self) -> str:
         return render_html(self.analysis)
 

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """The version of the messages below, exchanged with the schema's fingerprint in every
 connection's greeting and hello and in a kept pool's attach record; ends that differ are refused
 in one line naming both (wire/versions.py). Raise it with every change of this module's types:
@@ -575,6 +575,8 @@ class RankProfile:
     """Added to the rank's times to put them on the kernel's clock; 0 on the kernel's host."""
     clock_error_ns: int = 0
     """How far that offset may be off (half the round trip it was measured in)."""
+    kineto_trace: str = ""
+    """Where a GPU rank saved the profiler's own trace (for Holistic Trace Analysis); empty on CPU ranks."""
 
 
 EventMessage = (RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited | TaskProgress

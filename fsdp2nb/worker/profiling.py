@@ -9,6 +9,9 @@ stamps), without building torch's FunctionEvent tree, which would cost more than
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,9 +34,16 @@ class ProfileSink:
     device: str
     send_event: Callable[[RankProfile], object]
     current_cell_id: Callable[[], int | None]
+    trace_dir: str = ""
+    """Where a GPU rank saves the profiler's own trace, for Holistic Trace Analysis in the kernel."""
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
 
 
 _sink: ProfileSink | None = None
+_trace_numbers = itertools.count()
 _recording = threading.Lock()
 """Held while a profile records: torch.profiler cannot nest, so an inner one is a no-op."""
 
@@ -74,20 +84,40 @@ def recording(sink: ProfileSink, active: bool) -> Iterator[None]:
         from torch.autograd.profiler import profile as autograd_profile
         from torch.autograd.profiler import record_function
 
-        profiler = autograd_profile(use_cpu=True, use_device="cuda" if sink.device.startswith("cuda") else None,
-                                    use_kineto=True)
+        profiler = autograd_profile(use_cpu=True, use_device="cuda" if sink.on_gpu else None, use_kineto=True)
         profiler.__enter__()
         try:
+            if sink.on_gpu:
+                _note_distributed_info()
             with record_function(WINDOW_NAME):
                 yield
         finally:
             profiler.__exit__(None, None, None)
-            sink.send_event(rank_profile(sink, profiler.kineto_results))
+            sink.send_event(rank_profile(sink, profiler.kineto_results, _save_kineto_trace(sink, profiler.kineto_results)))
     finally:
         _recording.release()
 
 
-def rank_profile(sink: ProfileSink, results) -> RankProfile:
+def _note_distributed_info() -> None:
+    """The rank and world in the trace's metadata, where Holistic Trace Analysis reads them."""
+    import torch.distributed as dist
+    from torch.autograd import _add_metadata_json
+
+    if dist.is_initialized():
+        info = {"backend": dist.get_backend(), "rank": dist.get_rank(), "world_size": dist.get_world_size()}
+        _add_metadata_json("distributedInfo", json.dumps(info))
+
+
+def _save_kineto_trace(sink: ProfileSink, results) -> str:
+    """A GPU rank's own trace file (its streams and kernel correlations, which HTA reads); "" on CPU."""
+    if not sink.on_gpu or not sink.trace_dir:
+        return ""
+    path = os.path.join(sink.trace_dir, f"kineto-rank{sink.rank}-{next(_trace_numbers)}.json")
+    results.save(path)
+    return path
+
+
+def rank_profile(sink: ProfileSink, results, kineto_trace: str = "") -> RankProfile:
     """The profiler's events as one event for the kernel (`results`: torch's Kineto results)."""
     from torch._C._autograd import DeviceType
 
@@ -112,7 +142,7 @@ def rank_profile(sink: ProfileSink, results) -> RankProfile:
         flat += (index, lane, _kind(name, on_gpu, event), event.start_ns(), event.duration_ns())
     return RankProfile(rank=sink.rank, cell_id=sink.current_cell_id(), device=sink.device,
                        start_ns=window[0], end_ns=window[1], names=tuple(names), ops=pack(flat),
-                       main_lane=main_lane)
+                       main_lane=main_lane, kineto_trace=kineto_trace)
 
 
 def _kind(name: str, on_gpu: bool, event) -> int:

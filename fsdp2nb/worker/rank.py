@@ -135,7 +135,8 @@ class Rank:
         from fsdp2nb.worker import profiling
 
         self._profiling = profiling  # where profiles go; nothing is hooked until one records
-        self._profile_sink = profiling.ProfileSink(self.rank, self.device, self._channels.send_event, lambda: self._cell_id)
+        self._profile_sink = profiling.ProfileSink(self.rank, self.device, self._channels.send_event,
+                                                   lambda: self._cell_id, trace_dir=self.plan.log_dir)
         profiling.install(self._profile_sink)
         threading.Thread(target=self._control_loop, daemon=True, name="fsdp2nb-control").start()
         self._channels.send_event(self._ready_event())
