@@ -102,14 +102,15 @@ class ProfileAnalysis:
 
 def analyse(profiles: list[RankProfile]) -> ProfileAnalysis:
     """The rows, straggler, top ops and timelines of the ranks' profiles of one cell."""
-    with _collector_paused():
+    with collector_paused():
         return _analyse(profiles)
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Tens of thousands of short-lived tuples would wake the cyclic garbage collector again and
-    again, each time walking every object of the notebook: most of the analysis's time."""
+    again, each time walking every object of the process: most of the analysis's time (the
+    kernel's here, a rank's when it reads its events)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -188,9 +189,11 @@ def _waiting(ops: dict[int, list[OpRecord]], common_start: int) -> tuple[dict[in
 
 def _lane(profile: RankProfile, records: list[OpRecord], waits: list[Interval]) -> Lane:
     window = window_on_common_clock(profile)
-    compute = _merge(_clip((r.start_ns, r.end_ns), window) for r in records
-                     if (r.kind == OP and r.lane == profile.main_lane) or r.kind == GPU_KERNEL)
-    in_flight = _merge(_clip((r.start_ns, r.end_ns), window) for r in records if r.kind in (COLLECTIVE, GPU_COLLECTIVE))
+    main = profile.main_lane
+    compute = _clipped(_merge((r.start_ns, r.start_ns + r.duration_ns) for r in records
+                              if (r.kind == OP and r.lane == main) or r.kind == GPU_KERNEL), window)
+    in_flight = _clipped(_merge((r.start_ns, r.start_ns + r.duration_ns) for r in records
+                                if r.kind in (COLLECTIVE, GPU_COLLECTIVE)), window)
     collectives = tuple((r.name, _clip((r.start_ns, r.end_ns), window)) for r in records
                         if r.kind in (COLLECTIVE, GPU_COLLECTIVE))
     return Lane(rank=profile.rank, window=window, compute=tuple(compute), communication=tuple(in_flight),
@@ -227,17 +230,19 @@ def _self_times(records: list[OpRecord]) -> list[tuple[OpRecord, int]]:
         by_lane[record.lane].append(record)
     result: list[tuple[OpRecord, int]] = []
     for lane_records in by_lane.values():
-        entries: list[list] = []  # [record, self ns]
+        entries: list[list] = []  # [record, self ns, end ns]
         open_entries: list[list] = []
-        for record in sorted(lane_records, key=lambda r: (r.start_ns, -r.duration_ns)):
-            while open_entries and open_entries[-1][0].end_ns <= record.start_ns:
+        lane_records.sort(key=lambda r: (r.start_ns, -r.duration_ns))
+        for record in lane_records:
+            start, duration = record.start_ns, record.duration_ns
+            while open_entries and open_entries[-1][2] <= start:
                 open_entries.pop()
-            entry = [record, record.duration_ns]
+            entry = [record, duration, start + duration]
             if open_entries:
-                open_entries[-1][1] -= record.duration_ns
+                open_entries[-1][1] -= duration
             open_entries.append(entry)
             entries.append(entry)
-        result.extend((record, max(0, own)) for record, own in entries)
+        result.extend((record, own if own > 0 else 0) for record, own, _ in entries)
     return result
 
 
@@ -246,6 +251,11 @@ def _self_times(records: list[OpRecord]) -> list[tuple[OpRecord, int]]:
 
 def _clip(interval: Interval, window: Interval) -> Interval:
     return max(interval[0], window[0]), min(interval[1], window[1])
+
+
+def _clipped(merged: list[Interval], window: Interval) -> list[Interval]:
+    """Disjoint intervals cut to `window` (merged first: far fewer than the ops)."""
+    return [clipped for clipped in (_clip(interval, window) for interval in merged) if clipped[1] > clipped[0]]
 
 
 def _merge(intervals: Iterable[Interval]) -> list[Interval]:

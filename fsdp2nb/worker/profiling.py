@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fsdp2nb.errors import UsageMistake
+from fsdp2nb.profile_analysis import collector_paused
 from fsdp2nb.profile_records import COLLECTIVE, GPU_COLLECTIVE, GPU_COPY, GPU_KERNEL, GPU_LANE_BASE, OP, pack
 from fsdp2nb.wire.protocol import RankProfile
 
@@ -93,7 +94,9 @@ def recording(sink: ProfileSink, active: bool) -> Iterator[None]:
                 yield
         finally:
             profiler.__exit__(None, None, None)
-            sink.send_event(rank_profile(sink, profiler.kineto_results, _save_kineto_trace(sink, profiler.kineto_results)))
+            with collector_paused():
+                recorded = rank_profile(sink, profiler.kineto_results, _save_kineto_trace(sink, profiler.kineto_results))
+            sink.send_event(recorded)
     finally:
         _recording.release()
 
