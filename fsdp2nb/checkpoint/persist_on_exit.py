@@ -48,12 +48,14 @@ def persist_newest_snapshot(checkpointer: SnapshotWriter) -> str:
 def persist_at_kernel_exit(rank: int) -> None:
     """On a rank whose kernel is gone: persist the tracked Checkpointer's newest snapshot (see the
     module's docstring), saying in the rank's log what was done or why it failed."""
+    from fsdp2nb import progress
     from fsdp2nb.checkpoint.manager import Checkpointer
     from fsdp2nb.checkpoint.tracking import current_checkpointer
 
     checkpointer = current_checkpointer()
     if not isinstance(checkpointer, Checkpointer):
         return  # nothing tracked (or not a Checkpointer): nothing in host memory to write
+    progress.install(None)  # the save's progress has no kernel to go to
     try:
         done = persist_newest_snapshot(checkpointer)
     except Exception as error:

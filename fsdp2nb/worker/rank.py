@@ -220,6 +220,7 @@ class Rank:
                 if self._follower is None:
                     from fsdp2nb.checkpoint.persist_on_exit import persist_at_kernel_exit
 
+                    self._sampler.stop()  # its readings have no kernel to go to
                     persist_at_kernel_exit(self.rank)
                 if self._follower is None or not self._channels.wait_for_reconnect(generation):
                     return
