@@ -168,7 +168,7 @@ class MemorySnapshots:
         any_failed, any_new_slot = all_max((int(error is not None), int(plan is not None and plan.new_slot)),
                                            self._group)
         if any_failed:
-            self._raise_everywhere(error, f"the snapshot of step {step}")
+            self._raise_everywhere(error, "the snapshots in host memory")
         assert plan is not None, "no rank failed"
         if any_new_slot:
             self._make_slot_everywhere(plan)

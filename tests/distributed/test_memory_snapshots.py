@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fsdp2nb.checkpoint import Checkpointer
+from fsdp2nb.checkpoint.memory_snapshots import MemorySnapshotFailed
 from fsdp2nb.errors import MemorySnapshotRefused
 from fsdp2nb.wire import memory_store
 from tests.support.checkpoint_helpers import (
@@ -199,3 +200,137 @@ def test_a_snapshot_the_host_has_no_room_for_is_refused_before_any_copy(tmp_path
         assert "need" in message and "but" in message and "is available" in message, message
         assert "nothing was copied" in message, message
         assert not [name for name in files if ".slot" in name], files  # no slot was made
+
+
+class _Ticks:
+    """An extra tracked object; one that refuses its state back fails a restore after the ranks agreed."""
+
+    def __init__(self, *, refuse: bool = False) -> None:
+        self.count, self.refuse = 0, refuse
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.refuse:
+            raise RuntimeError("this rank cannot take its ticks back")
+        self.count = state["count"]
+
+
+def _train_with_ticks(store: str, directory: str, *, num_steps: int) -> None:
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    model, optimizer, scheduler = build(seed=0)
+    ticks = _Ticks()
+    ckpt = Checkpointer(directory, memory_every=1).track(model=model, optimizer=optimizer, scheduler=scheduler,
+                                                         ticks=ticks)
+    for step in range(num_steps):
+        train_step(model, optimizer, scheduler)
+        ticks.count += 1
+        ckpt.maybe_save(step)
+    ckpt.close()
+
+
+def _restore_refused_by_rank_1(store: str, directory: str) -> str:
+    import torch.distributed as dist
+
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    model, optimizer, scheduler = build(seed=7)
+    try:
+        Checkpointer(directory).track(model=model, optimizer=optimizer, scheduler=scheduler,
+                                      ticks=_Ticks(refuse=dist.get_rank() == 1))
+    except MemorySnapshotFailed as failed:
+        return str(failed)
+    return "not refused"
+
+
+def test_a_restore_that_fails_on_one_rank_after_the_ranks_agreed_fails_on_every_rank(store, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    run_ranks(_train_with_ticks, 2, store, directory, num_steps=2)
+    messages = run_ranks(_restore_refused_by_rank_1, 2, store, directory)
+    assert "rank 1: restoring step 1 from memory failed: RuntimeError: this rank cannot take" in messages[1], messages
+    assert "failed on rank 1" in messages[0] and "cannot take its ticks back" in messages[0], messages
+    assert all("load a step again before training" in message for message in messages), messages
+
+
+def _restore_with_unreadable_state(store: str, directory: str) -> str:
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    model, optimizer, scheduler = build(seed=7)
+    before = full_model_state(model)
+    try:
+        Checkpointer(directory).track(model=model, optimizer=optimizer, scheduler=scheduler)
+    except MemorySnapshotRefused as refused:
+        assert_same(before, full_model_state(model))  # nothing changed
+        return str(refused)
+    return "not refused"
+
+
+def test_a_state_file_unreadable_on_one_rank_is_refused_on_every_rank(store, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    run_ranks(_train_with_ticks, 2, store, directory, num_steps=2)
+    folder = memory_store.checkpointer_folder(store, directory)
+    for state_file in folder.glob("rank-00001.slot*.state"):
+        state_file.write_bytes(b"")  # reading it raises EOFError
+    messages = run_ranks(_restore_with_unreadable_state, 2, store, directory)
+    assert "rank 1: the snapshot of step 1 cannot be read (EOFError" in messages[1], messages
+    assert "restoring from memory failed on rank 1" in messages[0], messages
+    assert all("nothing was changed" in message for message in messages), messages
+
+
+def _copy_fails_on_rank_1(store: str, directory: str) -> list[str]:
+    """Rank 1's copy of step 1 cannot write its state (a directory is in the way)."""
+    import torch.distributed as dist
+
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    model, optimizer, scheduler = build(seed=0)
+    ckpt = Checkpointer(directory, memory_every=1).track(model=model, optimizer=optimizer, scheduler=scheduler)
+    obstacle = memory_store.checkpointer_folder(store, ckpt.directory) / "rank-00001.slot0.state"
+    if dist.get_rank() == 1:
+        obstacle.mkdir()  # step 0 goes into slot 1, step 1 into slot 0
+    outcomes = []
+    for step in range(4):
+        train_step(model, optimizer, scheduler)  # rank 1's optimizer step after the failed copy: no raise
+        try:
+            ckpt.maybe_save(step)
+            outcomes.append("taken")
+        except MemorySnapshotFailed as failed:
+            outcomes.append(str(failed))
+            if obstacle.is_dir():
+                obstacle.rmdir()
+    ckpt.close()
+    return outcomes
+
+
+def test_a_copy_that_fails_on_one_rank_fails_the_next_snapshot_on_every_rank(store, tmp_path):
+    outcomes = run_ranks(_copy_fails_on_rank_1, 2, store, str(tmp_path / "ckpt"))
+    for outcome in outcomes:
+        assert outcome[:2] == ["taken", "taken"] and outcome[3] == "taken", outcome
+    assert outcomes[1][2].startswith("rank 1: the snapshot of step 1 in host memory failed: IsADirectoryError"), outcomes
+    assert "step 0 is whole, and training can go on" in outcomes[1][2], outcomes
+    assert outcomes[0][2].startswith("the snapshots in host memory failed on rank 1: MemorySnapshotFailed: rank 1: "
+                                     "the snapshot of step 1"), outcomes
+    kept = memory_store.kept_snapshots(store)
+    assert [snapshot.step for snapshot in kept] == [3], kept  # the snapshots went on
+
+
+def _opened_where_one_host_holds_snapshots(store: str, empty_store: str, directory: str) -> tuple:
+    import torch.distributed as dist
+
+    os.environ[memory_store.MEMORY_DIR_ENV] = store if dist.get_rank() == 0 else empty_store
+    model, optimizer, scheduler = build(seed=7)
+    ckpt = Checkpointer(directory).track(model=model, optimizer=optimizer, scheduler=scheduler)
+    outcome = (ckpt.last_step, ckpt.latest(), not optimizer.state)
+    ckpt.close()
+    return outcome
+
+
+def test_snapshots_on_one_host_only_are_opened_on_every_rank_alike(store, tmp_path):
+    """Rank 0's host kept snapshots, rank 1's did not (a new host): every rank opens the
+    snapshots and they agree that no step is held by all, rather than rank 0 waiting alone."""
+    directory = str(tmp_path / "ckpt")
+    run_ranks(_train, 2, store, directory, stop_after=2)
+    empty_store = memory_store.stores_root() / f"test-empty-{os.getpid()}-{random.getrandbits(32)}"
+    try:
+        outcomes = run_ranks(_opened_where_one_host_holds_snapshots, 2, store, str(empty_store), directory)
+    finally:
+        memory_store.remove_store(empty_store)
+    assert outcomes == [(None, None, True), (None, None, True)], outcomes

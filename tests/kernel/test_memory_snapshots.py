@@ -207,3 +207,50 @@ def test_a_kept_pool_that_expires_frees_its_snapshot(tmp_path):
         k.stop()
     wait_until_ended(agent.pid)  # unheld and idle for 3 s: it ends
     assert not store.exists()
+
+
+REWOUND_BY_A_DISK_LOAD = """%%fsdp2
+for step in range(6):
+    train_step(step)
+    if step == 2:
+        ckpt.save(step)
+    ckpt.maybe_save(step)
+ckpt.wait()
+ckpt.load(2)
+train_step(3)
+ckpt.maybe_save(3)
+ckpt.wait()
+print("digest", digest())
+train_step(4)
+"""
+
+REWOUND_BY_A_LOOP_FROM_0 = """%%fsdp2
+for step in range(6):
+    train_step(step)
+    ckpt.maybe_save(step)
+for step in range(2):
+    train_step(step)
+    ckpt.maybe_save(step)
+ckpt.wait()
+print("digest", digest())
+train_step(2)
+"""
+
+
+def _memory_restores_the_new_run(kernel: Kernel, tmp_path: Path, rewound: str, step: int) -> None:
+    """After the rewind, `load memory` restores the new run's `step` (the live state had moved
+    on past it), never the abandoned run's step 5."""
+    _ok(kernel, _defines(tmp_path))
+    _ok(kernel, SETUP)
+    at_step = _by_rank(_ok(kernel, rewound).stdout, "digest")
+    loaded = _ok(kernel, "%fsdp2 load memory").stdout
+    assert f"[0] restored step {step} from memory" in loaded, loaded
+    assert _by_rank(_ok(kernel, '%%fsdp2\nprint("digest", digest())').stdout, "digest") == at_step
+
+
+def test_after_a_disk_load_of_an_older_step_memory_restores_the_new_run(kernel, tmp_path):
+    _memory_restores_the_new_run(kernel, tmp_path, REWOUND_BY_A_DISK_LOAD, 3)
+
+
+def test_after_a_loop_started_again_from_0_memory_restores_the_new_run(kernel, tmp_path):
+    _memory_restores_the_new_run(kernel, tmp_path, REWOUND_BY_A_LOOP_FROM_0, 1)
