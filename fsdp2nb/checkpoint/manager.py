@@ -61,7 +61,7 @@ from fsdp2nb.checkpoint.rank_file import (
     restore_rank_state,
     write_rank_state,
 )
-from fsdp2nb.checkpoint.requests import SaveRequests, process_requests
+from fsdp2nb.checkpoint.requests import SaveRequests, process_failures, process_requests
 from fsdp2nb.checkpoint.staging import StagedSavePlanner, make_stager
 from fsdp2nb.checkpoint.state import (
     checked_training_state,
@@ -278,8 +278,8 @@ class Checkpointer:
             upload, self._staging = response.upload_completion, response.staging_completion
             if self._step_gate is None:  # no optimizer step to gate: copy before returning
                 self._wait_for_staging()
-        future = self._executor.submit(self._finish, job, rank_state, upload, tracked.model, task, request_id,
-                                       self._bg_group)
+        future = self._executor.submit(self._finish_in_background, job, rank_state, upload, tracked.model, task,
+                                       request_id)
         with self._lock:
             self._pending = (step, future)
 
@@ -433,6 +433,16 @@ class Checkpointer:
             raise
         finally:
             in_flight.ended(job.tmp_dir)
+
+    def _finish_in_background(self, job: SaveJob, rank_state: dict[str, Any], upload: Future | None,
+                              model: nn.Module, task: progress.AnyTask, request_id: int) -> None:
+        """`_finish` on the save thread, over the background group. A failure is posted for the
+        end of the next cell to say, unless a call that raises it (`save`, `wait`) comes first."""
+        try:
+            self._finish(job, rank_state, upload, model, task, request_id, self._bg_group)
+        except BaseException as error:
+            process_failures().post(f"the background save of step {job.step} failed: {error}")
+            raise
 
     def _finish_and_commit(self, job: SaveJob, rank_state: dict[str, Any], upload: Future | None,
                            model: nn.Module, group: dist.ProcessGroup | None) -> None:
@@ -613,6 +623,7 @@ class Checkpointer:
         with self._lock:
             error, self._error = self._error, None
         if error is not None:
+            process_failures().take()  # said by this error
             raise CheckpointSaveError(f"an earlier background save failed: {error}") from error
 
     def _require_tracked(self) -> Tracked:

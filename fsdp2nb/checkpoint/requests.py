@@ -99,6 +99,36 @@ def post_save_request(request_id: int | None = None) -> int:
     return _PROCESS_REQUESTS.post(request_id)
 
 
+class FailureNotices:
+    """Background saves that failed and that no cell has said so yet: the save thread posts one,
+    the rank prints it at the end of the next cell, and a cell that raised the failure already
+    (`save`, `wait`) drops it. Thread-safe."""
+
+    __slots__ = ("_lock", "_text")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._text: str | None = None
+
+    def post(self, text: str) -> None:
+        with self._lock:
+            self._text = text
+
+    def take(self) -> str | None:
+        """The notice not yet said, once; None when there is none."""
+        with self._lock:
+            text, self._text = self._text, None
+            return text
+
+
+_PROCESS_FAILURES = FailureNotices()
+
+
+def process_failures() -> FailureNotices:
+    """The failed background saves of this process's checkpointers that no cell has said yet."""
+    return _PROCESS_FAILURES
+
+
 class StopRequests:
     """A stop asked for from the notebook (the dashboard's Stop, the stop button) that a training
     loop honours at its next step instead of a KeyboardInterrupt; only while a loop listens."""

@@ -20,6 +20,7 @@ import threading
 import traceback
 from datetime import timedelta
 
+from fsdp2nb.checkpoint.requests import process_failures
 from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
 from fsdp2nb.errors import UnknownRequest
@@ -268,6 +269,13 @@ class Rank:
         finally:
             self._in_request = False
 
+    def _say_failed_save(self) -> None:
+        """A background save that failed and that no cell raised says so at this cell's end: the
+        cell after the one that started it, or a later one if the save was still writing."""
+        notice = process_failures().take()
+        if notice is not None and self.rank == 0:  # every rank's save failed alike; one line
+            print(notice, file=sys.stderr, flush=True)
+
     def _finish_background_work(self) -> None:
         """Before exiting, let an asynchronous checkpoint save finish (os._exit would cut it off)."""
         checkpointer = current_checkpointer()
@@ -283,6 +291,7 @@ class Rank:
             with self._profiling.recording(self._profile_sink, request.profile):
                 error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count,
                                        request.color_scheme)
+            self._say_failed_save()
             return self._failure(request.cell_id, error) if error else self._success(request.cell_id)
         if isinstance(request, PostMortem):
             from fsdp2nb.worker.shell import post_mortem

@@ -52,9 +52,10 @@ class FailingWhilePickled:
         raise OSError("No space left on device (simulated)")
 
 class FailingSaves:
-    # Tracked beside the model: rank 1's background part of every save fails.
+    # Tracked beside the model: once armed, rank 1's background part of every save fails.
+    armed = False
     def state_dict(self):
-        return {"failing": FailingWhilePickled() if rank == 1 else 0}
+        return {"failing": FailingWhilePickled() if rank == 1 and self.armed else 0}
     def load_state_dict(self, state):
         pass
 
@@ -76,7 +77,8 @@ lag = LaggingSaves()
 """
 NEW_CHECKPOINTER = """%%fsdp2
 ckpt.close()
-ckpt = fsdp2nb.Checkpointer(ckpt_dir + "/{name}", keep=None).track(model=model, optimizer=optimizer, lag=lag)
+failing = FailingSaves()
+ckpt = fsdp2nb.Checkpointer(ckpt_dir + "/{name}", keep=None).track(model=model, optimizer=optimizer, {beside})
 digests = {{}}
 """
 RAISE_IN_A_COLLECTIVE = ("%%fsdp2\nt = torch.ones(3)\nif rank == 1:\n    raise ValueError('bad batch on rank 1')\n"
@@ -137,7 +139,7 @@ def _threads_and_files(stdout: str) -> list[tuple[str, str, str]]:
 
 
 def test_async_saves_in_flight_through_failed_collectives_all_commit(pool):
-    _run_ok(pool, NEW_CHECKPOINTER.format(name="trained_between"))
+    _run_ok(pool, NEW_CHECKPOINTER.format(name="trained_between", beside="lag=lag"))
     steps = list(range(CYCLES))
     for step in steps:
         _run_ok(pool, f"%%fsdp2\nlag.let_go()\ntrain_step({step})\ndigests[{step}] = digest()\nckpt.save({step})")
@@ -148,7 +150,7 @@ def test_async_saves_in_flight_through_failed_collectives_all_commit(pool):
 def test_a_save_right_after_the_failed_cell_commits_with_the_one_in_flight(pool):
     """No training between the error cell and the save: the save waits for the one the error
     cell met in flight, then starts its own."""
-    _run_ok(pool, NEW_CHECKPOINTER.format(name="saved_after_failure"))
+    _run_ok(pool, NEW_CHECKPOINTER.format(name="saved_after_failure", beside="lag=lag"))
     steps = list(range(CYCLES))
     for step in steps:
         _run_ok(pool, f"%%fsdp2\ntrain_step({step})\ndigests[{step}] = digest()")
@@ -158,7 +160,7 @@ def test_a_save_right_after_the_failed_cell_commits_with_the_one_in_flight(pool)
 
 
 def test_a_ranks_threads_and_open_files_do_not_grow_over_cycles(pool):
-    _run_ok(pool, NEW_CHECKPOINTER.format(name="resources"))
+    _run_ok(pool, NEW_CHECKPOINTER.format(name="resources", beside="lag=lag"))
     counts = []
     for step in range(CYCLES + 1):
         _run_ok(pool, f"%%fsdp2\nlag.let_go()\ntrain_step({step})\nckpt.save({step})")
@@ -170,15 +172,40 @@ def test_a_ranks_threads_and_open_files_do_not_grow_over_cycles(pool):
     assert counts[1] == counts[-1], counts
 
 
+FAILED_SAVE_SAID = """%%fsdp2
+try:
+    ckpt.wait()
+except fsdp2nb.checkpoint.CheckpointSaveError as error:
+    print('failed', 'No space left' in str(error))
+print('resources', rank, *resources())
+"""
+SAVE_ENDED = """%%fsdp2
+import time
+while ckpt.status().saving_step is not None:  # the save thread's end, without raising its error
+    time.sleep(0.01)
+"""
+
+
+def test_a_failed_background_save_is_said_by_the_next_cell_and_spares_the_last_good_one(pool):
+    _run_ok(pool, NEW_CHECKPOINTER.format(name="said", beside="failing=failing"))
+    _run_ok(pool, "%%fsdp2\ntrain_step(0)\ndigests[0] = digest()\nckpt.save(0)\nckpt.wait()\nfailing.armed = True")
+    started = pool.execute("%%fsdp2\ntrain_step(1)\nckpt.save(1)")
+    ended = pool.execute(SAVE_ENDED)
+    assert started.status == ended.status == "ok", started.traceback_text + ended.traceback_text
+    said = started.stderr + ended.stderr
+    assert said.count("the background save of step 1 failed: ") == 1 and "No space left" in said, said
+    run = pool.execute(FAILED_SAVE_SAID)  # the next save or wait raises it on every rank, once
+    assert "[all] failed True" in run.stdout and "background save" not in run.stderr, run.stdout + run.stderr
+    _assert_every_save_committed(pool, [0])
+
+
 def test_failed_background_saves_leave_no_threads_or_open_files_behind(pool):
-    run = pool.execute(NEW_CHECKPOINTER.format(name="failing").replace("lag=lag", "failing=FailingSaves()"))
-    assert run.status == "ok", run.traceback_text + run.stderr
+    _run_ok(pool, NEW_CHECKPOINTER.format(name="failing", beside="failing=failing") + "failing.armed = True\n")
     counts = []
     for step in range(CYCLES + 1):
-        _run_ok(pool, f"%%fsdp2\ntrain_step({step})\nckpt.save({step})")
-        run = pool.execute("%%fsdp2\ntry:\n    ckpt.wait()\nexcept fsdp2nb.checkpoint.CheckpointSaveError as error:\n"
-                           "    print('failed', 'No space left' in str(error))\nprint('resources', rank, *resources())")
+        run = pool.execute(f"%%fsdp2\ntrain_step({step})\nckpt.save({step})")
         assert run.status == "ok", run.traceback_text + run.stderr
-        assert "[all] failed True" in run.stdout, run.stdout
+        run = pool.execute(FAILED_SAVE_SAID)
+        assert run.status == "ok" and "[all] failed True" in run.stdout, run.traceback_text + run.stdout
         counts.append(_threads_and_files(run.stdout))
     assert counts[1] == counts[-1], counts
