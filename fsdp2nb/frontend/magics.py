@@ -23,6 +23,7 @@ from fsdp2nb.frontend.magic_options import (
     split_magic_line,
 )
 from fsdp2nb.frontend.profiles import ProfileCollector, describe_stacks
+from fsdp2nb.frontend.rank_clocks import ClockOffsets, estimate_offsets, spans_hosts
 from fsdp2nb.frontend.session import RESTORE_HINT, NotebookSession, SentCell
 from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.kept import (
@@ -69,6 +70,9 @@ class FSDP2Magics(Magics):
         self._profiles = ProfileCollector()
         """The ranks' profiles and stacks as they arrive (`%%fsdp2 --profile`, `%fsdp2 stacks`)."""
         session.add_snapshot_listener(self._profiles.hear)
+        self._clock_pool: PoolHandle | None = None
+        self._offsets: ClockOffsets | None = None
+        """The pool whose ranks' clock offsets were measured, and those offsets."""
 
     @no_var_expand  # done by _expand_variables, only for a line that asks for it
     @line_cell_magic
@@ -125,22 +129,22 @@ class FSDP2Magics(Magics):
         try:
             self.session.run_cell(pool, cell, ranks, profile=options.profile)
         finally:  # a cell that failed shows what ran until then
-            self._show_new_profiles()
+            self._show_new_profiles(pool)
         self._serve_dashboard_save(pool)
 
     def _finish_cell_sent_ahead(self, sent: SentCell) -> None:
         try:
             self.session.finish_cell(sent)
         finally:
-            self._show_new_profiles()
+            self._show_new_profiles(sent.wait.pool)
         self._serve_dashboard_save(sent.wait.pool)
 
-    def _show_new_profiles(self) -> None:
+    def _show_new_profiles(self, pool: PoolHandle) -> None:
         """The profiles the cell's ranks sent (`--profile`, `fsdp2nb.profile()`), under its output,
         and the last one's bars to the dashboard."""
         from IPython.display import display
 
-        profiles = self._profiles.take_new()
+        profiles = self._profiles.take_new(self._clock_offsets(pool) if self._profiles.has_new() else None)
         for profile in profiles:
             display(profile)
         if profiles:
@@ -326,10 +330,6 @@ class FSDP2Magics(Magics):
         run.interrupt()
         print(f"interrupt sent to {run.label}")
 
-    def _command_runs(self, options):
-        """This session's background runs: a list of their handles that shows as one line each."""
-        return self._background_runs().listing()
-
     def _background_runs(self):  # BackgroundRuns
         return self.session.background
 
@@ -349,6 +349,15 @@ class FSDP2Magics(Magics):
         return plan_memory(options.model, world_size, lora=options.lora, engine=engine, activation_checkpointing=options.ac,
                            batch_size=options.batch, seq_len=options.seq, optimizer=options.optimizer, device=device,
                            capacity_bytes=capacity)
+
+    def _clock_offsets(self, pool: PoolHandle) -> ClockOffsets | None:
+        """Ranks on other hosts: their clocks' offsets, measured at the pool's first profile."""
+        if not spans_hosts(pool) or pool.state != "ready":
+            return None
+        if self._clock_pool is not pool:
+            self._clock_pool = pool
+            self._offsets = estimate_offsets(pool, self.session.next_cell_id, self._profiles)
+        return self._offsets
 
     def _command_profile(self, options):
         """`prof = %fsdp2 profile`: the last profile (of a cell, a block or a background run)."""

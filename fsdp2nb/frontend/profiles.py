@@ -8,11 +8,13 @@ import json
 import os
 import tempfile
 import threading
+import time
 from collections import defaultdict
+from dataclasses import replace
 
 from fsdp2nb.frontend.profile_view import render_html, render_text
 from fsdp2nb.profile_analysis import ProfileAnalysis, RankRow, TopOp, analyse, merged_trace
-from fsdp2nb.wire.protocol import RankProfile, RankStacks
+from fsdp2nb.wire.protocol import RankClock, RankProfile, RankStacks
 
 
 class Profile:
@@ -37,6 +39,11 @@ class Profile:
     @property
     def top_ops(self) -> tuple[TopOp, ...]:
         return self.analysis.top_ops
+
+    @property
+    def clocks(self) -> dict[int, tuple[float, float]]:
+        """rank -> (offset added to its times, how far it may be off), in seconds: 0 on the kernel's host."""
+        return {p.rank: (p.clock_offset_ns / 1e9, p.clock_error_ns / 1e9) for p in self._profiles}
 
     @property
     def trace_path(self) -> str:
@@ -77,6 +84,8 @@ class ProfileCollector:
         self._arrived: list[RankProfile] = []
         """Profiles not yet made into a `Profile`, in arrival order."""
         self._stacks: dict[int, dict[int, RankStacks]] = defaultdict(dict)
+        self._clocks: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
+        """request id -> rank -> (the rank's clock, this kernel's clock when the answer was heard)."""
         self._trace_dir: str | None = None
         self.last: Profile | None = None
 
@@ -89,11 +98,21 @@ class ProfileCollector:
             with self._lock:
                 self._stacks[event.request_id][event.rank] = event
                 self._lock.notify_all()
+        elif isinstance(event, RankClock):
+            heard_ns = time.time_ns()
+            with self._lock:
+                self._clocks[event.request_id][event.rank] = (event.unix_ns, heard_ns)
+                self._lock.notify_all()
 
-    def take_new(self) -> list[Profile]:
-        """The profiles whose events came since the last take, one per cell or block, in order."""
+    def take_new(self, clock_offsets: dict[int, tuple[int, int]] | None = None) -> list[Profile]:
+        """The profiles whose events came since the last take, one per cell or block, in order;
+        `clock_offsets` (rank -> offset and bound, ns) puts ranks of other hosts on this clock."""
         with self._lock:
             arrived, self._arrived = self._arrived, []
+        if clock_offsets:
+            arrived = [replace(profile, clock_offset_ns=clock_offsets[profile.rank][0],
+                               clock_error_ns=clock_offsets[profile.rank][1])
+                       if profile.rank in clock_offsets else profile for profile in arrived]
         groups: dict[tuple[int | None, int], list[RankProfile]] = {}
         count: dict[tuple[int | None, int], int] = defaultdict(int)
         for profile in arrived:  # a cell with several profile() blocks sends each rank's in order
@@ -105,11 +124,22 @@ class ProfileCollector:
             self.last = made[-1]
         return made
 
+    def has_new(self) -> bool:
+        """Whether profiles came since the last take."""
+        with self._lock:
+            return bool(self._arrived)
+
     def wait_for_stacks(self, request_id: int, ranks: tuple[int, ...], timeout_s: float) -> dict[int, RankStacks]:
         """The stacks the ranks sent for `request_id`, once all came or `timeout_s` passed."""
         with self._lock:
             self._lock.wait_for(lambda: set(ranks) <= set(self._stacks[request_id]), timeout_s)
             return self._stacks.pop(request_id, {})
+
+    def wait_for_clocks(self, request_id: int, ranks: tuple[int, ...], timeout_s: float) -> dict[int, tuple[int, int]]:
+        """rank -> (its clock, this kernel's when heard) for `request_id`, once all came or `timeout_s` passed."""
+        with self._lock:
+            self._lock.wait_for(lambda: set(ranks) <= set(self._clocks[request_id]), timeout_s)
+            return self._clocks.pop(request_id, {})
 
     def _directory(self) -> str:
         if self._trace_dir is None:

@@ -18,6 +18,7 @@ from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.protocol import (
     ControlMessage,
     EventMessage,
+    RankClock,
     RankExited,
     RankProfile,
     RankReady,
@@ -27,7 +28,8 @@ from fsdp2nb.wire.protocol import (
 )
 
 PoolState = Literal["stopped", "starting", "ready", "broken"]
-SnapshotListener = Callable[[RankSnapshot | TaskProgress | RankProfile | RankStacks | ProfileAnalysis], None]
+SnapshotListener = Callable[[RankSnapshot | TaskProgress | RankProfile | RankStacks | RankClock | ProfileAnalysis],
+                           None]
 BusyListener = Callable[[], None]
 """Called when a request to the ranks starts or ends."""
 """Hears a pool's snapshots and progress events, on the thread reading its events."""

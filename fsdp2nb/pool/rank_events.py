@@ -18,6 +18,7 @@ from fsdp2nb.pool.handle import SnapshotListener
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.wire.protocol import (
     EventMessage,
+    RankClock,
     RankExited,
     RankProfile,
     RankReady,
@@ -86,7 +87,7 @@ class RankEvents:
                 listener(event)
             if isinstance(event, RankSnapshot) or event.cell_id is None:
                 return  # a progress event of a cell also goes to the cell, for its own bar
-        if isinstance(event, (RankProfile, RankStacks)):  # whenever they come: for frontend/profiles.py
+        if isinstance(event, (RankProfile, RankStacks, RankClock)):  # whenever they come: for frontend/profiles.py
             for listener in list(self.listeners):
                 listener(event)
             return

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """The version of the messages below, exchanged with the schema's fingerprint in every
 connection's greeting and hello and in a kept pool's attach record; ends that differ are refused
 in one line naming both (wire/versions.py). Raise it with every change of this module's types:
@@ -133,6 +133,14 @@ class ReportStacks:
 
 
 @dataclass(frozen=True)
+class ReportClock:
+    """Ask the rank's control thread for its clock: a profile of ranks on several hosts puts
+    them on the kernel's clock by the offsets these round trips give."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the rank's main loop and exit cleanly."""
 
@@ -234,9 +242,9 @@ class RunCommand:
 
 ControlMessage = (RunCell | PushValues | PullValue | Interrupt | RequestSave | ResetPeak | ReportActivity
                   | Shutdown | JoinRendezvous | PostMortem | AnswerInput | RunCommand | ReleaseCollectives
-                  | ReportStacks)
+                  | ReportStacks | ReportClock)
 FOR_CONTROL_THREAD = (Interrupt, RequestSave, ResetPeak, ReportActivity, AnswerInput, ReleaseCollectives,
-                      ReportStacks)
+                      ReportStacks, ReportClock)
 """Messages sent on a rank's control connection, which its control thread reads while a cell
 runs; every other message goes to its main thread, on the requests connection."""
 
@@ -556,6 +564,15 @@ class RankStacks:
 
 
 @dataclass(frozen=True)
+class RankClock:
+    """A rank's answer to `ReportClock`: its Unix clock when its control thread answered."""
+
+    rank: int
+    request_id: int
+    unix_ns: int
+
+
+@dataclass(frozen=True)
 class RankProfile:
     """What torch.profiler recorded on a rank over a profiled cell or `fsdp2nb.profile()` block."""
 
@@ -580,7 +597,7 @@ class RankProfile:
 
 
 EventMessage = (RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited | TaskProgress
-                | RankActivity | RendezvousOpened | InputRequested | RankStacks | RankProfile)
+                | RankActivity | RendezvousOpened | InputRequested | RankStacks | RankProfile | RankClock)
 
 @dataclass(frozen=True)
 class AttachRecord:
@@ -605,7 +622,7 @@ WIRE_TYPES = (RunCell, PushValues, PullValue, Interrupt, RequestSave, Shutdown,
               RankReady, StreamOutput, RichOutput, CellFinished, RankSnapshot, RankExited, ResetPeak,
               TaskProgress, ReportActivity, RankActivity, JoinRendezvous, RendezvousOpened,
               PostMortem, AnswerInput, InputRequested, RunCommand, ReleaseCollectives,
-              ReportStacks, RankStacks, RankProfile)
+              ReportStacks, RankStacks, RankProfile, ReportClock, RankClock)
 """Messages that travel as (their type's tag, field values): see signing.Signer; the tag is a
 hash of the type's name and field names (wire/versions.py), not a position in this tuple."""
 VERSIONED_TYPES = (ChannelHello, AttachRecord)

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from datetime import timedelta
 
@@ -37,10 +38,12 @@ from fsdp2nb.wire.protocol import (
     PostMortem,
     PullValue,
     PushValues,
+    RankClock,
     RankPlan,
     RankReady,
     ReleaseCollectives,
     ReportActivity,
+    ReportClock,
     ReportStacks,
     RequestSave,
     ResetPeak,
@@ -400,6 +403,8 @@ class Rank:
             self._sampler.reset_peak()
         elif isinstance(message, ReportActivity):
             self._report_activity()
+        elif isinstance(message, ReportClock):
+            self._channels.send_event(RankClock(rank=self.rank, request_id=message.request_id, unix_ns=time.time_ns()))
         elif isinstance(message, ReportStacks):
             from fsdp2nb.worker.stacks import rank_stacks
 

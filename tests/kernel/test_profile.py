@@ -151,3 +151,16 @@ def test_stacks_show_every_rank_at_its_cell_line_while_the_cell_runs_on(kernel):
 
 def _rank_lines(text: str, rank: int) -> str:
     return "\n".join(line for line in text.splitlines() if line.startswith(f"[{rank}]"))
+
+
+def test_clock_round_trips_put_ranks_on_the_kernels_clock_within_their_bound(kernel):
+    """Ranks on the kernel's host share its clock: each measured offset is within its bound."""
+    setup = kernel.execute("_magics = get_ipython().find_cell_magic('fsdp2').__self__\n"
+                           "from fsdp2nb.frontend.rank_clocks import estimate_offsets\n"
+                           "_offsets = estimate_offsets(_magics.session.pool, _magics.session.next_cell_id, "
+                           "_magics._profiles)")
+    assert setup.status == "ok", setup.traceback_text
+    offsets = _values(kernel, "{rank: pair for rank, pair in _offsets.items()}")
+    assert sorted(offsets) == ["0", "1", "2"]
+    for offset_ns, error_ns in offsets.values():
+        assert 0 <= error_ns < 1_000_000_000 and abs(offset_ns) <= error_ns + 1_000_000, offsets

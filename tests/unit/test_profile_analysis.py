@@ -84,3 +84,16 @@ def test_clock_offsets_put_the_ranks_on_one_clock():
     ends = [event["ts"] + event["dur"] for event in trace["traceEvents"] if event.get("cat") == "collective"]
     assert ends == pytest.approx([15_000, 15_000])
     assert {event["pid"] for event in trace["traceEvents"] if event["name"] == "process_name"} == {0, 1}
+
+
+def test_offsets_measured_for_other_hosts_apply_to_the_profiles_taken():
+    from fsdp2nb.frontend.profiles import ProfileCollector
+
+    collector = ProfileCollector()
+    collective = [(2, GLOO, COLLECTIVE, 10 * MS, 5 * MS)]
+    collector.hear(_profile(0, collective))
+    collector.hear(_profile(1, [(2, GLOO, COLLECTIVE, 1012 * MS, 3 * MS)], start=1000 * MS, end=1100 * MS))
+    (profile,) = collector.take_new({0: (0, 0), 1: (-1000 * MS, 2 * MS)})
+    assert profile.clocks == {0: (0.0, 0.0), 1: (-1.0, 0.002)}
+    assert profile.straggler == 1 and profile.analysis.clock_error_s == pytest.approx(0.002)
+    assert "Clocks agree within 2.0 ms" in render_html(profile.analysis)
