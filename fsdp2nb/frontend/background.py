@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 RunState = Literal["running", "done", "failed", "interrupted"]
 RankState = Literal["running", "done", "failed"]
+MAX_LISTED_RUNS = 100
+"""`%fsdp2 runs` lists this many of the latest runs (a day of cells keeps no more)."""
 _WAIT_SLICE_S = 0.1  # main-thread waits wake this often, so the stop button is served promptly
 
 
@@ -232,6 +235,7 @@ class BackgroundRuns:
         self._active: BackgroundRun | None = None
         self._latest: BackgroundRun | None = None
         self._named: dict[str, BackgroundRun] = {}
+        self._started: deque[BackgroundRun] = deque(maxlen=MAX_LISTED_RUNS)
 
     @property
     def active(self) -> BackgroundRun | None:
@@ -262,8 +266,14 @@ class BackgroundRuns:
         with self._lock:
             assert self._active is None or self._active.done(), "one background run at a time"
             self._active = self._latest = run
+            self._started.append(run)
             if run.name:
                 self._named[run.name] = run
+
+    def listing(self) -> RunList:
+        """The runs of this session, oldest first (`%fsdp2 runs`)."""
+        with self._lock:
+            return RunList(self._started)
 
     def wait_for_active(self, say: Callable[[str], object]) -> None:
         """Before a request for the ranks: wait for the run going (saying so in one line), then
@@ -278,6 +288,19 @@ class BackgroundRuns:
         if latest is not None and error is not None:
             latest.mark_error_seen()
             raise _queued_failure(latest, error)
+
+
+class RunList(list):
+    """`%fsdp2 runs`: the session's background runs, shown one line each (`x = %fsdp2 runs` keeps
+    the handles, to wait for or interrupt)."""
+
+    def __repr__(self) -> str:
+        if not self:
+            return "no background runs in this session; start one with `%%fsdp2 --bg`"
+        return "\n".join(run.summary().removeprefix("background run ") for run in self)
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython's display of the value
+        printer.text(repr(self))
 
 
 def _queued_failure(run: BackgroundRun, error: BaseException) -> BaseException:

@@ -24,6 +24,7 @@ Background run: the cell returns a handle at once and its output streams into it
     %%fsdp2 --bg --name train    # train.done(), train.wait(), train.interrupt(), train.state
     %fsdp2 wait [train]          # later cells that need the ranks wait for it anyway
     %fsdp2 interrupt [train]     # the stop button of an idle kernel leaves the run alone
+    %fsdp2 runs                  # this session's background runs, one line each (x = %fsdp2 runs: the handles)
 
 Line magic::
 
@@ -52,6 +53,7 @@ Memory, before loading (no pool needed; the model is built on meta, no weights r
 
     %fsdp2 plan meta-llama/Llama-3.1-8B --gpus 8 [--lora 16] [--batch 4] [--seq 4096]
     %fsdp2 plan ./my-model --cpu 4 [--fp32] [--ac] [--offload] [--memory 80GiB]
+    # long names, as plan_memory's: --batch-size, --seq-len, --activation-checkpointing, --capacity
 
 Kept pools outlive the kernel (docs/usage.md, "Kept pools")::
 

@@ -15,7 +15,7 @@ from fsdp2nb.pool.kept import DEFAULT_KEEP_FOR_S, KeepOptions, default_pool_name
 from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, spec_from_options
 
 COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",
-            "wait", "interrupt", "debug", "pools", "attach", "detach", "plan", "profile", "stacks")
+            "wait", "interrupt", "runs", "debug", "pools", "attach", "detach", "plan", "profile", "stacks")
 
 
 def _add_pool_options(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ def split_magic_line(line: str) -> list[str]:
 def cell_parser() -> MagicArgumentParser:
     parser = _parser("%%fsdp2", "Run the cell on every rank of the pool.")
     _add_pool_options(parser)
-    parser.add_argument("--ranks", metavar="R,..", help="run on these ranks only, e.g. 0 or 0,2 or 1-3")
+    parser.add_argument("--ranks", "--rank", metavar="R,..", help="run on these ranks only, e.g. 0 or 0,2 or 1-3")
     parser.add_argument("--bg", action="store_true", help="run in the background: return a handle at once")
     parser.add_argument("--profile", action="store_true",
                         help="profile the cell on every rank; after its output: per-rank times, straggler, timeline")
@@ -104,12 +104,12 @@ def line_parsers() -> dict[str, MagicArgumentParser]:
     parsers["pull"].add_argument("--value", action="store_true",
                                  help="return the value (several names: a tuple) instead of defining the names")
     target = parsers["pull"].add_mutually_exclusive_group()
-    target.add_argument("--rank", type=int, default=None, help="the rank to pull from (default 0)")
+    target.add_argument("--rank", "--ranks", type=int, default=None, help="the rank to pull from (default 0)")
     target.add_argument("--all", action="store_true", help="pull from every rank: a dict rank -> value")
     parsers["save"].add_argument("step", nargs="?", type=_non_negative_int, default=None,
                                  help="step to save as (default: the last step the checkpointer saw)")
     parsers["load"].add_argument("target", nargs="?", default="latest", help="'latest' (default), 'memory' (the snapshot in host memory) or a step")
-    parsers["debug"].add_argument("--rank", type=int, default=None,
+    parsers["debug"].add_argument("--rank", "--ranks", type=int, default=None,
                                   help="the rank whose last error to open (default: the rank that failed first)")
     _add_plan_options(parsers["plan"])
     for command in ("wait", "interrupt"):
@@ -124,13 +124,16 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     ranks.add_argument("--gpus", metavar="N|I,J,..", help="N GPU ranks (default: the pool's, else every visible GPU)")
     ranks.add_argument("--cpu", type=int, metavar="N", help="N CPU ranks")
     parser.add_argument("--lora", type=int, metavar="R", help="LoRA adapters of rank R on every Linear but the head")
-    parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences per rank per step (default 1)")
-    parser.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence (default 2048)")
+    # Each long name is plan_memory's parameter, beside the short one.
+    parser.add_argument("--batch", "--batch-size", type=int, default=1, metavar="B",
+                        help="sequences per rank per step (default 1)")
+    parser.add_argument("--seq", "--seq-len", type=int, default=2048, metavar="S", help="tokens per sequence (default 2048)")
     parser.add_argument("--fp32", action="store_true", help="fp32 compute (default: bf16 mixed precision)")
     parser.add_argument("--offload", action="store_true", help="sharded state in host memory (GPU ranks)")
-    parser.add_argument("--ac", action="store_true", help="activation checkpointing")
+    parser.add_argument("--ac", "--activation-checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument("--optimizer", default="adamw", metavar="NAME", help="adamw (default), adam, sgd_momentum, sgd")
-    parser.add_argument("--memory", metavar="SIZE", help="memory per rank, e.g. 80GiB (default: the GPU's, or the host's)")
+    parser.add_argument("--memory", "--capacity", metavar="SIZE",
+                        help="memory per rank, e.g. 80GiB (default: the GPU's, or the host's)")
 
 
 def plan_ranks(options, pool: PoolHandle | None) -> tuple[int, str]:

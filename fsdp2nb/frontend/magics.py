@@ -330,6 +330,10 @@ class FSDP2Magics(Magics):
         run.interrupt()
         print(f"interrupt sent to {run.label}")
 
+    def _command_runs(self, options):
+        """This session's background runs: a list of their handles that shows as one line each."""
+        return self._background_runs().listing()
+
     def _background_runs(self):  # BackgroundRuns
         return self.session.background
 

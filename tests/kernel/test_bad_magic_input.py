@@ -23,6 +23,7 @@ BAD_LINES: dict[str, tuple[str, str]] = {
     "metrics": ("%fsdp2 metrics --as-csv", "--as-csv"),
     "wait": ("%fsdp2 wait no_such_run", "no_such_run"),
     "interrupt": ("%fsdp2 interrupt no_such_run", "no_such_run"),
+    "runs": ("%fsdp2 runs --all", "--all"),
     "debug": ("%fsdp2 debug --rank two", "two"),
     "pools": ("%fsdp2 pools --all-users", "--all-users"),
     "attach": ("%fsdp2 attach no-such-pool", "no-such-pool"),
