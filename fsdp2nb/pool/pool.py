@@ -117,6 +117,8 @@ class WorkerPool:
         """Per rank, the request id it was last sent (a stalled rank is reported to that cell)."""
         self.work_at_attach: list[RankWork] = []
         """A kept pool attached: what each rank ran then (its activity board); else empty."""
+        self._reaper_notes: list[str] = []
+        """What the reaper had to say at the start (a wait for a dead kernel's ranks)."""
 
     @property
     def world_size(self) -> int:
@@ -176,13 +178,13 @@ class WorkerPool:
     @property
     def start_notes(self) -> list[str]:
         """What the cell that starts the pool should say besides (e.g. a warning about Ray's security)."""
-        return list(self._launcher.notes)
+        return list(self._launcher.notes) + self._reaper_notes
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
         """Start the ranks and return once every one has joined the process group."""
-        reaper.reap_orphans(spare_store=self.memory_dir)
+        reaper.reap_orphans(spare_store=self.memory_dir, notes=self._reaper_notes)
         self.state = "starting"
         try:
             key = secrets.token_bytes(KEY_BYTES)

@@ -61,9 +61,10 @@ def forget_pool(pool_id: str) -> None:
     (_registry_dir() / f"{pool_id}.json").unlink(missing_ok=True)
 
 
-def reap_orphans(spare_store: str = "") -> int:
+def reap_orphans(spare_store: str = "", notes: list[str] | None = None) -> int:
     """Kill the processes of pools whose kernel is gone, and free snapshot stores nobody owns
-    but `spare_store` (that of a kept pool being restarted); returns how many were killed."""
+    but `spare_store` (that of a kept pool being restarted); returns how many were killed.
+    A line for the user goes to `notes` where it waited for ranks writing a snapshot first."""
     num_killed = 0
     for path in _registry_dir().glob("*.json"):
         try:
@@ -73,7 +74,10 @@ def reap_orphans(spare_store: str = "") -> int:
         owner = (entry["owner"][0], entry["owner"][1])
         if is_alive(owner):
             continue
-        _wait_while_persisting(owner, [(pid, started) for pid, started in entry["processes"]])
+        waited_s = _wait_while_persisting(owner, [(pid, started) for pid, started in entry["processes"]])
+        if waited_s is not None and notes is not None:
+            notes.append(f"waited {waited_s:.1f} s for the ranks of kernel {owner[0]}, which ended, to write its "
+                         f"newest snapshot to disk ({state_dir() / 'logs' / path.stem / 'pool.log'} says what)")
         for pid, started in entry["processes"]:
             num_killed += _kill_if_same((pid, started))
         if entry.get("runtime_dir"):
@@ -88,17 +92,20 @@ def reap_orphans(spare_store: str = "") -> int:
 _PERSIST_POLL_S = 0.1
 
 
-def _wait_while_persisting(owner: ProcessKey, processes: list[ProcessKey]) -> None:
+def _wait_while_persisting(owner: ProcessKey, processes: list[ProcessKey]) -> float | None:
     """The ranks of a kernel that died may be writing its newest snapshot to disk (their agent
     marked its store: wire/persisting.py): wait until they end or their time is up, so that the
-    new pool's `load("latest")` finds what they wrote."""
+    new pool's `load("latest")` finds what they wrote. Returns the seconds waited; None: no wait."""
     store = memory_store.session_store(*owner)
     until = persisting_until(store)
-    if until is not None and any(map(is_alive, processes)):
-        logger.info("waiting up to %.0f s for the ranks of kernel %d to write its snapshot to disk",
-                    until - time.time(), owner[0])
+    if until is None or not any(map(is_alive, processes)):
+        return None
+    logger.info("waiting up to %.0f s for the ranks of kernel %d to write its snapshot to disk",
+                until - time.time(), owner[0])
+    started = time.monotonic()
     while persisting_until(store) is not None and any(map(is_alive, processes)):
         time.sleep(_PERSIST_POLL_S)
+    return time.monotonic() - started
 
 
 def _prune_old_logs(max_age_s: float = LOG_RETENTION_S) -> None:

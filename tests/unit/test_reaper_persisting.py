@@ -41,7 +41,8 @@ def test_ranks_writing_a_dead_kernels_snapshot_end_by_themselves_before_the_reap
     reaper.logger.addHandler(heard)
     level = reaper.logger.level
     reaper.logger.setLevel(logging.INFO)
-    reaping = threading.Thread(target=reaper.reap_orphans)
+    notes: list[str] = []
+    reaping = threading.Thread(target=reaper.reap_orphans, kwargs={"notes": notes})
     try:
         reaper.record_pool("test-persisting", owner, [process_key(rank.pid)])
         mark_persisting(store, until=float("1e12"))
@@ -52,6 +53,8 @@ def test_ranks_writing_a_dead_kernels_snapshot_end_by_themselves_before_the_reap
         reaping.join(timeout=60)
         assert not reaping.is_alive()
         assert rank.wait(timeout=10) == 0, "the rank ended by itself, not by the reaper's SIGKILL"
+        assert len(notes) == 1 and notes[0].startswith("waited ") and f"ranks of kernel {owner[0]}, which ended" in notes[0]
+        assert "test-persisting/pool.log says what" in notes[0], notes
     finally:
         reaper.logger.removeHandler(heard)
         reaper.logger.setLevel(level)
