@@ -66,10 +66,10 @@ def train_step(step):
 
 # Cells run just before the block whose text contains the key: what the page's prose says the reader has.
 BEFORE = {
-    "fsdp2nb.generate(model, tokenizer": "%%fsdp2\nval_examples = text_windows(tokenizer, sample_text(), seq_len=32)[:6]\n"
-                                         "step = 0",
-    'Checkpointer("/ckpt/run1", keep=3).track': "%%fsdp2\nmodel, tokenizer = fsdp2nb.load_model(model_dir)\n"
-                                               "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)",
+    "fsdp2nb.evaluate(model, val_examples": "%%fsdp2\nval_examples = text_windows(tokenizer, sample_text(), seq_len=32)[:6]\n"
+                                            "step = 0",
+    "ckpt.save(num_steps - 1)": "%%fsdp2\nmodel, tokenizer = fsdp2nb.load_model(model_dir)\n"
+                                "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)",
     "trainer = Trainer(model": "%%fsdp2\nfrom transformers import AutoModelForCausalLM, Trainer, TrainingArguments\n"
                                "model = AutoModelForCausalLM.from_pretrained(model_dir)   # a plain model: no trainer_for\n"
                                "data = [{'input_ids': w['input_ids'], 'labels': w['input_ids']}\n"
@@ -78,9 +78,17 @@ BEFORE = {
                                        "data = Dataset.from_dict({'text': sample_text().split('. ')[:16]})",
     "--keep --name llama": "%fsdp2 stop",
 }
-# Cells run just after such a block: the compiled model's first step, which compiles it.
+# Cells run just after such a block: the compiled model's first step compiles it, and its loss is
+# the uncompiled model's "up to float rounding", as usage.md says.
 AFTER = {
-    "engine.shard_model(model, model_dir)": "%%fsdp2\nloss = model(**batch(0)).loss\nloss.backward()\nassert torch.isfinite(loss), loss",
+    "engine.shard_model(model, model_dir)": """%%fsdp2
+fixed = next(text_batches(tokenizer, sample_text(), seq_len=32, batch_size=2, device=device, seed=7))
+compiled_loss = model(**fixed).loss
+compiled_loss.backward()
+reference, _ = fsdp2nb.load_model(model_dir)
+reference_loss = reference(**fixed).loss
+assert torch.allclose(compiled_loss, reference_loss, rtol=2e-2), (compiled_loss, reference_loss)
+del reference""",
 }
 
 
