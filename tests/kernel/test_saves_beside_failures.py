@@ -92,7 +92,8 @@ for step in sorted(digests):
     ckpt.load(step)
     if digest() != digests[step]:
         mismatched.append(step)
-print("committed", committed, "latest", ckpt.latest(), "mismatched", mismatched)
+from fsdp2nb.checkpoint.layout import read_latest
+print("committed", committed, "latest", read_latest(ckpt.directory), "mismatched", mismatched)
 """
 CYCLES = 4
 
