@@ -65,7 +65,7 @@ def read_rank_state_collectively(step_dir: Path, metadata: CheckpointMetadata, r
     try:
         state = torch.load(path, weights_only=True)
     except Exception as exc:  # damaged or unreadable; torch's advice (weights_only=False) is wrong here
-        error = ValueError(f"{path} could not be read ({describe(exc)})")
+        error = ValueError(f"{path} could not be read ({describe(exc)})")  # internal: raised below as CheckpointLoadError
     try:
         all_ranks_succeeded(error, "reading the checkpoint", group)
     except (ValueError, FailedElsewhere) as exc:

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
-from fsdp2nb.errors import InvalidValue, NoSuchRun, RankError
+from fsdp2nb.errors import Fsdp2nbError, InvalidValue, NoSuchRun, RankError
 from fsdp2nb.frontend.cell_transform import notebook_execution_count
 from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.pool.kept import describe_ranks
@@ -309,8 +309,13 @@ def _queued_failure(run: BackgroundRun, error: BaseException) -> BaseException:
                  "(as in sequence); run it again to run it")
     if isinstance(error, RankError):
         return RankError(error.errors, error.world_size, notes=(*error.notes, note))
-    return RuntimeError(f"the background run {run.label} failed ({type(error).__name__}: {error}); "
-                        "this cell did not run")
+    return BackgroundRunFailed(f"the background run {run.label} failed ({type(error).__name__}: {error}); "
+                               "this cell did not run")
+
+
+class BackgroundRunFailed(Fsdp2nbError, RuntimeError):
+    """A cell queued behind a background run that failed (with an error other than the ranks'):
+    the cell did not run, as it would not have in sequence."""
 
 
 def check_run_name(name: str | None) -> None:

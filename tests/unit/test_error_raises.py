@@ -51,7 +51,9 @@ TO_CONVERT: dict[str, str] = {
         "to convert: the file is being edited in parallel",
     'fsdp2nb/checkpoint/requests.py: raise ValueError(f"request_id={request_id!r} must be an int >= 1")':
         "to convert: the file is being edited in parallel",
-    'fsdp2nb/wire/memory_store.py: raise RuntimeError(f"{path} is not a directory owned by this user; remove it (or set "':
+    'fsdp2nb/checkpoint/snapshot_files.py: raise ValueError(f"{path} holds fewer than the {num_bytes} bytes its manifest gives")':
+        "to convert: the file is being edited in parallel",
+    'fsdp2nb/checkpoint/memory_snapshots.py: raise ValueError(f"the state of step {step} in {_state_path(path)} is not a snapshot\'s")':
         "to convert: the file is being edited in parallel",
 }
 """Bare raises still to be given a class (`path: the raise's first line`), with the reason they are not yet."""
@@ -70,20 +72,24 @@ class BareRaise:
 
 
 def bare_raises(source: str, relative: str) -> list[BareRaise]:
-    """The `raise <builtin>` statements of one module that carry no `# internal:` marker."""
+    """The `raise <builtin>` statements of one module, and the builtin errors it makes to raise
+    later (`return RuntimeError(...)`), that carry no `# internal:` marker."""
     lines = source.splitlines()
     found = []
     for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Raise) or node.exc is None:
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+        elif isinstance(node, ast.Call):
+            raised = node.func
+        else:
             continue
-        raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
         if not (isinstance(raised, ast.Name) and raised.id in CHECKED):
             continue
         line, above = lines[node.lineno - 1], lines[node.lineno - 2].strip() if node.lineno > 1 else ""
         if MARKER in line or above.startswith(MARKER):
             continue
         found.append(BareRaise(f"{relative}:{node.lineno}", raised.id, line.strip()))
-    return found
+    return sorted(set(found), key=lambda r: (int(r.where.rpartition(":")[2]), r.name))
 
 
 def _package_bare_raises() -> list[BareRaise]:
@@ -113,8 +119,10 @@ def test_the_walk_finds_a_bare_raise_and_accepts_a_marked_one():
               "    # internal: the next line is unreachable too\n"
               "    raise KeyError(x)\n"
               "    raise AttributeError(x)\n"
-              "    raise UsageMistake('fine')\n")
-    assert bare_raises(source, "m.py") == [BareRaise("m.py:3", "ValueError", "raise ValueError('bad x')")]
+              "    raise UsageMistake('fine')\n"
+              "    return OSError('made here, raised by the caller')\n")
+    assert bare_raises(source, "m.py") == [BareRaise("m.py:3", "ValueError", "raise ValueError('bad x')"),
+                                           BareRaise("m.py:9", "OSError", "return OSError('made here, raised by the caller')")]
 
 
 def test_the_classes_that_replaced_builtins_are_still_those_builtins():
