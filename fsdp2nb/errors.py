@@ -7,6 +7,11 @@ Two kinds matter to the notebook:
   outside what it allows.
 - anything else is a failure or a bug, shown with its traceback (a rank's, through `RankError`).
 
+A class raised for a user's input or call derives from the builtin that was raised for it before
+as well (`NoProcessGroup` is a RuntimeError, `ModelNotFound` a FileNotFoundError), so code that
+caught the builtin still catches it. Internal invariants raise builtins, marked `# internal:` on
+the line; tests/unit/test_error_raises.py fails on any other builtin raised in the package.
+
 This module holds the errors that user code may catch and those raised in more than one part of
 the package. An exception private to one module (a control-flow signal such as the kernel's
 `PromptDeferred`, a launcher's own `RayLaunchError`) is defined beside its use and derives from
