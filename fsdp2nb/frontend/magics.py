@@ -126,6 +126,7 @@ class FSDP2Magics(Magics):
         pool = self.session.pool_for(spec, default_spec, keep)
         if starting and not options.no_dashboard:
             self._dashboard().show()  # under the cell that starts the pool, above its output
+        self._profiles.take_new()  # a background run's, ended before this cell: `%fsdp2 profile` has them
         try:
             self.session.run_cell(pool, cell, ranks, profile=options.profile)
         finally:  # a cell that failed shows what ran until then
@@ -136,15 +137,16 @@ class FSDP2Magics(Magics):
         try:
             self.session.finish_cell(sent)
         finally:
-            self._show_new_profiles(sent.wait.pool)
+            self._show_new_profiles(sent.wait.pool, sent.wait.cell_id)
         self._serve_dashboard_save(sent.wait.pool)
 
-    def _show_new_profiles(self, pool: PoolHandle) -> None:
+    def _show_new_profiles(self, pool: PoolHandle, cell_id: int | None = None) -> None:
         """The profiles the cell's ranks sent (`--profile`, `fsdp2nb.profile()`), under its output,
-        and the last one's bars to the dashboard."""
+        and the last one's bars to the dashboard; with `cell_id`, that request's only."""
         from IPython.display import display
 
         profiles = self._profiles.take_new(self._clock_offsets(pool) if self._profiles.has_new() else None)
+        profiles = [profile for profile in profiles if cell_id is None or profile.analysis.cell_id == cell_id]
         for profile in profiles:
             display(profile)
         if profiles:

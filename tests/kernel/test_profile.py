@@ -164,3 +164,15 @@ def test_clock_round_trips_put_ranks_on_the_kernels_clock_within_their_bound(ker
     assert sorted(offsets) == ["0", "1", "2"]
     for offset_ns, error_ns in offsets.values():
         assert 0 <= error_ns < 1_000_000_000 and abs(offset_ns) <= error_ns + 1_000_000, offsets
+
+
+def test_a_background_runs_profile_waits_for_profile_and_is_not_shown_under_a_later_cell(kernel):
+    started = kernel.execute("%%fsdp2 --bg --name profiled_run\nimport fsdp2nb\n"
+                             "with fsdp2nb.profile():\n    torch.ones(8).cumprod(0)\n")
+    assert started.status == "ok", started.traceback_text
+    assert kernel.execute("%fsdp2 wait profiled_run").status == "ok"
+    later = kernel.execute("%%fsdp2\nprint('later')")
+    assert later.stdout == "[all] later\n", later.stdout + later.traceback_text
+    assert not any("fsdp2nb-profile" in d["data"].get("text/html", "") for d in later.displays)
+    assert kernel.execute("from_run = %fsdp2 profile").status == "ok"
+    assert "aten::cumprod" in _values(kernel, "[op.name for op in from_run.top_ops]")
