@@ -53,6 +53,27 @@ def test_waiting_cell_shows_where_each_rank_is(kernel):
     assert kernel.execute("%%fsdp2\nprint('kept' in globals())").stdout == "[all] True\n"
 
 
+def test_a_collective_one_rank_waits_in_while_the_other_computes_shows_who_waits_where(kernel):
+    """Rank 0's count of collectives stalls in all_reduce while rank 1 is elsewhere: a hang."""
+    lines = []
+
+    def on_message(message):
+        if message["msg_type"] in ("display_data", "update_display_data"):
+            text = message["content"]["data"].get("text/plain", "")
+            if "all_reduce" in text and not lines:
+                lines.append(text)
+                kernel.manager.interrupt_kernel()  # as a user who read the line would
+
+    code = ("%%fsdp2\nimport time\nt = torch.ones(1)\nif rank == 0:\n    dist.all_reduce(t)\n"
+            "else:\n    while True:\n        time.sleep(0.05)\n")
+    run = kernel.execute(code, timeout=120, on_message=on_message)
+    assert lines, "no waiting line named the collective"
+    assert "[0] in all_reduce at In[" in lines[0] and "line 4: dist.all_reduce(t)" in lines[0], lines[0]
+    assert "[1] at In[" in lines[0] and "line 7: time.sleep(0.05)" in lines[0], lines[0]
+    assert run.status == "error"
+    assert kernel.execute("%%fsdp2\nprint('usable')").stdout == "[all] usable\n"
+
+
 def test_a_quiet_loop_of_collectives_shows_no_waiting_line(kernel):
     """Every rank in the same collective, over and over, is a loop at work, not a hang."""
     # Rank 0 says through the all_reduce itself when 8 s have passed, so every rank makes the same
