@@ -87,3 +87,17 @@ def test_a_count_that_moves_is_a_new_collective():
     assert not counts.stalled(_sample(0, 105.0, 4))
     assert counts.stalled(_sample(0, 104.0 + STALLED_AFTER_S, 4))
     assert not counts.stalled(_sample(0, 110.0, 4, None, NEXT_LINE))  # out of the collective: not stalled
+
+
+def test_only_the_main_threads_collectives_count():
+    """The count goes with the main thread's stack sample: a save thread's collectives do not move it."""
+    import threading
+
+    from fsdp2nb.worker.collective_count import note_entered, num_entered
+
+    before = num_entered()
+    note_entered()
+    save_thread = threading.Thread(target=note_entered)
+    save_thread.start()
+    save_thread.join()
+    assert num_entered() == before + 1
