@@ -157,14 +157,23 @@ def describe_stacks(stacks: dict[int, RankStacks], world_size: int) -> str:
         state = "between cells" if stacks[rank].cell_id is None else "running a request"
         lines.append(f"[{rank}] {state}")
         for thread in stacks[rank].threads:
+            if thread.name.startswith(_OWN_THREAD_PREFIX) and thread.frames:  # fsdp2nb's own: where it waits
+                lines.append(f"[{rank}]   thread {thread.name}: {thread.frames[-1]}")
+                continue
             lines.append(f"[{rank}]   thread {thread.name}{' (runs cells)' if thread.main else ''}:")
             lines.extend(f"[{rank}]     {frame}" for frame in _from_cell_on(thread.frames))
     return "\n".join(lines)
 
 
+_OWN_THREAD_PREFIX = "fsdp2nb-"
+"""fsdp2nb's threads on a rank (output capture, sampler, control) are named so."""
+_THREAD_START = ("threading.py:",)
+
+
 def _from_cell_on(frames: tuple[str, ...]) -> list[str]:
     """A thread's frames from its first cell frame on (the rank's own loop above it left out)."""
     first_cell = next((index for index, frame in enumerate(frames) if frame.startswith("In[")), None)
-    if first_cell is None:
-        return list(frames)
+    if first_cell is None:  # a thread's own start (threading.py's bootstrap) says nothing
+        return [frame for index, frame in enumerate(frames)
+                if not (frame.startswith(_THREAD_START) and all(f.startswith(_THREAD_START) for f in frames[:index]))]
     return [f"... {first_cell} frames of the rank's request loop", *frames[first_cell:]]

@@ -42,6 +42,14 @@ def _describe(frame: FrameType) -> str:
 
 
 def _short_path(filename: str) -> str:
-    """A path from its package on (torch/distributed/distributed_c10d.py), not from the root."""
-    marker = os.sep + "site-packages" + os.sep
-    return filename.split(marker, 1)[1] if marker in filename else filename
+    """A path from its package on (torch/distributed/distributed_c10d.py, threading.py), not from the root."""
+    for root in _LIBRARY_ROOTS:
+        if filename.startswith(root):
+            return filename[len(root):]
+    return filename
+
+
+_LIBRARY_ROOTS = tuple(sorted({os.path.join(path, "") for path in (
+    *sys.path[1:], os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if path and os.path.isdir(path)}, key=len, reverse=True))
+"""Where packages and the standard library live (the longest first: site-packages sits inside lib)."""
