@@ -80,7 +80,7 @@ def whole_in_shared_memory(model: nn.Module, readers: tuple[int, ...], dtype: to
         yield True
     finally:
         for module, name, param in swapped:
-            module._parameters[name] = param
+            setattr(module, name, param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,8 +207,8 @@ def _swap(model: nn.Module, whole: dict[int, nn.Parameter]) -> list[tuple[nn.Mod
     """The whole tensors in place of the sharded parameters; what was there, to put back."""
     swapped = []
     for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None and id(param) in whole:
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(param) in whole:
                 swapped.append((module, name, param))
-                module._parameters[name] = whole[id(param)]
+                setattr(module, name, whole[id(param)])
     return swapped

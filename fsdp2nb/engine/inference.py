@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp2nb.collectives import all_gathered, get_rank, get_world_size
-from fsdp2nb.engine.failed_iteration import param_groups_of
+from fsdp2nb.engine import fsdp_internals
 from fsdp2nb.engine.host_gather import can_gather_in_shared_memory, whole_in_shared_memory
 from fsdp2nb.errors import UsageMistake
 
@@ -124,12 +124,8 @@ def gathered_bytes(model: nn.Module) -> int:
 
 
 def _gather_dtype(model: nn.Module) -> torch.dtype | None:
-    # FSDP2 has no public getter for a unit's MixedPrecisionPolicy (torch 2.13); the engine gives
-    # every unit the same one, so the root's stands for all.
-    if not isinstance(model, FSDPModule):
-        return None
-    policy = getattr(model._get_fsdp_state(), "_mp_policy", None)
-    return getattr(policy, "param_dtype", None)
+    # The engine gives every unit the same MixedPrecisionPolicy, so the root's stands for all.
+    return fsdp_internals.gather_dtype(model) if isinstance(model, FSDPModule) else None
 
 
 def available_bytes(device: torch.device) -> int:
@@ -304,7 +300,7 @@ def _host_threads(plan: GatherPlan) -> Iterator[None]:
 def gathered_units(model: nn.Module) -> Iterator[None]:
     """Unshard every FSDP unit once and keep it so until exit; then settings back and reshard."""
     units = fsdp_units(model)
-    saved = [_reshard_settings(unit) for unit in units]
+    saved = [fsdp_internals.reshard_settings(unit) for unit in units]
     try:
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)
@@ -315,13 +311,9 @@ def gathered_units(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         for unit, settings in zip(units, saved, strict=True):
-            _restore_reshard_settings(unit, settings)
+            fsdp_internals.restore_reshard_settings(unit, settings)
         for unit in units:
             unit.reshard()
-
-
-_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
 @contextlib.contextmanager
@@ -334,41 +326,9 @@ def fsdp_forward_hooks_set_aside(model: nn.Module) -> Iterator[None]:
     the hooks back does FSDP's lazy initialisation, if none did before.)"""
     fsdp_ids: set[int] = set()
     for unit in fsdp_units(model):
-        state = unit._get_fsdp_state()
-        # FSDP2 keeps its hooks' handles there (torch 2.13); should a later torch not, the hooks stay.
-        for handle in (getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None)):
-            fsdp_ids.update(entry.id for entry in getattr(handle, "handles", (handle,)) if hasattr(entry, "id"))
-    saved = []
-    for module in model.modules():
-        for name in _FORWARD_HOOK_DICTS:
-            table = getattr(module, name)
-            if not fsdp_ids.isdisjoint(table):
-                saved.append((table, list(table.items())))
-                for hook_id in fsdp_ids.intersection(table):
-                    del table[hook_id]
-    try:
+        fsdp_ids.update(fsdp_internals.forward_hook_ids(unit))
+    with fsdp_internals.forward_hooks_removed(model, fsdp_ids):
         yield
-    finally:
-        for table, items in saved:
-            table.clear()
-            table.update(items)
-
-
-def _reshard_settings(unit: FSDPModule) -> tuple:
-    # FSDP2 offers `set_reshard_after_forward` but no getter (torch 2.13): the previous setting
-    # is read from the unit's state so that it comes back exactly (a root's automatic False, a
-    # resharding to a smaller group), not as the nearest bool.
-    state = unit._get_fsdp_state()
-    return (getattr(state, "_auto_reshard_after_forward", None),  # absent before torch 2.8
-            [group.post_forward_mesh_info for group in param_groups_of(state)])
-
-
-def _restore_reshard_settings(unit: FSDPModule, settings: tuple) -> None:
-    state = unit._get_fsdp_state()
-    if settings[0] is not None:
-        state._auto_reshard_after_forward = settings[0]
-    for group, mesh_info in zip(param_groups_of(state), settings[1], strict=True):
-        group.post_forward_mesh_info = mesh_info
 
 
 @contextlib.contextmanager
