@@ -225,6 +225,11 @@ class CheckpointSaveError(Fsdp2nbError, RuntimeError):
     """A save failed (possibly in the background); raised at the next call of the checkpointer."""
 
 
+class SaveFilesMissing(CheckpointSaveError, FileNotFoundError):
+    """Rank 0 came to commit a save and found other ranks' files missing: the checkpoint directory
+    is not one directory shared by every host, or something removed them. LATEST is left as it was."""
+
+
 class CheckpointLoadError(UsageMistake):
     """A load was refused before it changed anything: no such step, or a damaged one. Every rank
     raises it with the same message."""
