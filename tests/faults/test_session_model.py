@@ -66,15 +66,16 @@ def _run(first_seed: int, num_seeds: int, *, actions: int, examples: int, shrink
         except Exception as error:  # Hypothesis wraps a replay that failed otherwise (flaky)
             noted = [v for v in tally.violations if v.startswith(f"seed {session_seed},")]
             failures.extend(noted or [f"seed {session_seed}: {type(error).__name__}: {error}"])
-        print(f"seed {session_seed}: {time.monotonic() - started:.0f} s")
+        print(f"seed {session_seed}: {time.monotonic() - started:.0f} s; so far:\n{tally.table()}", flush=True)
     return tally, failures
 
 
 def _report(tally: Tally, failures: list[str]) -> None:
     print(tally.table())
     if KNOWN_DEFECTS:
-        print("steered around:", ", ".join(f"{name} ({d.action}; {d.invariant}; seed {d.seed})"
-                                          for name, d in KNOWN_DEFECTS.items()))
+        print("known defects, steered around:")
+        for name, defect in KNOWN_DEFECTS.items():
+            print(f"  {name} (seed {defect.seed}, {defect.run}): {defect.action}; breaks: {defect.invariant}")
     assert not failures, "\n".join([tally.table(), *failures])
 
 

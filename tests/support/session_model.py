@@ -62,12 +62,14 @@ KILL_PACE_S = 0.3
 
 @dataclass(frozen=True)
 class KnownDefect:
-    """An action that breaks an invariant on this tree, with the seed that shows it (the short run's
-    `--session-seed`, which meets it within its first actions)."""
+    """An action that breaks an invariant on this tree, and the seed that shows it."""
 
     action: str
     invariant: str
     seed: int
+    run: str
+    """Which run of that seed: "short" (`--session-seed SEED`, the suite's test), or the soak's
+    options that reproduce it."""
 
 
 KNOWN_DEFECTS: dict[str, KnownDefect] = {
@@ -76,7 +78,18 @@ KNOWN_DEFECTS: dict[str, KnownDefect] = {
         invariant="a save changes nothing: DCP's optimizer state dict gives AdamW its state by an optimizer "
                   "step with zero gradients (step 1, zero moments), so training after the save differs from "
                   "training without it",
-        seed=3),
+        seed=3, run="short (the third action)"),
+    "rewind with snapshots": KnownDefect(
+        action="a loop rewound to step 0 while host memory holds snapshots of higher steps, then a restore "
+               "from memory",
+        invariant="a restore gives the newest snapshot written: slots are chosen by step number, so the "
+                  "rewound run's step 1 is lost and the step 4 it left behind comes back",
+        seed=5, run="--session-seeds 1 --session-examples 2 --session-actions 25, the second session"),
+    "snapshots off": KnownDefect(
+        action="a new Checkpointer without memory_every on a pool whose store holds snapshots",
+        invariant="no cell fails for the session's own bookkeeping: the ranks entered different collectives "
+                  "in __init__/track() (rank 0 all_reduce, rank 1 all_gather_single), so the cell failed",
+        seed=6, run="--session-seeds 1 --session-examples 2 --session-actions 25, the second session"),
 }
 """Defects the checker finds that are not fixed yet, by name; the harness steers around each one
 (see `Session.steers_around`). Remove an entry once its fix is in, and the action joins the runs."""
@@ -338,6 +351,8 @@ class Session:
         self.snapshots_on = True
         self.snapshots: list[int] = []
         """Nodes snapshotted into host memory, in write order (the newest last)."""
+        self.snapshotted_any = False
+        """Whether this kernel's store ever held a snapshot (a disk load does not empty it)."""
         self.saves: list[SavedStep] = []
         self.num_cells = 0
         self.rank_pids: dict[int, int] = {}
@@ -389,8 +404,8 @@ class Session:
 
     @staticmethod
     def _last_lines(run: CellRun) -> str:
-        text = (run.traceback_text or run.stderr or run.stdout).strip().splitlines()
-        return " | ".join(text[-3:])[:600]
+        text = [line for line in (run.traceback_text or run.stderr or run.stdout).strip().splitlines() if line.strip()]
+        return " | ".join(text[-4:])[:800]
 
     # ---- saves and the disk ---------------------------------------------------------------------
 
@@ -507,10 +522,14 @@ class Session:
                 self.lineage.observe(node, seen, what)
                 self.current = node
                 return
-        abandoned = [n.id for n in self.lineage.nodes if n.step == step and n.digests and
-                     self.lineage.matches(n.id, seen)]
-        where = f"it is {self.lineage.describe(abandoned[0])}, not of the current run" if abandoned else \
-            "it matches no state the session reached"
+        others = [n.id for n in self.lineage.nodes if n.step == step and n.digests and
+                  self.lineage.matches(n.id, seen)]
+        if not others:
+            where = "it matches no state the session reached"
+        elif others[0] in self.lineage.ancestors(self.current):
+            where = f"it is {self.lineage.describe(others[0])}, older in write order than the newest snapshot"
+        else:
+            where = f"it is {self.lineage.describe(others[0])}, of an abandoned run"
         raise InvariantBroken(f"{what}: {where}; the snapshots it may restore: "
                               f"{[self.lineage.describe(n) for n in allowed]}")
 
@@ -528,8 +547,11 @@ class Session:
         self._saves_unknown()
         self.setup(why)
 
-    def _same_ranks_after(self, before: dict[int, int], what: str) -> None:
+    def _same_ranks_after(self, before: dict[int, int], what: str, fault: CellRun) -> None:
         run = self.execute(REPORT_CELL)
+        if run.status != "ok":
+            raise InvariantBroken(f"{what}: the state was lost; the cell of the fault said: {self._last_lines(fault)}; "
+                                  f"the next: {self._last_lines(run)}")
         step, seen = self._one_state(run, what)
         if self.rank_pids != before:
             raise InvariantBroken(f"{what}: every process stayed alive, yet the ranks were replaced "
@@ -588,6 +610,7 @@ class Session:
                 self.lineage.observe(self.current, reported[step], f"training step {step}")
             if self.snapshots_on:
                 self.snapshots.append(self.current)
+                self.snapshotted_any = True
 
     def _check_current(self, what: str) -> None:
         run = self.execute(REPORT_CELL)
@@ -689,6 +712,9 @@ class Session:
 
     def set_snapshots(self, on: bool) -> None:
         """Make the checkpointer again with or without snapshots; `track()` may restore one."""
+        if not on and self.snapshotted_any and "snapshots off" in self.steers_around:
+            self.note("(steered around: snapshots off)")
+            return
         self.snapshots_on = on
         run = self.execute(RETRACK_CELL.format(ckpt_dir=str(self.ckpt_dir), keep=KEEP,
                                                memory_every=1 if on else None))
@@ -714,7 +740,7 @@ class Session:
         run = self.execute(RAISE_CELL)
         if run.status == "ok":
             raise InvariantBroken("a rank raised, yet its cell ended ok")
-        self._same_ranks_after(before, "a rank raised while another waited in a collective")
+        self._same_ranks_after(before, "a rank raised while another waited in a collective", run)
 
     def interrupt_in_collective(self) -> None:
         self.tally.faults["stop button in a collective"] += 1
@@ -729,7 +755,7 @@ class Session:
         self._note_save_failures(run)
         if run.status == "ok":
             raise InvariantBroken("the stop button was pressed, yet the cell ended ok")
-        self._same_ranks_after(before, "the stop button while a rank waited in a collective")
+        self._same_ranks_after(before, "the stop button while a rank waited in a collective", run)
 
     def kill_rank_in_cell(self, target_rank: int) -> None:
         """SIGKILL a rank once the first step of a training cell has printed."""
@@ -762,6 +788,7 @@ class Session:
             self.lineage.observe(node, seen, f"step {step} before a rank was killed")
             if self.snapshots_on:
                 self.snapshots.append(node)
+                self.snapshotted_any = True
         self._pool_lost(f"rank {target_rank} killed in a cell")
 
     def kill_rank_between_cells(self, target_rank: int) -> None:
@@ -802,6 +829,9 @@ class Session:
 
     def rewind(self, num_steps: int, save_mode: str) -> None:
         """Start the loop again from step 0 on the live model (a step that goes backwards)."""
+        if self.snapshotted_any and "rewind with snapshots" in self.steers_around:
+            self.note("(steered around: rewind with snapshots)")
+            return
         self.train(num_steps, save_mode, first=0)
 
     def detach_attach(self) -> None:
@@ -812,7 +842,7 @@ class Session:
         run = self.execute(f"%fsdp2 attach {self.pool_name} --no-dashboard")
         if run.status != "ok":
             raise InvariantBroken(f"%fsdp2 attach failed: {self._last_lines(run)}")
-        self._same_ranks_after(before, "detach and attach of a kept pool")
+        self._same_ranks_after(before, "detach and attach of a kept pool", run)
 
     # ---- the end --------------------------------------------------------------------------------
 
