@@ -9,7 +9,8 @@ seeded per step and every op is deterministic, so the final model and optimizer 
 bit for bit, those of a fault-free run to the same step. The checkpointer also keeps every step in
 host memory (`memory_every=1`): a fault that ends a process but leaves the host's memory (a rank or
 the host agent killed) must be recovered from that snapshot, at the step the restart said it
-kept, when it is newer than the disk's newest; a killed kernel ends its session's snapshots.
+kept, when it is newer than the disk's newest; a killed kernel's ranks write its newest snapshot
+to disk before they end, so a new kernel's `load("latest")` resumes there.
 
 `make soak` runs a long campaign and `tests/faults/` a short one (tests/faults/test_fault_campaign.py).
 """
