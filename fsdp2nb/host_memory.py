@@ -61,19 +61,31 @@ def host_limit_bytes() -> int:
     return min(total, limit) if limit else total
 
 
-def available_bytes() -> int:
-    """Memory free for a new allocation now: the machine's available RAM, or what the cgroup has left."""
+def available_bytes(proc_cgroup: str = "/proc/self/cgroup", root: Path = _CGROUP_ROOT) -> int:
+    """Memory free for a new allocation now: the machine's available RAM, or what the cgroup has
+    left if less (its limit less its usage, the page cache it could drop counted as free, as the
+    machine's MemAvailable counts it)."""
     import psutil
 
     available = psutil.virtual_memory().available
-    directory = cgroup_memory_dir()
+    directory = cgroup_memory_dir(proc_cgroup, root)
     limit = cgroup_limit_bytes(directory)
     if directory is None or limit is None:
         return available
     used = _read(directory / "memory.current") or _read(directory / "memory.usage_in_bytes")
     if used is None or not used.isdigit():
         return available
-    return max(0, min(available, limit - int(used)))
+    return max(0, min(available, limit - int(used) + _reclaimable_cache_bytes(directory)))
+
+
+def _reclaimable_cache_bytes(directory: Path) -> int:
+    """The cgroup's inactive file cache (v2 `inactive_file`, v1 `total_inactive_file`), which the
+    kernel drops before it OOM-kills; 0 where unknown."""
+    for line in (_read(directory / "memory.stat") or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("inactive_file", "total_inactive_file") and value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 def oom_kill_count(directory: Path | None = None) -> int | None:

@@ -15,6 +15,11 @@ def size(num_bytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+def mib(num_bytes: int, decimals: int = 0) -> str:
+    """`1,234 MiB`: one fixed unit, for figures read side by side in a column."""
+    return f"{num_bytes / 2**20:,.{decimals}f} MiB"
+
+
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 

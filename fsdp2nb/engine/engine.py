@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2nb.engine import wrapping
-from fsdp2nb.engine.buffers import recompute_non_persistent_buffers
+from fsdp2nb.engine.buffers import non_persistent_buffer_names, recompute_non_persistent_buffers
 from fsdp2nb.engine.config import EngineConfig, check_offload_supported
 from fsdp2nb.engine.device import current_device
 from fsdp2nb.engine.hf_files import find_checkpoint_files
@@ -156,11 +156,12 @@ class FSDP2Engine:
 def move_buffers(model: nn.Module, device: torch.device) -> None:
     """Put every buffer on the compute device; offloading covers parameters only, and
     to_empty on CPU put the buffers there too."""
-    for module in model.modules():
+    non_persistent = set(non_persistent_buffer_names(model))  # one state_dict, not one per buffer
+    for prefix, module in model.named_modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
             if buffer.device != device:
-                persistent = name in module.state_dict(keep_vars=True)
-                module.register_buffer(name, buffer.to(device), persistent=persistent)
+                qualified_name = f"{prefix}.{name}" if prefix else name
+                module.register_buffer(name, buffer.to(device), persistent=qualified_name not in non_persistent)
 
 
 def verify_tied_embeddings(model: nn.Module) -> None:

@@ -40,10 +40,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from fsdp2nb import host_memory
 from fsdp2nb.collectives import all_gathered, get_rank, get_world_size
 from fsdp2nb.engine import fsdp_internals
 from fsdp2nb.engine.host_gather import can_gather_in_shared_memory, whole_in_shared_memory
 from fsdp2nb.errors import UsageMistake
+from fsdp2nb.sizes import size
 
 logger = logging.getLogger(__name__)
 
@@ -130,20 +132,12 @@ def _gather_dtype(model: nn.Module) -> torch.dtype | None:
 
 def available_bytes(device: torch.device) -> int:
     """Memory this rank may use: the GPU's free memory plus what torch's allocator holds unused;
-    on CPU ranks the host's MemAvailable divided among the ranks of this host."""
+    on CPU ranks the host's available memory (its cgroup's, in a container) divided among the
+    ranks of this host."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return host_available_bytes() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-def host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what the kernel could give without swapping)."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return host_memory.available_bytes() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -239,12 +233,12 @@ def working_threads(host_cores: list[tuple[int, int]], working: tuple[int, ...])
 
 def _why_sharded(needed: int, available: tuple[int, ...], limit_bytes: int | None) -> str:
     if limit_bytes is not None and needed > limit_bytes:
-        return (f"the gathered model needs {_size(needed)} per rank, over the limit of {_size(limit_bytes)} "
+        return (f"the gathered model needs {size(needed)} per rank, over the limit of {size(limit_bytes)} "
                 f"(max_gathered_bytes / {MAX_GATHERED_BYTES_ENV})")
     tightest = min(range(len(available)), key=lambda rank: available[rank])
     if needed > GATHER_HEADROOM * available[tightest]:
-        return (f"the gathered model needs {_size(needed)} per rank, more than {GATHER_HEADROOM:.0%} of the "
-                f"{_size(available[tightest])} rank {tightest} has free")
+        return (f"the gathered model needs {size(needed)} per rank, more than {GATHER_HEADROOM:.0%} of the "
+                f"{size(available[tightest])} rank {tightest} has free")
     return ""
 
 
@@ -343,12 +337,3 @@ def evaluating(model: nn.Module) -> Iterator[None]:
         for module, training in modes:
             module.training = training
 
-
-def _size(num_bytes: float) -> str:
-    """`512 MiB`, `1.5 GiB`: binary units, three significant figures."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.3g} {unit}"
-        value /= 1024
-    return f"{value:.3g} TiB"

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 from fsdp2nb.pool.handle import PoolHandle
+from fsdp2nb.sizes import mib
 from fsdp2nb.wire.memory_store import kept_snapshots
-
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:,.0f} MiB"
 
 
 def status_table(pool: PoolHandle | None) -> str:
@@ -23,10 +20,10 @@ def status_table(pool: PoolHandle | None) -> str:
             state = "exited"
         else:
             state = "busy" if rank in pool.busy_ranks else "idle"
-        rss = _mib(snapshot.rss_bytes) if snapshot else "-"
+        rss = mib(snapshot.rss_bytes) if snapshot else "-"
         device_memory = "-"
         if snapshot and snapshot.device_total_bytes:
-            device_memory = f"{_mib(snapshot.device_allocated_bytes)} / {_mib(snapshot.device_total_bytes)}"
+            device_memory = f"{mib(snapshot.device_allocated_bytes)} / {mib(snapshot.device_total_bytes)}"
         rows.append((str(rank), str(info.pid if info else "-"), info.where() if info else "-", state, rss,
                      device_memory))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

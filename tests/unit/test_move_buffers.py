@@ -1,0 +1,33 @@
+"""`engine.move_buffers` puts every buffer on the compute device and keeps whether each is saved
+with the model (persistent) as it was, at the root and in nested modules."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdp2nb.engine.engine import move_buffers
+
+
+class Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(2), persistent=False)
+        self.register_buffer("scale", torch.ones(1))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Rotary() for _ in range(2))
+        self.register_buffer("embed_scale", torch.ones(1), persistent=False)
+        self.register_buffer("position_ids", torch.arange(3))
+
+
+def test_every_buffer_moves_and_keeps_whether_it_is_saved():
+    model = Model()
+    saved_before = sorted(model.state_dict())
+    move_buffers(model, torch.device("meta"))
+    assert all(buffer.device.type == "meta" for buffer in model.buffers())
+    assert sorted(model.state_dict()) == saved_before == [
+        "layers.0.scale", "layers.1.scale", "position_ids"]
