@@ -33,6 +33,7 @@ and after copying it back bitwise they agree again, so a failure there fails eve
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -72,6 +73,8 @@ from fsdp2nb.host_memory import available_bytes
 from fsdp2nb.sizes import size
 from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.memory_store import MANIFEST_VERSION, complete_steps, read_board
+
+logger = logging.getLogger(__name__)
 
 _PEER_POLL_S = 0.0005
 _PEER_WAIT_S = 120.0
@@ -267,7 +270,8 @@ class MemorySnapshots:
             return
         try:
             copy.result()
-        except Exception as exc:
+        except Exception as exc:  # raised on every rank at the next snapshot; logged now in case none follows
+            logger.warning("%s", exc)
             self._failure = exc
 
     def wait(self) -> None:
