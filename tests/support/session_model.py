@@ -304,6 +304,8 @@ class Tally:
     faults: Counter = field(default_factory=Counter)
     saves: Counter = field(default_factory=Counter)
     restores: Counter = field(default_factory=Counter)
+    steered: Counter = field(default_factory=Counter)
+    """Actions skipped, by the known defect they would have met."""
     cells: int = 0
     sessions: int = 0
     violations: list[str] = field(default_factory=list)
@@ -321,6 +323,7 @@ class Tally:
             f"faults injected: {row(self.faults)} (total {sum(self.faults.values())})",
             f"saves: {row(self.saves)}",
             f"restores: {row(self.restores)}",
+            f"actions skipped for a known defect: {row(self.steered)}",
         ])
 
 
@@ -365,6 +368,11 @@ class Session:
             self._start()
 
     # ---- cells ----------------------------------------------------------------------------------
+
+    def steer(self, defect: str) -> None:
+        """Skip an action that would meet the known defect `defect`."""
+        self.tally.steered[defect] += 1
+        self.note(f"(steered around: {defect})")
 
     def note(self, action: str) -> None:
         self.done.append(action)
@@ -620,7 +628,7 @@ class Session:
     def save_now(self, mode: str) -> None:
         step = self.lineage.nodes[self.current].step
         if step is None and "save before the first step" in self.steers_around:
-            self.note("(steered around: save before the first step)")
+            self.steer("save before the first step")
             return
         save = self._ask_save(0 if step is None else step, mode, cell=self.num_cells + 1)
         run = self.execute(SAVE_CELL.format(save=SAVE_LINES[mode].replace("\n        ", "\n")))
@@ -713,7 +721,7 @@ class Session:
     def set_snapshots(self, on: bool) -> None:
         """Make the checkpointer again with or without snapshots; `track()` may restore one."""
         if not on and self.snapshotted_any and "snapshots off" in self.steers_around:
-            self.note("(steered around: snapshots off)")
+            self.steer("snapshots off")
             return
         self.snapshots_on = on
         run = self.execute(RETRACK_CELL.format(ckpt_dir=str(self.ckpt_dir), keep=KEEP,
@@ -830,7 +838,7 @@ class Session:
     def rewind(self, num_steps: int, save_mode: str) -> None:
         """Start the loop again from step 0 on the live model (a step that goes backwards)."""
         if self.snapshotted_any and "rewind with snapshots" in self.steers_around:
-            self.note("(steered around: rewind with snapshots)")
+            self.steer("rewind with snapshots")
             return
         self.train(num_steps, save_mode, first=0)
 
