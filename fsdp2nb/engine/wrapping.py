@@ -9,6 +9,10 @@ Units, innermost first:
   * the root, which takes whatever is left (a tied embedding/head pair lives here, so the one shared
     tensor is managed by exactly one unit).
 
+Backward runs the units in reverse: the head first, then the last block. Neither is resharded
+after forward (as torchtitan leaves them): resharding would only gather them again at once
+(benchmarks/bench_last_block.py measures it).
+
 LoRA (peft) adapters are not wrapped on their own: their lora_A/lora_B sit inside the block that owns
 the adapted Linear and are sharded with it. Checked by tests/distributed/test_engine_training.py:
 fully_shard accepts frozen base weights and trainable adapters in one unit, and frozen bf16 base
@@ -105,8 +109,8 @@ class ShardUnit:
 
     modules: tuple[nn.Module, ...]
     kind: Literal["block", "embedding", "head", "root"]
-    """The head (with the final norm) is never resharded after forward, and FSDP2 never reshards
-    the root then either: backward starts with them."""
+    """The head (with the final norm) and the last block are never resharded after forward, and
+    FSDP2 never reshards the root then either: backward starts with them."""
 
 
 def shard_unit_list(model: nn.Module) -> list[ShardUnit]:
@@ -136,15 +140,22 @@ def shard_units(
     units = shard_unit_list(model)
     if units[0].kind != "block":
         logger.warning("%s declares no _no_split_modules blocks; sharding it as one unit", type(model).__name__)
-    for unit in units:
-        # Backward starts with the head, so resharding it after forward would only re-gather it.
-        reshard = reshard_after_forward if unit.kind != "head" else False
+    kept_gathered = _needed_first_by_backward(units)
+    for index, unit in enumerate(units):
+        reshard = reshard_after_forward and index not in kept_gathered
         fully_shard(unit.modules[0] if len(unit.modules) == 1 else list(unit.modules),
                     reshard_after_forward=reshard, **common)
     _, _, tied = embedding_and_head(model)
     num_blocks = sum(unit.kind == "block" for unit in units)
     logger.info("sharded %d blocks (%s), tied embeddings: %s", num_blocks, sorted(block_class_names(model)), tied)
     return model
+
+
+def _needed_first_by_backward(units: list[ShardUnit]) -> set[int]:
+    """Indices of the head and the last block: resharding them after forward would only gather
+    them again as backward starts."""
+    blocks = [index for index, unit in enumerate(units) if unit.kind == "block"]
+    return {index for index, unit in enumerate(units) if unit.kind == "head"} | set(blocks[-1:])
 
 
 def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
