@@ -178,10 +178,12 @@ def test_waiting_line_names_a_stopped_rank(kernel):
     assert run.status == "ok", run.traceback_text
 
 
-def test_a_press_after_an_automatic_release_keeps_the_pool(kernel):
+def test_a_press_after_an_automatic_release_keeps_the_pool(kernel, tmp_path):
     """Rank 0 raises at the first press while rank 1, which ignores SIGINT, sits in a barrier: the
     wait releases the collectives on its own. The next press asks for that release, already under
-    way, and every rank keeps its state (such a press once restarted the pool)."""
+    way, and every rank keeps its state (such a press once restarted the pool). Rank 1 goes on
+    ignoring SIGINT until the test has pressed: a press after the cell would hit the next one."""
+    pressed = str(tmp_path / "pressed-twice")
     pids = _rank_pids(kernel)
     assert kernel.execute("%%fsdp2\nkept = 'yes'").status == "ok"
     presses = []
@@ -191,12 +193,15 @@ def test_a_press_after_an_automatic_release_keeps_the_pool(kernel):
         if ("waiting" in text and not presses) or ("released" in text and len(presses) == 1):
             presses.append(text)
             kernel.manager.interrupt_kernel()
+            if len(presses) == 2:
+                open(pressed, "w").close()
 
-    code = ("%%fsdp2\nimport signal, time\nprint('waiting', flush=True)\n"
+    code = ("%%fsdp2\nimport os, signal, time\nprint('waiting', flush=True)\n"
             "if rank == 0:\n    time.sleep(60)\n"
             "else:\n    before = signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
             "    try:\n        dist.barrier()\n    except RuntimeError:\n        print('released', flush=True)\n"
-            "    time.sleep(1.5)\n    signal.signal(signal.SIGINT, before)\n")
+            f"    while not os.path.exists({pressed!r}):\n        time.sleep(0.05)\n"
+            "    signal.signal(signal.SIGINT, before)\n")
     run = kernel.execute(code, timeout=120, on_message=on_message)
     assert len(presses) == 2 and run.status == "error", (presses, run.traceback_text)
     text = run.traceback_text + run.stderr
