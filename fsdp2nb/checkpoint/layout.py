@@ -25,6 +25,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.errors import CheckpointNotFound
 from fsdp2nb.wire.protocol import CheckpointEntry
 
@@ -126,14 +127,6 @@ def why_unwritable(directory: Path, rank: int) -> OSError | None:
     except OSError as exc:
         return exc
     return None
-
-
-def replace_atomically(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so a reader sees the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write_durable(tmp, data)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def write_metadata(step_dir: Path, metadata: CheckpointMetadata) -> None:
@@ -250,7 +243,7 @@ def read_latest(directory: Path) -> int | None:
 
 
 def write_latest(directory: Path, step: int) -> None:
-    replace_atomically(directory / LATEST_FILE, f"{step_dir_name(step)}\n".encode())
+    replace_atomically(directory / LATEST_FILE, f"{step_dir_name(step)}\n".encode(), durable=True)
 
 
 def dir_size(path: Path) -> int:

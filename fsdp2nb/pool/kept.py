@@ -23,6 +23,7 @@ from typing import TypeGuard
 
 import psutil
 
+from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.errors import InvalidValue, KeptPoolUnreadable, LaunchError, PoolHeldError, WireVersionMismatch
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, describe_exit
@@ -147,9 +148,7 @@ class KeptMeta:
                    runtime_dir=fields["runtime_dir"], created=fields["created"], listen=fields.get("listen", ""))
 
     def write(self, directory: Path) -> None:
-        temporary = directory / f"{META_FILE}.tmp"
-        temporary.write_text(json.dumps(self.to_json()))
-        os.replace(temporary, directory / META_FILE)
+        replace_atomically(directory / META_FILE, json.dumps(self.to_json()).encode())
 
     @classmethod
     def read(cls, directory: Path) -> KeptMeta | None:
@@ -286,9 +285,8 @@ def note_run(directory: Path, cell_id: int, run: NotedRun) -> None:
     runs = noted_runs(directory)
     runs[cell_id] = run
     recent = dict(sorted(runs.items())[-_RUNS_KEPT:])
-    temporary = directory / f"{RUNS_FILE}.{os.getpid()}.tmp"
-    temporary.write_text(json.dumps({str(cell_id): asdict(run) for cell_id, run in recent.items()}))
-    os.replace(temporary, directory / RUNS_FILE)
+    replace_atomically(directory / RUNS_FILE,
+                       json.dumps({str(cell_id): asdict(run) for cell_id, run in recent.items()}).encode())
 
 
 def noted_runs(directory: Path) -> dict[int, NotedRun]:

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.errors import UnsafeDirectory
 from fsdp2nb.pool import kept
 from fsdp2nb.pool.launcher import DEFAULT_GRACE_S
@@ -108,11 +109,7 @@ def _make_private_dirs(path: str) -> None:
 
 def write_private(path: str, data: bytes) -> None:
     """Replace `path` with `data` atomically, readable by this user only."""
-    temporary = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
-    os.replace(temporary, path)
+    replace_atomically(path, data, private=True)
 
 
 # --- the driver's side --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.errors import UnsafeDirectory
 from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.persisting import persisting_until
@@ -51,10 +52,7 @@ def _registry_dir() -> Path:
 
 def record_pool(pool_id: str, owner: ProcessKey, processes: list[ProcessKey], runtime_dir: str = "") -> None:
     entry = {"owner": owner, "processes": processes, "runtime_dir": runtime_dir}
-    target = _registry_dir() / f"{pool_id}.json"
-    temporary = target.with_suffix(".tmp")
-    temporary.write_text(json.dumps(entry))
-    os.replace(temporary, target)
+    replace_atomically(_registry_dir() / f"{pool_id}.json", json.dumps(entry).encode())
 
 
 def forget_pool(pool_id: str) -> None:

@@ -32,6 +32,7 @@ import struct
 import time
 from dataclasses import dataclass
 
+from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.wire.protocol import AttachRecord, RankExited
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.versions import Opened
@@ -59,12 +60,7 @@ def host_kept_dir(kept_dir: str, node: int, multi_host: bool) -> str:
 
 def write_attach_record(kept_dir: str, signer: Signer, record: AttachRecord) -> None:
     """Replace the record atomically: a reader sees the old one or the new one, whole."""
-    target = os.path.join(kept_dir, RECORD_FILE)
-    temporary = f"{target}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(signer.pack_versioned(record))
-    os.replace(temporary, target)
+    replace_atomically(os.path.join(kept_dir, RECORD_FILE), signer.pack_versioned(record), private=True)
 
 
 def read_attach_record(kept_dir: str, signer: Signer) -> AttachRecord | None:
@@ -162,11 +158,7 @@ def mark_rank_ended(kept_dir: str, rank: int) -> None:
 
 def write_exit_report(kept_dir: str, signer: Signer, report: RankExited) -> None:
     """Keep a rank's exit report for the next kernel (written by the agent, signed, 0600)."""
-    target = os.path.join(kept_dir, f"{_EXIT_PREFIX}{report.rank}")
-    fd = os.open(f"{target}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(signer.pack(report))
-    os.replace(f"{target}.tmp", target)
+    replace_atomically(os.path.join(kept_dir, f"{_EXIT_PREFIX}{report.rank}"), signer.pack(report), private=True)
 
 
 def read_exit_reports(kept_dir: str, signer: Signer) -> dict[int, RankExited]:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from fsdp2nb.atomic_files import replace_atomically
+
 PERSIST_TIMEOUT_ENV = "FSDP2NB_PERSIST_ON_EXIT_S"
 """Seconds the ranks of a dead kernel get to write its newest snapshot to disk; 0 turns it off.
 Read by the host agent, which inherits the kernel's environment when it starts."""
@@ -40,10 +42,7 @@ def persist_timeout_s(environ: Mapping[str, str] = os.environ) -> tuple[float, s
 
 def mark_persisting(store: str | os.PathLike, until: float) -> None:
     """Note in `store` that its ranks write it to disk until the wall-clock time `until`."""
-    path = Path(store) / _MARK
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(f"{until:.3f}\n")
-    os.replace(temporary, path)
+    replace_atomically(Path(store) / _MARK, f"{until:.3f}\n".encode())
 
 
 def persisting_until(store: str | os.PathLike) -> float | None:
