@@ -33,6 +33,7 @@ import secrets
 import shutil
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
@@ -144,6 +145,9 @@ class Checkpointer:
                                     world_size=self._world_size, distributed=self._distributed)
         self._pending: tuple[int, Future] | None = None
         self._error: BaseException | None = None
+        self._background_failed = False
+        """Whether a background save failed since the background group was made: a collective
+        that timed out there leaves gloo's connections closed for good."""
         self._last_error_text: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2nb-ckpt")
         self._stager = make_stager() if async_save else None
@@ -394,11 +398,14 @@ class Checkpointer:
         self._raise_background_error()
 
     def _begin(self, step: int) -> SaveJob:
-        """Agree on the step and a fresh temporary directory; rank 0 first sweeps away abandoned ones."""
-        highest, negated_lowest = self._all_max((step, -step), self._fg_group)
+        """Agree on the step and a fresh temporary directory (rank 0 first sweeps away abandoned
+        ones); after a failed background save, renew the background group."""
+        highest, negated_lowest, renew = self._all_max((step, -step, int(self._background_failed)), self._fg_group)
         if highest != -negated_lowest:
             raise ValueError(f"the ranks asked to save different steps ({-negated_lowest} to {highest}); "
                              "call save(step) with the same step on every rank")
+        if renew:
+            self._renew_background_group()
         what = f"creating the directory of step {step}"
         try:
             token, wall_time = on_rank0_agreed(lambda: self._make_tmp_dir(step), what, self._fg_group)
@@ -409,6 +416,16 @@ class Checkpointer:
                                       f"{_NOTHING_LOST}") from exc
         in_flight.started(tmp_dir)
         return SaveJob(step=step, token=token, tmp_dir=tmp_dir, wall_time=wall_time)
+
+    def _renew_background_group(self) -> None:
+        """Fresh connections for background saves after one failed; every rank calls it (in
+        `_begin`, once the ranks agreed), with no save in flight."""
+        if self._bg_group is None:
+            return
+        old, self._bg_group = self._bg_group, collectives.new_gloo_group()
+        in_flight.mark_background_group(self._bg_group)
+        dist.destroy_process_group(old)
+        self._background_failed = False
 
     def _make_tmp_dir(self, step: int) -> tuple[str, float]:
         """Rank 0: a fresh temporary directory for `step` (after sweeping abandoned ones)."""
@@ -441,7 +458,9 @@ class Checkpointer:
         try:
             self._finish(job, rank_state, upload, model, task, request_id, self._bg_group)
         except BaseException as error:
+            self._background_failed = True
             process_failures().post(f"the background save of step {job.step} failed: {error}")
+            _forget_locals(error)
             raise
 
     def _finish_and_commit(self, job: SaveJob, rank_state: dict[str, Any], upload: Future | None,
@@ -647,3 +666,15 @@ class Checkpointer:
     def _all_max(self, values: tuple[int, ...], group: dist.ProcessGroup | None) -> tuple[int, ...]:
         """The largest of each value over the ranks, in one collective."""
         return collectives.all_max(values, group) if self._distributed else values
+
+
+def _forget_locals(error: BaseException) -> None:
+    """Clear the finished frames of a failed background save's error and its causes. The error is
+    kept until a cell raises it, and its frames would keep the save's staged tensors and process
+    group (replaced after a failure) alive with it; the traceback still reads as before."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        traceback.clear_frames(link.__traceback__)
+        link = link.__cause__ or link.__context__

@@ -38,7 +38,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
 from fsdp2nb.checkpoint.in_flight import is_background_group
-from fsdp2nb.worker.collective_count import note_entered
 from fsdp2nb.worker.error_kinds import error_kind
 
 BACKEND_NAME = "reformable_gloo"
@@ -129,7 +128,6 @@ _COLLECTIVES = (
 
 def _delegate(name: str):
     def collective(self: ReformableGlooGroup, *args, **kwargs):
-        note_entered()  # the progress the kernel's waiting line reads
         return getattr(self._inner, name)(*args, **kwargs)
 
     collective.__name__ = name
@@ -169,6 +167,7 @@ def register_backend() -> None:
 def _create_group(options, _backend_options) -> ReformableGlooGroup:
     group = ReformableGlooGroup(options.store, options.group_rank, options.group_size, options.timeout,
                                 options.group_id)
+    live_groups()  # lets go of destroyed ones, whose connections would otherwise stay open
     with _groups_lock:
         _groups.append(group)
     return group

@@ -69,6 +69,9 @@ def digest():
     return h.hexdigest()
 
 def resources():
+    for thread in threading.enumerate():  # DCP's upload thread ends on its own just after the save
+        if thread.name.startswith("AsyncCheckpointExecutor"):
+            thread.join(60)
     with open("/proc/self/statm") as statm:
         resident_mib = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2**20
     return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")), resident_mib
@@ -210,3 +213,19 @@ def test_failed_background_saves_leave_no_threads_or_open_files_behind(pool):
         assert run.status == "ok" and "[all] failed True" in run.stdout, run.traceback_text + run.stdout
         counts.append(_threads_and_files(run.stdout))
     assert counts[1] == counts[-1], counts
+
+
+def test_a_save_after_one_that_timed_out_in_its_group_commits(pool):
+    """A background save whose collective timed out (rank 1's part held past the group's timeout)
+    fails on every rank; the next save gets fresh background connections and commits."""
+    _run_ok(pool, "%%fsdp2\nckpt.close()\nos.environ['FSDP2NB_COLLECTIVE_TIMEOUT_S'] = '2'\n"
+                  "try:\n    ckpt = fsdp2nb.Checkpointer(ckpt_dir + '/timed_out', keep=None)"
+                  ".track(model=model, optimizer=optimizer, lag=lag)\n"
+                  "finally:\n    os.environ['FSDP2NB_COLLECTIVE_TIMEOUT_S'] = '600'\ndigests = {}\n"
+                  "train_step(0)\nckpt.save(0)")
+    run = pool.execute(SAVE_ENDED.replace("while", "while rank == 0 and"))  # rank 0's part times out
+    assert run.status == "ok", run.traceback_text + run.stderr
+    run = pool.execute("%%fsdp2\nlag.let_go()\n" + FAILED_SAVE_SAID.removeprefix("%%fsdp2\n"))
+    assert run.status == "ok" and "[all] failed False" in run.stdout, run.traceback_text + run.stdout + run.stderr
+    _run_ok(pool, "%%fsdp2\ntrain_step(1)\ndigests[1] = digest()\nckpt.save(1)\nlag.let_go()\nckpt.wait()")
+    _assert_every_save_committed(pool, [1])
