@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
 from fsdp2nb.checkpoint.in_flight import is_background_group
+from fsdp2nb.worker.collective_count import note_entered
 from fsdp2nb.worker.error_kinds import error_kind
 
 BACKEND_NAME = "reformable_gloo"
@@ -128,6 +129,7 @@ _COLLECTIVES = (
 
 def _delegate(name: str):
     def collective(self: ReformableGlooGroup, *args, **kwargs):
+        note_entered()  # the progress the kernel's waiting line reads
         return getattr(self._inner, name)(*args, **kwargs)
 
     collective.__name__ = name
