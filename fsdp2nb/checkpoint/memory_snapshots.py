@@ -476,8 +476,18 @@ class MemorySnapshots:
         self._write_manifest(None, None, self.manifest.get("mesh", ""))
 
     def saved_views(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The tensors of snapshot `step` (views of its slot) and its other state, for writing it to disk."""
-        slot, layout, state = self._read_step(step)
+        """Collective: the tensors of snapshot `step` (views of its slot) and its other state, for
+        writing it to disk; refused on every rank if any cannot read its part."""
+        error: BaseException | None = None
+        try:
+            slot, layout, state = self._read_step(step)
+        except Exception as exc:  # heard by every rank below, before any writes
+            error = MemorySnapshotRefused(f"rank {self.rank}: the snapshot of step {step} cannot be read "
+                                          f"({describe(exc)}); nothing was written")
+        try:
+            all_ranks_succeeded(error, "reading the snapshot in host memory", self._group)
+        except FailedElsewhere as elsewhere:
+            raise MemorySnapshotRefused(f"{elsewhere}") from None
         return {entry.key: slot.view(entry) for entry in layout}, state
 
     def close(self) -> None:

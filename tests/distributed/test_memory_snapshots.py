@@ -334,3 +334,34 @@ def test_snapshots_on_one_host_only_are_opened_on_every_rank_alike(store, tmp_pa
     finally:
         memory_store.remove_store(empty_store)
     assert outcomes == [(None, None, True), (None, None, True)], outcomes
+
+
+def _written_with_a_state_unreadable_on_rank_1(store: str, directory: str, elsewhere: str) -> str:
+    import torch.distributed as dist
+
+    os.environ[memory_store.MEMORY_DIR_ENV] = store
+    model, optimizer, scheduler = build(seed=0)
+    ckpt = Checkpointer(directory, memory_every=1).track(model=model, optimizer=optimizer, scheduler=scheduler)
+    for step in range(2):
+        train_step(model, optimizer, scheduler)
+        ckpt.maybe_save(step)
+    ckpt.wait()
+    if dist.get_rank() == 1:
+        for state_file in memory_store.checkpointer_folder(store, ckpt.directory).glob("rank-00001.slot*.state"):
+            state_file.write_bytes(b"\x80")  # a truncated pickle
+    try:
+        ckpt.save_memory_snapshot(elsewhere)
+        outcome = "written"
+    except MemorySnapshotRefused as refused:
+        outcome = str(refused)
+    ckpt.close()
+    return outcome
+
+
+def test_a_snapshot_unreadable_on_one_rank_is_written_to_disk_by_none(store, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    messages = run_ranks(_written_with_a_state_unreadable_on_rank_1, 2, store, str(tmp_path / "ckpt"), str(elsewhere))
+    assert "rank 1: the snapshot of step 1 cannot be read" in messages[1], messages
+    assert "reading the snapshot in host memory failed on rank 1" in messages[0], messages
+    assert all("nothing was written" in message for message in messages), messages
+    assert not any(path.name.startswith("step") for path in elsewhere.glob("*")), list(elsewhere.glob("*"))
