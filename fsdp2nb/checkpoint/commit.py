@@ -13,6 +13,7 @@ from fsdp2nb.checkpoint import layout, provenance
 from fsdp2nb.checkpoint.faults import fault_point
 from fsdp2nb.checkpoint.layout import CheckpointMetadata
 from fsdp2nb.checkpoint.state import has_frozen_params
+from fsdp2nb.errors import SaveFilesMissing
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,8 @@ def commit_step(job: SaveJob, directory: Path, model: nn.Module, *, world_size: 
     fault_point("before_metadata", rank)
     missing = layout.missing_files(job.tmp_dir, world_size)
     if missing:  # LATEST must never name a step that cannot be loaded
-        raise FileNotFoundError(f"{job.tmp_dir} lacks {', '.join(missing)} (is {directory} the same "
-                                "directory on every host?)")
+        raise SaveFilesMissing(f"{job.tmp_dir} lacks {', '.join(missing)} (is {directory} the same "
+                               "directory on every host?)")
     layout.write_metadata(job.tmp_dir, _metadata(job, model, layout.record_files(job.tmp_dir), world_size))
     fault_point("before_rename", rank)
     layout.commit_step_dir(directory, job.tmp_dir, job.step, job.token)

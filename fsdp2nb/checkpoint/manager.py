@@ -80,7 +80,7 @@ from fsdp2nb.collectives import (
     make_dir_everywhere,
     on_rank0_agreed,
 )
-from fsdp2nb.errors import CheckpointLoadError, CheckpointSaveError
+from fsdp2nb.errors import CheckpointLoadError, CheckpointSaveError, InvalidValue, NotReady, UsageMistake
 from fsdp2nb.wire.memory_store import MEMORY_DIR_ENV
 
 logger = logging.getLogger(__name__)
@@ -122,9 +122,9 @@ class Checkpointer:
                                          checksums=checksums, memory_every=memory_every)
         store = store_of_this_rank()
         if memory_every is not None and store is None:
-            raise ValueError(f"memory_every={memory_every}: snapshots need host memory that outlives the ranks, "
-                             f"which a pool provides: run this in a %%fsdp2 cell (or set {MEMORY_DIR_ENV} "
-                             "to a directory on a tmpfs)")
+            raise UsageMistake(f"memory_every={memory_every}: snapshots need host memory that outlives the ranks, "
+                               f"which a pool provides: run this in a %%fsdp2 cell (or set {MEMORY_DIR_ENV} "
+                               "to a directory on a tmpfs)")
         self.directory = Path(directory).absolute()
         self.keep, self.async_save, self.async_writer = keep, async_save, async_writer  # read often; validated above
         self._requests = requests if requests is not None else process_requests()
@@ -179,15 +179,15 @@ class Checkpointer:
         except (OSError, FailedElsewhere) as exc:
             self._destroy_groups()
             where = f"on rank {self._rank}: {describe(exc)}" if isinstance(exc, OSError) else f"({exc})"
-            raise ValueError(f"directory={str(self.directory)!r} is not writable {where}; "
-                             "give a directory every rank can write") from None
+            raise UsageMistake(f"directory={str(self.directory)!r} is not writable {where}; "
+                               "give a directory every rank can write") from None
 
     def track(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
               scheduler: Any = None, **extra_stateful: Any) -> Checkpointer:
         """Name what save/load cover; extra objects need state_dict() and load_state_dict()."""
         for name, obj in {"scheduler": scheduler, **extra_stateful}.items():
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise ValueError(f"{name}={type(obj).__name__} has no state_dict/load_state_dict")
+                raise InvalidValue(f"{name}={type(obj).__name__} has no state_dict/load_state_dict")
         self._tracked = Tracked(model, optimizer, scheduler, dict(extra_stateful))
         tracking.set_tracked(self)
         self._gate_optimizer_step(optimizer)
@@ -402,8 +402,8 @@ class Checkpointer:
         ones); after a failed background save, renew the background group."""
         highest, negated_lowest, renew = self._all_max((step, -step, int(self._background_failed)), self._fg_group)
         if highest != -negated_lowest:
-            raise ValueError(f"the ranks asked to save different steps ({-negated_lowest} to {highest}); "
-                             "call save(step) with the same step on every rank")
+            raise UsageMistake(f"the ranks asked to save different steps ({-negated_lowest} to {highest}); "
+                               "call save(step) with the same step on every rank")
         if renew:
             self._renew_background_group()
         what = f"creating the directory of step {step}"
@@ -511,7 +511,7 @@ class Checkpointer:
                      planner=ProgressLoadPlanner(task))
         except (Exception, CheckpointException) as error:  # the files were whole: a read failed (I/O)
             task.finish(error)
-            raise RuntimeError(f"rank {self._rank}: loading step {metadata.step} failed after its files were "
+            raise RuntimeError(f"rank {self._rank}: loading step {metadata.step} failed after its files were "  # internal: an I/O failure after the files were checked, not the user's input
                                f"checked: {describe(error)}; the model and optimizer may be partly restored: "
                                "load a step again before training") from error
         except BaseException as error:
@@ -629,7 +629,7 @@ class Checkpointer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"the checkpointer of {self.directory} is closed")
+            raise NotReady(f"the checkpointer of {self.directory} is closed")
 
     def _has_background_error(self) -> bool:
         self._collect()
@@ -647,20 +647,20 @@ class Checkpointer:
 
     def _require_tracked(self) -> Tracked:
         if self._tracked is None:
-            raise RuntimeError("nothing to checkpoint: call ckpt.track(model=..., optimizer=...) first")
+            raise NotReady("nothing to checkpoint: call ckpt.track(model=..., optimizer=...) first")
         return self._tracked
 
     def _step_or_last(self, step: int | None) -> int:
         if step is not None:
             return self._check_step(step)
         if self._last_step is None:
-            raise ValueError("step=None but no step has been seen yet: pass save(step)")
+            raise InvalidValue("step=None but no step has been seen yet: pass save(step)")
         return self._last_step
 
     @staticmethod
     def _check_step(step: int) -> int:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step={step!r} must be an int >= 0")
+            raise InvalidValue(f"step={step!r} must be an int >= 0")
         return step
 
     def _all_max(self, values: tuple[int, ...], group: dist.ProcessGroup | None) -> tuple[int, ...]:

@@ -339,7 +339,7 @@ class MemorySnapshots:
         deadline = time.monotonic() + _PEER_WAIT_S
         while behind := [rank for rank in self.local_ranks if self._board.newest(rank) < step]:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {self.rank}: rank {behind[0]} did not finish its snapshot of step {step} "
+                raise RuntimeError(f"rank {self.rank}: rank {behind[0]} did not finish its snapshot of step {step} "  # internal: a neighbour's failure; the snapshot is given up, not the user's input
                                    f"in {_PEER_WAIT_S:.0f} s; this snapshot was given up, the previous one is whole")
             time.sleep(_PEER_POLL_S)
 
@@ -424,7 +424,7 @@ class MemorySnapshots:
         path = memory_store.slot_path(self.folder, self.rank, index)
         state = plain_pickle.loads(memory_store.read_private_file(_state_path(path)))
         if not isinstance(state, dict) or not {"step", "rng", "param_groups", "scheduler", "extra"} <= state.keys():
-            raise ValueError(f"the state of step {step} in {_state_path(path)} is not a snapshot's")
+            raise MemorySnapshotRefused(f"the state of step {step} in {_state_path(path)} is not a snapshot's")
         slot = self._slots[index]
         if slot is None or slot.num_bytes != layout_bytes(layout):
             slot = Slot(path, layout_bytes(layout), fresh=False)

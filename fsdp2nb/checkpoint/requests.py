@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from fsdp2nb.errors import InvalidValue
+
 
 @dataclass(frozen=True, slots=True)
 class RequestOutcome:
@@ -49,7 +51,7 @@ class SaveRequests:
             if request_id is None:
                 request_id = max(self._posted, self._served) + 1
             if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 1:
-                raise ValueError(f"request_id={request_id!r} must be an int >= 1")
+                raise InvalidValue(f"request_id={request_id!r} must be an int >= 1")
             self._posted = max(self._posted, request_id)
             return request_id
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fsdp2nb.checkpoint.snapshot_layout import Entry
-from fsdp2nb.errors import UnsafeDirectory
+from fsdp2nb.errors import MemorySnapshotRefused, UnsafeDirectory
 
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -52,7 +52,7 @@ def _mapped(descriptor: int, path: Path, num_bytes: int, *, grow: bool = False) 
         if grow and os.fstat(descriptor).st_size < num_bytes:
             os.posix_fallocate(descriptor, 0, num_bytes)
         if os.fstat(descriptor).st_size < num_bytes:
-            raise ValueError(f"{path} holds fewer than the {num_bytes} bytes its manifest gives")
+            raise MemorySnapshotRefused(f"{path} holds fewer than the {num_bytes} bytes its manifest gives")
         return mmap.mmap(descriptor, num_bytes) if num_bytes else None
     finally:
         os.close(descriptor)

@@ -26,36 +26,7 @@ MemoryError (the fault injection stands in for the allocator)."""
 
 MARKER = "# internal:"
 
-TO_CONVERT: dict[str, str] = {
-    'fsdp2nb/checkpoint/commit.py: raise FileNotFoundError(f"{job.tmp_dir} lacks {\', \'.join(missing)} (is {directory} the same "':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/manager.py: raise ValueError(f"memory_every={memory_every}: snapshots need host memory that outlives the ranks, "':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/manager.py: raise ValueError(f"the ranks asked to save different steps ({-negated_lowest} to {highest}); "':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/manager.py: raise RuntimeError(f"the checkpointer of {self.directory} is closed")':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/manager.py: raise RuntimeError("nothing to checkpoint: call ckpt.track(model=..., optimizer=...) first")':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/manager.py: raise ValueError("step=None but no step has been seen yet: pass save(step)")':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/manager.py: raise ValueError(f"step={step!r} must be an int >= 0")':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/manager.py: raise ValueError(f"directory={str(self.directory)!r} is not writable {where}; "':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/manager.py: raise ValueError(f"{name}={type(obj).__name__} has no state_dict/load_state_dict")':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/manager.py: raise RuntimeError(f"rank {self._rank}: loading step {metadata.step} failed after its files were "':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/memory_snapshots.py: raise RuntimeError(f"rank {self.rank}: rank {behind[0]} did not finish its snapshot of step {step} "':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/requests.py: raise ValueError(f"request_id={request_id!r} must be an int >= 1")':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/snapshot_files.py: raise ValueError(f"{path} holds fewer than the {num_bytes} bytes its manifest gives")':
-        "to convert: the file is being edited in parallel",
-    'fsdp2nb/checkpoint/memory_snapshots.py: raise ValueError(f"the state of step {step} in {_state_path(path)} is not a snapshot\'s")':
-        "to convert: the file is being edited in parallel",
-}
+TO_CONVERT: dict[str, str] = {}
 """Bare raises still to be given a class (`path: the raise's first line`), with the reason they are not yet."""
 
 
