@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
+from fsdp2nb.errors import Fsdp2nbError
+
 _TENSOR, _SIZE, _DTYPE, _ORDERED_DICT, _NUMPY = "tensor", "size", "dtype", "ordered_dict", "numpy"
 
 
-class Unkeepable(TypeError):
+class Unkeepable(Fsdp2nbError, TypeError):
     """A value of a type the snapshot's small state cannot hold; the message names it."""
 
 
