@@ -37,12 +37,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2nb.collectives import all_gathered
 from fsdp2nb.engine.model_census import rows_per_rank
+from fsdp2nb.wire.memory_store import SHARED_MEMORY_DIR_ENV as SHARED_MEMORY_DIR_ENV  # the one tmpfs setting
+from fsdp2nb.wire.memory_store import shared_memory_dir
 
 logger = logging.getLogger(__name__)
-
-SHARED_MEMORY_DIR_ENV = "FSDP2NB_SHARED_MEMORY_DIR"
-"""Where the first reader makes the file, where not /dev/shm (tmpfs on Linux: a file there is memory,
-never written back to a disk); for a container whose /dev/shm is too small, another tmpfs."""
 
 ALIGNMENT = 64
 """Each parameter starts on a cache line of the file."""
@@ -168,10 +166,6 @@ def _make_file(num_bytes: int) -> str | None:
         if directory:
             shutil.rmtree(directory, ignore_errors=True)
         return None
-
-
-def shared_memory_dir() -> str:
-    return os.environ.get(SHARED_MEMORY_DIR_ENV) or "/dev/shm"
 
 
 def _broadcast_path(path: str, root: int, group: dist.ProcessGroup) -> str:
