@@ -8,6 +8,9 @@ ranks share its clock). On the thread that ran the cell a rank's wall time split
   before the last rank of the collective arrived;
 - idle: neither (Python between ops, sleeps, reading data).
 
+Each rank sums its own ops before sending (`summarise`): its compute intervals, its collectives
+and each op name's totals, so that the kernel's work grows with the collectives, not the ops.
+
 A collective's instances are matched across ranks by name and order (every rank of a group
 issues its collectives in one order): one instance ends at about the same moment on every
 rank, so a rank that entered early waited from its own start until the latest start. The rank
@@ -20,7 +23,7 @@ import contextlib
 import gc
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fsdp2nb.profile_records import (
     COLLECTIVE,
@@ -30,7 +33,11 @@ from fsdp2nb.profile_records import (
     KIND_NAMES,
     OP,
     OpRecord,
+    pack,
+    pack_ints,
     unpack,
+    unpack_flat,
+    unpack_ints,
 )
 from fsdp2nb.wire.protocol import RankProfile
 
@@ -122,51 +129,100 @@ def collector_paused() -> Iterator[None]:
 
 def _analyse(profiles: list[RankProfile]) -> ProfileAnalysis:
     profiles = sorted(profiles, key=lambda profile: profile.rank)
-    ops = {profile.rank: on_common_clock(profile) for profile in profiles}
+    summaries = {profile.rank: summary_on_common_clock(profile) for profile in profiles}
     common_start = max((window_on_common_clock(profile)[0] for profile in profiles), default=0)
-    waits, waited_for = _waiting(ops, common_start)
-    lanes = tuple(_lane(profile, ops[profile.rank], waits.get(profile.rank, [])) for profile in profiles)
+    waits, waited_for = _waiting({rank: summary.collectives for rank, summary in summaries.items()}, common_start)
+    lanes = tuple(_lane(profile, summaries[profile.rank], waits.get(profile.rank, [])) for profile in profiles)
     rows = tuple(_row(profile, lane) for profile, lane in zip(profiles, lanes, strict=True))
     straggler = max(waited_for, key=waited_for.__getitem__) if waited_for else None
     return ProfileAnalysis(
         cell_id=profiles[0].cell_id if profiles else None, rows=rows, straggler=straggler,
         waited_for_s=waited_for[straggler] / 1e9 if straggler is not None else 0.0,
-        top_ops=_top_ops(ops.values()), lanes=lanes,
+        top_ops=_top_ops(summary.op_totals for summary in summaries.values()), lanes=lanes,
         clock_error_s=max((profile.clock_error_ns for profile in profiles), default=0) / 1e9)
 
 
 def on_common_clock(profile: RankProfile) -> list[OpRecord]:
     """A rank's ops with their starts moved onto the common clock."""
-    records = unpack(profile.names, profile.ops)
-    if not profile.clock_offset_ns:
+    return _shifted(unpack(profile.names, profile.ops), profile.clock_offset_ns)
+
+
+def _shifted(records: list[OpRecord], offset_ns: int) -> list[OpRecord]:
+    if not offset_ns:
         return records
-    return [OpRecord(record.name, record.lane, record.kind, record.start_ns + profile.clock_offset_ns,
-                     record.duration_ns) for record in records]
+    return [OpRecord(record.name, record.lane, record.kind, record.start_ns + offset_ns, record.duration_ns)
+            for record in records]
 
 
 def window_on_common_clock(profile: RankProfile) -> Interval:
     return profile.start_ns + profile.clock_offset_ns, profile.end_ns + profile.clock_offset_ns
 
 
+# --- a rank's summary ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What the analysis reads of a rank: far fewer entries than its ops."""
+
+    compute: list[Interval]
+    """Merged: ops on the thread that ran the cell, and GPU compute kernels."""
+    collectives: list[OpRecord]
+    op_totals: dict[str, tuple[int, int, int]]
+    """name -> (calls, self ns, total ns)."""
+
+
+def summarise(profile: RankProfile, flat_records: list[int]) -> RankProfile:
+    """The profile with the summary of its records (given flat, as `pack` takes them) filled in."""
+    names, lanes, kinds, starts, durations = (flat_records[field::5] for field in range(5))
+    main_lane = profile.main_lane
+    compute = _merge((starts[i], starts[i] + durations[i]) for i, kind in enumerate(kinds)
+                     if (kind == OP and lanes[i] == main_lane) or kind == GPU_KERNEL)
+    collectives = [value for i, kind in enumerate(kinds) if kind in (COLLECTIVE, GPU_COLLECTIVE)
+                   for value in (names[i], lanes[i], kind, starts[i], durations[i])]
+    calls: dict[int, int] = defaultdict(int)
+    self_ns: dict[int, int] = defaultdict(int)
+    total_ns: dict[int, int] = defaultdict(int)
+    for name, own, duration in zip(names, _self_times(lanes, starts, durations), durations, strict=True):
+        calls[name] += 1
+        self_ns[name] += own
+        total_ns[name] += duration
+    return replace(profile, summarised=True, compute=pack_ints([edge for interval in compute for edge in interval]),
+                   collectives=pack(collectives),
+                   op_totals=pack_ints([v for name in calls for v in (name, calls[name], self_ns[name], total_ns[name])]))
+
+
+def summary_on_common_clock(profile: RankProfile) -> RankSummary:
+    """The rank's summary (summed here from its ops if the rank sent none), on the common clock."""
+    if not profile.summarised:
+        profile = summarise(profile, unpack_flat(profile.ops))
+    offset = profile.clock_offset_ns
+    return RankSummary(
+        compute=[(start + offset, end + offset) for start, end in unpack_ints(profile.compute, 2)],
+        collectives=_shifted(unpack(profile.names, profile.collectives), offset),
+        op_totals={profile.names[name]: (calls, own, total)
+                   for name, calls, own, total in unpack_ints(profile.op_totals, 4)})
+
+
 # --- waiting ------------------------------------------------------------------------------------
 
 
-def _collective_instances(records: list[OpRecord]) -> dict[tuple[str, int], OpRecord]:
+def _collective_instances(collectives: list[OpRecord]) -> dict[tuple[str, int], OpRecord]:
     """A rank's collectives keyed by (name, how many of that name came before)."""
     seen: dict[str, int] = defaultdict(int)
     instances = {}
-    for record in sorted((r for r in records if r.kind in (COLLECTIVE, GPU_COLLECTIVE)), key=lambda r: r.start_ns):
+    for record in sorted(collectives, key=lambda r: r.start_ns):
         instances[(record.name, seen[record.name])] = record
         seen[record.name] += 1
     return instances
 
 
-def _waiting(ops: dict[int, list[OpRecord]], common_start: int) -> tuple[dict[int, list[Interval]], dict[int, int]]:
+def _waiting(collectives: dict[int, list[OpRecord]], common_start: int) -> tuple[dict[int, list[Interval]], dict[int, int]]:
     """Each rank's waiting intervals, and how long (ns) the others waited for each rank.
 
     Waiting counts from `common_start`, when every rank was recording: a rank that received the
     cell later than the others is no straggler of the cell's own work."""
-    instances = {rank: _collective_instances(records) for rank, records in ops.items()}
+    instances = {rank: _collective_instances(records) for rank, records in collectives.items()}
     waits: dict[int, list[Interval]] = defaultdict(list)
     waited_for: dict[int, int] = defaultdict(int)
     keys = set().union(*(set(found) for found in instances.values())) if instances else set()
@@ -187,15 +243,11 @@ def _waiting(ops: dict[int, list[OpRecord]], common_start: int) -> tuple[dict[in
 # --- one rank -----------------------------------------------------------------------------------
 
 
-def _lane(profile: RankProfile, records: list[OpRecord], waits: list[Interval]) -> Lane:
+def _lane(profile: RankProfile, summary: RankSummary, waits: list[Interval]) -> Lane:
     window = window_on_common_clock(profile)
-    main = profile.main_lane
-    compute = _clipped(_merge((r.start_ns, r.start_ns + r.duration_ns) for r in records
-                              if (r.kind == OP and r.lane == main) or r.kind == GPU_KERNEL), window)
-    in_flight = _clipped(_merge((r.start_ns, r.start_ns + r.duration_ns) for r in records
-                                if r.kind in (COLLECTIVE, GPU_COLLECTIVE)), window)
-    collectives = tuple((r.name, _clip((r.start_ns, r.end_ns), window)) for r in records
-                        if r.kind in (COLLECTIVE, GPU_COLLECTIVE))
+    compute = _clipped(summary.compute, window)
+    in_flight = _clipped(_merge((r.start_ns, r.end_ns) for r in summary.collectives), window)
+    collectives = tuple((r.name, _clip((r.start_ns, r.end_ns), window)) for r in summary.collectives)
     return Lane(rank=profile.rank, window=window, compute=tuple(compute), communication=tuple(in_flight),
                 waiting=tuple(_subtract(_merge(_clip(w, window) for w in waits), compute)), collectives=collectives)
 
@@ -210,40 +262,37 @@ def _row(profile: RankProfile, lane: Lane) -> RankRow:
                    idle_s=(wall - compute - exposed) / 1e9, overlapped_s=overlapped / 1e9)
 
 
-def _top_ops(per_rank: Iterable[list[OpRecord]]) -> tuple[TopOp, ...]:
+def _top_ops(per_rank: Iterable[dict[str, tuple[int, int, int]]]) -> tuple[TopOp, ...]:
     calls: dict[str, int] = defaultdict(int)
     self_ns: dict[str, int] = defaultdict(int)
     total_ns: dict[str, int] = defaultdict(int)
-    for records in per_rank:
-        for record, own in _self_times(records):
-            calls[record.name] += 1
-            self_ns[record.name] += own
-            total_ns[record.name] += record.duration_ns
+    for totals in per_rank:
+        for name, (name_calls, own, total) in totals.items():
+            calls[name] += name_calls
+            self_ns[name] += own
+            total_ns[name] += total
     ranked = sorted(self_ns, key=self_ns.__getitem__, reverse=True)[:NUM_TOP_OPS]
     return tuple(TopOp(name, calls[name], self_ns[name] / 1e9, total_ns[name] / 1e9) for name in ranked)
 
 
-def _self_times(records: list[OpRecord]) -> list[tuple[OpRecord, int]]:
-    """Each op with its time less that of the ops nested in it (on its own lane)."""
-    by_lane: dict[int, list[OpRecord]] = defaultdict(list)
-    for record in records:
-        by_lane[record.lane].append(record)
-    result: list[tuple[OpRecord, int]] = []
-    for lane_records in by_lane.values():
-        entries: list[list] = []  # [record, self ns, end ns]
-        open_entries: list[list] = []
-        lane_records.sort(key=lambda r: (r.start_ns, -r.duration_ns))
-        for record in lane_records:
-            start, duration = record.start_ns, record.duration_ns
-            while open_entries and open_entries[-1][2] <= start:
-                open_entries.pop()
-            entry = [record, duration, start + duration]
-            if open_entries:
-                open_entries[-1][1] -= duration
-            open_entries.append(entry)
-            entries.append(entry)
-        result.extend((record, own if own > 0 else 0) for record, own, _ in entries)
-    return result
+def _self_times(lanes: list[int], starts: list[int], durations: list[int]) -> list[int]:
+    """Each op's time less that of the ops nested in it on its own lane (by the ops' order given)."""
+    own = list(durations)
+    open_ends: list[int] = []
+    open_ops: list[int] = []
+    current_lane = None
+    longest_first = [-duration for duration in durations]  # an op before the ops nested in it
+    for lane, start, _, i in sorted(zip(lanes, starts, longest_first, range(len(starts)), strict=True)):
+        if lane != current_lane:
+            current_lane, open_ends, open_ops = lane, [], []
+        while open_ends and open_ends[-1] <= start:
+            open_ends.pop()
+            open_ops.pop()
+        if open_ops:
+            own[open_ops[-1]] -= durations[i]
+        open_ends.append(start + durations[i])
+        open_ops.append(i)
+    return [time if time > 0 else 0 for time in own]
 
 
 # --- intervals ----------------------------------------------------------------------------------

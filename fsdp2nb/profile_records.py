@@ -53,3 +53,21 @@ def unpack(names: tuple[str, ...], packed: bytes) -> list[OpRecord]:
     columns = [flat[field::_FIELDS] for field in range(_FIELDS)]
     named = [names[index] for index in columns[0]]
     return list(map(OpRecord._make, zip(named, *columns[1:], strict=True)))
+
+
+def pack_ints(values: list[int]) -> bytes:
+    """int64 values one after another (a rank's summary: intervals, op totals)."""
+    return array("q", values).tobytes()
+
+
+def unpack_flat(packed: bytes) -> list[int]:
+    """What `pack` or `pack_ints` packed, one value after another."""
+    flat = array("q")
+    flat.frombytes(packed)
+    return flat.tolist()
+
+
+def unpack_ints(packed: bytes, width: int) -> list[tuple[int, ...]]:
+    """What `pack_ints` packed, as tuples of `width` values."""
+    flat = unpack_flat(packed)
+    return list(zip(*(flat[field::width] for field in range(width)), strict=True))

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """The version of the messages below, exchanged with the schema's fingerprint in every
 connection's greeting and hello and in a kept pool's attach record; ends that differ are refused
 in one line naming both (wire/versions.py). Raise it with every change of this module's types:
@@ -594,6 +594,14 @@ class RankProfile:
     """How far that offset may be off (half the round trip it was measured in)."""
     kineto_trace: str = ""
     """Where a GPU rank saved the profiler's own trace (for Holistic Trace Analysis); empty on CPU ranks."""
+    summarised: bool = False
+    """Whether the rank summed its ops itself (the three fields below); else the kernel sums `ops`."""
+    compute: bytes = b""
+    """Packed int64 (start, end) pairs, merged: the main thread's ops and GPU kernels, rank clock."""
+    collectives: bytes = b""
+    """The collectives of `ops`, packed the same way."""
+    op_totals: bytes = b""
+    """Packed int64 (name index, calls, self ns, total ns), one per op name."""
 
 
 EventMessage = (RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited | TaskProgress

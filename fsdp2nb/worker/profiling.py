@@ -1,5 +1,5 @@
 """A rank's side of profiling: torch.profiler over a cell (`%%fsdp2 --profile`) or a block
-(`fsdp2nb.profile()`), its ops packed into one `RankProfile` event for the kernel.
+(`fsdp2nb.profile()`), its ops packed and summed into one `RankProfile` event for the kernel.
 
 Nothing is installed until a profile starts: the rank only keeps where to send one
 (`install`). The profiler's own events are read as Kineto returns them (Unix-nanosecond
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fsdp2nb.errors import UsageMistake
-from fsdp2nb.profile_analysis import collector_paused
+from fsdp2nb.profile_analysis import collector_paused, summarise
 from fsdp2nb.profile_records import COLLECTIVE, GPU_COLLECTIVE, GPU_COPY, GPU_KERNEL, GPU_LANE_BASE, OP, pack
 from fsdp2nb.wire.protocol import RankProfile
 
@@ -121,36 +121,38 @@ def _save_kineto_trace(sink: ProfileSink, results) -> str:
 
 
 def rank_profile(sink: ProfileSink, results, kineto_trace: str = "") -> RankProfile:
-    """The profiler's events as one event for the kernel (`results`: torch's Kineto results)."""
+    """The profiler's events as one event for the kernel (`results`: torch's Kineto results).
+
+    One pass over every op, so its loop body is kept lean: a step has thousands of ops."""
     from torch._C._autograd import DeviceType
 
     names: dict[str, int] = {}
-    lanes: dict[tuple[bool, int], int] = {}
+    threads: dict[int, int] = {}
+    streams: dict[int, int] = {}
     flat: list[int] = []
     window = (results.trace_start_ns(), results.trace_start_ns())
-    main_lane = 0
+    main_lane, cpu, on_gpu_rank = 0, DeviceType.CPU, sink.on_gpu
     for event in results.events():
         name = event.name()
-        on_gpu = event.device_type() != DeviceType.CPU
-        lane_key = (on_gpu, event.device_resource_id() if on_gpu else event.start_thread_id())
-        lane = lanes.get(lane_key)
-        if lane is None:
-            lane = lanes[lane_key] = len(lanes) + (GPU_LANE_BASE if on_gpu else 0)
-        if name == WINDOW_NAME:
-            window, main_lane = (event.start_ns(), event.end_ns()), lane
-            continue
-        index = names.get(name)
-        if index is None:
-            index = names[name] = len(names)
-        flat += (index, lane, _kind(name, on_gpu, event), event.start_ns(), event.duration_ns())
-    return RankProfile(rank=sink.rank, cell_id=sink.current_cell_id(), device=sink.device,
-                       start_ns=window[0], end_ns=window[1], names=tuple(names), ops=pack(flat),
-                       main_lane=main_lane, kineto_trace=kineto_trace)
+        if on_gpu_rank and event.device_type() != cpu:
+            stream = event.device_resource_id()
+            lane = streams.setdefault(stream, GPU_LANE_BASE + len(streams))
+            kind = _gpu_kind(name)
+        else:
+            thread = event.start_thread_id()
+            lane = threads.setdefault(thread, len(threads))
+            if name == WINDOW_NAME:
+                window, main_lane = (event.start_ns(), event.end_ns()), lane
+                continue
+            kind = COLLECTIVE if name.startswith(_HOST_COLLECTIVE_PREFIX) and event.is_user_annotation() else OP
+        flat += (names.setdefault(name, len(names)), lane, kind, event.start_ns(), event.duration_ns())
+    recorded = RankProfile(rank=sink.rank, cell_id=sink.current_cell_id(), device=sink.device,
+                           start_ns=window[0], end_ns=window[1], names=tuple(names), ops=pack(flat),
+                           main_lane=main_lane, kineto_trace=kineto_trace)
+    return summarise(recorded, flat)
 
 
-def _kind(name: str, on_gpu: bool, event) -> int:
-    if not on_gpu:
-        return COLLECTIVE if name.startswith(_HOST_COLLECTIVE_PREFIX) and event.is_user_annotation() else OP
+def _gpu_kind(name: str) -> int:
     lowered = name.lower()
     if "nccl" in lowered:
         return GPU_COLLECTIVE
