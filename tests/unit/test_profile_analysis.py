@@ -97,3 +97,17 @@ def test_offsets_measured_for_other_hosts_apply_to_the_profiles_taken():
     assert profile.clocks == {0: (0.0, 0.0), 1: (-1.0, 0.002)}
     assert profile.straggler == 1 and profile.analysis.clock_error_s == pytest.approx(0.002)
     assert "Clocks agree within 2.0 ms" in render_html(profile.analysis)
+
+
+def test_the_analysis_reads_the_ranks_sums_not_their_ops():
+    """A rank sends its sums beside its ops: the kernel's analysis needs the sums alone."""
+    from dataclasses import replace
+
+    from fsdp2nb.profile_analysis import summarise
+    from fsdp2nb.profile_records import unpack_flat
+
+    summed = [summarise(profile, unpack_flat(profile.ops)) for profile in _late_rank_pool()]
+    analysis = analyse([replace(profile, ops=b"") for profile in summed])
+    assert analysis.straggler == 1 and analysis.waited_for_s == pytest.approx(0.040)
+    assert analysis.rows[0].compute_s == pytest.approx(0.010) and analysis.rows[0].communication_s == pytest.approx(0.025)
+    assert {op.name: op.calls for op in analysis.top_ops} == {"aten::mm": 3, "gloo:all_reduce": 3}
