@@ -365,7 +365,11 @@ class Session:
         self.kernel: Kernel | None = None
         self.steers_around = set(KNOWN_DEFECTS) - enabled_defects()
         if start:
-            self._start()
+            try:
+                self._start()
+            except BaseException:  # the machine never sees this session: end it here
+                self.close()
+                raise
 
     # ---- cells ----------------------------------------------------------------------------------
 
