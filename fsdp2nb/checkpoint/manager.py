@@ -66,10 +66,10 @@ from fsdp2nb.checkpoint.requests import SaveRequests, process_failures, process_
 from fsdp2nb.checkpoint.staging import StagedSavePlanner, make_stager
 from fsdp2nb.checkpoint.state import (
     checked_training_state,
-    get_training_state,
     read_dcp_metadata,
     set_training_state,
     snapshot_training_state,
+    training_state_to_save,
 )
 from fsdp2nb.checkpoint.state_progress import ProgressLoadPlanner, start_state_task
 from fsdp2nb.checkpoint.tracking import CheckpointStatus
@@ -264,7 +264,7 @@ class Checkpointer:
             return
         self.wait()
         job = self._begin(step)
-        state = get_training_state(tracked.model, tracked.optimizer)
+        state = training_state_to_save(tracked.model, tracked.optimizer)
         self._last_step = step
         rank_state = capture_rank_state(tracked, step)
         task = start_state_task("save", f"saving step {step}", state)
@@ -293,7 +293,7 @@ class Checkpointer:
         self.wait()
         job = self._begin(step)
         if state is None or rank_state is None:
-            state = get_training_state(tracked.model, tracked.optimizer)
+            state = training_state_to_save(tracked.model, tracked.optimizer)
             rank_state = capture_rank_state(tracked, step)
             self._last_step = step
         task = start_state_task("save", f"saving step {step}", state)

@@ -39,6 +39,8 @@ def capture_rank_state(tracked: Tracked, step: int) -> dict[str, Any]:
     # Deep copies: training goes on mutating the live objects while this is written.
     return {
         "step": step,
+        # False for a save before the first optimizer step (see state.training_state_to_save).
+        "optimizer_stepped": tracked.optimizer is not None and bool(tracked.optimizer.state),
         "rng": capture_rng_state(),
         "scheduler": copy.deepcopy(tracked.scheduler.state_dict()) if tracked.scheduler else None,
         "extra": {name: copy.deepcopy(obj.state_dict()) for name, obj in tracked.extra.items()},
@@ -76,6 +78,8 @@ def read_rank_state_collectively(step_dir: Path, metadata: CheckpointMetadata, r
 
 def restore_rank_state(tracked: Tracked, rank_state: dict[str, Any], metadata: CheckpointMetadata,
                        rank: int, world_size: int) -> None:
+    if tracked.optimizer is not None and rank_state.get("optimizer_stepped") is False:
+        tracked.optimizer.state.clear()  # the zeros DCP made it save: not an optimizer step
     if tracked.scheduler is not None and rank_state["scheduler"] is not None:
         tracked.scheduler.load_state_dict(rank_state["scheduler"])
     for name, obj in tracked.extra.items():

@@ -54,6 +54,21 @@ def get_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
     return {MODEL_KEY: model_state, OPTIM_KEY: optim_state}
 
 
+def training_state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The state a save writes, leaving an optimizer that has never stepped without state.
+
+    `get_state_dict` gives an optimizer without state a zero-lr step to create it, which sets
+    Adam's step count: kept, it would change the training after a save before the first step.
+    The saved state holds its own references to those zeros; the rank's file records that the
+    optimizer had not stepped (`rank_file.capture_rank_state`), and a load clears it again.
+    """
+    never_stepped = optimizer is not None and not optimizer.state
+    state = get_training_state(model, optimizer)
+    if never_stepped:
+        optimizer.state.clear()
+    return state
+
+
 def snapshot_training_state(tracked: Any, views: dict[str, torch.Tensor], param_groups: list[dict]) -> dict[str, Any]:
     """The state `get_training_state` gives, holding a memory snapshot's tensors (`views`, keyed as
     snapshot_layout.live_tensors keys them) instead of the live ones, for saving it to disk."""

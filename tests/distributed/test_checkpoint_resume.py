@@ -98,3 +98,36 @@ def test_saved_on_4_loads_on_2_and_1_identically(tmp_path):
             assert loaded["step"] == 5
             assert_same(loaded["model"], reference["model"])
             assert_same(loaded["optim"], reference["optim"])
+
+
+def _save_before_the_first_step(directory: str, async_save: bool) -> dict:
+    """Losses of 3 steps after a save at step 0 taken before any optimizer step, of the same 3
+    steps without the save, and of 3 steps after loading that save into a trained model."""
+    torch.manual_seed(5)
+    model, optimizer, scheduler = build(seed=0)
+    with Checkpointer(directory, async_save=async_save) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer, scheduler=scheduler).save(0)
+        ckpt.wait()
+        state_after_save = dict(optimizer.state)
+        after_save = [train_step(model, optimizer, scheduler) for _ in range(3)]
+    torch.manual_seed(5)
+    model, optimizer, scheduler = build(seed=0)
+    unsaved = [train_step(model, optimizer, scheduler) for _ in range(3)]
+    with Checkpointer(directory) as ckpt:
+        ckpt.track(model=model, optimizer=optimizer, scheduler=scheduler)
+        loaded = ckpt.load(0)
+        state_after_load = dict(optimizer.state)
+        after_load = [train_step(model, optimizer, scheduler) for _ in range(3)]
+    return dict(state_after_save=len(state_after_save), after_save=after_save, unsaved=unsaved,
+                loaded=loaded, state_after_load=len(state_after_load), after_load=after_load)
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_save_before_the_first_step_changes_nothing_and_loads_back_unstepped(tmp_path, async_save):
+    """DCP's optimizer state dict creates state by a zero-lr step, which sets Adam's step count."""
+    for r in run_ranks(_save_before_the_first_step, 2, str(tmp_path), async_save):
+        assert r["state_after_save"] == 0, "the save gave the optimizer state"
+        assert r["after_save"] == r["unsaved"]
+        assert r["loaded"] == 0
+        assert r["state_after_load"] == 0, "the load gave the optimizer state it did not have"
+        assert r["after_load"] == r["unsaved"]

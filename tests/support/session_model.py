@@ -73,12 +73,6 @@ class KnownDefect:
 
 
 KNOWN_DEFECTS: dict[str, KnownDefect] = {
-    "save before the first step": KnownDefect(
-        action="save (any mode) right after the set-up, before the optimizer has stepped",
-        invariant="a save changes nothing: DCP's optimizer state dict gives AdamW its state by an optimizer "
-                  "step with zero gradients (step 1, zero moments), so training after the save differs from "
-                  "training without it",
-        seed=3, run="short (the third action)"),
     "rewind with snapshots": KnownDefect(
         action="a loop rewound to step 0 while host memory holds snapshots of higher steps, then a restore "
                "from memory",
@@ -631,9 +625,6 @@ class Session:
 
     def save_now(self, mode: str) -> None:
         step = self.lineage.nodes[self.current].step
-        if step is None and "save before the first step" in self.steers_around:
-            self.steer("save before the first step")
-            return
         save = self._ask_save(0 if step is None else step, mode, cell=self.num_cells + 1)
         run = self.execute(SAVE_CELL.format(save=SAVE_LINES[mode].replace("\n        ", "\n")))
         if run.status != "ok":
