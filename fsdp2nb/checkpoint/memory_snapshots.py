@@ -62,11 +62,13 @@ from fsdp2nb.checkpoint.snapshot_layout import (
 )
 from fsdp2nb.collectives import (
     FailedElsewhere,
+    PostedMax,
     all_gathered_objects,
     all_max,
     all_ranks_succeeded,
     describe,
     gathered_if_all_succeeded,
+    post_all_max,
 )
 from fsdp2nb.errors import Fsdp2nbError, MemorySnapshotRefused
 from fsdp2nb.host_memory import available_bytes
@@ -81,6 +83,11 @@ _PEER_WAIT_S = 120.0
 """How long a copy waits for a neighbour's previous one; past it the neighbour is stuck or failed
 (its own error says why) and this snapshot is given up rather than spin on."""
 _MAX_LISTED = 4
+_AGREED_TAKES = 2
+"""The first snapshots of a Checkpointer make its two slots, so the ranks agree before copying them;
+later ones post their exchange instead: one that blocks each step costs, on a busy host, a rank's
+wake-up (several milliseconds under SCHED_BATCH) where the next forward's all-gather would have
+waited anyway."""
 
 
 class MemorySnapshotFailed(Fsdp2nbError, RuntimeError):
@@ -145,6 +152,11 @@ class MemorySnapshots:
         self._last_taken: int | None = None
         """The step of the last snapshot this process started (None: none, or given up)."""
         self._tracked: _Tracked | None = None
+        self._num_agreed_takes = 0
+        self._posted: PostedMax | None = None
+        """The exchange of the last snapshot, heard at the next one (`take`)."""
+        self._unheard: BaseException | None = None
+        """What stopped this rank's last snapshot, until every rank hears of it."""
         self.copy_s = 0.0
         """Seconds spent in copies (on the thread)."""
         self.num_taken = 0
@@ -153,21 +165,45 @@ class MemorySnapshots:
     # ---- taking ------------------------------------------------------------------------------
 
     def take(self, tracked: Tracked, step: int) -> None:
-        """Start copying the state at `step`; returns once the copy runs. Collective: one small
-        exchange first, in which every rank hears whether the previous copy failed anywhere (then
-        every rank raises, nothing copied) and whether a slot must be made (then the ranks check
-        that the host has room, alike)."""
+        """Start copying the state at `step`; returns once the copy runs. Collective: every rank
+        hears whether a copy failed anywhere (then every rank raises, nothing copied) and whether a
+        slot must be made (then the ranks check that the host has room, alike). The first
+        snapshots, which make the slots, agree before copying; later ones post their exchange and
+        hear it at the next snapshot (one skipped where a rank must make a slot then)."""
+        heard = self._hear_posted()
+        if heard is not None and heard[0]:  # before waiting for this rank's copy: it may wait for the failed rank
+            unheard, self._unheard = self._unheard, None
+            self._raise_everywhere(unheard, "the snapshots in host memory")
         self._settle()
+        plan, error = self._planned(tracked, step)
+        if self._num_agreed_takes < _AGREED_TAKES:
+            self._num_agreed_takes += 1
+            self._take_agreed(plan, error)
+            return
+        if heard is not None and heard[1]:
+            self._make_slot_everywhere(plan)
+        if error is not None or plan is None or plan.new_slot:
+            self._unheard = error
+            self._posted = post_all_max((int(error is not None), int(error is None)), self._group)
+            return
+        self._posted = post_all_max((0, 0), self._group)
+        self._start(plan)
+
+    def _planned(self, tracked: Tracked, step: int) -> tuple[_Plan | None, BaseException | None]:
+        """This rank's plan for the snapshot of `step`, or what stops it (a failed copy before it)."""
         error, self._failure = self._failure, None
-        plan = None
-        if error is None:
-            try:
-                plan = self._plan(tracked, step)
-            except plain_pickle.Unkeepable as exc:
-                error = MemorySnapshotRefused(f"rank {self.rank}: the snapshot of step {step} cannot keep the "
-                                              f"tracked state: {exc}; nothing was copied")
-            except Exception as exc:  # heard by every rank below
-                error = exc
+        if error is not None:
+            return None, error
+        try:
+            return self._plan(tracked, step), None
+        except plain_pickle.Unkeepable as exc:
+            return None, MemorySnapshotRefused(f"rank {self.rank}: the snapshot of step {step} cannot keep the "
+                                               f"tracked state: {exc}; nothing was copied")
+        except Exception as exc:  # heard by every rank
+            return None, exc
+
+    def _take_agreed(self, plan: _Plan | None, error: BaseException | None) -> None:
+        """Agree before copying: raise on every rank if one failed, make slots alike."""
         any_failed, any_new_slot = all_max((int(error is not None), int(plan is not None and plan.new_slot)),
                                            self._group)
         if any_failed:
@@ -176,6 +212,14 @@ class MemorySnapshots:
         if any_new_slot:
             self._make_slot_everywhere(plan)
         self._start(plan)
+
+    def _hear_posted(self) -> tuple[int, ...] | None:
+        """The exchange the last snapshot posted (done long since: the ranks trained a step after)."""
+        posted, self._posted = self._posted, None
+        try:
+            return posted.wait() if posted is not None else None
+        except Exception:  # the groups were re-formed after a failed cell: that exchange is gone
+            return None
 
     def _plan(self, tracked: Tracked, step: int) -> _Plan:
         if self._last_taken is None:
@@ -216,20 +260,21 @@ class MemorySnapshots:
         self._board.set(self.rank, 1, None)
         self._last_taken = None
 
-    def _make_slot_everywhere(self, plan: _Plan) -> None:
+    def _make_slot_everywhere(self, plan: _Plan | None) -> None:
         """Collective: the ranks check the host's room alike, then those that need a slot make it;
         a failure on one fails all."""
-        needed = layout_bytes(plan.tracked.layout)
-        held_slot = self._slots[plan.index]
-        held = held_slot.num_bytes if held_slot is not None else 0
-        self._check_room(needed if plan.new_slot else 0, held if plan.new_slot else 0)
+        wanted = plan if plan is not None and plan.new_slot else None
+        needed = layout_bytes(wanted.tracked.layout) if wanted is not None else 0
+        held_slot = self._slots[wanted.index] if wanted is not None else None
+        self._check_room(needed, held_slot.num_bytes if held_slot is not None else 0)
         error = None
-        if plan.new_slot:
+        if wanted is not None:
             try:
-                self._replace_slot(plan.index, needed)
+                self._replace_slot(wanted.index, needed)
+                wanted.new_slot = False
             except Exception as exc:  # heard by every rank below
                 error = exc
-        self._raise_everywhere(error, f"making a slot for the snapshot of step {plan.step}")
+        self._raise_everywhere(error, "making a slot for the snapshots in host memory")
 
     def _replace_slot(self, index: int, num_bytes: int) -> None:
         previous = self.newest_step()
@@ -258,6 +303,8 @@ class MemorySnapshots:
 
     def _raise_everywhere(self, error: BaseException | None, what: str) -> None:
         """Collective: raise on every rank if any has an error (its own where it failed)."""
+        if error is not None:  # before the others can go on: from now on they wait for this rank's next copy
+            self._board.clear_failed(self.rank)
         try:
             all_ranks_succeeded(error, what, self._group)
         except FailedElsewhere as elsewhere:
@@ -309,8 +356,8 @@ class MemorySnapshots:
     def _copy_into(self, plan: _Plan, slot: Slot, previous: int | None, ready: QueuedWork | None) -> None:
         started = time.perf_counter()
         try:
-            if previous is not None:
-                self._wait_for_neighbours(previous)
+            if previous is not None and not self._wait_for_neighbours(previous):
+                return  # a neighbour failed that step: this one is skipped, both slots stay as they are
             self._board.set(self.rank, plan.index, None)  # incomplete until the copy is whole
             live = plan.tracked
             if self._written_layouts[plan.index] is not live.layout or self.manifest.get("mesh") != live.mesh:
@@ -319,6 +366,7 @@ class MemorySnapshots:
             memory_store.write_private_file(_state_path(slot.path), plan.state)
             self._board.set(self.rank, plan.index, plan.step)
         except Exception as exc:
+            self._board.mark_failed(self.rank, plan.index, plan.step)  # neighbours stop waiting for it
             whole = self.newest_step()
             kept = f"step {whole} is whole" if whole is not None else "no step is whole"
             raise MemorySnapshotFailed(f"rank {self.rank}: the snapshot of step {plan.step} in host memory failed: "
@@ -334,14 +382,18 @@ class MemorySnapshots:
             slot.pin()  # device to page-locked host memory: the copies run without blocking the stream
         self._gpu.run(ready, lambda: torch._foreach_copy_(views, sources, non_blocking=slot.pinned))
 
-    def _wait_for_neighbours(self, step: int) -> None:
-        """Until every rank of this host holds `step` (see the module's docstring)."""
+    def _wait_for_neighbours(self, step: int) -> bool:
+        """Until every rank of this host holds `step` (see the module's docstring); False at once
+        where a neighbour's copy of it failed (that rank reports it)."""
         deadline = time.monotonic() + _PEER_WAIT_S
         while behind := [rank for rank in self.local_ranks if self._board.newest(rank) < step]:
+            if any(self._board.failed_step(rank) >= step for rank in behind):
+                return False
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank {self.rank}: rank {behind[0]} did not finish its snapshot of step {step} "  # internal: a neighbour's failure; the snapshot is given up, not the user's input
                                    f"in {_PEER_WAIT_S:.0f} s; this snapshot was given up, the previous one is whole")
             time.sleep(_PEER_POLL_S)
+        return True
 
     def _write_manifest(self, index: int | None, layout: list[Entry] | None, mesh: str) -> None:
         """This process's manifest, with `layout` as slot `index`'s (None: the layouts as they are)."""
@@ -494,6 +546,7 @@ class MemorySnapshots:
         """Wait for the copy in flight, then unmap the slots (the store keeps the files)."""
         try:
             self._settle()
+            self._hear_posted()
         finally:
             self._copier.shutdown(wait=True)
             for slot in self._slots:

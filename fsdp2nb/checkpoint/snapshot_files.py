@@ -130,7 +130,7 @@ class Slot:
 
 class Board:
     """Per rank and slot, the step the slot holds whole, in a shared file: an int64 each, step + 1
-    (a new file is zeros: 0 means none, or being written)."""
+    (a new file is zeros: 0 means none, or being written; -(step + 1): that step's copy failed)."""
 
     def __init__(self, path: Path, world_size: int) -> None:
         self._map = shared_mapped_file(path, 16 * world_size)
@@ -145,6 +145,20 @@ class Board:
 
     def set(self, rank: int, slot: int, step: int | None) -> None:
         self._steps[2 * rank + slot] = 0 if step is None else step + 1
+
+    def mark_failed(self, rank: int, slot: int, step: int) -> None:
+        """The copy of `step` into the slot failed: neither whole nor still coming (negative)."""
+        self._steps[2 * rank + slot] = -(step + 1)
+
+    def clear_failed(self, rank: int) -> None:
+        """Every rank has heard of the rank's failed copy: mark its slot as being written again."""
+        for index in (2 * rank, 2 * rank + 1):
+            if self._steps[index] < 0:
+                self._steps[index] = 0
+
+    def failed_step(self, rank: int) -> int:
+        """The step of the rank's last failed copy still marked, or -1."""
+        return max(-value - 1 if value < 0 else -1 for value in self._steps[2 * rank:2 * rank + 2])
 
     def close(self) -> None:
         self._steps.release()
