@@ -47,8 +47,8 @@ def session_option(config: pytest.Config, name: str, default):
 
 
 SHORT_SEED = 20261207
-SHORT_ACTIONS = 16
-"""About two minutes of actions on a 2-core machine, the kernel's and pool's start included."""
+SHORT_ACTIONS = 8
+"""About half a minute of actions on a 2-core machine, the kernel's and pool's start included."""
 
 
 def _run(first_seed: int, num_seeds: int, *, actions: int, examples: int, shrink: bool) -> tuple[Tally, list[str]]:

@@ -26,6 +26,9 @@ class _Session:
         self.sent: list[tuple[str, tuple[int, ...], int | None]] = []
         self.finished: list[str] = []
 
+    def add_snapshot_listener(self, listener) -> None:
+        """The magics hear the ranks' profiles through it; no pool here sends any."""
+
     def pool_ready_for_a_cell(self):
         return self.pool
 
@@ -33,7 +36,7 @@ class _Session:
         if self.refuse is not None:
             raise self.refuse
         self.sent.append((code, ranks, execution_count))
-        return SentCell(wait=types.SimpleNamespace(pool=pool, code=code),  # type: ignore[arg-type]
+        return SentCell(wait=types.SimpleNamespace(pool=pool, code=code, cell_id=None),  # type: ignore[arg-type]
                         stop_button=contextlib.ExitStack())
 
     def finish_cell(self, sent: SentCell) -> None:
