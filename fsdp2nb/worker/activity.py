@@ -42,11 +42,12 @@ def main_thread_activity(main_thread_id: int) -> tuple[str, str | None]:
     frame = sys._current_frames().get(main_thread_id)
     if frame is None:
         return "", None
-    frames = _outermost_first(frame)
+    frames = outermost_first(frame)
     return _cell_line(frames), _collective(frames)
 
 
-def _outermost_first(frame: FrameType | None) -> list[FrameType]:
+def outermost_first(frame: FrameType | None) -> list[FrameType]:
+    """A thread's frames from `frame` out to its first, the first one first (as tracebacks read)."""
     frames = []
     while frame is not None:
         frames.append(frame)

@@ -10,7 +10,7 @@ import threading
 from types import FrameType
 
 from fsdp2nb.wire.protocol import RankStacks, ThreadStack
-from fsdp2nb.worker.activity import _CELL_NAME
+from fsdp2nb.worker.activity import _CELL_NAME, outermost_first
 
 
 def rank_stacks(rank: int, request_id: int, cell_id: int | None, main_thread_id: int) -> RankStacks:
@@ -18,18 +18,10 @@ def rank_stacks(rank: int, request_id: int, cell_id: int | None, main_thread_id:
     names = {thread.ident: thread.name for thread in threading.enumerate()}
     asking = threading.get_ident()
     threads = [ThreadStack(name=names.get(ident, f"thread {ident}"), main=ident == main_thread_id,
-                           frames=tuple(_describe(frame) for frame in _outermost_first(top)))
+                           frames=tuple(_describe(frame) for frame in outermost_first(top)))
                for ident, top in sys._current_frames().items() if ident != asking]
     threads.sort(key=lambda thread: (not thread.main, thread.name))
     return RankStacks(rank=rank, request_id=request_id, cell_id=cell_id, threads=tuple(threads))
-
-
-def _outermost_first(frame: FrameType | None) -> list[FrameType]:
-    frames = []
-    while frame is not None:
-        frames.append(frame)
-        frame = frame.f_back
-    return frames[::-1]
 
 
 def _describe(frame: FrameType) -> str:
