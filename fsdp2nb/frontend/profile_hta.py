@@ -1,4 +1,4 @@
-"""Holistic Trace Analysis (`pip install fsdp2nb[profile]`) on a profile's GPU ranks: its temporal
+"""Holistic Trace Analysis (the `profile` extra) on a profile's GPU ranks: its temporal
 breakdown (compute, communication, memory copies, idle per rank) and how much communication
 overlapped compute. It reads the profiler's own trace files, which GPU ranks save beside their
 logs (`RankProfile.kineto_trace`); the ranks must share a file system with the kernel."""
@@ -11,7 +11,7 @@ import tempfile
 from fsdp2nb.errors import UsageMistake
 from fsdp2nb.wire.protocol import RankProfile
 
-INSTALL_HINT = "pip install 'fsdp2nb[profile]'"
+INSTALL_HINT = "from the clone of fsdp2nb: pip install -e '.[profile]'"
 
 
 def hta_breakdown(profiles: tuple[RankProfile, ...]) -> dict:

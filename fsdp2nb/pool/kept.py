@@ -205,7 +205,8 @@ def check_wire_version(directory: Path, signer: Signer, meta: KeptMeta) -> None:
     if opened.message is not None:
         return
     theirs = opened.version
-    attach = (f"`pip install fsdp2nb=={theirs.package}` and restart the kernel to attach it" if theirs.package
+    attach = (f"install fsdp2nb {theirs.package} (`pip install -e .` in a checkout of it) and restart the kernel "
+              "to attach it" if theirs.package
               else "attach it from a kernel with the fsdp2nb that started it")
     raise WireVersionMismatch(
         f"kept pool {meta.name!r} speaks {theirs.describe(ours())}, this kernel speaks "

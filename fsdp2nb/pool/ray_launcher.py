@@ -74,7 +74,7 @@ class RayLauncher:
     def listen_address(self, runtime_dir: str, log_dir: str) -> str:
         if importlib.util.find_spec("ray") is None:
             raise RayLaunchError("--ray needs Ray installed beside the kernel and on every host: "
-                                 "pip install 'fsdp2nb[ray]'")
+                                 "`pip install ray cryptography` (from a clone of fsdp2nb: `pip install -e '.[ray]'`)")
         ranks_per_node = len(self.spec.devices)
         bundle = {"GPU": ranks_per_node, "CPU": 1} if self.spec.uses_gpus else {"CPU": ranks_per_node}
         self._driver = _Driver(log_dir)

@@ -132,8 +132,9 @@ def _package_version() -> str:
 
 
 def install_hint(version: WireVersion, where: str) -> str:
-    """` (pip install fsdp2nb==X WHERE)`: what installs `version`'s release; empty if unknown."""
-    return f" (`pip install fsdp2nb=={version.package}` {where})" if version.package else ""
+    """` (fsdp2nb X, `pip install -e .` in a checkout of it, WHERE)`: what installs `version`'s
+    release (fsdp2nb is installed from a clone); empty if unknown."""
+    return f" (fsdp2nb {version.package}: `pip install -e .` in a checkout of it, {where})" if version.package else ""
 
 
 def _json_object(data: bytes) -> Any:

@@ -184,5 +184,5 @@ def test_a_kept_pool_of_another_version_is_refused_before_anything_is_written(tm
                          f"this kernel {ours().describe(BEFORE_VERSIONS)}: it cannot be attached here")
 
     (tmp_path / RECORD_FILE).write_bytes(_envelope_frame(signer, FUTURE, record))
-    with pytest.raises(WireVersionMismatch, match=r"`pip install fsdp2nb==9\.9\.9` and restart the kernel"):
+    with pytest.raises(WireVersionMismatch, match=r"install fsdp2nb 9\.9\.9 \(`pip install -e \.` in a checkout of it\) and restart the kernel"):
         kept.check_wire_version(tmp_path, signer, meta)
