@@ -22,6 +22,7 @@ import it.
 from __future__ import annotations
 
 import re
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -254,3 +255,15 @@ class MissingWeights(CheckpointMismatchError, KeyError):
 class NoTrackedCheckpointer(Fsdp2nbError, RuntimeError):
     """`%fsdp2 save` or `load` ran before any Checkpointer called `track()`; the notebook shows
     this error's message alone, as a usage mistake."""
+
+
+def forget_locals(error: BaseException) -> None:
+    """Clear the local variables of the finished frames of `error` and of its causes; its
+    traceback still reads as before. For an error kept after what raised it is gone (a save
+    thread's, a released collective's), whose frames would keep tensors and connections alive."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        traceback.clear_frames(link.__traceback__)
+        link = link.__cause__ or link.__context__

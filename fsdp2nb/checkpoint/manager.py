@@ -27,13 +27,13 @@ takes at `maybe_save` and restores at `track()` and `load()`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import secrets
 import shutil
 import threading
 import time
-import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
@@ -80,7 +80,14 @@ from fsdp2nb.collectives import (
     make_dir_everywhere,
     on_rank0_agreed,
 )
-from fsdp2nb.errors import CheckpointLoadError, CheckpointSaveError, InvalidValue, NotReady, UsageMistake
+from fsdp2nb.errors import (
+    CheckpointLoadError,
+    CheckpointSaveError,
+    InvalidValue,
+    NotReady,
+    UsageMistake,
+    forget_locals,
+)
 from fsdp2nb.wire.memory_store import MEMORY_DIR_ENV
 
 logger = logging.getLogger(__name__)
@@ -425,6 +432,8 @@ class Checkpointer:
         old, self._bg_group = self._bg_group, collectives.new_gloo_group()
         in_flight.mark_background_group(self._bg_group)
         dist.destroy_process_group(old)
+        del old
+        gc.collect()  # the failed save's work objects hold its connections in reference cycles
         self._background_failed = False
 
     def _make_tmp_dir(self, step: int) -> tuple[str, float]:
@@ -460,7 +469,7 @@ class Checkpointer:
         except BaseException as error:
             self._background_failed = True
             process_failures().post(f"the background save of step {job.step} failed: {error}")
-            _forget_locals(error)
+            forget_locals(error)  # it is kept until a cell raises it: not its staged tensors and group
             raise
 
     def _finish_and_commit(self, job: SaveJob, rank_state: dict[str, Any], upload: Future | None,
@@ -666,15 +675,3 @@ class Checkpointer:
     def _all_max(self, values: tuple[int, ...], group: dist.ProcessGroup | None) -> tuple[int, ...]:
         """The largest of each value over the ranks, in one collective."""
         return collectives.all_max(values, group) if self._distributed else values
-
-
-def _forget_locals(error: BaseException) -> None:
-    """Clear the finished frames of a failed background save's error and its causes. The error is
-    kept until a cell raises it, and its frames would keep the save's staged tensors and process
-    group (replaced after a failure) alive with it; the traceback still reads as before."""
-    seen: set[int] = set()
-    link: BaseException | None = error
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        traceback.clear_frames(link.__traceback__)
-        link = link.__cause__ or link.__context__

@@ -27,10 +27,11 @@ save thread reached the re-formed group waited there for peers that had given up
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import sys
 import threading
-import traceback
 from datetime import timedelta
 
 import torch
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
 from fsdp2nb.checkpoint.in_flight import is_background_group
+from fsdp2nb.errors import forget_locals
 from fsdp2nb.worker.collective_count import note_entered
 from fsdp2nb.worker.error_kinds import error_kind
 
@@ -80,11 +82,11 @@ class ReformableGlooGroup(dist.ProcessGroup):
     def _connect(self) -> tuple[dist.ProcessGroup, frozenset[int]]:
         """A plain process group over a fresh gloo backend, and the inodes of the sockets that
         backend opened (its pairs and listener)."""
+        before = set(_socket_fds())
         options = ProcessGroupGloo._Options()
         options._timeout = self._timeout
         options._devices = gloo_devices()
         store = PrefixStore(f"generation-{self._generation}", self._store)
-        before = set(_socket_fds())
         backend = ProcessGroupGloo(store, self.rank(), self.size(), options)
         sockets = frozenset(set(_socket_fds()) - before)
         inner = dist.ProcessGroup(store, self.rank(), self.size())
@@ -100,6 +102,11 @@ class ReformableGlooGroup(dist.ProcessGroup):
             if inode in self._sockets and _shut_down_if_connected(fd):
                 cut += 1
         return cut
+
+    @property
+    def sockets(self) -> frozenset[int]:
+        """The inodes of the current connections' sockets and listener."""
+        return self._sockets
 
     def reform(self, generation: int) -> None:
         """Connect afresh under `generation`'s prefix; every member of the group must call it."""
@@ -156,8 +163,6 @@ _carried_out: set[int] = set()
 """Ids of releases carried out here that no re-forming has waited for yet."""
 _given_up: set[int] = set()
 """Ids of releases a re-forming stopped waiting for: dropped if they come after all."""
-_forgetting = False
-"""Whether cells' released errors have their frames cleared (from the first release on)."""
 
 
 def register_backend() -> None:
@@ -205,35 +210,10 @@ def release_collectives(release_id: int) -> int:
             _given_up.discard(release_id)
             return 0
         _released.set()
-        _forget_released_frames_after_cells()
         cut = sum(group.release() for group in cell_groups())
         _carried_out.add(release_id)
         _releases.notify_all()
         return cut
-
-
-def _forget_released_frames_after_cells() -> None:
-    """From the first release on, clear the frames of each cell error that a release caused.
-
-    gloo's work object holds the connections it ran on, and the failed collective's frame holds
-    the work; IPython's record of the cell and its frames form a reference cycle, which only a
-    full garbage collection frees (seconds with a model loaded, so it runs rarely). Uncleared,
-    every re-forming left the released rank the replaced connections' listener, pipes, epoll,
-    threads and buffers. A released error is shown as one line and has no post-mortem."""
-    global _forgetting
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    if _forgetting or shell is None:
-        return
-    shell.events.register("post_run_cell", _forget_released_frames)
-    _forgetting = True
-
-
-def _forget_released_frames(result) -> None:
-    error = result.error_in_exec
-    if error is not None and error_kind(error, released=was_released()) == "released":
-        traceback.clear_frames(error.__traceback__)
 
 
 def was_released() -> bool:
@@ -246,11 +226,31 @@ def reform_groups(generation: int, after_release: int | None = None) -> int:
     `after_release` (if any) was carried out here; returns how many were re-formed."""
     if after_release is not None:
         _wait_for_release(after_release)
+        _forget_released_errors()
     groups = cell_groups()
+    replaced = frozenset().union(*(group.sockets for group in groups))
     for group in groups:
         group.reform(generation)
     _released.clear()
+    if replaced & set(_socket_fds()):
+        gc.collect()  # held in reference cycles only: freed now rather than at a full collection much later
     return len(groups)
+
+
+def _forget_released_errors() -> None:
+    """Clear the locals of the released cell's error frames. They hold gloo's work object, and
+    it the connections being replaced: their sockets, pipes, epoll and loop thread. Decided here,
+    not when the cell ended: a rank whose peer cut first sees its collective fail before its own
+    release arrives, and IPython keeps that error as `sys.last_value`. A released error is shown
+    as one line and has no post-mortem."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    for error in (getattr(shell, "released_error", None), getattr(sys, "last_value", None)):
+        if isinstance(error, BaseException) and error_kind(error, released=True) == "released":
+            forget_locals(error)
+    if shell is not None:
+        shell.released_error = None
 
 
 def _wait_for_release(release_id: int) -> None:

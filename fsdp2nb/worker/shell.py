@@ -168,6 +168,9 @@ class RankShell(InteractiveShell):
     """An InteractiveShell that records the last exception instead of printing it."""
 
     last_error: ErrorInfo | None = None
+    released_error: BaseException | None = None
+    """The last error of a collective the kernel released, until the groups are re-formed
+    (`reformable_groups` clears its frames then); IPython keeps no other error of that kind."""
 
     def showtraceback(self, exc_tuple=None, *args, **kwargs) -> None:
         """IPython's, without the frames of the rank's own SIGINT handling: an interrupted cell
@@ -178,6 +181,7 @@ class RankShell(InteractiveShell):
             # The kernel released this collective and shows one line for it: formatting a deep
             # FSDP2 stack would only delay the pool's recovery.
             self.last_error = ErrorInfo(ename=type(error).__name__, evalue=str(error), traceback=(), kind="released")
+            self.released_error = error
             return
         while isinstance(error, BaseException) and id(error) not in seen:
             seen.add(id(error))

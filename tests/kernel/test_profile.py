@@ -84,10 +84,12 @@ def test_the_merged_trace_has_a_process_per_rank_and_collectives_end_together(ke
             ends[(event["name"], seen[event["name"]])][rank] = event["ts"] + event["dur"]
             seen[event["name"]] += 1
     all_reduces = [by_rank for (name, _), by_rank in ends.items() if name.endswith("all_reduce")]
-    assert len(all_reduces) >= NUM_COLLECTIVES
-    for by_rank in all_reduces:
-        assert len(by_rank) == 3
-        assert max(by_rank.values()) - min(by_rank.values()) < 5_000, by_rank  # within 5 ms
+    assert len(all_reduces) >= NUM_COLLECTIVES and all(len(by_rank) == 3 for by_rank in all_reduces)
+    spreads = sorted(max(by_rank.values()) - min(by_rank.values()) for by_rank in all_reduces)
+    # A wrong clock offset would move every end; a rank descheduled on a busy host just after one
+    # collective moves that one only, and by far less than the straggler's sleep moves the starts.
+    assert spreads[len(spreads) // 2] < 5_000, spreads  # the median within 5 ms
+    assert spreads[-1] < SLEEP_S * 1e6 / 3, spreads
 
 
 def test_top_ops_name_the_collective(kernel, straggler_run):
