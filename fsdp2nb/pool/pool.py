@@ -237,7 +237,7 @@ class WorkerPool:
         channels, launched = self._channels, self._launched
         assert channels is not None and launched is not None, "listening, and the ranks launched"
         deadline = time.monotonic() + timeout_s
-        while not self._events.all_joined.wait(0.05):
+        while not (self._events.all_joined.wait(0.05) and channels.has_links(tuple(self._events.ranks))):
             self._pass_rendezvous_on()
             if channels.refused_version is not None:  # ranks of another fsdp2nb: they will not join
                 raise PoolStartError(channels.refused_version)

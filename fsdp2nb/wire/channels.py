@@ -30,7 +30,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fsdp2nb.errors import WireVersionMismatch
@@ -161,6 +161,12 @@ class KernelChannels:
                 link.send(frame)
             except OSError as error:
                 raise ConnectionError(f"rank {rank} is not connected to the pool ({error})") from error
+
+    def has_links(self, ranks: Iterable[int]) -> bool:
+        """Whether each of `ranks` has its requests and control connections set up here: a rank
+        says it joined on its events connection, which may be admitted before the other two."""
+        with self._links_changed:
+            return all((role, rank) in self._links for rank in ranks for role in ("requests", "control"))
 
     def _wait_for_link(self, role: ChannelRole, rank: int, timeout_s: float) -> Link | None:
         with self._links_changed:

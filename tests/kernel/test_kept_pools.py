@@ -367,7 +367,8 @@ def test_a_save_asked_after_attach_is_served(kernels, tmpdir_env, tmp_path):
 
     b = kernels()
     assert b.execute("%fsdp2 attach saves --no-dashboard").status == "ok"
-    assert b.execute("import fsdp2nb\nfsdp2nb._session.pool.request_save()").status == "ok"
+    run = b.execute("import fsdp2nb\nfsdp2nb._session.pool.request_save()")
+    assert run.status == "ok", run.traceback_text
     run = b.execute(SAVE_AT.format(step=2))
     assert run.stdout == "[all] True\n", run.stderr + run.traceback_text  # not taken for the first save
     assert (tmp_path / "ckpt" / "step-000002").is_dir()
