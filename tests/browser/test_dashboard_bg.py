@@ -26,8 +26,10 @@ def _bg_notebook(path, ckpt: str, flag: str) -> None:
     nbformat.write(notebook, path)
 
 
-# Notebook 7 (`/notebooks/PATH`) uses the same classes for its cells and outputs as JupyterLab.
-@pytest.mark.parametrize(("app", "name"), [("lab", "bg"), ("notebook7", "nb7-bg")], ids=["lab", "notebook7"])
+# Notebook 7 (`/notebooks/PATH`) uses the same classes for its cells and outputs as JupyterLab: its
+# variant runs with `make soak` (tests/browser/test_dashboard_lab.py covers Notebook 7 in the suite).
+@pytest.mark.parametrize(("app", "name"), [("lab", "bg"), pytest.param("notebook7", "nb7-bg", marks=pytest.mark.soak)],
+                         ids=["lab", "notebook7"])
 def test_save_during_background_run(app, name, request, browser, shots):
     server = request.getfixturevalue(app)  # the session's Lab or Notebook 7 server, started on first use
     ckpt, flag = server.root / "ckpt-bg", server.root / "flag-bg"

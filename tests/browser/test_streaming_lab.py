@@ -65,8 +65,9 @@ def _notebook(path, model_dir: str) -> None:
     nbformat.write(notebook, path)
 
 
-# Notebook 7 (`/notebooks/PATH`) uses the same classes for its cells and outputs as JupyterLab.
-@pytest.mark.parametrize("app", ["lab", "notebook7"])
+# Notebook 7 (`/notebooks/PATH`) uses the same classes for its cells and outputs as JupyterLab: its
+# variant runs with `make soak` (tests/browser/test_dashboard_lab.py covers Notebook 7 in the suite).
+@pytest.mark.parametrize("app", ["lab", pytest.param("notebook7", marks=pytest.mark.soak)])
 def test_streamed_completion_grows_during_the_cell(app, request, browser, shots):
     server = request.getfixturevalue(app)  # the session's Lab or Notebook 7 server, started on first use
     _notebook(server.root / "stream.ipynb", str(server.root / "stream-model"))

@@ -47,7 +47,7 @@ def session_option(config: pytest.Config, name: str, default):
 
 
 SHORT_SEED = 20261207
-SHORT_ACTIONS = 8
+SHORT_ACTIONS = 6
 """About half a minute of actions on a 2-core machine, the kernel's and pool's start included."""
 
 

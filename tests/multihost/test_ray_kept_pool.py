@@ -137,6 +137,7 @@ def test_a_kept_ray_pool_outlives_a_killed_kernel_and_stop_frees_ray(kernels, te
     assert second.execute("%fsdp2 pools").result_text == "no kept pools"
 
 
+@pytest.mark.soak  # the same on one host: tests/kernel/test_kept_pools.py
 def test_restart_stays_kept_and_a_detached_idle_pool_ends_after_keep_for(kernels, test_hosts, ray_cluster):
     kernel = kernels()
     before = _start_kept(kernel, ray_cluster, "brief", extra=" --keep-for 3s")
@@ -157,6 +158,7 @@ def test_restart_stays_kept_and_a_detached_idle_pool_ends_after_keep_for(kernels
     assert kernel.execute("%fsdp2 pools").result_text == "no kept pools"
 
 
+@pytest.mark.soak  # the same on one host: tests/kernel/test_kept_pools.py
 def test_a_run_of_the_killed_kernel_is_picked_up_take_moves_the_pool_and_a_killed_driver_ends_it(
         kernels, test_hosts, ray_cluster, tmp_path):
     """The hosts' activity reaches the kernel that attaches: it gets a handle on the run the lost

@@ -129,6 +129,7 @@ PARAMETER_SUM = ("%%fsdp2\nprint(round(sum(p.full_tensor().double().sum().item()
                  "for p in model.parameters()), 9))")
 
 
+@pytest.mark.soak  # HSDP itself is tested on one host (tests/distributed/test_hsdp.py); across hosts with `make soak`
 def test_hsdp_over_two_hosts_trains_as_the_flat_mesh_and_its_checkpoint_loads_flat(ray_kernel, ray_cluster,
                                                                                   tmp_path_factory):
     """2 hosts x 2 ranks: `hsdp_mesh()` makes one row per host, and training on it gives the
