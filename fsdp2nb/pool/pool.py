@@ -1,9 +1,10 @@
 """The kernel's handle on a pool of ranks: start (or attach a kept one), send requests, stop.
 
-The ranks' events are read as they arrive, by the thread waiting for them or else a receiving
-thread (pool/event_reader.py), and sorted (pool/rank_events.py);
-a kept pool's directory is its `KeptHold` (pool/kept_pool.py); the ranks as processes of this
-host are pool/rank_processes.py's. The notebook side uses what pool/handle.py declares.
+How the ranks come up and join is pool/rank_start.py's; the ranks' events are read as they
+arrive, by the thread waiting for them or else a receiving thread (pool/event_reader.py), and
+sorted (pool/rank_events.py); a kept pool's directory is its `KeptHold` (pool/kept_pool.py); the
+ranks as processes of this host are pool/rank_processes.py's. The notebook side uses what
+pool/handle.py declares.
 """
 
 from __future__ import annotations
@@ -24,29 +25,20 @@ from fsdp2nb.pool.event_reader import EventReader
 from fsdp2nb.pool.handle import BusyListener, PoolState, SnapshotListener
 from fsdp2nb.pool.kept import KeepOptions
 from fsdp2nb.pool.kept_pool import ATTACH_TIMEOUT_S, KeptHold, first_save_request_id
-from fsdp2nb.pool.launcher import (
-    AgentExit,
-    LaunchedRanks,
-    Launcher,
-    LocalLauncher,
-    describe_agent_exit,
-    describe_exit,
-    launch_plan,
-)
+from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, Launcher, describe_agent_exit, launch_plan
 from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
 from fsdp2nb.pool.rank_events import RankEvents
 from fsdp2nb.pool.rank_processes import end_leftover_ranks, rank_process_state
+from fsdp2nb.pool.rank_start import DEFAULT_START_TIMEOUT_S, launcher_for, pool_certificate, wait_until_joined
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
-from fsdp2nb.wire.endpoints import is_tcp
 from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.process_identity import own_process_key, process_key
 from fsdp2nb.wire.protocol import (
     FOR_CONTROL_THREAD,
     ControlMessage,
     EventMessage,
-    JoinRendezvous,
     RankExited,
     RequestSave,
     Shutdown,
@@ -56,21 +48,6 @@ from fsdp2nb.wire.signing import KEY_BYTES, Signer
 from fsdp2nb.wire.tls import PoolCertificate
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_START_TIMEOUT_S = 300.0
-
-
-def launcher_for(spec: PoolSpec) -> Launcher:
-    """The launcher a spec asks for: this host, or the hosts Ray or Slurm provides."""
-    if spec.placement is None:
-        return LocalLauncher()
-    if spec.placement.engine == "ray":
-        from fsdp2nb.pool.ray_launcher import RayLauncher
-
-        return RayLauncher(spec)
-    from fsdp2nb.pool.slurm_launcher import SlurmLauncher
-
-    return SlurmLauncher(spec)
 
 
 class WorkerPool:
@@ -191,7 +168,7 @@ class WorkerPool:
             self._make_directories()
             log = self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
             address = self._launcher.listen_address(self._socket_dir, self.log_dir)
-            certificate = _pool_certificate(address, self._runtime_dir)
+            certificate = pool_certificate(address, self._runtime_dir)
             signer, channels = self._listen(key, address, certificate, log)
             if self._kept is not None:
                 self._kept.hold_new(key, signer, channels.address, self.world_size)
@@ -234,34 +211,9 @@ class WorkerPool:
         os.makedirs(self.log_dir, mode=0o700, exist_ok=True)
 
     def _wait_until_ready(self, timeout_s: float) -> None:
-        channels, launched = self._channels, self._launched
-        assert channels is not None and launched is not None, "listening, and the ranks launched"
-        deadline = time.monotonic() + timeout_s
-        while not (self._events.all_joined.wait(0.05) and channels.has_links(tuple(self._events.ranks))):
-            self._pass_rendezvous_on()
-            if channels.refused_version is not None:  # ranks of another fsdp2nb: they will not join
-                raise PoolStartError(channels.refused_version)
-            if self.exited or not launched.is_running():
-                raise PoolStartError(self._start_failure())
-            if time.monotonic() > deadline:
-                raise PoolStartError(f"the ranks did not start within {timeout_s:.0f} s (logs: {self.log_dir})")
-
-    def _pass_rendezvous_on(self) -> None:
-        """Tell ranks 1.. where rank 0's store listens, once it says so (multi-host pools)."""
-        opened = self._events.take_rendezvous()
-        if opened is not None:
-            self.send(tuple(range(1, self.world_size)), JoinRendezvous(host=opened.host, port=opened.port),
-                      connect_timeout_s=DEFAULT_START_TIMEOUT_S)
-
-    def _start_failure(self) -> str:
-        for exit_report in self.exited.values():
-            tail = "\n".join(exit_report.stderr_tail[-10:])
-            return f"rank {exit_report.rank} exited while starting ({describe_exit(exit_report)}):\n{tail}"
-        if self.spec.placement is not None:
-            ended = self._launched.agent_exit() if self._launched is not None else None
-            which = self._agent_exit_text(ended) if ended is not None else "the host agent ended"
-            return f"{which} while starting the ranks; see the agent logs in {self.log_dir}"
-        return f"the host agent exited while starting the ranks; see {self.log_dir}/agent.log"
+        assert self._channels is not None and self._launched is not None, "listening, and the ranks launched"
+        wait_until_joined(self.spec, self._events, self._channels, self._launched, timeout_s=timeout_s,
+                          log_dir=self.log_dir, lost_agents=self._lost_agents)
 
     def _register(self, launched: LaunchedRanks, address: str) -> None:
         if self._kept is not None:  # no reaper: a kept pool outlives its kernel on purpose
@@ -463,11 +415,3 @@ class WorkerPool:
         if self.state != "stopped":
             self.state = "broken"
 
-
-def _pool_certificate(address: str, runtime_dir: str) -> PoolCertificate | None:
-    """A fresh certificate for a pool whose ranks connect over TCP; None for a Unix socket."""
-    if not is_tcp(address):
-        return None
-    from fsdp2nb.wire.tls import make_pool_certificate
-
-    return make_pool_certificate(runtime_dir)
