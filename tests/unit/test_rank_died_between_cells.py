@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp2nb.errors import PoolBroken
+from fsdp2nb.errors import PoolBroken, PoolStartError
 from fsdp2nb.frontend.session import NotebookSession
-from fsdp2nb.pool.pool import PoolStartError
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.protocol import RankExited
 from tests.support.fake_pools import FakePool
