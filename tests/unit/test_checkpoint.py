@@ -223,7 +223,7 @@ def test_background_error_is_raised_at_the_next_call_and_reported(tmp_path, trai
     ckpt.wait()
     ckpt.track(model=model, optimizer=optimizer, bad=_Unpicklable())
     ckpt.save(2)
-    ckpt._pending[1].exception()  # let the background save finish (fail) without consuming it
+    ckpt._background.wait()  # let the background save finish (fail) without consuming it
     status = ckpt.status()
     assert status.last_error is not None and "step 2" in status.last_error
     with pytest.raises(CheckpointSaveError, match="earlier background save failed"):
