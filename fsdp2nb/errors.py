@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fsdp2nb.wire.protocol import ErrorInfo
+    from fsdp2nb.wire.records import ErrorInfo
 
 
 class Fsdp2nbError(Exception):

@@ -13,7 +13,7 @@ import time
 from collections import deque
 
 from fsdp2nb.errors import InvalidValue
-from fsdp2nb.wire.protocol import MetricPoint
+from fsdp2nb.wire.records import MetricPoint
 
 MAX_PENDING_POINTS = 5_000
 

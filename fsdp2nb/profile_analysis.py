@@ -39,7 +39,7 @@ from fsdp2nb.profile_records import (
     unpack_flat,
     unpack_ints,
 )
-from fsdp2nb.wire.protocol import RankProfile
+from fsdp2nb.wire.events import RankProfile
 
 Interval = tuple[int, int]
 """[start, end) in nanoseconds on the common clock."""

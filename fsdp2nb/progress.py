@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from fsdp2nb.wire.protocol import ProgressUpdate
+from fsdp2nb.wire.records import ProgressUpdate
 
 logger = logging.getLogger(__name__)
 

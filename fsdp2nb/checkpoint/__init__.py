@@ -15,12 +15,12 @@ import importlib
 from typing import Any
 
 _LAZY_NAMES = {
-    "CheckpointEntry": "fsdp2nb.wire.protocol",
+    "CheckpointEntry": "fsdp2nb.wire.records",
     "CheckpointLoadError": "fsdp2nb.errors",
     "CheckpointMetadata": "fsdp2nb.checkpoint.layout",
     "CheckpointMismatchError": "fsdp2nb.errors",
     "CheckpointSaveError": "fsdp2nb.errors",
-    "CheckpointStatus": "fsdp2nb.wire.protocol",
+    "CheckpointStatus": "fsdp2nb.wire.records",
     "Checkpointer": "fsdp2nb.checkpoint.manager",
 }
 

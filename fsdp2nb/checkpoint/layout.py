@@ -27,7 +27,7 @@ from pathlib import Path
 
 from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.errors import CheckpointNotFound
-from fsdp2nb.wire.protocol import CheckpointEntry
+from fsdp2nb.wire.records import CheckpointEntry
 
 logger = logging.getLogger(__name__)
 

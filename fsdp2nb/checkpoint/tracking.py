@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fsdp2nb.errors import NoTrackedCheckpointer
-from fsdp2nb.wire.protocol import CheckpointStatus
+from fsdp2nb.wire.records import CheckpointStatus
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from fsdp2nb.checkpoint.layout import dir_size
-from fsdp2nb.wire.protocol import CheckpointEntry, CheckpointStatus
+from fsdp2nb.wire.records import CheckpointEntry, CheckpointStatus
 
 DCP_DIR = "fsdp2nb_dcp"
 """The folder of a Trainer checkpoint that holds the sharded model and optimizer state."""

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from fsdp2nb.frontend.notebook_input import PromptRelay
     from fsdp2nb.frontend.request_wait import RequestWait
     from fsdp2nb.pool.handle import PoolHandle
-    from fsdp2nb.wire.protocol import ControlMessage
+    from fsdp2nb.wire.requests import ControlMessage
 
 logger = logging.getLogger(__name__)
 

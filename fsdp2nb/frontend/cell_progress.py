@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fsdp2nb.frontend.waiting_ranks import CollectiveCounts
-from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, InputRequested, RankActivity, RichOutput
+from fsdp2nb.wire.events import CellFinished, InputRequested, RankActivity, RichOutput
+from fsdp2nb.wire.records import ErrorInfo
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.output import WaitingLine

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Protocol
 from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.launcher import describe_exit
 from fsdp2nb.widgets.model import DashboardModel, PoolFacts
-from fsdp2nb.wire.protocol import (
-    CheckpointStatus,
+from fsdp2nb.wire.records import CheckpointStatus
+from fsdp2nb.wire.requests import (
     DeleteCheckpoint,
     ExportHF,
     LoadCheckpoint,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from fsdp2nb.frontend.background import BackgroundRuns
     from fsdp2nb.frontend.cell_progress import CellProgress
     from fsdp2nb.pool.handle import BusyListener, SnapshotListener
-    from fsdp2nb.wire.protocol import ControlMessage
+    from fsdp2nb.wire.requests import ControlMessage
 
 
 class LinkedSession(Protocol):

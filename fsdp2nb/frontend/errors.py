@@ -13,7 +13,8 @@ from fsdp2nb.errors import Fsdp2nbError, RankError, set_rank_error_renderer
 from fsdp2nb.frontend.memory_notes import shortage_lines, sigkill_line
 from fsdp2nb.frontend.output import rank_label
 from fsdp2nb.pool.launcher import describe_exit
-from fsdp2nb.wire.protocol import ErrorInfo, RankExited
+from fsdp2nb.wire.events import RankExited
+from fsdp2nb.wire.records import ErrorInfo
 
 NOT_RAISED = {"RankDied", "RankStuck", "RankStopped", "BdbQuit", "NothingToDebug", "CollectiveReleased"}
 """What befell a rank rather than an exception it raised: said as a sentence, not as "raised"."""

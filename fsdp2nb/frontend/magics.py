@@ -32,7 +32,8 @@ from fsdp2nb.pool.kept import (
     describe_ranks,
 )
 from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list
-from fsdp2nb.wire.protocol import (
+from fsdp2nb.wire.rank_logs import rank_log_path
+from fsdp2nb.wire.requests import (
     LoadCheckpoint,
     RankCommand,
     ReportStacks,
@@ -40,7 +41,6 @@ from fsdp2nb.wire.protocol import (
     SaveCheckpoint,
     SaveIfRequested,
 )
-from fsdp2nb.wire.rank_logs import rank_log_path
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.cell_ahead import CellsAhead

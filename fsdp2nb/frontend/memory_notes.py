@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from fsdp2nb.sizes import size
-from fsdp2nb.wire.protocol import ErrorInfo, MemoryShortage, RankExited
+from fsdp2nb.wire.events import RankExited
+from fsdp2nb.wire.records import ErrorInfo, MemoryShortage
 
 
 def shortage_lines(errors: list[tuple[int, ErrorInfo]]) -> list[str]:

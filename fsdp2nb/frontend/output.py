@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fsdp2nb.frontend.line_updates import SHOW_AFTER_S, LiveLines, collapsed, counted_chars
-from fsdp2nb.wire.protocol import RankActivity, RichOutput, StreamOutput
+from fsdp2nb.wire.events import RankActivity, RichOutput, StreamOutput
 
 if TYPE_CHECKING:
     from fsdp2nb.pool.handle import PoolHandle

@@ -9,7 +9,7 @@ import os
 import tempfile
 
 from fsdp2nb.errors import UsageMistake
-from fsdp2nb.wire.protocol import RankProfile
+from fsdp2nb.wire.events import RankProfile
 
 INSTALL_HINT = "from the clone of fsdp2nb: pip install -e '.[profile]'"
 

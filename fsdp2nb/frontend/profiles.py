@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from fsdp2nb.frontend.profile_view import render_html, render_text
 from fsdp2nb.profile_analysis import ProfileAnalysis, RankRow, TopOp, analyse, merged_trace
-from fsdp2nb.wire.protocol import RankClock, RankProfile, RankStacks
+from fsdp2nb.wire.events import RankClock, RankProfile, RankStacks
 
 
 class Profile:

@@ -18,7 +18,8 @@ from collections import deque
 from typing import Any
 
 from fsdp2nb.widgets.model import TaskBoard
-from fsdp2nb.wire.protocol import ProgressUpdate, TaskProgress
+from fsdp2nb.wire.events import TaskProgress
+from fsdp2nb.wire.records import ProgressUpdate
 
 MIN_REDRAW_S = 0.25
 PRINT_EVERY_S = 10.0

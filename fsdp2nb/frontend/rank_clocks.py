@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsdp2nb.pool.handle import PoolHandle
-from fsdp2nb.wire.protocol import ReportClock
+from fsdp2nb.wire.requests import ReportClock
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.profiles import ProfileCollector

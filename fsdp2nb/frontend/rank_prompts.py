@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from fsdp2nb.errors import Fsdp2nbError
 from fsdp2nb.frontend.output import StreamMerger, rank_label, write_to_kernel
-from fsdp2nb.wire.protocol import AnswerInput, EventMessage, InputRequested, RankActivity, ReportActivity
+from fsdp2nb.wire.events import EventMessage, InputRequested, RankActivity
+from fsdp2nb.wire.requests import AnswerInput, ReportActivity
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.cell_progress import CellProgress

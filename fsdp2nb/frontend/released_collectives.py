@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from fsdp2nb.errors import Fsdp2nbError
 from fsdp2nb.frontend.errors import alarm
-from fsdp2nb.wire.protocol import ErrorInfo, ReleaseCollectives
+from fsdp2nb.wire.records import ErrorInfo
+from fsdp2nb.wire.requests import ReleaseCollectives
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.cell_progress import CellProgress

@@ -29,20 +29,18 @@ from fsdp2nb.frontend.output import (
 from fsdp2nb.frontend.rank_prompts import AskInput, RankPrompts
 from fsdp2nb.frontend.released_collectives import CollectiveRelease, Reform, ranks_diverge
 from fsdp2nb.frontend.waiting_ranks import rank_waits
-from fsdp2nb.wire.protocol import (
+from fsdp2nb.wire.events import (
     CellFinished,
-    ControlMessage,
-    ErrorInfo,
     EventMessage,
     InputRequested,
-    Interrupt,
     RankActivity,
     RankExited,
-    ReportActivity,
     RichOutput,
     StreamOutput,
     TaskProgress,
 )
+from fsdp2nb.wire.records import ErrorInfo
+from fsdp2nb.wire.requests import ControlMessage, Interrupt, ReportActivity
 
 if TYPE_CHECKING:
     from fsdp2nb.pool.handle import PoolHandle

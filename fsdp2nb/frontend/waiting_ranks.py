@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp2nb.wire.protocol import RankActivity
+from fsdp2nb.wire.events import RankActivity
 
 STALLED_AFTER_S = 1.5
 """How long, by a rank's own clock between its samples, a count must stay the same for the rank

@@ -17,7 +17,7 @@ import time
 
 from fsdp2nb.pool.rank_events import RankEvents
 from fsdp2nb.wire.channels import KernelChannels
-from fsdp2nb.wire.protocol import EventMessage
+from fsdp2nb.wire.events import EventMessage
 from fsdp2nb.wire.sigint import sigint_deferred
 
 logger = logging.getLogger(__name__)

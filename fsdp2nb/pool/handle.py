@@ -14,9 +14,7 @@ from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.kept import KeepOptions, NotedRun
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.profile_analysis import ProfileAnalysis
-from fsdp2nb.wire.kept import RankWork
-from fsdp2nb.wire.protocol import (
-    ControlMessage,
+from fsdp2nb.wire.events import (
     EventMessage,
     RankClock,
     RankExited,
@@ -26,6 +24,8 @@ from fsdp2nb.wire.protocol import (
     RankStacks,
     TaskProgress,
 )
+from fsdp2nb.wire.kept import RankWork
+from fsdp2nb.wire.requests import ControlMessage
 
 PoolState = Literal["stopped", "starting", "ready", "broken"]
 SnapshotListener = Callable[[RankSnapshot | TaskProgress | RankProfile | RankStacks | RankClock | ProfileAnalysis],

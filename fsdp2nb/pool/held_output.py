@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from fsdp2nb.wire.protocol import RichOutput, StreamOutput
+from fsdp2nb.wire.events import RichOutput, StreamOutput
 
 HELD_CHARS_PER_RANK = 100_000
 """Text a rank's own threads print between cells, kept for the next cell (the newest part)."""

@@ -28,6 +28,7 @@ from fsdp2nb.errors import InvalidValue, KeptPoolUnreadable, LaunchError, PoolHe
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, describe_exit
 from fsdp2nb.pool.spec import Placement, PoolSpec
+from fsdp2nb.wire.events import RankExited
 from fsdp2nb.wire.kept import (
     KEY_FILE,
     META_FILE,
@@ -35,8 +36,9 @@ from fsdp2nb.wire.kept import (
     read_attach_record,
     write_attach_record,
 )
+from fsdp2nb.wire.launch_plan import LaunchPlan
 from fsdp2nb.wire.process_identity import own_process_key
-from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankExited
+from fsdp2nb.wire.protocol import AttachRecord
 from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.versions import ours

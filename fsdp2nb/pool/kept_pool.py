@@ -14,8 +14,9 @@ from fsdp2nb.pool import kept
 from fsdp2nb.pool.kept import KeepOptions, KeptMeta
 from fsdp2nb.pool.kept_listing import list_pools
 from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.events import RankExited
 from fsdp2nb.wire.kept import RUN_DIR, RankWork, create_activity_board, read_activity, read_exit_reports
-from fsdp2nb.wire.protocol import AttachRecord, RankExited
+from fsdp2nb.wire.protocol import AttachRecord
 from fsdp2nb.wire.signing import Signer
 
 ATTACH_TIMEOUT_S = 30.0

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from fsdp2nb.pool.handle import SnapshotListener
 from fsdp2nb.pool.held_output import HeldOutput
-from fsdp2nb.wire.protocol import (
+from fsdp2nb.wire.events import (
     EventMessage,
     RankClock,
     RankExited,

@@ -17,7 +17,7 @@ from fsdp2nb.pool.rank_events import RankEvents
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.channels import KernelChannels
 from fsdp2nb.wire.endpoints import is_tcp
-from fsdp2nb.wire.protocol import JoinRendezvous
+from fsdp2nb.wire.requests import JoinRendezvous
 from fsdp2nb.wire.tls import PoolCertificate
 
 DEFAULT_START_TIMEOUT_S = 300.0

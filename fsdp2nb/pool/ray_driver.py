@@ -231,7 +231,7 @@ def stop_grace(line: str) -> float:
 def kept_watch(driver: Driver, request: str):  # ray_kept.KeptWatch, imported only here
     """The watch of a kept pool (ray_kept.py), or None for a pool that ends with its kernel."""
     from fsdp2nb.pool.ray_kept import KeptWatch
-    from fsdp2nb.wire.protocol import LaunchPlan
+    from fsdp2nb.wire.launch_plan import LaunchPlan
 
     plan, key = LaunchPlan.decode(request.encode())
     return KeptWatch(driver, plan, key) if plan.kept_dir else None

@@ -45,8 +45,9 @@ from fsdp2nb.wire.kept import (
     host_kept_dir,
     write_attach_record,
 )
+from fsdp2nb.wire.launch_plan import LaunchPlan
 from fsdp2nb.wire.pid_watch import PidWatch
-from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan
+from fsdp2nb.wire.protocol import AttachRecord
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.tls import PoolCertificate, load_pool_certificate
 

@@ -21,7 +21,7 @@ from fsdp2nb.errors import LaunchError
 from fsdp2nb.pool.launcher import AgentExit, describe_exit_code, end_process_group
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.endpoints import tcp_address
-from fsdp2nb.wire.protocol import LaunchPlan
+from fsdp2nb.wire.launch_plan import LaunchPlan
 
 DRIVER_READY_TIMEOUT_S = 120.0
 """Joining the cluster, then reserving its hosts and starting one agent on each."""

@@ -18,7 +18,7 @@ from fsdp2nb.errors import LaunchError
 from fsdp2nb.pool.launcher import AgentExit, AgentProcess, describe_exit_code, write_and_close
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.endpoints import tcp_address
-from fsdp2nb.wire.protocol import LaunchPlan
+from fsdp2nb.wire.launch_plan import LaunchPlan
 
 
 class SlurmLaunchError(LaunchError):

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from fsdp2nb.sizes import size
 from fsdp2nb.widgets.model import MemoryReading, RankRow, TimeSplit
-from fsdp2nb.wire.protocol import CheckpointEntry, CheckpointStatus, ProgressUpdate
+from fsdp2nb.wire.records import CheckpointEntry, CheckpointStatus, ProgressUpdate
 
 _OK, _WARN, _PEAK, _RESERVED = "#3b82f6", "#dc2626", "#111827", "#bfdbfe"
 _STATE_COLOURS = {"idle": "#15803d", "busy": "#b45309", "dead": "#dc2626", "starting": "#6b7280",

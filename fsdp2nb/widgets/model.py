@@ -13,14 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fsdp2nb.profile_analysis import ProfileAnalysis
-from fsdp2nb.wire.protocol import (
-    CheckpointStatus,
-    CheckpointView,
-    MetricPoint,
-    ProgressUpdate,
-    RankSnapshot,
-    TaskProgress,
-)
+from fsdp2nb.wire.events import RankSnapshot, TaskProgress
+from fsdp2nb.wire.records import CheckpointStatus, CheckpointView, MetricPoint, ProgressUpdate
 
 HISTORY_S = 300.0
 """How far back the memory sparklines reach."""

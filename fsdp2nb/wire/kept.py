@@ -33,7 +33,8 @@ import time
 from dataclasses import dataclass
 
 from fsdp2nb.atomic_files import replace_atomically
-from fsdp2nb.wire.protocol import AttachRecord, RankExited
+from fsdp2nb.wire.events import RankExited
+from fsdp2nb.wire.protocol import AttachRecord
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.versions import Opened
 

@@ -5,8 +5,8 @@ older one, and ranks on another host may run another install. The two ends compa
 before anything else crosses: in every connection's greeting and hello (wire/admission.py,
 wire/channels.py) and in a kept pool's attach record (wire/kept.py). A version is
 `PROTOCOL_VERSION` (protocol.py, raised by hand with every change of a message) and the schema
-fingerprint, a hash of the name and field names of every message type and record that crosses
-(`schema_fingerprint`), so that a change whose version was not raised is refused too.
+fingerprint, a hash of the module, name and field names of every message type and record that
+crosses (`schema_fingerprint`), so that a change whose version was not raised is refused too.
 
 The greeting, the hello and the attach record are the version exchange itself, so their layout
 is the same in every version: the greeting is the challenge and then `WireVersion.to_bytes()`
@@ -41,15 +41,23 @@ def signature(cls: type) -> str:
 
 
 def _schema_types() -> list[type]:
-    """Every dataclass of protocol.py: the messages and every record they carry or embed."""
-    return sorted((value for value in vars(protocol).values()
+    """Every dataclass of protocol.py and its `SCHEMA_MODULES`: the messages and every record
+    they carry or embed."""
+    modules = (protocol, *protocol.SCHEMA_MODULES)
+    return sorted((value for module in modules for value in vars(module).values()
                    if dataclasses.is_dataclass(value) and isinstance(value, type)
-                   and value.__module__ == protocol.__name__), key=lambda cls: cls.__name__)
+                   and value.__module__ == module.__name__), key=lambda cls: cls.__name__)
 
 
 def schema_fingerprint() -> str:
-    """A hash of every message type's and record's name and field names (16 hex digits)."""
-    text = "\n".join(signature(cls) for cls in _schema_types())
+    """A hash of every message type's and record's module, name and field names (16 hex digits)."""
+    return fingerprint(_schema_types())
+
+
+def fingerprint(types: list[type]) -> str:
+    """A hash of these types' modules, names and field names. The module counts because pickle
+    names a record embedded in a message by its module and class."""
+    text = "\n".join(f"{cls.__module__}.{signature(cls)}" for cls in types)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

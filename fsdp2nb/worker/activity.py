@@ -16,7 +16,7 @@ import sys
 import time
 from types import FrameType
 
-from fsdp2nb.wire.protocol import RankActivity
+from fsdp2nb.wire.events import RankActivity
 from fsdp2nb.worker.collective_count import num_entered
 
 _CELL_NAME = re.compile(r"^<ipython-input-(\d+)-")

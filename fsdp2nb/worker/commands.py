@@ -1,6 +1,6 @@
 """What `%fsdp2 save`/`load` and the dashboard's buttons run on every rank (a `RunCommand`).
 
-Each command of `wire.protocol.RankCommand` has one handler in `HANDLERS`; the kernel sends
+Each command of `wire.requests.RankCommand` has one handler in `HANDLERS`; the kernel sends
 typed commands, never Python source, so a renamed command fails where it is imported.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp2nb.errors import UnknownRequest
-from fsdp2nb.wire.protocol import (
+from fsdp2nb.wire.requests import (
     DeleteCheckpoint,
     ExportHF,
     LoadCheckpoint,

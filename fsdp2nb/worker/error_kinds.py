@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from types import TracebackType
 
-from fsdp2nb.wire.protocol import ErrorKind
+from fsdp2nb.wire.records import ErrorKind
 
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 

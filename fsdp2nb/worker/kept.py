@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 
 from fsdp2nb.wire.channels import RankChannels
+from fsdp2nb.wire.events import RankExited
 from fsdp2nb.wire.kept import (
     META_FILE,
     mark_rank_ended,
@@ -40,7 +41,8 @@ from fsdp2nb.wire.kept import (
     write_attach_record,
     write_exit_report,
 )
-from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankExited
+from fsdp2nb.wire.launch_plan import LaunchPlan
+from fsdp2nb.wire.protocol import AttachRecord
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.versions import ours
 

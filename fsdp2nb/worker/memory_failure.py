@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Any
 
-from fsdp2nb.wire.protocol import MemoryShortage
+from fsdp2nb.wire.records import MemoryShortage
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fsdp2nb.errors import UsageMistake
 from fsdp2nb.profile_analysis import collector_paused, summarise
 from fsdp2nb.profile_records import COLLECTIVE, GPU_COLLECTIVE, GPU_COPY, GPU_KERNEL, GPU_LANE_BASE, OP, pack
-from fsdp2nb.wire.protocol import RankProfile
+from fsdp2nb.wire.events import RankProfile
 
 WINDOW_NAME = "fsdp2nb:profiled"
 """The range around what is profiled, on the thread that runs it: its lane is the main lane."""

@@ -11,7 +11,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from fsdp2nb.wire.protocol import ProgressUpdate, TaskProgress
+from fsdp2nb.wire.events import TaskProgress
+from fsdp2nb.wire.records import ProgressUpdate
 
 MIN_INTERVAL_S = 0.25
 

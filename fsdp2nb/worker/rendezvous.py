@@ -18,7 +18,9 @@ from datetime import timedelta
 import psutil
 
 from fsdp2nb.wire.channels import RankChannels
-from fsdp2nb.wire.protocol import JoinRendezvous, LaunchPlan, RankPlan, RendezvousOpened
+from fsdp2nb.wire.events import RendezvousOpened
+from fsdp2nb.wire.launch_plan import LaunchPlan, RankPlan
+from fsdp2nb.wire.requests import JoinRendezvous
 
 
 def interface_of(host: str) -> str:

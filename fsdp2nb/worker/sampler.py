@@ -17,7 +17,8 @@ import psutil
 from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.checkpoint.trainer_dirs import published as published_trainer_checkpoints
 from fsdp2nb.metrics import process_metrics
-from fsdp2nb.wire.protocol import CheckpointStatus, CheckpointView, RankSnapshot
+from fsdp2nb.wire.events import RankSnapshot
+from fsdp2nb.wire.records import CheckpointStatus, CheckpointView
 
 logger = logging.getLogger(__name__)
 

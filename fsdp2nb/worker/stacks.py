@@ -9,7 +9,7 @@ import sys
 import threading
 from types import FrameType
 
-from fsdp2nb.wire.protocol import RankStacks, ThreadStack
+from fsdp2nb.wire.events import RankStacks, ThreadStack
 from fsdp2nb.worker.activity import _CELL_NAME, outermost_first
 
 

@@ -18,7 +18,8 @@ import sys
 from collections.abc import Callable
 
 from fsdp2nb.errors import InputUnavailable
-from fsdp2nb.wire.protocol import AnswerInput, InputRequested
+from fsdp2nb.wire.events import InputRequested
+from fsdp2nb.wire.requests import AnswerInput
 
 
 class InterruptedAtPrompt(BaseException):  # read as what happened, like KeyboardInterrupt

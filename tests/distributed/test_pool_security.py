@@ -8,8 +8,10 @@ import struct
 
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
+from fsdp2nb.wire.events import RankExited, StreamOutput
 from fsdp2nb.wire.framing import Link
-from fsdp2nb.wire.protocol import ChannelHello, RankExited, RunCell, StreamOutput
+from fsdp2nb.wire.protocol import ChannelHello
+from fsdp2nb.wire.requests import RunCell
 from fsdp2nb.wire.signing import Signer
 
 
@@ -123,7 +125,7 @@ def test_hostile_connections_each_get_one_log_line_and_the_pool_goes_on(pool):
 def test_a_rank_stopped_mid_frame_holds_up_no_other_rank_and_is_named():
     import signal
 
-    from fsdp2nb.wire.protocol import CellFinished
+    from fsdp2nb.wire.events import CellFinished
 
     stalling = WorkerPool(PoolSpec(devices=("cpu", "cpu")), stalled_frame_s=1.0)
     stalling.start()

@@ -1,6 +1,7 @@
 """A rank that crashes in C code says where: every thread's Python stack reaches its exit report."""
 
-from fsdp2nb.wire.protocol import RankExited, RunCell
+from fsdp2nb.wire.events import RankExited
+from fsdp2nb.wire.requests import RunCell
 
 
 def test_a_segfault_in_a_rank_reports_the_python_stacks_of_its_threads(pool):

@@ -14,7 +14,8 @@ import pytest
 from fsdp2nb.pool.launcher import LocalLauncher
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.protocol import CellFinished, RankExited, RunCell, StreamOutput
+from fsdp2nb.wire.events import CellFinished, RankExited, StreamOutput
+from fsdp2nb.wire.requests import RunCell
 
 pytest.importorskip("cryptography", reason="multi-host pools need `pip install cryptography`")
 

@@ -9,7 +9,8 @@ import pytest
 from fsdp2nb.frontend.background import BackgroundRun, BackgroundRuns, StopRequests, check_run_name
 from fsdp2nb.frontend.errors import RankError
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.protocol import CellFinished, ErrorInfo
+from fsdp2nb.wire.events import CellFinished
+from fsdp2nb.wire.records import ErrorInfo
 from tests.support.fake_pools import FakePool
 
 

@@ -10,7 +10,8 @@ from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.handle import SnapshotListener
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.widgets.model import MetricsHistory
-from fsdp2nb.wire.protocol import MetricPoint, RankSnapshot
+from fsdp2nb.wire.events import RankSnapshot
+from fsdp2nb.wire.records import MetricPoint
 from tests.support.fake_pools import FakePool
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))

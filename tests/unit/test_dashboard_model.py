@@ -9,14 +9,13 @@ import pytest
 from fsdp2nb.widgets import markup
 from fsdp2nb.widgets.dashboard import ActionRefused, DashboardView
 from fsdp2nb.widgets.model import MAX_HISTORY_POINTS, DashboardModel, MetricsHistory, PoolFacts
-from fsdp2nb.wire.protocol import (
+from fsdp2nb.wire.events import RankSnapshot, TaskProgress
+from fsdp2nb.wire.records import (
     CheckpointEntry,
     CheckpointStatus,
     CheckpointView,
     MetricPoint,
     ProgressUpdate,
-    RankSnapshot,
-    TaskProgress,
 )
 
 GiB = 2**30

@@ -10,7 +10,7 @@ from fsdp2nb.pool import event_reader
 from fsdp2nb.pool.event_reader import EventReader
 from fsdp2nb.pool.rank_events import RankEvents
 from fsdp2nb.wire.channels import KernelChannels, RankChannels
-from fsdp2nb.wire.protocol import StreamOutput
+from fsdp2nb.wire.events import StreamOutput
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
 from tests.support.channels import wait_until
 

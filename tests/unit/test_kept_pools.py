@@ -12,6 +12,7 @@ import pytest
 from fsdp2nb.errors import KeptPoolUnreadable
 from fsdp2nb.pool import kept, kept_listing
 from fsdp2nb.wire.channels import KernelChannels, RankChannels
+from fsdp2nb.wire.events import RankExited, StreamOutput
 from fsdp2nb.wire.kept import (
     ActivitySlot,
     create_activity_board,
@@ -23,7 +24,7 @@ from fsdp2nb.wire.kept import (
     write_attach_record,
     write_exit_report,
 )
-from fsdp2nb.wire.protocol import AttachRecord, RankExited, StreamOutput
+from fsdp2nb.wire.protocol import AttachRecord
 from fsdp2nb.wire.signing import Signer
 
 

@@ -1,4 +1,4 @@
-from fsdp2nb.wire.protocol import LaunchPlan, RankPlan
+from fsdp2nb.wire.launch_plan import LaunchPlan, RankPlan
 
 
 def test_a_launch_request_decodes_to_the_plan_and_key_it_was_encoded_from():

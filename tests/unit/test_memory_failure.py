@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fsdp2nb.frontend.memory_notes import shortage_lines, sigkill_line
-from fsdp2nb.wire.protocol import ErrorInfo, MemoryShortage, RankExited
+from fsdp2nb.wire.events import RankExited
+from fsdp2nb.wire.records import ErrorInfo, MemoryShortage
 from fsdp2nb.worker.agent import oom_killer_sent
 from fsdp2nb.worker.memory_failure import requested_bytes, shortage_of
 

@@ -8,7 +8,7 @@ import pytest
 from fsdp2nb.frontend.profile_view import render_html
 from fsdp2nb.profile_analysis import analyse, merged_trace
 from fsdp2nb.profile_records import COLLECTIVE, OP, pack
-from fsdp2nb.wire.protocol import RankProfile
+from fsdp2nb.wire.events import RankProfile
 
 MS = 1_000_000
 MAIN, GLOO = 0, 1

@@ -14,7 +14,8 @@ from fsdp2nb.examples.tiny_models import make_tiny_model
 from fsdp2nb.frontend.progress_bar import CellTaskBar
 from fsdp2nb.widgets import markup
 from fsdp2nb.widgets.model import TaskBoard
-from fsdp2nb.wire.protocol import ProgressUpdate, TaskProgress
+from fsdp2nb.wire.events import TaskProgress
+from fsdp2nb.wire.records import ProgressUpdate
 from fsdp2nb.worker.progress_sender import ProgressSender
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -11,7 +11,8 @@ from fsdp2nb.frontend import released_collectives, request_wait
 from fsdp2nb.frontend.errors import RankError
 from fsdp2nb.frontend.request_wait import RequestWait
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.protocol import CellFinished, ErrorInfo
+from fsdp2nb.wire.events import CellFinished
+from fsdp2nb.wire.records import ErrorInfo
 from tests.support.fake_pools import FakePool
 
 

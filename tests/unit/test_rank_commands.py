@@ -13,14 +13,14 @@ import torch
 import fsdp2nb.frontend
 from fsdp2nb.checkpoint import Checkpointer
 from fsdp2nb.checkpoint.tracking import TrackedCheckpointer
-from fsdp2nb.wire import protocol
+from fsdp2nb.wire import requests
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
 from fsdp2nb.worker import commands
 
-COMMANDS = get_args(protocol.RankCommand)
-EXAMPLES = (protocol.SaveCheckpoint(), protocol.SaveCheckpoint(step=4), protocol.LoadCheckpoint(target="latest"),
-            protocol.LoadCheckpoint(target=2), protocol.DeleteCheckpoint(step=1), protocol.ExportHF(path="/tmp/hf"),
-            protocol.SaveIfRequested(), protocol.ReformGroups(generation=7))
+COMMANDS = get_args(requests.RankCommand)
+EXAMPLES = (requests.SaveCheckpoint(), requests.SaveCheckpoint(step=4), requests.LoadCheckpoint(target="latest"),
+            requests.LoadCheckpoint(target=2), requests.DeleteCheckpoint(step=1), requests.ExportHF(path="/tmp/hf"),
+            requests.SaveIfRequested(), requests.ReformGroups(generation=7))
 
 
 def _commands_the_frontend_sends() -> set[str]:
@@ -54,9 +54,9 @@ def test_commands_keep_their_type_and_fields_through_a_frame():
     assert {type(example) for example in EXAMPLES} == set(COMMANDS)
     signer = Signer(b"k" * KEY_BYTES)
     for example in EXAMPLES:
-        message = protocol.RunCommand(cell_id=5, command=example)
+        message = requests.RunCommand(cell_id=5, command=example)
         received = signer.unpack(signer.pack(message))
-        assert type(received) is protocol.RunCommand and received == message
+        assert type(received) is requests.RunCommand and received == message
         assert type(received.command) is type(example)
 
 
@@ -70,17 +70,17 @@ def test_commands_save_load_and_delete_through_the_tracked_checkpointer(tmp_path
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with Checkpointer(tmp_path, async_save=False) as checkpointer:
         checkpointer.track(model=model, optimizer=optimizer)
-        commands.run_command(protocol.SaveCheckpoint(step=1))
-        commands.run_command(protocol.SaveCheckpoint(step=2))
+        commands.run_command(requests.SaveCheckpoint(step=1))
+        commands.run_command(requests.SaveCheckpoint(step=2))
         saved = model.weight.detach().clone()
         with torch.no_grad():
             model.weight.add_(1.0)
-        commands.run_command(protocol.LoadCheckpoint(target=1))
-        commands.run_command(protocol.LoadCheckpoint(target="latest"))
+        commands.run_command(requests.LoadCheckpoint(target=1))
+        commands.run_command(requests.LoadCheckpoint(target="latest"))
         assert torch.equal(model.weight, saved)
-        commands.run_command(protocol.DeleteCheckpoint(step=2))
+        commands.run_command(requests.DeleteCheckpoint(step=2))
         assert [entry.step for entry in checkpointer.list()] == [1] and checkpointer.latest() == 1
-        commands.run_command(protocol.SaveIfRequested())  # nothing was requested: no save
+        commands.run_command(requests.SaveIfRequested())  # nothing was requested: no save
         assert [entry.step for entry in checkpointer.list()] == [1]
     assert capsys.readouterr().out.splitlines() == [
         f"saved step 1 in {tmp_path}", f"saved step 2 in {tmp_path}", "loaded step 1", "loaded step 2"]

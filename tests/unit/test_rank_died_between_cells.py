@@ -7,7 +7,7 @@ import pytest
 from fsdp2nb.errors import PoolBroken, PoolStartError
 from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.protocol import RankExited
+from fsdp2nb.wire.events import RankExited
 from tests.support.fake_pools import FakePool
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))

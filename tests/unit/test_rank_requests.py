@@ -3,7 +3,8 @@ another request (an unknown type used to be taken for a pull) and lives on."""
 
 import threading
 
-from fsdp2nb.wire.protocol import CellFinished, Interrupt, ResetPeak, Shutdown
+from fsdp2nb.wire.events import CellFinished
+from fsdp2nb.wire.requests import Interrupt, ResetPeak, Shutdown
 from fsdp2nb.worker.rank import Rank
 
 

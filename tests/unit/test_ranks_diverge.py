@@ -3,7 +3,7 @@ every rank."""
 
 from fsdp2nb.frontend.cell_progress import CellProgress
 from fsdp2nb.frontend.released_collectives import ranks_diverge
-from fsdp2nb.wire.protocol import RankActivity
+from fsdp2nb.wire.events import RankActivity
 
 LINE = "In[5] line 6: dist.all_reduce(t)"
 

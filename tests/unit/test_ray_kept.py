@@ -10,7 +10,8 @@ import time
 from fsdp2nb.pool import kept, ray_kept
 from fsdp2nb.pool.spec import Placement, PoolSpec
 from fsdp2nb.wire.kept import read_activity, read_attach_record, write_attach_record
-from fsdp2nb.wire.protocol import AttachRecord, LaunchPlan, RankPlan
+from fsdp2nb.wire.launch_plan import LaunchPlan, RankPlan
+from fsdp2nb.wire.protocol import AttachRecord
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.tls import load_pool_certificate, make_pool_certificate
 

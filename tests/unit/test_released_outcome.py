@@ -8,7 +8,7 @@ import time
 from fsdp2nb.frontend.cell_progress import CellProgress
 from fsdp2nb.frontend.released_collectives import CollectiveRelease
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.protocol import ErrorInfo
+from fsdp2nb.wire.records import ErrorInfo
 from tests.support.fake_pools import FakePool
 
 FAILED = ErrorInfo("ValueError", "bad batch on rank 0", ())

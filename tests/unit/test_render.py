@@ -2,7 +2,7 @@ import re
 
 from fsdp2nb.frontend.errors import RankError
 from fsdp2nb.frontend.output import MERGE_WINDOW_S, StreamMerger, rank_label
-from fsdp2nb.wire.protocol import ErrorInfo
+from fsdp2nb.wire.records import ErrorInfo
 
 
 def _merger(ranks=(0, 1, 2, 3), **kwargs):
@@ -84,7 +84,7 @@ def test_a_rank_that_did_not_return_is_not_said_to_have_raised():
 
 def test_the_cell_shows_a_crash_from_the_frame_that_crashed():
     from fsdp2nb.frontend.errors import rank_exit_error
-    from fsdp2nb.wire.protocol import RankExited
+    from fsdp2nb.wire.events import RankExited
 
     tail = ("step 7", "Fatal Python error: Segmentation fault", "", "Current thread 0x1 (most recent call first):",
             '  File "<ipython-input-1-x>", line 3 in crash_here', *(f'  File "f{i}.py", line {i} in g' for i in range(30)),

@@ -48,7 +48,7 @@ def test_flush_on_rank_0_sends_a_checkpointer_it_began_tracking():
 
     class Tracked:
         def status(self):
-            from fsdp2nb.wire.protocol import CheckpointStatus
+            from fsdp2nb.wire.records import CheckpointStatus
 
             return CheckpointStatus(directory="/ckpt", latest_step=None, saving_step=None, last_error=None, entries=())
 

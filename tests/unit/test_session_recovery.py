@@ -12,7 +12,9 @@ from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.pool import PoolStartError
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire.protocol import CellFinished, ErrorInfo, PushValues, RankExited, RichOutput, StreamOutput
+from fsdp2nb.wire.events import CellFinished, RankExited, RichOutput, StreamOutput
+from fsdp2nb.wire.records import ErrorInfo
+from fsdp2nb.wire.requests import PushValues
 from tests.support.fake_pools import FakePool
 
 SPEC = PoolSpec(devices=("cpu", "cpu"))

@@ -2,7 +2,7 @@
 threads in one line, a thread's start in threading.py left out, a rank that did not answer named."""
 
 from fsdp2nb.frontend.profiles import describe_stacks
-from fsdp2nb.wire.protocol import RankStacks, ThreadStack
+from fsdp2nb.wire.events import RankStacks, ThreadStack
 
 LOOP = ("<frozen runpy>:198 in _run_module_as_main", "fsdp2nb/worker/rank.py:220 in serve")
 START = ("threading.py:1002 in _bootstrap", "threading.py:1045 in _bootstrap_inner", "threading.py:982 in run")

@@ -6,7 +6,9 @@ import struct
 
 import pytest
 
-from fsdp2nb.wire.protocol import ChannelHello, RunCell, StreamOutput
+from fsdp2nb.wire.events import StreamOutput
+from fsdp2nb.wire.protocol import ChannelHello
+from fsdp2nb.wire.requests import RunCell
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
 from tests.support.channels import ListLog, read_until, wait_until
 

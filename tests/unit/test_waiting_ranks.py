@@ -3,7 +3,7 @@ collectives, however uneven, never waits; a rank whose count stalls while anothe
 ahead does."""
 
 from fsdp2nb.frontend.waiting_ranks import STALLED_AFTER_S, CollectiveCounts, rank_waits
-from fsdp2nb.wire.protocol import RankActivity
+from fsdp2nb.wire.events import RankActivity
 
 LOOP_LINE = "In[5] line 6: dist.all_reduce(t)"
 NEXT_LINE = "In[5] line 7: if t[0] > 0:"

@@ -21,12 +21,14 @@ from fsdp2nb.wire.admission import CHALLENGE_BYTES
 from fsdp2nb.wire.channels import KernelChannels, RankChannels
 from fsdp2nb.wire.framing import Link
 from fsdp2nb.wire.kept import RECORD_FILE, read_attach_record, write_attach_record
-from fsdp2nb.wire.protocol import PROTOCOL_VERSION, WIRE_TYPES, AttachRecord, ChannelHello, RunCell
+from fsdp2nb.wire.protocol import PROTOCOL_VERSION, WIRE_TYPES, AttachRecord, ChannelHello
+from fsdp2nb.wire.requests import RunCell
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
 from fsdp2nb.wire.versions import (
     BEFORE_VERSIONS,
     ENVELOPE_MARK,
     WireVersion,
+    fingerprint,
     ours,
     schema_fingerprint,
     signature,
@@ -35,9 +37,10 @@ from tests.support.channels import wait_until
 
 SCHEMAS = {1: "d553d414a6717092", 2: "fc6e6598dd546d43", 3: "fa82194cc008491d", 4: "84d9f9b794046348",
            5: "f8858efd28ebed7f", 6: "f5c898d35b74ffba", 7: "ffbd6d67d50a47a6",
-           8: "9c47fdb83e2c2617", 9: "06ec384c12166044"}
-"""Each protocol version's schema fingerprint. A change to wire/protocol.py's types changes the
-fingerprint: raise PROTOCOL_VERSION with it and add the new pair here (never edit an old one)."""
+           8: "9c47fdb83e2c2617", 9: "06ec384c12166044", 10: "05dedf7760739fb3"}
+"""Each protocol version's schema fingerprint. A change to the schema's types (wire/protocol.py and
+its SCHEMA_MODULES) changes the fingerprint: raise PROTOCOL_VERSION with it and add the new pair
+here (never edit an old one)."""
 
 FUTURE = WireVersion(PROTOCOL_VERSION + 1, "0123456789abcdef", "9.9.9")
 
@@ -47,6 +50,31 @@ def test_the_schema_of_this_protocol_version_is_the_one_it_was_released_with():
         f"the wire schema is now {schema_fingerprint()}: raise PROTOCOL_VERSION in wire/protocol.py and add "
         "the new version's fingerprint to SCHEMAS")
     assert ours() == WireVersion(PROTOCOL_VERSION, schema_fingerprint(), ours().package)
+
+
+def test_a_record_moved_to_another_module_changes_the_schema():
+    """Pickle names a record embedded in a message (a CellFinished's ErrorInfo) by its module and
+    class, so an end that declares it elsewhere cannot unpickle it: the move must change the
+    fingerprint, though the record's name and fields stay."""
+    from fsdp2nb.wire.records import ErrorInfo
+
+    moved = dataclasses.make_dataclass("ErrorInfo", [field.name for field in dataclasses.fields(ErrorInfo)],
+                                       frozen=True)
+    moved.__module__ = "fsdp2nb.wire.protocol"
+    assert signature(moved) == signature(ErrorInfo)
+    assert fingerprint([moved]) != fingerprint([ErrorInfo])
+
+
+def test_the_schema_holds_every_record_a_message_embeds():
+    """A record that a message carries (a RankSnapshot's CheckpointView and what that embeds) is
+    part of the fingerprint, wherever the split of the schema declares it."""
+    from fsdp2nb.wire.versions import _schema_types
+
+    names = {cls.__name__ for cls in _schema_types()}
+    assert {"CheckpointView", "CheckpointStatus", "CheckpointEntry", "MetricPoint", "ErrorInfo",
+            "MemoryShortage", "ProgressUpdate", "ThreadStack", "SaveCheckpoint", "LaunchPlan",
+            "RankPlan"} <= names
+    assert {cls.__name__ for cls in (*WIRE_TYPES, AttachRecord, ChannelHello)} <= names
 
 
 def test_a_message_packed_by_position_decodes_as_nothing_here():
