@@ -8,7 +8,7 @@ import textwrap
 # Runs in a process of its own: the agent's wake-ups use the main thread's signal wakeup fd.
 _WATCH_ONE_EXITED_RANK = textwrap.dedent("""
     import os, sys
-    from fsdp2nb.wire.protocol import LaunchPlan, RankPlan
+    from fsdp2nb.wire.launch_plan import LaunchPlan, RankPlan
     from fsdp2nb.worker.agent import Agent
 
     class Events:
