@@ -156,7 +156,7 @@ class FSDP2Engine:
 def move_buffers(model: nn.Module, device: torch.device) -> None:
     """Put every buffer on the compute device; offloading covers parameters only, and
     to_empty on CPU put the buffers there too."""
-    non_persistent = set(non_persistent_buffer_names(model))  # one state_dict, not one per buffer
+    non_persistent = set(non_persistent_buffer_names(model))  # once for the model, not per buffer
     for prefix, module in model.named_modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
             if buffer.device != device:
