@@ -1,5 +1,8 @@
 """One rank of a pool: joins the process group, then runs the notebook's requests until told to stop.
 
+This module is the rank's request loop (reading requests, running them, replying, interrupts);
+what it sets up once before the first request is in rank_setup.py.
+
 Threads in a rank:
 - main: reads requests and runs cells (user code must run on the main thread to receive
   KeyboardInterrupt);
@@ -9,7 +12,6 @@ Threads in a rank:
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
 import pickle
@@ -19,49 +21,47 @@ import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 
 from fsdp2nb.checkpoint.requests import process_failures
 from fsdp2nb.checkpoint.tracking import current_checkpointer
-from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
 from fsdp2nb.errors import UnknownRequest
 from fsdp2nb.wire.channels import RankChannels
+from fsdp2nb.wire.events import CellFinished, RankClock, RankReady, RichKind, RichOutput, StreamOutput
 from fsdp2nb.wire.kept import ActivitySlot, host_kept_dir
-from fsdp2nb.wire.memory_store import MEMORY_DIR_ENV
+from fsdp2nb.wire.launch_plan import LaunchPlan, RankPlan
 from fsdp2nb.wire.process_identity import own_process_key
-from fsdp2nb.wire.protocol import (
+from fsdp2nb.wire.rank_logs import RotatingLog, rank_log_path
+from fsdp2nb.wire.records import ErrorInfo
+from fsdp2nb.wire.requests import (
     AnswerInput,
-    CellFinished,
-    ErrorInfo,
     Interrupt,
-    LaunchPlan,
     PostMortem,
     PullValue,
     PushValues,
-    RankClock,
-    RankPlan,
-    RankReady,
     ReleaseCollectives,
     ReportActivity,
     ReportClock,
     ReportStacks,
     RequestSave,
     ResetPeak,
-    RichKind,
-    RichOutput,
     RunCell,
     RunCommand,
     Shutdown,
-    StreamOutput,
 )
-from fsdp2nb.wire.rank_logs import RotatingLog, rank_log_path
 from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
 from fsdp2nb.wire.signing import Signer
-from fsdp2nb.worker.capture import FdCapture, OutputSync, line_buffered_streams
+from fsdp2nb.worker.capture import OutputSync, line_buffered_streams
 from fsdp2nb.worker.error_kinds import error_kind
 from fsdp2nb.worker.kept import RankFollower
-from fsdp2nb.worker.rendezvous import network_environment, open_store
-from fsdp2nb.worker.sampler import ResourceSampler
+from fsdp2nb.worker.profiling import recording
+from fsdp2nb.worker.rank_setup import (
+    capture_output,
+    join_process_group,
+    run_as_batch_work,
+    start_reporters,
+    torchrun_environment,
+)
+from fsdp2nb.worker.rendezvous import network_environment
 from fsdp2nb.worker.stdin import NotebookStdin
 
 _BLOCK = -1
@@ -69,17 +69,6 @@ _BLOCK = -1
 from training ranks on a host with no core spare; EOF ends the wait once the kernel is gone."""
 _REQUESTS = (RunCell, PushValues, PullValue, RunCommand, PostMortem)
 """What the requests channel carries, besides Shutdown."""
-
-
-def torchrun_environment(plan: LaunchPlan, rank_plan: RankPlan) -> dict[str, str]:
-    """The variables torchrun would set for this rank, so library code that reads them works."""
-    return dict(
-        RANK=str(rank_plan.rank), LOCAL_RANK=str(rank_plan.local_rank), WORLD_SIZE=str(plan.world_size),
-        LOCAL_WORLD_SIZE=str(len(plan.ranks_of_node(rank_plan.node))), GROUP_RANK=str(rank_plan.node),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(plan.master_port), TORCHELASTIC_RUN_ID=plan.pool_id,
-        **{COLLECTIVE_TIMEOUT_ENV: str(plan.collective_timeout_s)},
-        **({MEMORY_DIR_ENV: plan.memory_dir} if plan.memory_dir else {}),
-    )
 
 
 class Rank:
@@ -110,11 +99,7 @@ class Rank:
         self._reply_lock = threading.Lock()
         os.environ.update(network_environment(plan, rank_plan, self._channels.local_host()))
         self._log = RotatingLog(self.log_path)  # lives as long as the rank
-        pipes = pipes or {}
-        self._captures = {
-            "stdout": FdCapture(1, lambda text: self._send_stream("stdout", text), self._log, pipes.get(1)),
-            "stderr": FdCapture(2, lambda text: self._send_stream("stderr", text), self._log, pipes.get(2)),
-        }
+        self._captures = capture_output(self._send_stream, self._log, pipes or {})
         self._output_sync = OutputSync(self._captures.values(), line_buffered_streams())
         self._stdin = NotebookStdin(self.rank, self._channels.send_event, lambda: self._cell_id, self._output_sync.sync,
                                     on_waiting=self._activity.waiting_for_input if self._activity else None)
@@ -123,25 +108,14 @@ class Rank:
     # --- start-up -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        namespace = self._init_distributed()
+        namespace = join_process_group(self.plan, self.rank, self.device, self._channels)
         from fsdp2nb.worker.shell import make_shell, run_cell
 
         self.shell = make_shell(namespace, self._send_rich)
         self._stdin.install()  # after IPython's import, which reads sys.stdin's encoding
         self._run_cell = run_cell  # imported once: the shell module needs IPython, loaded only now
-        self._sampler = ResourceSampler(self.rank, self.device, self._channels.send_event,
-                                        is_busy=lambda: self._cell_id is not None)
-        self._sampler.start()
-        from fsdp2nb import progress
-        from fsdp2nb.worker.progress_sender import ProgressSender
-
-        progress.install(ProgressSender(self.rank, self._channels.send_event, lambda: self._cell_id))
-        from fsdp2nb.worker import profiling
-
-        self._profiling = profiling  # where profiles go; nothing is hooked until one records
-        self._profile_sink = profiling.ProfileSink(self.rank, self.device, self._channels.send_event,
-                                                   lambda: self._cell_id, trace_dir=self.plan.log_dir)
-        profiling.install(self._profile_sink)
+        self._sampler, self._profile_sink = start_reporters(self.rank, self.device, self._channels.send_event,
+                                                            lambda: self._cell_id, trace_dir=self.plan.log_dir)
         threading.Thread(target=self._control_loop, daemon=True, name="fsdp2nb-control").start()
         self._channels.send_event(self._ready_event())
 
@@ -176,40 +150,6 @@ class Rank:
             return
         if not sent and self._follower is not None:
             self._held_reply.append(event)
-
-    def _init_distributed(self) -> dict:
-        """Join the process group (`rendezvous`: a FileStore on one host, rank 0's TCPStore across hosts)."""
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        device = torch.device(self.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        elif "OMP_NUM_THREADS" not in os.environ:
-            # CPU ranks sharing a host split its cores instead of oversubscribing. torchrun gives
-            # each of several ranks 1 thread: the same on 2 cores and 2 ranks, fewer where cores are spare.
-            num_threads = max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"]))
-            os.environ["OMP_NUM_THREADS"] = str(num_threads)
-            torch.set_num_threads(num_threads)
-        timeout = timedelta(seconds=self.plan.collective_timeout_s)
-        store = open_store(self.plan, self.rank, self._channels, timeout)
-        backend = self.plan.backend
-        if backend == "gloo":  # CPU ranks: groups that a failed collective does not cost (see there)
-            from fsdp2nb.worker.reformable_groups import BACKEND_NAME, register_backend
-
-            register_backend()
-            backend = BACKEND_NAME
-        dist.init_process_group(
-            backend, store=store, rank=self.rank, world_size=self.plan.world_size,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
-        mesh = init_device_mesh(device.type, (self.plan.world_size,), mesh_dim_names=("dp_shard",))
-        return dict(
-            rank=self.rank, local_rank=int(os.environ["LOCAL_RANK"]), world_size=self.plan.world_size,
-            device=device, mesh=mesh, torch=torch, dist=dist,
-        )
 
     # --- request loop -------------------------------------------------------------------------
 
@@ -291,7 +231,7 @@ class Rank:
 
     def _handle(self, request: RunCell | PushValues | PullValue | RunCommand | PostMortem) -> CellFinished:
         if isinstance(request, RunCell):
-            with self._profiling.recording(self._profile_sink, request.profile):
+            with recording(self._profile_sink, request.profile):
                 error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count,
                                        request.color_scheme)
             self._say_failed_save()
@@ -471,19 +411,6 @@ def run_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
         rank.serve()
     finally:
         rank.close()
-
-
-def run_as_batch_work() -> None:
-    """Put this process, and every thread and process it starts later, under SCHED_BATCH.
-
-    A rank is throughput work, and the notebook kernel is the process a person waits on. A
-    normal task that wakes takes the CPU from the task running there, so each rank woken by a
-    cell's request (or by gloo's loop thread, which polls 100 times a second) could stop the
-    kernel in the middle of sending the request to the next rank. Batch tasks never take a CPU
-    on waking; among themselves they share CPUs exactly as before.
-    """
-    with contextlib.suppress(AttributeError, OSError):  # not Linux, or refused: stay as started
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
 def _unknown(message: object) -> UnknownRequest:
