@@ -18,27 +18,9 @@ import torch
 from torch import nn
 
 from fsdp2nb.errors import NotSupported, UsageMistake
+from fsdp2nb.module_buffers import non_persistent_buffer_names
 
 logger = logging.getLogger(__name__)
-
-
-def buffers_by_persistence(model: nn.Module, *, persistent: bool,
-                           remove_duplicate: bool = True) -> dict[str, torch.Tensor]:
-    """The buffers that `state_dict()` keeps (`persistent`) or leaves out, by qualified name, read
-    from each module's own flag: a whole `state_dict()` costs more, and a wrapper's state-dict
-    hooks (activation checkpointing) rename its keys. `remove_duplicate=False`: a module used
-    twice is listed under each name."""
-    found = {}
-    for prefix, module in model.named_modules(remove_duplicate=remove_duplicate):
-        for name, buffer in module._buffers.items():
-            if buffer is not None and (name not in module._non_persistent_buffers_set) == persistent:
-                found[f"{prefix}.{name}" if prefix else name] = buffer
-    return found
-
-
-def non_persistent_buffer_names(model: nn.Module) -> list[str]:
-    """Names of buffers that `state_dict()` leaves out."""
-    return list(buffers_by_persistence(model, persistent=False, remove_duplicate=False))
 
 
 @torch.no_grad()

@@ -13,13 +13,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2nb.engine import wrapping
-from fsdp2nb.engine.buffers import non_persistent_buffer_names, recompute_non_persistent_buffers
+from fsdp2nb.engine.buffers import recompute_non_persistent_buffers
 from fsdp2nb.engine.config import EngineConfig, check_offload_supported
 from fsdp2nb.engine.device import current_device
 from fsdp2nb.engine.hf_files import find_checkpoint_files
 from fsdp2nb.engine.mesh import check_mesh, flat_mesh, require_process_group
 from fsdp2nb.engine.sharded_load import LoadReport, load_sharded
 from fsdp2nb.errors import InvalidValue, UsageMistake
+from fsdp2nb.module_buffers import non_persistent_buffer_names
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from fsdp2nb.checkpoint.snapshot_layout import persistent_buffers
-from fsdp2nb.engine.buffers import non_persistent_buffer_names
 from fsdp2nb.engine.engine import move_buffers
+from fsdp2nb.module_buffers import non_persistent_buffer_names
 
 
 class Rotary(nn.Module):
