@@ -25,7 +25,8 @@ from fsdp2nb.frontend.errors import CellSyntaxError
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 
-    from fsdp2nb.frontend.session import NotebookSession, SentCell
+    from fsdp2nb.frontend.pool_requests import SentCell
+    from fsdp2nb.frontend.session import NotebookSession
 
 _PLAIN_CELL_CALL = "get_ipython().run_cell_magic('fsdp2', '', "
 """How IPython's transformations begin a `%%fsdp2` cell without options; the body's repr and `)`
@@ -64,7 +65,7 @@ class CellsAhead:
         code = body if body.strip() else ""
         count = self._shell.execution_count - 1 if info.store_history else self._shell.execution_count
         try:
-            sent = self._session.send_cell(pool, code, tuple(range(pool.world_size)), count)
+            sent = self._session.requests.send_cell(pool, code, tuple(range(pool.world_size)), count)
         except CellSyntaxError:
             return  # nothing sent: the magic reports it, as for any cell
         except Exception as error:  # the cell's outcome (a rank gone): the magic raises it
@@ -81,7 +82,7 @@ class CellsAhead:
             return None
         if line.strip() or cell != ahead.body:
             if ahead.sent is not None:
-                self._session.finish_cell(ahead.sent)
+                self._session.requests.finish_cell(ahead.sent)
             return None
         if ahead.error is not None:
             raise ahead.error
@@ -93,7 +94,7 @@ class CellsAhead:
         if ahead is None or ahead.sent is None:
             return
         try:
-            self._session.finish_cell(ahead.sent)
+            self._session.requests.finish_cell(ahead.sent)
         except Exception:
             self._shell.showtraceback()
 

@@ -34,23 +34,19 @@ from fsdp2nb.wire.requests import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from fsdp2nb.frontend.background import BackgroundRuns
-    from fsdp2nb.frontend.cell_progress import CellProgress
+    from fsdp2nb.frontend.pool_requests import PoolRequests
     from fsdp2nb.pool.handle import BusyListener, SnapshotListener
-    from fsdp2nb.wire.requests import ControlMessage
 
 
 class LinkedSession(Protocol):
-    """What the link needs of the session that holds it (`NotebookSession`): its pool, its runs,
-    and a way to restart and to ask the ranks."""
+    """What the link needs of the session that holds it (`NotebookSession`): its pool, a way to
+    restart it, and its requests (the runs, and a way to ask the ranks)."""
 
     @property
     def pool(self) -> PoolHandle | None: ...
 
     @property
-    def background(self) -> BackgroundRuns | None: ...
+    def requests(self) -> PoolRequests: ...
 
     @property
     def lifecycle_lock(self) -> threading.RLock: ...
@@ -60,9 +56,6 @@ class LinkedSession(Protocol):
     def add_busy_listener(self, listener: BusyListener) -> None: ...
 
     def restart(self) -> PoolHandle: ...
-
-    def run_request(self, pool: PoolHandle, ranks: tuple[int, ...],
-                    make_request: Callable[[int], ControlMessage]) -> CellProgress: ...
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +136,7 @@ class DashboardLink:
             return "no pool is running"
         state = "restarting" if self._restarting else "busy" if facts.busy and facts.state == "ready" else facts.state
         line = f"{facts.description} · {state}"
-        run = self.session.background.latest if self.session.background is not None else None
+        run = self.session.requests.background.latest
         return f"{line} · {run.summary()}" if run is not None else line
 
     # --- showing --------------------------------------------------------------------------------
@@ -191,7 +184,7 @@ class DashboardLink:
         pool = self._ready_pool()
         if not pool.busy_ranks:
             raise _refused("no cell is running on the ranks")
-        run = self.session.background.active if self.session.background is not None else None
+        run = self.session.requests.background.active
         if run is not None:  # the kernel may be idle: no waiting main thread to take a SIGINT
             run.interrupt()
             return f"stop sent to {run.label}: every rank is interrupted"
@@ -309,8 +302,8 @@ class DashboardLink:
         from fsdp2nb.frontend.errors import RankError
 
         try:
-            self.session.run_request(pool, tuple(range(pool.world_size)),
-                                     lambda cell_id: RunCommand(cell_id=cell_id, command=command))
+            self.session.requests.run_request(pool, tuple(range(pool.world_size)),
+                                              lambda cell_id: RunCommand(cell_id=cell_id, command=command))
         except RankError as error:
             raise _refused(_first_error(error)) from None
         self.tick()

@@ -22,9 +22,10 @@ from fsdp2nb.frontend.magic_options import (
     spec_or_none,
     split_magic_line,
 )
+from fsdp2nb.frontend.pool_requests import SentCell
 from fsdp2nb.frontend.profiles import ProfileCollector, describe_stacks
 from fsdp2nb.frontend.rank_clocks import ClockOffsets, estimate_offsets, spans_hosts
-from fsdp2nb.frontend.session import RESTORE_HINT, NotebookSession, SentCell
+from fsdp2nb.frontend.session import RESTORE_HINT, NotebookSession
 from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.kept import (
     KeepOptions,
@@ -128,14 +129,14 @@ class FSDP2Magics(Magics):
             self._dashboard().show()  # under the cell that starts the pool, above its output
         self._profiles.take_new()  # a background run's, ended before this cell: `%fsdp2 profile` has them
         try:
-            self.session.run_cell(pool, cell, ranks, profile=options.profile)
+            self.session.requests.run_cell(pool, cell, ranks, profile=options.profile)
         finally:  # a cell that failed shows what ran until then
             self._show_new_profiles(pool)
         self._serve_dashboard_save(pool)
 
     def _finish_cell_sent_ahead(self, sent: SentCell) -> None:
         try:
-            self.session.finish_cell(sent)
+            self.session.requests.finish_cell(sent)
         finally:
             self._show_new_profiles(sent.wait.pool, sent.wait.cell_id)
         self._serve_dashboard_save(sent.wait.pool)
@@ -162,7 +163,7 @@ class FSDP2Magics(Magics):
         check_run_name(options.name)
         pool = self.session.pool_for(self._with_running_devices(spec_or_none(options), options), default_spec, keep)
         ranks = parse_rank_list(options.ranks, pool.world_size) if options.ranks else tuple(range(pool.world_size))
-        run = self.session.run_in_background(pool, cell if cell.strip() else "", ranks, options.name)
+        run = self.session.requests.run_in_background(pool, cell if cell.strip() else "", ranks, options.name)
         if options.name:
             self._shell.user_ns[options.name] = run
         return run
@@ -173,7 +174,7 @@ class FSDP2Magics(Magics):
             words = line.split(maxsplit=1)
             if not words or words[0] not in _WAIT_FOR_RUN:
                 return
-        self.session.background.wait_for_active(sys.stdout.write)
+        self.session.requests.background.wait_for_active(sys.stdout.write)
 
     def _serve_dashboard_save(self, pool: PoolHandle) -> None:
         """A save clicked during the cell that no maybe_save reached is made now, on this thread."""
@@ -274,7 +275,7 @@ class FSDP2Magics(Magics):
         if missing:
             raise UsageMistake(f"cannot push {missing[0]!r}: it is not defined in the notebook")
         values = {name: self._shell.user_ns[name] for name in options.names}
-        self.session.push(pool, _pickle_for_ranks(values))
+        self.session.requests.push(pool, _pickle_for_ranks(values))
 
     def _command_pull(self, options):
         """The names are defined in the notebook; with --value, returned instead."""
@@ -293,7 +294,7 @@ class FSDP2Magics(Magics):
         return None
 
     def _pull_one(self, pool: PoolHandle, name: str, reply_ranks: tuple[int, ...], every_rank: bool) -> object:
-        payloads = self.session.pull(pool, name, reply_ranks)
+        payloads = self.session.requests.pull(pool, name, reply_ranks)
         values = {rank: pickle.loads(payload) for rank, payload in payloads.items()}
         return values if every_rank else values[reply_ranks[0]]
 
@@ -337,10 +338,10 @@ class FSDP2Magics(Magics):
         return self._background_runs().listing()
 
     def _background_runs(self):  # BackgroundRuns
-        return self.session.background
+        return self.session.requests.background
 
     def _command_debug(self, options) -> None:
-        self.session.debug(self._running_pool(), options.rank)
+        self.session.requests.debug(self._running_pool(), options.rank)
 
     def _command_plan(self, options):
         """A memory plan (`fsdp2nb.plan_memory`), computed in the kernel: it needs no pool."""
@@ -362,7 +363,7 @@ class FSDP2Magics(Magics):
             return None
         if self._clock_pool is not pool:
             self._clock_pool = pool
-            self._offsets = estimate_offsets(pool, self.session.next_cell_id, self._profiles)
+            self._offsets = estimate_offsets(pool, self.session.requests.next_cell_id, self._profiles)
         return self._offsets
 
     def _command_profile(self, options):
@@ -376,7 +377,7 @@ class FSDP2Magics(Magics):
         """Every rank's Python stacks now, all threads, asked of their control threads: a cell runs on."""
         pool = self._running_pool()
         ranks = tuple(range(pool.world_size))
-        request_id = self.session.next_cell_id()
+        request_id = self.session.requests.next_cell_id()
         pool.send(ranks, ReportStacks(request_id=request_id), connect_timeout_s=0)
         print(describe_stacks(self._profiles.wait_for_stacks(request_id, ranks, _STACKS_WAIT_S), pool.world_size))
 
@@ -393,8 +394,8 @@ class FSDP2Magics(Magics):
         """Run one of fsdp2nb's commands (worker/commands.py) on every rank, without touching the
         user's names."""
         pool = self._running_pool()
-        self.session.run_request(pool, tuple(range(pool.world_size)),
-                                 lambda cell_id: RunCommand(cell_id=cell_id, command=command))
+        self.session.requests.run_request(pool, tuple(range(pool.world_size)),
+                                          lambda cell_id: RunCommand(cell_id=cell_id, command=command))
 
     def _running_pool(self) -> PoolHandle:
         with self.session.lifecycle_lock:

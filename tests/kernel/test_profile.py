@@ -159,7 +159,7 @@ def test_clock_round_trips_put_ranks_on_the_kernels_clock_within_their_bound(ker
     """Ranks on the kernel's host share its clock: each measured offset is within its bound."""
     setup = kernel.execute("_magics = get_ipython().find_cell_magic('fsdp2').__self__\n"
                            "from fsdp2nb.frontend.rank_clocks import estimate_offsets\n"
-                           "_offsets = estimate_offsets(_magics.session.pool, _magics.session.next_cell_id, "
+                           "_offsets = estimate_offsets(_magics.session.pool, _magics.session.requests.next_cell_id, "
                            "_magics._profiles)")
     assert setup.status == "ok", setup.traceback_text
     offsets = _values(kernel, "{rank: pair for rank, pair in _offsets.items()}")

@@ -13,24 +13,16 @@ from IPython.core.interactiveshell import ExecutionInfo, InteractiveShell
 from fsdp2nb.frontend.cell_ahead import CellsAhead, plain_cell_body
 from fsdp2nb.frontend.errors import CellSyntaxError
 from fsdp2nb.frontend.magics import FSDP2Magics
-from fsdp2nb.frontend.session import SentCell
+from fsdp2nb.frontend.pool_requests import SentCell
 
 
-class _Session:
-    """Stands in for the NotebookSession: records sends and waits; `refuse` is raised by a send."""
+class _Requests:
+    """Stands in for the session's PoolRequests: records sends and waits; `refuse` is raised by a send."""
 
-    def __init__(self, ready: bool = True, refuse: BaseException | None = None) -> None:
-        self.pool = types.SimpleNamespace(world_size=2) if ready else None
+    def __init__(self, refuse: BaseException | None) -> None:
         self.refuse = refuse
-        self.dashboard = None
         self.sent: list[tuple[str, tuple[int, ...], int | None]] = []
         self.finished: list[str] = []
-
-    def add_snapshot_listener(self, listener) -> None:
-        """The magics hear the ranks' profiles through it; no pool here sends any."""
-
-    def pool_ready_for_a_cell(self):
-        return self.pool
 
     def send_cell(self, pool, code: str, ranks: tuple[int, ...], execution_count: int | None) -> SentCell:
         if self.refuse is not None:
@@ -41,6 +33,21 @@ class _Session:
 
     def finish_cell(self, sent: SentCell) -> None:
         self.finished.append(sent.wait.code)  # type: ignore[attr-defined]
+
+
+class _Session:
+    """Stands in for the NotebookSession: a pool ready for a cell or none, and the recording requests."""
+
+    def __init__(self, ready: bool = True, refuse: BaseException | None = None) -> None:
+        self.pool = types.SimpleNamespace(world_size=2) if ready else None
+        self.dashboard = None
+        self.requests = _Requests(refuse)
+
+    def add_snapshot_listener(self, listener) -> None:
+        """The magics hear the ranks' profiles through it; no pool here sends any."""
+
+    def pool_ready_for_a_cell(self):
+        return self.pool
 
 
 @pytest.fixture
@@ -77,8 +84,8 @@ def test_the_body_sent_ahead_is_the_one_ipython_hands_the_magic(shell, body):
     result = shell.run_cell(f"%%fsdp2\n{body}", store_history=True)
     given = body if body.endswith("\n") else body + "\n"  # IPython ends a cell with a newline
     assert result.success, result.error_in_exec
-    assert session.sent == [(given if given.strip() else "", (0, 1), result.execution_count)]
-    assert session.finished == [session.sent[0][0]]  # the magic waited for it, once
+    assert session.requests.sent == [(given if given.strip() else "", (0, 1), result.execution_count)]
+    assert session.requests.finished == [session.requests.sent[0][0]]  # the magic waited for it, once
 
 
 @pytest.mark.parametrize("raw_cell", ["%%fsdp2", "%%fsdp2 --ranks 0\nprint(rank)", "%%fsdp2 --bg\nx = 1", "x = 1",
@@ -87,7 +94,7 @@ def test_cells_with_options_or_other_magics_are_left_to_the_magic(shell, raw_cel
     session = _Session()
     ahead = CellsAhead(shell, session)  # type: ignore[arg-type]
     _announce(shell, ahead, raw_cell)
-    assert session.sent == [] and ahead.claim("", "x = 1\n") is None
+    assert session.requests.sent == [] and ahead.claim("", "x = 1\n") is None
 
 
 def test_nothing_is_sent_ahead_without_a_ready_pool_or_with_a_users_ast_transformer(shell):
@@ -95,7 +102,7 @@ def test_nothing_is_sent_ahead_without_a_ready_pool_or_with_a_users_ast_transfor
         shell.ast_transformers[:] = transformers
         ahead = CellsAhead(shell, session)  # type: ignore[arg-type]
         _announce(shell, ahead, "%%fsdp2\nx = 1")
-        assert session.sent == [] and ahead.claim("", "x = 1\n") is None
+        assert session.requests.sent == [] and ahead.claim("", "x = 1\n") is None
 
 
 def test_a_body_that_does_not_parse_is_left_to_the_magic(shell):
@@ -121,7 +128,7 @@ def test_a_cell_sent_ahead_is_waited_for_before_a_magic_call_for_another(shell):
     ahead = CellsAhead(shell, session)  # type: ignore[arg-type]
     _announce(shell, ahead, "%%fsdp2\nx = 1")
     assert ahead.claim("--ranks 0", "x = 1\n") is None
-    assert session.finished == ["x = 1\n"]
+    assert session.requests.finished == ["x = 1\n"]
 
 
 def test_a_cell_sent_ahead_whose_magic_never_ran_is_waited_for_when_the_cell_ends(shell):
@@ -130,7 +137,7 @@ def test_a_cell_sent_ahead_whose_magic_never_ran_is_waited_for_when_the_cell_end
     _announce(shell, ahead, "%%fsdp2\nx = 1")
     ahead.finish_unclaimed(None)  # type: ignore[arg-type]
     ahead.finish_unclaimed(None)  # type: ignore[arg-type]
-    assert session.finished == ["x = 1\n"]
+    assert session.requests.finished == ["x = 1\n"]
     assert ahead.claim("", "x = 1\n") is None
 
 

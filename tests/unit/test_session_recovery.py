@@ -37,7 +37,7 @@ def test_a_rank_returning_as_the_interrupt_deadline_passes_ends_the_cell_normall
     session = NotebookSession(pool_factory=lambda spec: pytest.fail("the pool must not be replaced"))
     session.pool = pool
     error = ErrorInfo("ValueError", "bad", ("ValueError: bad",))
-    wait = session.request_wait(pool, (0, 1))
+    wait = session.requests.request_wait(pool, (0, 1))
     progress = wait.progress
     progress.finished[0] = CellFinished(0, wait.cell_id, "error", error)
     progress.errors.append((0, error))
@@ -55,7 +55,7 @@ def test_a_failed_restart_after_a_dead_rank_keeps_the_cause_in_the_error():
     session = NotebookSession(pool_factory=lambda spec: ScriptedPool(spec, fails_to_start=True))
     session.pool = pool
     with pytest.raises(RankError) as raised:
-        session.run_request(pool, (0, 1), lambda cell_id: PushValues(cell_id=cell_id, payload=b""))
+        session.requests.run_request(pool, (0, 1), lambda cell_id: PushValues(cell_id=cell_id, payload=b""))
     text = "\n".join(raised.value._render_traceback_())
     assert "killed by SIGKILL" in text and "last words" in text
     assert "a new pool did not start: rank 1 exited while starting" in text
