@@ -1,10 +1,11 @@
 """The host agent: one process per host that starts that host's ranks and watches over them.
 
-It imports torch and IPython once, then forks each rank from itself, so N ranks cost one heavy
-import instead of N. The agent never touches CUDA or opens sockets before forking, which keeps
-the fork safe. Afterwards it reports each rank's exit (code or signal, last stderr lines) and
-ends every rank when the kernel that started it goes away, once they have written the newest
-snapshot in host memory to disk (within a bound: wire/persisting.py).
+It imports torch and IPython once, then forks each rank from itself (forked_ranks.py), so N
+ranks cost one heavy import instead of N. The agent never touches CUDA or opens sockets before
+forking, which keeps the fork safe. Afterwards it tells the kernel of each rank's exit and ends
+every rank when the kernel that started it goes away, once they have written the newest
+snapshot in host memory to disk (within a bound: wire/persisting.py). This module is the
+agent's side of the kernel: its connection, the kernel's end, a kept pool's holder.
 
 Run as `python -m fsdp2nb.worker.agent`; the launch plan and pool key arrive as JSON on stdin,
 read only once torch is imported, so that an agent can be started ahead of its launch.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import select
 import shutil
@@ -29,27 +29,19 @@ import traceback
 from pathlib import Path
 
 from fsdp2nb.checkpoint.layout import read_latest
-from fsdp2nb.host_memory import kernel_log_names_oom_kill, oom_kill_count
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.kept import host_kept_dir
+from fsdp2nb.wire.launch_plan import LaunchPlan
 from fsdp2nb.wire.memory_store import KeptSnapshot, kept_snapshots, remove_store
 from fsdp2nb.wire.persisting import PERSIST_TIMEOUT_ENV, mark_persisting, persist_timeout_s
 from fsdp2nb.wire.pid_watch import PidWatch
-from fsdp2nb.wire.protocol import LaunchPlan, RankExited, RankPlan
-from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
 from fsdp2nb.wire.signing import Signer
-from fsdp2nb.worker.capture import drain_pipe
+from fsdp2nb.worker.forked_ranks import ForkedRanks
 from fsdp2nb.worker.kept import AgentKeeper
 
 _WATCH_INTERVAL_S = 0.05
-_STOP_POLL_S = 0.005
-"""How often a stopping agent looks for its ranks' exits: a restart waits for them, and a rank
-ends within a few ms of its SIGTERM. Only while stopping, for at most the grace period."""
 _KERNEL_CHECK_S = 1.0
 """How often to look for a vanished kernel where it cannot be waited for (no pidfd_open)."""
-_TERMINATE_GRACE_S = 3.0
-_STDERR_TAIL_LINES = 40
-_PR_SET_PDEATHSIG = 1
 
 
 def node_index() -> int:
@@ -68,69 +60,6 @@ def _preload() -> None:
     import fsdp2nb.worker.shell  # noqa: F401
 
 
-def oom_killer_sent(kills_before: int | None, kills_after: int | None, in_kernel_log: bool | None) -> bool | None:
-    """Whether the kernel's OOM killer sent a SIGKILL: its memory cgroup counted a kill since the
-    last look, or the kernel log names the process; None where neither can be read."""
-    rose = None if kills_before is None or kills_after is None else kills_after > kills_before
-    if rose or in_kernel_log:
-        return True
-    return None if rose is None and in_kernel_log is None else False
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the process that forked it dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the agent's own watch still ends the ranks
-
-
-def _fork_rank(plan: LaunchPlan, rank_plan: RankPlan, key: bytes,
-               agent_fds: list[int]) -> tuple[int, list[int], int | None]:
-    """Fork one rank; returns its pid, the read ends of its stdout/stderr pipes and (kept pools)
-    the write end of its wake pipe.
-
-    The agent keeps a copy of each read end so that, should the rank die, the agent can still
-    read what it wrote last (the rank's own forwarding thread dies with it). `agent_fds` are the
-    agent's copies for earlier ranks, which the new rank must not hold.
-    """
-    pipes = {1: os.pipe(), 2: os.pipe()}
-    wake = os.pipe() if plan.kept_dir else None
-    pid = os.fork()
-    if pid:
-        for _, write_end in pipes.values():
-            os.close(write_end)
-        if wake is not None:
-            os.close(wake[0])
-        return pid, [read_end for read_end, _ in pipes.values()], wake[1] if wake is not None else None
-    exit_code = 1
-    try:
-        for fd in agent_fds:
-            os.close(fd)
-        if wake is not None:
-            os.close(wake[1])
-        _die_with_parent()
-        # A session of its own, as torchrun gives each rank: with autogroup scheduling (the Linux
-        # default) a session is a scheduling group, and ranks sharing the agent's would share
-        # one group's CPU share against every other process on a busy host.
-        os.setsid()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        from fsdp2nb.worker.rank import run_rank
-
-        run_rank(plan, rank_plan, key, pipes, wake_fd=wake[0] if wake is not None else None)
-        exit_code = 0
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        # Never through Python's shutdown: gloo's worker threads may still be releasing a finished
-        # collective's tensors, and a thread that takes the GIL while the interpreter finalizes
-        # is ended inside a C++ destructor, which aborts the process (SIGABRT).
-        os._exit(exit_code)
-
-
 class Agent:
     """Owns the ranks of one host; `run()` returns when they have all ended."""
 
@@ -141,17 +70,13 @@ class Agent:
         self.starter_pid = plan.kernel_pid if not plan.multi_host else os.getppid()
         """The process whose end ends the ranks: the kernel, or (across hosts) whatever started
         this agent, a Ray actor or Slurm's step daemon."""
-        self.ranks_by_pid: dict[int, RankPlan] = {}
-        self.pipes_by_pid: dict[int, list[int]] = {}
+        self.ranks = ForkedRanks(plan)
         self.stopping = False
         self.stop_requested = False
         self.pool_ended = False
         """Its kernel is gone (a kept pool: its time is up): nobody will restore its snapshots."""
         self.keeper: AgentKeeper | None = None
         """A kept pool's holder, wake pipes and keep-for clock (worker/kept.py)."""
-        self.oom_kills = oom_kill_count()
-        """The memory cgroup's OOM-kill count when last read (None: unreadable), to tell whether
-        the kernel's OOM killer sent a rank's SIGKILL."""
         self.persisting: _Persisting | None = None
         """Set once the kernel is gone: the ranks' time to write its newest snapshot to disk."""
 
@@ -161,13 +86,7 @@ class Agent:
         os.makedirs(self.plan.log_dir, mode=0o700, exist_ok=True)  # on another host it may not exist yet
         if self.plan.kept_dir:  # a kernel that attaches wakes the agent so (before, it would end it)
             signal.signal(signal.SIGUSR1, _ignore)
-        wake_fds: list[int] = []
-        for rank_plan in self.plan.ranks_of_node(self.node):
-            held = [fd for fds in self.pipes_by_pid.values() for fd in fds] + wake_fds
-            pid, self.pipes_by_pid[pid], wake_fd = _fork_rank(self.plan, rank_plan, self.key, held)
-            self.ranks_by_pid[pid] = rank_plan
-            if wake_fd is not None:
-                wake_fds.append(wake_fd)
+        wake_fds = self.ranks.fork(self.plan.ranks_of_node(self.node), self.key)
         # Connect only after forking, so that no rank inherits the agent's connection.
         self.channels = RankChannels(Signer(self.key), self.plan.address, rank=None,
                                      fingerprint=self.plan.tls_fingerprint, node=self.node,
@@ -192,7 +111,7 @@ class Agent:
     def _watch(self) -> None:
         kernel_link = self.channels.events_fileno() if self.plan.multi_host and self.keeper is None else None
         wakeups = _Wakeups(self._watched_pid(), kernel_link)
-        while self.ranks_by_pid:
+        while self.ranks.by_pid:
             if self.keeper is not None:
                 # A kept pool outlives its kernel, but not the Ray actor that started its agent.
                 kernel_gone = self.plan.multi_host and os.getppid() != self.starter_pid
@@ -204,7 +123,7 @@ class Agent:
                 if self.stop_requested or self.keeper is not None or not self._ranks_may_persist():
                     self._stop()  # the ranks of a kept pool write nothing at its end
             self._reap_exited()
-            if not self.ranks_by_pid:
+            if not self.ranks.by_pid:
                 break  # the last rank ended: nothing left to wait for (an endless wait here kept a
                 # politely stopped pool's agent alive until the kernel's grace period ran out)
             if self.stopping or self.persisting is not None:  # the kernel's pidfd may stay readable
@@ -268,14 +187,9 @@ class Agent:
             self.stop_requested = self.pool_ended = True
 
     def _reap_exited(self) -> None:
-        while self.ranks_by_pid:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                return
-            rank_plan = self.ranks_by_pid.pop(pid, None)
-            self._save_last_output(pid, rank_plan)
+        for pid, status, rank_plan in self.ranks.reap():
             if rank_plan is not None and not self.stopping and self.persisting is None:  # else no kernel to tell
-                report = self._exit_report(rank_plan.rank, pid, status)
+                report = self.ranks.exit_report(rank_plan.rank, pid, status)
                 try:
                     told = self.channels.send_event(report)
                 except OSError:  # the kernel went a moment ago (its connection broke before its pid ended)
@@ -284,39 +198,10 @@ class Agent:
                     # No kernel to restart it: the others keep their state, the next kernel hears of it.
                     self.keeper.rank_died(report)
 
-    def _save_last_output(self, pid: int, rank_plan: RankPlan | None) -> None:
-        """Append what the dead rank wrote but never forwarded to its log, then close the pipes."""
-        for read_end in self.pipes_by_pid.pop(pid, []):
-            leftover = drain_pipe(read_end)
-            os.close(read_end)
-            if leftover and rank_plan is not None:
-                with open(rank_log_path(self.plan.log_dir, rank_plan.rank), "ab") as log:
-                    log.write(leftover)
-
-    def _exit_report(self, rank: int, pid: int, status: int) -> RankExited:
-        signal_name = None
-        exit_code = None
-        if os.WIFSIGNALED(status):
-            signal_name = signal.Signals(os.WTERMSIG(status)).name
-        else:
-            exit_code = os.waitstatus_to_exitcode(status)
-        oom_killer = None
-        if signal_name == "SIGKILL":
-            before, self.oom_kills = self.oom_kills, oom_kill_count()
-            oom_killer = oom_killer_sent(before, self.oom_kills, kernel_log_names_oom_kill(pid))
-        return RankExited(rank=rank, pid=pid, exit_code=exit_code, signal_name=signal_name,
-                          stderr_tail=tuple(read_tail(rank_log_path(self.plan.log_dir, rank), 8192)[-_STDERR_TAIL_LINES:]),
-                          oom_killer=oom_killer)
-
     def _stop(self) -> None:
-        """SIGTERM every rank, then SIGKILL those still there after a grace period."""
+        """End every rank; from now on no exit is reported to the kernel."""
         self.stopping = True
-        _signal_all(self.ranks_by_pid, signal.SIGTERM)
-        deadline = time.monotonic() + _TERMINATE_GRACE_S
-        while self.ranks_by_pid and time.monotonic() < deadline:
-            self._reap_exited()
-            time.sleep(_STOP_POLL_S)
-        _signal_all(self.ranks_by_pid, signal.SIGKILL)
+        self.ranks.end_all()
 
 
 class _Persisting:
@@ -387,14 +272,6 @@ class _Wakeups:
 
 def _ignore(signum, frame) -> None:
     pass
-
-
-def _signal_all(pids, signum: int) -> None:
-    for pid in list(pids):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
 
 
 def main(argv: list[str] | None = None) -> None:

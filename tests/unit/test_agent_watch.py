@@ -24,7 +24,7 @@ _WATCH_ONE_EXITED_RANK = textwrap.dedent("""
                       runtime_dir=sys.argv[1], log_dir=sys.argv[1], collective_timeout_s=1.0,
                       kernel_pid=os.getppid(), master_port=0)
     agent = Agent(plan, b"k")
-    agent.ranks_by_pid, agent.pipes_by_pid, agent.channels = {pid: rank_plan}, {pid: []}, Events()
+    agent.ranks.by_pid, agent.ranks.pipes_by_pid, agent.channels = {pid: rank_plan}, {pid: []}, Events()
     agent._watch()
     print("watch returned", flush=True)
 """)

@@ -7,7 +7,7 @@ import pytest
 from fsdp2nb.frontend.memory_notes import shortage_lines, sigkill_line
 from fsdp2nb.wire.events import RankExited
 from fsdp2nb.wire.records import ErrorInfo, MemoryShortage
-from fsdp2nb.worker.agent import oom_killer_sent
+from fsdp2nb.worker.forked_ranks import oom_killer_sent
 from fsdp2nb.worker.memory_failure import requested_bytes, shortage_of
 
 CPU_MESSAGE = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
