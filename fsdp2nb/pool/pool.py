@@ -33,17 +33,10 @@ from fsdp2nb.pool.rank_start import DEFAULT_START_TIMEOUT_S, launcher_for, pool_
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
+from fsdp2nb.wire.events import EventMessage, RankExited, StreamOutput
 from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.process_identity import own_process_key, process_key
-from fsdp2nb.wire.protocol import (
-    FOR_CONTROL_THREAD,
-    ControlMessage,
-    EventMessage,
-    RankExited,
-    RequestSave,
-    Shutdown,
-    StreamOutput,
-)
+from fsdp2nb.wire.requests import FOR_CONTROL_THREAD, ControlMessage, RequestSave, Shutdown
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
 from fsdp2nb.wire.tls import PoolCertificate
 

@@ -419,9 +419,9 @@ def _wait_for(flag: str) -> str:
 
 
 SECOND_REQUEST = """import fsdp2nb
-from fsdp2nb.wire.protocol import RunCell
+from fsdp2nb.wire.requests import RunCell
 session = fsdp2nb._session
-second = session.request_wait(session.pool, (1,))
+second = session.requests.request_wait(session.pool, (1,))
 second.send(RunCell(cell_id=second.cell_id, code={code!r}, transformed={code!r}, execution_count=99))
 """
 

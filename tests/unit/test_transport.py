@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from fsdp2nb.wire.protocol import RunCell
+from fsdp2nb.wire.requests import RunCell
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
 from tests.support.channels import ListLog, read_until, wait_until
 
@@ -39,14 +39,14 @@ def test_short_keys_are_refused():
 
 
 def test_messages_keep_their_type_and_fields_through_a_frame():
-    from fsdp2nb.wire import protocol
+    from fsdp2nb.wire import events, launch_plan, records, requests
 
     signer = Signer(b"k" * KEY_BYTES)
     messages = [
-        protocol.RunCell(cell_id=1, code="x", transformed="x\n", execution_count=3),
-        protocol.CellFinished(rank=1, cell_id=2, status="error", error=protocol.ErrorInfo("E", "v", ("tb",))),
-        protocol.Shutdown(),
-        protocol.RankPlan(rank=0, local_rank=0, device="cpu"),  # not a wire type: pickled whole
+        requests.RunCell(cell_id=1, code="x", transformed="x\n", execution_count=3),
+        events.CellFinished(rank=1, cell_id=2, status="error", error=records.ErrorInfo("E", "v", ("tb",))),
+        requests.Shutdown(),
+        launch_plan.RankPlan(rank=0, local_rank=0, device="cpu"),  # not a wire type: pickled whole
     ]
     for message in messages:
         received = signer.unpack(signer.pack(message))
@@ -111,7 +111,7 @@ class _Channels:
             self.background_passes += 1
 
     def send(self, text: str) -> None:
-        from fsdp2nb.wire.protocol import StreamOutput
+        from fsdp2nb.wire.events import StreamOutput
 
         self.rank.send_event(StreamOutput(rank=0, cell_id=1, stream="stdout", text=text))
 
@@ -150,7 +150,7 @@ def test_a_new_connection_wakes_the_reader_once_not_for_good(tmp_path):
     reader's epoll is level-triggered: a wake-up left unread would keep it ready, so that every
     later wait returned at once and the reader spun."""
     from fsdp2nb.wire.channels import RankChannels
-    from fsdp2nb.wire.protocol import StreamOutput
+    from fsdp2nb.wire.events import StreamOutput
 
     channels = _Channels(tmp_path)
     try:
@@ -212,7 +212,7 @@ def _introduce(address: str, signer: Signer, role: str = "events", rank: int | N
 
 
 def _stream(rank: int, text: str):
-    from fsdp2nb.wire.protocol import StreamOutput
+    from fsdp2nb.wire.events import StreamOutput
 
     return StreamOutput(rank=rank, cell_id=1, stream="stdout", text=text)
 
