@@ -64,6 +64,19 @@ def test_unknown_async_writer_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_async_save_switched_between_saves_is_read_from_the_config(tmp_path, trained):
+    model, optimizer = trained
+    ckpt = Checkpointer(tmp_path, keep=2, async_save=True).track(model=model, optimizer=optimizer)
+    ckpt.async_save = False
+    assert (ckpt.async_save, ckpt.config.async_save, ckpt.keep, ckpt.async_writer) == (False, False, 2, "thread")
+    ckpt.save(1)  # synchronous: committed before it returns, with no wait()
+    assert read_latest(tmp_path) == 1
+    with pytest.raises(ValueError, match=r"async_save='yes' is not allowed; choose one of \(True, False\)"):
+        ckpt.async_save = "yes"
+    assert ckpt.async_save is False
+    ckpt.close()
+
+
 @pytest.mark.parametrize("kind", ["under_a_file", "proc"])
 def test_unwritable_directory_is_refused_at_creation(tmp_path, kind):
     if kind == "under_a_file":
