@@ -2,8 +2,8 @@
 
 Every N steps `maybe_save` copies this rank's shards of the tracked state (trainable parameters,
 persistent buffers, optimizer state) into one of two slot files of the pool's snapshot store on a
-tmpfs (wire/memory_store.py), and its other state (step, RNG, scheduler, optimizer
-hyperparameters, extras) into a small file beside it. The copy runs on a thread: the next forward
+tmpfs (wire/memory_store.py; a rank's slots: snapshot_slots.py), and its other state (step, RNG,
+scheduler, optimizer hyperparameters, extras) into a small file beside it. The copy runs on a thread: the next forward
 and backward only read what it copies, and the tracked optimizer's next step waits for it, as for
 an async save. Buffers are the exception: a forward updates running statistics in place, so they
 are copied aside before `maybe_save` returns. The slot written is never the one that holds the
@@ -28,7 +28,8 @@ the ranks agree whether any copy failed and whether any rank must make a slot, a
 raises alike, or checks the host's room alike. Restoring is collective too: the ranks agree on the
 newest step every one of them holds, each reads and checks its part (refused in one line on every
 rank, nothing changed, if it was taken of another model, world size or mesh, or cannot be read),
-and after copying it back bitwise they agree again, so a failure there fails every rank alike.
+and after copying it back bitwise (snapshot_restore.py) they agree again, so a failure there
+fails every rank alike.
 """
 
 from __future__ import annotations
@@ -43,23 +44,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor
 
-from fsdp2nb.checkpoint import plain_pickle
+from fsdp2nb.checkpoint import plain_pickle, snapshot_restore
 from fsdp2nb.checkpoint.host_copy import DeviceToHostCopier, QueuedWork, queued_work_of
 from fsdp2nb.checkpoint.rank_file import Tracked
-from fsdp2nb.checkpoint.rng import capture_rng_state, restore_rng_state
-from fsdp2nb.checkpoint.snapshot_files import Board, Slot, tmpfs_free
-from fsdp2nb.checkpoint.snapshot_layout import (
-    Entry,
-    layout_bytes,
-    layout_of,
-    live_tensors,
-    local_shard,
-    mesh_description,
-    persistent_buffers,
-)
+from fsdp2nb.checkpoint.snapshot_layout import LiveTensors, layout_bytes, live_tensors_of
+from fsdp2nb.checkpoint.snapshot_slots import RankSlots, Slot, StoredStep
 from fsdp2nb.collectives import (
     FailedElsewhere,
     PostedMax,
@@ -74,15 +64,9 @@ from fsdp2nb.errors import Fsdp2nbError, MemorySnapshotRefused
 from fsdp2nb.host_memory import available_bytes
 from fsdp2nb.sizes import size
 from fsdp2nb.wire import memory_store
-from fsdp2nb.wire.memory_store import MANIFEST_VERSION, complete_steps, read_board
 
 logger = logging.getLogger(__name__)
 
-_PEER_POLL_S = 0.0005
-_PEER_WAIT_S = 120.0
-"""How long a copy waits for a neighbour's previous one; past it the neighbour is stuck or failed
-(its own error says why) and this snapshot is given up rather than spin on."""
-_MAX_LISTED = 4
 _AGREED_TAKES = 2
 """The first snapshots of a Checkpointer make its two slots, so the ranks agree before copying them;
 later ones post their exchange instead: one that blocks each step costs, on a busy host, a rank's
@@ -96,32 +80,12 @@ class MemorySnapshotFailed(Fsdp2nbError, RuntimeError):
 
 
 @dataclass(slots=True)
-class _Tracked:
-    """The tensors a snapshot copies, found again only when what holds them changes: walking the
-    modules each step cost more than the copy."""
-
-    holders: list[Any]
-    """The model, the optimizer, its state mapping and each parameter's state dict, held so that
-    none is freed and its id() reused by another while compared by identity."""
-    layout: list[Entry]
-    sources: list[torch.Tensor]
-    """Each entry's local tensor, detached: what is copied (buffers: their copy set aside)."""
-    buffers: list[tuple[int, torch.Tensor, torch.Tensor]]
-    """(index in sources, live buffer, its copy set aside) for what a forward updates in place."""
-    mesh: str
-    live: list[torch.Tensor]
-    """The tracked tensors themselves, in layout order."""
-    pointers: list[int]
-    """Where each one's local tensor lay when found."""
-
-
-@dataclass(slots=True)
 class _Plan:
     """One snapshot as decided on the training thread."""
 
     step: int
     index: int
-    tracked: _Tracked
+    tracked: LiveTensors
     state: bytes
     """The rank's other state, already pickled: what cannot be kept is refused before any copy."""
     new_slot: bool
@@ -136,22 +100,17 @@ class MemorySnapshots:
         where copies run (one thread unless a test injects another)."""
         self.folder = folder
         self.directory, self.rank, self.world_size = str(directory), rank, world_size
-        self.local_ranks, self._group = local_ranks, group
-        self._slots: list[Slot | None] = [None, None]
+        self._group = group
+        self._rank_slots = RankSlots(folder, self.directory, rank=rank, world_size=world_size, local_ranks=local_ranks)
         self._copier = copier or ThreadPoolExecutor(1, thread_name_prefix="fsdp2nb-memory")
         self._copy: Future | None = None
         self._failure: BaseException | None = None
         """What failed the last copy, until the ranks hear of it at the next snapshot."""
         self._gpu = DeviceToHostCopier()
-        self._board = Board(memory_store.board_path(self.folder), world_size)
-        self.manifest = memory_store.read_manifest(self.folder, rank) or {}
-        self._written_layouts: list[list[Entry] | None] = [None, None]
-        """The layout objects the manifest holds for each slot as written by this process."""
-        self._restored_mesh: str | None = None
-        self._opened_index = 0
         self._last_taken: int | None = None
         """The step of the last snapshot this process started (None: none, or given up)."""
-        self._tracked: _Tracked | None = None
+        self._tracked: LiveTensors | None = None
+        """The tensors copied, found again only when what holds them changes."""
         self._num_agreed_takes = 0
         self._posted: PostedMax | None = None
         """The exchange of the last snapshot, heard at the next one (`take`)."""
@@ -226,38 +185,23 @@ class MemorySnapshots:
             self._last_taken = self.newest_step()
         if self._last_taken is not None and step < self._last_taken:
             self.invalidate()  # a rewind: what the abandoned run took must never be restored
-        live = self._live_tracked(tracked)
-        index = self._slot_to_write()
-        slot = self._slots[index]
-        state = plain_pickle.dumps(_other_state(tracked, step))
+        live = self._tracked = live_tensors_of(tracked, self._tracked)
+        index = self._rank_slots.slot_to_write()
+        slot = self._rank_slots.slots[index]
+        state = snapshot_restore.other_state(tracked, step)
         new_slot = slot is None or slot.num_bytes != layout_bytes(live.layout)
         return _Plan(step, index, live, state, new_slot)
 
-    def _live_tracked(self, tracked: Tracked) -> _Tracked:
-        """The tensors to copy, found afresh when the model, the optimizer or a parameter's state
-        dict is another object, or a tensor was moved (`model.to()`). Parameters or state tensors
-        replaced by other objects behind the optimizer's back need `forget_live()`."""
-        optimizer = tracked.optimizer
-        holders = [tracked.model, optimizer]
-        if optimizer is not None:
-            holders += [optimizer.state, *optimizer.state.values()]
-        cached = self._tracked
-        if (cached is None or len(cached.holders) != len(holders)
-                or any(old is not new for old, new in zip(cached.holders, holders, strict=True))
-                or not _still_live(cached)):
-            self._tracked = cached = _found(tracked.model, optimizer, holders)
-        return cached
-
     def forget_live(self) -> None:
-        """Find the tracked tensors afresh at the next snapshot."""
+        """Find the tracked tensors afresh at the next snapshot (parameters or state tensors were
+        replaced by other objects behind the optimizer's back)."""
         self._tracked = None
 
     def invalidate(self) -> None:
         """Give up this rank's snapshots (the live state is no longer where they lead: a load
         from disk, a rewind)."""
         self._settle()
-        self._board.set(self.rank, 0, None)
-        self._board.set(self.rank, 1, None)
+        self._rank_slots.give_up()
         self._last_taken = None
 
     def _make_slot_everywhere(self, plan: _Plan | None) -> None:
@@ -265,27 +209,16 @@ class MemorySnapshots:
         a failure on one fails all."""
         wanted = plan if plan is not None and plan.new_slot else None
         needed = layout_bytes(wanted.tracked.layout) if wanted is not None else 0
-        held_slot = self._slots[wanted.index] if wanted is not None else None
+        held_slot = self._rank_slots.slots[wanted.index] if wanted is not None else None
         self._check_room(needed, held_slot.num_bytes if held_slot is not None else 0)
         error = None
         if wanted is not None:
             try:
-                self._replace_slot(wanted.index, needed)
+                self._rank_slots.replace(wanted.index, needed)
                 wanted.new_slot = False
             except Exception as exc:  # heard by every rank below
                 error = exc
         self._raise_everywhere(error, "making a slot for the snapshots in host memory")
-
-    def _replace_slot(self, index: int, num_bytes: int) -> None:
-        previous = self.newest_step()
-        if previous is not None:
-            self._wait_for_neighbours(previous)
-        self._board.set(self.rank, index, None)  # before its file changes
-        old = self._slots[index]
-        self._slots[index] = None
-        if old is not None:
-            old.close()
-        self._slots[index] = Slot(memory_store.slot_path(self.folder, self.rank, index), num_bytes, fresh=True)
 
     def _start(self, plan: _Plan) -> None:
         """Set buffers aside, then hand the copy to the copy thread."""
@@ -296,7 +229,7 @@ class MemorySnapshots:
                                      [buffer for _, buffer, _ in live.buffers])
         ready = queued_work_of(live.sources)
         previous = self.newest_step()
-        slot = self._slots[plan.index]
+        slot = self._rank_slots.slots[plan.index]
         assert slot is not None, "made above"
         self._last_taken = plan.step
         self._copy = self._copier.submit(self._copy_into, plan, slot, previous, ready)
@@ -304,7 +237,7 @@ class MemorySnapshots:
     def _raise_everywhere(self, error: BaseException | None, what: str) -> None:
         """Collective: raise on every rank if any has an error (its own where it failed)."""
         if error is not None:  # before the others can go on: from now on they wait for this rank's next copy
-            self._board.clear_failed(self.rank)
+            self._rank_slots.board.clear_failed(self.rank)
         try:
             all_ranks_succeeded(error, what, self._group)
         except FailedElsewhere as elsewhere:
@@ -328,18 +261,13 @@ class MemorySnapshots:
 
     def newest_step(self) -> int | None:
         """The newest step this rank holds whole (another thread may read it while a copy runs)."""
-        newest = max(self._board.get(self.rank, 0), self._board.get(self.rank, 1))
-        return newest if newest >= 0 else None
-
-    def _slot_to_write(self) -> int:
-        """The slot that does not hold the newest complete snapshot."""
-        first, second = self._board.get(self.rank, 0), self._board.get(self.rank, 1)
-        return 0 if first < second else 1
+        return self._rank_slots.newest_step()
 
     def _check_room(self, needed: int, held: int) -> None:
         """Collective: refuse, on every rank alike and before any copy, slots the host cannot hold."""
-        wanted = 0 if not needed else 2 * needed - held if not any(self._slots) else needed - held
-        mine = (int(os.environ.get("GROUP_RANK", "0")), max(0, wanted), available_bytes(), tmpfs_free(self.folder))
+        wanted = 0 if not needed else 2 * needed - held if not any(self._rank_slots.slots) else needed - held
+        mine = (int(os.environ.get("GROUP_RANK", "0")), max(0, wanted), available_bytes(),
+                memory_store.tmpfs_free(self.folder))
         gathered = all_gathered_objects(mine, self._group)
         node = mine[0]
         here = [entry for entry in gathered if entry[0] == node]
@@ -356,17 +284,17 @@ class MemorySnapshots:
     def _copy_into(self, plan: _Plan, slot: Slot, previous: int | None, ready: QueuedWork | None) -> None:
         started = time.perf_counter()
         try:
-            if previous is not None and not self._wait_for_neighbours(previous):
+            if previous is not None and not self._rank_slots.wait_for_neighbours(previous):
                 return  # a neighbour failed that step: this one is skipped, both slots stay as they are
-            self._board.set(self.rank, plan.index, None)  # incomplete until the copy is whole
+            board = self._rank_slots.board
+            board.set(self.rank, plan.index, None)  # incomplete until the copy is whole
             live = plan.tracked
-            if self._written_layouts[plan.index] is not live.layout or self.manifest.get("mesh") != live.mesh:
-                self._write_manifest(plan.index, live.layout, live.mesh)
+            self._rank_slots.record_layout(plan.index, live.layout, live.mesh)
             self._copy_tensors(slot.views(live.layout), live.sources, slot, ready)
-            memory_store.write_private_file(_state_path(slot.path), plan.state)
-            self._board.set(self.rank, plan.index, plan.step)
+            memory_store.write_private_file(memory_store.state_path(self.folder, self.rank, plan.index), plan.state)
+            board.set(self.rank, plan.index, plan.step)
         except Exception as exc:
-            self._board.mark_failed(self.rank, plan.index, plan.step)  # neighbours stop waiting for it
+            self._rank_slots.board.mark_failed(self.rank, plan.index, plan.step)  # neighbours stop waiting for it
             whole = self.newest_step()
             kept = f"step {whole} is whole" if whole is not None else "no step is whole"
             raise MemorySnapshotFailed(f"rank {self.rank}: the snapshot of step {plan.step} in host memory failed: "
@@ -382,35 +310,6 @@ class MemorySnapshots:
             slot.pin()  # device to page-locked host memory: the copies run without blocking the stream
         self._gpu.run(ready, lambda: torch._foreach_copy_(views, sources, non_blocking=slot.pinned))
 
-    def _wait_for_neighbours(self, step: int) -> bool:
-        """Until every rank of this host holds `step` (see the module's docstring); False at once
-        where a neighbour's copy of it failed (that rank reports it)."""
-        deadline = time.monotonic() + _PEER_WAIT_S
-        while behind := [rank for rank in self.local_ranks if self._board.newest(rank) < step]:
-            if any(self._board.failed_step(rank) >= step for rank in behind):
-                return False
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {self.rank}: rank {behind[0]} did not finish its snapshot of step {step} "  # internal: a neighbour's failure; the snapshot is given up, not the user's input
-                                   f"in {_PEER_WAIT_S:.0f} s; this snapshot was given up, the previous one is whole")
-            time.sleep(_PEER_POLL_S)
-        return True
-
-    def _write_manifest(self, index: int | None, layout: list[Entry] | None, mesh: str) -> None:
-        """This process's manifest, with `layout` as slot `index`'s (None: the layouts as they are)."""
-        layouts = list(self.manifest.get("layouts") or [None, None])
-        if index is not None and layout is not None:
-            layouts[index] = [entry.as_json() for entry in layout]
-            self._written_layouts[index] = layout
-        self.manifest = {
-            "version": MANIFEST_VERSION, "directory": self.directory, "rank": self.rank,
-            "world_size": self.world_size, "local_world_size": len(self.local_ranks), "mesh": mesh,
-            "pid": os.getpid(), "layouts": layouts,
-        }
-        memory_store.write_manifest(self.folder, self.rank, self.manifest)
-
-    def _complete_steps(self, manifest: dict[str, Any]) -> dict[int, int]:
-        return complete_steps(manifest, read_board(self.folder, self.world_size))
-
     # ---- restoring ---------------------------------------------------------------------------
 
     def agreed_step(self, *, unless_own: bool = False) -> int | None:
@@ -419,7 +318,7 @@ class MemorySnapshots:
         self._settle()
         manifest = memory_store.read_manifest(self.folder, self.rank) or {}
         taken_on = manifest.get("world_size")
-        steps = sorted(self._complete_steps(manifest)) if taken_on == self.world_size else []
+        steps = sorted(self._rank_slots.complete_steps(manifest)) if taken_on == self.world_size else []
         own = manifest.get("pid") == os.getpid()
         gathered = all_gathered_objects((steps, own, taken_on), self._group)
         other_sizes = {entry[2] for entry in gathered if entry[2] not in (None, self.world_size)}
@@ -445,9 +344,10 @@ class MemorySnapshots:
         self._settle()
         error: BaseException | None = None
         try:
-            slot, layout, state = self._read_step(step)
-            self._check_matches(tracked, layout, state)
-            made = _missing_optimizer_state(slot, layout, tracked)
+            stored, state = self._read(step)
+            snapshot_restore.check_matches(tracked, stored.layout, state, directory=self.directory,
+                                           taken_on_mesh=stored.mesh)
+            made = snapshot_restore.missing_optimizer_state(stored.slot, stored.layout, tracked)
         except Exception as exc:  # any failure to read, on any rank, is heard by all before a change
             error = exc if isinstance(exc, MemorySnapshotRefused) else MemorySnapshotRefused(
                 f"rank {self.rank}: the snapshot of step {step} cannot be read ({describe(exc)}); nothing was changed")
@@ -457,82 +357,29 @@ class MemorySnapshots:
             raise MemorySnapshotRefused(f"{elsewhere}") from None
         error = None
         try:
-            _copy_back(slot, layout, tracked, made)
-            _apply_other_state(tracked, state)
+            snapshot_restore.copy_back(stored.slot, stored.layout, tracked, made, state)
         except Exception as exc:  # heard by every rank below
             error = MemorySnapshotFailed(
                 f"rank {self.rank}: restoring step {step} from memory failed: {describe(exc)}; the model and "
                 "optimizer may be partly restored: load a step again before training")
         self._raise_everywhere(error, f"restoring step {step} from memory")
-        self._adopt(slot, step)
-        return state
-
-    def _read_step(self, step: int) -> tuple[Slot, list[Entry], dict[str, Any]]:
-        manifest = memory_store.read_manifest(self.folder, self.rank)
-        if manifest is None:
-            raise MemorySnapshotRefused(f"rank {self.rank} has no snapshot manifest in {self.folder}")
-        index = self._complete_steps(manifest)[step]
-        layout = [Entry.from_json(row) for row in manifest["layouts"][index]]
-        path = memory_store.slot_path(self.folder, self.rank, index)
-        state = plain_pickle.loads(memory_store.read_private_file(_state_path(path)))
-        if not isinstance(state, dict) or not {"step", "rng", "param_groups", "scheduler", "extra"} <= state.keys():
-            raise MemorySnapshotRefused(f"the state of step {step} in {_state_path(path)} is not a snapshot's")
-        slot = self._slots[index]
-        if slot is None or slot.num_bytes != layout_bytes(layout):
-            slot = Slot(path, layout_bytes(layout), fresh=False)
-        self.manifest = manifest
-        self._restored_mesh = manifest.get("mesh")
-        self._opened_index = index
-        return slot, layout, state
-
-    def _check_matches(self, tracked: Tracked, layout: list[Entry], state: dict[str, Any]) -> None:
-        optimizer = tracked.optimizer
-        if optimizer is not None and len(state["param_groups"]) != len(optimizer.param_groups):
-            raise MemorySnapshotRefused(f"the snapshot's optimizer has {len(state['param_groups'])} parameter groups, "
-                                        f"this one {len(optimizer.param_groups)}; nothing was changed")
-        mesh = mesh_description(tracked.model)
-        if self._restored_mesh != mesh:
-            raise MemorySnapshotRefused(f"the snapshot of {self.directory} was taken on the mesh {self._restored_mesh}, "
-                                        f"this model is sharded on {mesh}; nothing was changed")
-        live = {entry.key: entry for entry in layout_of(live_tensors(tracked.model, None))}
-        saved = {entry.key: entry for entry in layout if entry.key.startswith("model.")}
-        differ = [key for key in saved.keys() | live.keys()
-                  if key not in live or key not in saved or (saved[key].shape, saved[key].dtype)
-                  != (live[key].shape, live[key].dtype)]
-        if differ:
-            listed = ", ".join(sorted(differ)[:_MAX_LISTED]) + (" ..." if len(differ) > _MAX_LISTED else "")
-            raise MemorySnapshotRefused(f"the snapshot of {self.directory} in host memory is of another model "
-                                        f"({len(differ)} tensors differ: {listed}); nothing was changed: "
-                                        "`%fsdp2 stop` frees it (or use another directory)")
-        params = {f"optim.{fqn}." for fqn, param in tracked.model.named_parameters() if param.requires_grad}
-        for entry in layout:
-            if entry.key.startswith("optim.") and tracked.optimizer is None:
-                raise MemorySnapshotRefused("the snapshot holds optimizer state but no optimizer is tracked; "
-                                            "track the optimizer too; nothing was changed")
-            if entry.key.startswith("optim.") and not any(entry.key.startswith(prefix) for prefix in params):
-                raise MemorySnapshotRefused(f"the snapshot's {entry.key} names no trainable parameter of this "
-                                            "model; nothing was changed")
-
-    def _adopt(self, slot: Slot, step: int) -> None:
-        """Take the restored slot as this rank's own: the next snapshot goes into the other."""
-        index = self._opened_index
-        other = self._slots[index]
-        if other is not None and other is not slot:
-            other.close()
-        self._slots[index] = slot
-        self._board.set(self.rank, 1 - index, None)  # never written by these ranks: not whole for them
-        self._board.set(self.rank, index, step)
+        self._rank_slots.adopt(stored, step)
         self._last_taken, self._failure = step, None
         self._tracked = None  # restored optimizer state may be new tensors
-        self._written_layouts = [None, None]
-        self._write_manifest(None, None, self.manifest.get("mesh", ""))
+        return state
+
+    def _read(self, step: int) -> tuple[StoredStep, dict[str, Any]]:
+        """Step `step` as this rank holds it, with its other state unpickled and checked."""
+        stored = self._rank_slots.read(step)
+        path = memory_store.state_path(self.folder, self.rank, stored.index)
+        return stored, snapshot_restore.loaded_other_state(stored.state, step, path)
 
     def saved_views(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Collective: the tensors of snapshot `step` (views of its slot) and its other state, for
         writing it to disk; refused on every rank if any cannot read its part."""
         error: BaseException | None = None
         try:
-            slot, layout, state = self._read_step(step)
+            stored, state = self._read(step)
         except Exception as exc:  # heard by every rank below, before any writes
             error = MemorySnapshotRefused(f"rank {self.rank}: the snapshot of step {step} cannot be read "
                                           f"({describe(exc)}); nothing was written")
@@ -540,7 +387,7 @@ class MemorySnapshots:
             all_ranks_succeeded(error, "reading the snapshot in host memory", self._group)
         except FailedElsewhere as elsewhere:
             raise MemorySnapshotRefused(f"{elsewhere}") from None
-        return {entry.key: slot.view(entry) for entry in layout}, state
+        return {entry.key: stored.slot.view(entry) for entry in stored.layout}, state
 
     def close(self) -> None:
         """Wait for the copy in flight, then unmap the slots (the store keeps the files)."""
@@ -549,12 +396,8 @@ class MemorySnapshots:
             self._hear_posted()
         finally:
             self._copier.shutdown(wait=True)
-            for slot in self._slots:
-                if slot is not None:
-                    slot.close()
-            self._slots = [None, None]
             self._tracked = None
-            self._board.close()
+            self._rank_slots.close()
 
 
 def open_snapshots(store: str, directory: Path, *, wanted: bool, rank: int, world_size: int,
@@ -580,108 +423,6 @@ def open_snapshots(store: str, directory: Path, *, wanted: bool, rank: int, worl
             snapshots.close()
         raise
     return snapshots
-
-
-def _other_state(tracked: Tracked, step: int) -> dict[str, Any]:
-    """What the snapshot keeps besides tensors, pickled at once by the caller (plain_pickle, which
-    refuses what it could not read back)."""
-    optimizer = tracked.optimizer
-    groups = [{key: value for key, value in group.items() if key != "params"}
-              for group in optimizer.param_groups] if optimizer is not None else []
-    return {
-        "step": step, "rng": capture_rng_state(), "param_groups": groups,
-        "scheduler": dict(tracked.scheduler.state_dict()) if tracked.scheduler is not None else None,
-        "extra": {name: obj.state_dict() for name, obj in tracked.extra.items()},
-    }
-
-
-def _state_path(slot_path: Path) -> Path:
-    return slot_path.with_name(f"{slot_path.name}.state")
-
-
-def _found(model: nn.Module, optimizer: torch.optim.Optimizer | None, holders: list[Any]) -> _Tracked:
-    """The tensors a snapshot of `model` and `optimizer` copies, with a copy set aside for each buffer."""
-    tensors = live_tensors(model, optimizer)
-    buffer_keys = persistent_buffers(model).keys()
-    with torch.no_grad():
-        sources = [local_shard(tensor).detach() for tensor in tensors.values()]
-    buffers = []
-    for index, key in enumerate(tensors):
-        if key in buffer_keys:
-            aside = torch.empty_like(sources[index])
-            buffers.append((index, sources[index], aside))
-            sources[index] = aside
-    live = list(tensors.values())
-    return _Tracked(holders=holders, layout=layout_of(tensors), sources=sources, buffers=buffers,
-                    mesh=mesh_description(model), live=live, pointers=_local_pointers(live))
-
-
-def _local_pointers(tensors: list[torch.Tensor]) -> list[int]:
-    with torch.no_grad():  # a DTensor's local tensor, without autograd's view
-        return [local_shard(tensor).data_ptr() for tensor in tensors]
-
-
-def _still_live(tracked: _Tracked) -> bool:
-    """Whether every tracked tensor still lies where it was found (`model.to()` moves them)."""
-    return _local_pointers(tracked.live) == tracked.pointers
-
-
-def _missing_optimizer_state(slot: Slot, layout: list[Entry], tracked: Tracked) -> dict[str, torch.Tensor]:
-    """Optimizer state that a fresh optimizer has not made yet (or of another shape), made like its
-    parameter from the slot, by key: before the ranks agree, so that what allocates fails first."""
-    optimizer = tracked.optimizer
-    if optimizer is None:
-        return {}
-    params = dict(tracked.model.named_parameters())
-    made = {}
-    for entry in layout:
-        if not entry.key.startswith("optim."):
-            continue
-        fqn, _, name = entry.key.removeprefix("optim.").rpartition(".")
-        current = optimizer.state.get(params[fqn], {}).get(name)
-        if not (isinstance(current, torch.Tensor) and tuple(local_shard(current).shape) == entry.shape):
-            made[entry.key] = _made_like(params[fqn], slot.view(entry), entry)
-    return made
-
-
-def _copy_back(slot: Slot, layout: list[Entry], tracked: Tracked, made: dict[str, torch.Tensor]) -> None:
-    """Put the slot's tensors into the live model and optimizer (`made`: state made beforehand)."""
-    live = live_tensors(tracked.model, None)
-    params = dict(tracked.model.named_parameters())
-    optimizer = tracked.optimizer
-    with torch.no_grad():
-        for entry in layout:
-            if entry.key.startswith("model."):
-                local_shard(live[entry.key]).copy_(slot.view(entry))
-                continue
-            assert optimizer is not None, "checked before: optimizer state needs an optimizer"
-            fqn, _, name = entry.key.removeprefix("optim.").rpartition(".")
-            state = optimizer.state[params[fqn]]
-            if entry.key in made:
-                state[name] = made[entry.key]
-            else:
-                local_shard(state[name]).copy_(slot.view(entry))
-
-
-def _apply_other_state(tracked: Tracked, state: dict[str, Any]) -> None:
-    if tracked.optimizer is not None:
-        for live, saved in zip(tracked.optimizer.param_groups, state["param_groups"], strict=True):
-            live.update(saved)
-    if tracked.scheduler is not None and state["scheduler"] is not None:
-        tracked.scheduler.load_state_dict(state["scheduler"])
-    for name, obj in tracked.extra.items():
-        if name in state["extra"]:
-            obj.load_state_dict(state["extra"][name])
-    restore_rng_state(state["rng"])
-
-
-def _made_like(param: torch.Tensor, saved: torch.Tensor, entry: Entry) -> torch.Tensor:
-    device = torch.device("cpu") if entry.on_cpu else local_shard(param).device
-    local = saved.to(device=device, copy=True)
-    if entry.sharded and isinstance(param, DTensor):
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return local
 
 
 def local_rank_range(rank: int) -> range:

@@ -1,4 +1,5 @@
-"""Where in-memory snapshots of training state live, and what their manifests say (no torch).
+"""The store of in-memory snapshots of training state: where they live, their files, what their
+manifests and board say, and who removes them (no torch).
 
 A snapshot store is a directory on a tmpfs (`/dev/shm`, or `FSDP2NB_SHARED_MEMORY_DIR`): its files
 are host memory that outlives the processes that wrote them, so a rank killed by the OOM killer,
@@ -15,21 +16,23 @@ and inside it each Checkpointer directory has its own folder of per-rank files:
 
 The same rules hold on every host, whoever makes the folders (the kernel, or a rank on another
 host): folders are 0700, owned by this user and not links, or refused in one line; files are
-0600, opened without following links, and replaced through a fresh random name opened exclusively.
+0600, opened without following links, and replaced through a fresh random name opened exclusively
+(atomic_files.py). A slot's room is reserved when its file is made, so a full tmpfs fails then,
+not as a SIGBUS in the middle of a copy.
 
 The kernel reads the manifests (which step is kept, how big) for `%fsdp2 status` and for the note
-after a restart; the ranks write and restore the slots (checkpoint/memory_snapshots.py). Whoever
+after a restart; the ranks map the slots and the board and write and restore the slots
+(checkpoint/memory_snapshots.py). Whoever
 ends the owner removes the store: `%fsdp2 stop` and the kernel's exit, a kept pool's end, the host
 agent when its kernel is gone, and the reaper for a store whose kernel or kept pool no longer exists.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
+import mmap
 import os
-import secrets
 import shutil
 import stat
 import struct
@@ -38,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp2nb.errors import UnsafeDirectory
+from fsdp2nb.atomic_files import create_atomically, replace_atomically
+from fsdp2nb.errors import MemorySnapshotRefused, UnsafeDirectory
 
 MEMORY_DIR_ENV = "FSDP2NB_MEMORY_DIR"
 """Set on every rank of a pool: the store its Checkpointers keep snapshots in."""
@@ -94,18 +98,8 @@ def open_checkpointer_folder(store: str | os.PathLike, directory: str | os.PathL
 
 
 def write_private_file(path: Path, data: bytes) -> None:
-    """Replace `path` whole with `data` (0600): written under a fresh random name, opened
-    exclusively and without following links, then renamed over it."""
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            file.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+    """Replace `path` whole with `data` (0600)."""
+    replace_atomically(path, data, private=True)
 
 
 def read_private_file(path: Path) -> bytes:
@@ -151,6 +145,11 @@ def slot_path(folder: Path, rank: int, slot: int) -> Path:
     return folder / f"rank-{rank:05d}.slot{slot}"
 
 
+def state_path(folder: Path, rank: int, slot: int) -> Path:
+    """The rank's other state that goes with the slot's tensors."""
+    return folder / f"rank-{rank:05d}.slot{slot}.state"
+
+
 def board_path(folder: Path) -> Path:
     return folder / "board"
 
@@ -166,14 +165,113 @@ def read_manifest(folder: Path, rank: int) -> dict[str, Any] | None:
 
 
 def read_board(folder: Path, world_size: int) -> list[tuple[int, int]]:
-    """Per rank, the step held whole in each of its two slots (-1: none, or being written)."""
+    """Per rank, the step held whole in each of its two slots (-1: none, or being written), read
+    without mapping the board (the kernel's view; the ranks map it: `Board`)."""
     try:
         raw = read_private_file(board_path(folder))
     except OSError:
         raw = b""
-    raw = raw[:16 * world_size].ljust(16 * world_size, b"\0")
+    raw = raw[:_board_bytes(world_size)].ljust(_board_bytes(world_size), b"\0")
     values = struct.unpack(f"<{2 * world_size}q", raw)
     return [(values[2 * rank] - 1, values[2 * rank + 1] - 1) for rank in range(world_size)]
+
+
+def _board_bytes(world_size: int) -> int:
+    return 16 * world_size  # an int64 per rank and slot
+
+
+class Board:
+    """The board mapped into a rank, shared with the ranks of its host: per rank and slot an
+    int64, step + 1 (a new file is zeros: 0 means none, or being written; -(step + 1): that
+    step's copy failed)."""
+
+    def __init__(self, folder: Path, world_size: int) -> None:
+        self._map = shared_mapped_file(board_path(folder), _board_bytes(world_size))
+        self._steps = memoryview(self._map).cast("q")
+
+    def get(self, rank: int, slot: int) -> int:
+        """The step, or -1."""
+        return self._steps[2 * rank + slot] - 1
+
+    def newest(self, rank: int) -> int:
+        return max(self.get(rank, 0), self.get(rank, 1))
+
+    def set(self, rank: int, slot: int, step: int | None) -> None:
+        self._steps[2 * rank + slot] = 0 if step is None else step + 1
+
+    def mark_failed(self, rank: int, slot: int, step: int) -> None:
+        """The copy of `step` into the slot failed: neither whole nor still coming (negative)."""
+        self._steps[2 * rank + slot] = -(step + 1)
+
+    def clear_failed(self, rank: int) -> None:
+        """Every rank has heard of the rank's failed copy: mark its slot as being written again."""
+        for index in (2 * rank, 2 * rank + 1):
+            if self._steps[index] < 0:
+                self._steps[index] = 0
+
+    def failed_step(self, rank: int) -> int:
+        """The step of the rank's last failed copy still marked, or -1."""
+        return max(-value - 1 if value < 0 else -1 for value in self._steps[2 * rank:2 * rank + 2])
+
+    def close(self) -> None:
+        self._steps.release()
+        self._map.close()
+
+
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def new_mapped_file(path: Path, num_bytes: int) -> mmap.mmap | None:
+    """A fresh file of `num_bytes` at `path` (replacing what was there), mapped shared; None for no bytes."""
+    replace_atomically(path, private=True, num_reserved_bytes=num_bytes)
+    return _mapped(_checked(os.open(path, _OPEN_FLAGS), path), path, num_bytes)
+
+
+def existing_mapped_file(path: Path, num_bytes: int) -> mmap.mmap | None:
+    """The file at `path` (a link refused), mapped shared; None for no bytes."""
+    return _mapped(_checked(os.open(path, _OPEN_FLAGS), path), path, num_bytes)
+
+
+def shared_mapped_file(path: Path, num_bytes: int) -> mmap.mmap:
+    """The file at `path` that the ranks of a host share, made by whichever comes first."""
+    try:
+        descriptor = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        create_atomically(path, private=True, num_reserved_bytes=num_bytes)  # or another rank's, made meanwhile
+        descriptor = os.open(path, _OPEN_FLAGS)
+    mapped = _mapped(_checked(descriptor, path), path, num_bytes, grow=True)  # a larger world than the last
+    assert mapped is not None, "a shared file has bytes"
+    return mapped
+
+
+def _checked(descriptor: int, path: Path) -> int:
+    """`descriptor`, if it is a regular file of this user's; else closed and refused."""
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        os.close(descriptor)
+        raise UnsafeDirectory(f"the snapshot store's {path} is not a file of this user's; nothing was written: "
+                              "remove it and run the cell again")
+    return descriptor
+
+
+def _mapped(descriptor: int, path: Path, num_bytes: int, *, grow: bool = False) -> mmap.mmap | None:
+    try:
+        if grow and os.fstat(descriptor).st_size < num_bytes:
+            os.posix_fallocate(descriptor, 0, num_bytes)
+        if os.fstat(descriptor).st_size < num_bytes:
+            raise MemorySnapshotRefused(f"{path} holds fewer than the {num_bytes} bytes its manifest gives")
+        return mmap.mmap(descriptor, num_bytes) if num_bytes else None
+    finally:
+        os.close(descriptor)
+
+
+def tmpfs_free(folder: Path) -> int:
+    """The bytes the store's tmpfs has free (0 where it cannot be asked)."""
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return 0
+    return info.f_bavail * info.f_frsize
 
 
 def complete_steps(manifest: dict[str, Any], board: list[tuple[int, int]]) -> dict[int, int]:

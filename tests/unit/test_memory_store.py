@@ -67,3 +67,14 @@ def test_the_sweep_frees_stores_whose_kernel_or_kept_pool_is_gone(root, tmp_path
     assert removed == 2
     assert sorted(path.name for path in root.iterdir()) == sorted(
         [alive_kernel.name, kept_alive.name, spared.name, unmarked.name])
+
+
+def test_the_board_a_rank_maps_reads_the_same_to_the_kernel(tmp_path):
+    board = memory_store.Board(tmp_path, 2)
+    try:
+        board.set(1, 0, 7)
+        board.mark_failed(0, 1, 3)
+        assert memory_store.read_board(tmp_path, 2) == [(-1, -5), (7, -1)]  # a failed copy: no step
+        assert memory_store.read_board(tmp_path, 3)[2] == (-1, -1)  # a rank beyond the board: none
+    finally:
+        board.close()
