@@ -6,11 +6,11 @@ import time
 
 import pytest
 
+from fsdp2nb.errors import PoolStartError
 from fsdp2nb.frontend.errors import RankError
 from fsdp2nb.frontend.request_wait import INTERRUPT_GRACE_S
 from fsdp2nb.frontend.session import NotebookSession
 from fsdp2nb.pool.held_output import HeldOutput
-from fsdp2nb.pool.pool import PoolStartError
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.events import CellFinished, RankExited, RichOutput, StreamOutput
 from fsdp2nb.wire.records import ErrorInfo
