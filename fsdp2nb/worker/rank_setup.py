@@ -12,6 +12,7 @@ import contextlib
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from fsdp2nb import progress
 from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
@@ -95,7 +96,7 @@ def join_process_group(plan: LaunchPlan, rank: int, device_name: str, channels: 
     )
 
 
-def start_reporters(rank: int, device: str, send_event: Callable[[object], object],
+def start_reporters(rank: int, device: str, send_event: Callable[[Any], Any],
                     current_cell_id: Callable[[], int | None],
                     trace_dir: str) -> tuple[ResourceSampler, profiling.ProfileSink]:
     """Start the resource sampler and install where progress and profiles go; returns the sampler
