@@ -182,21 +182,21 @@ def block(first, snapshot):
     return statistics.median(times[1:])
 for _ in range(WARMUP): train_step()
 snapshots.maybe_save(0); snapshots.wait()  # the first allocates and pins the slots
-copied, taken, blocked = snapshots._memory.copy_s, snapshots._memory.num_taken, snapshots.blocked_s
+copied, taken, blocked = snapshots._memory.snapshots.copy_s, snapshots._memory.snapshots.num_taken, snapshots.blocked_s
 pairs, step = [], 1
 for _ in range(ROUNDS + 2):
     pairs.append((block(step, False), block(step + 6, True))); step += 12
 snapshots.wait()
-num_taken = snapshots._memory.num_taken - taken
+num_taken = snapshots._memory.snapshots.num_taken - taken
 sync(); started = time.perf_counter()
 snapshots.load("memory"); sync()
 restore_s = time.perf_counter() - started
-held = sum(t.numel() * t.element_size() for t in snapshots._memory._live_tensors(snapshots._tracked).values())
+held = sum(t.numel() * t.element_size() for t in snapshots._memory.snapshots._live_tensors(snapshots._tracked).values())
 if dist.get_rank() == 0:
     print("RESULT " + json.dumps(dict(plain_step_s=statistics.median(p for p, _ in pairs),
                                       snapshot_step_s=statistics.median(s for _, s in pairs),
                                       ratios=[s / p for p, s in pairs],
-                                      copy_s=(snapshots._memory.copy_s - copied) / num_taken,
+                                      copy_s=(snapshots._memory.snapshots.copy_s - copied) / num_taken,
                                       blocked_s=(snapshots.blocked_s - blocked) / num_taken,
                                       restore_s=restore_s, snapshot_bytes=held)))
 snapshots.close(); shutil.rmtree(CKPT_ROOT, ignore_errors=True)

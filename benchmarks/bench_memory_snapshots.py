@@ -53,7 +53,7 @@ def steps(checkpointer, first, count):
 
 ROUND = """%%fsdp2
 step = globals().get("step", 0)
-copied_before, taken_before = snapshots._memory.copy_s, snapshots._memory.num_taken
+copied_before, taken_before = snapshots._memory.snapshots.copy_s, snapshots._memory.snapshots.num_taken
 blocked_before = snapshots.blocked_s
 pairs = []
 for _ in range(BLOCKS):
@@ -61,8 +61,8 @@ for _ in range(BLOCKS):
     snapshot_ms = steps(snapshots, step, 6); step += 6
     pairs.append((plain_ms, snapshot_ms))
 snapshots.wait()
-num_taken = snapshots._memory.num_taken - taken_before
-copy_ms = (snapshots._memory.copy_s - copied_before) / num_taken * 1000
+num_taken = snapshots._memory.snapshots.num_taken - taken_before
+copy_ms = (snapshots._memory.snapshots.copy_s - copied_before) / num_taken * 1000
 blocked_ms = (snapshots.blocked_s - blocked_before) / num_taken * 1000
 wall = statistics.median(b[0] / a[0] for a, b in pairs)
 cpu = statistics.median(b[1] / a[1] for a, b in pairs)

@@ -57,6 +57,11 @@ class MemorySteps:
         return cls(directory, disk, memory_every, snapshots, rank=rank)
 
     @property
+    def snapshots(self) -> MemorySnapshots | None:
+        """The snapshots themselves (their counters are what the benchmarks read)."""
+        return self._snapshots
+
+    @property
     def taken(self) -> bool:
         """Whether snapshots are taken (memory_every): the optimizer's step then waits for their copy."""
         return self._every is not None
