@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fsdp2nb.profile_analysis import ProfileAnalysis
+from fsdp2nb.sizes import mib
 from fsdp2nb.wire.events import RankSnapshot, TaskProgress
 from fsdp2nb.wire.records import CheckpointStatus, CheckpointView, MetricPoint, ProgressUpdate
 
@@ -345,7 +346,7 @@ class DashboardModel:
         task = self.tasks.find("save", f"saving step {step}", self.facts.world_size)
         if task is None or not task.total_bytes:
             return f"saving step {step} ..."
-        return f"saving step {step}: {_mib(task.done_bytes)} of {_mib(task.total_bytes)} MiB"
+        return f"saving step {step}: {mib(task.done_bytes, 1)} of {mib(task.total_bytes, 1)}"
 
     def _saved_text(self, step: int | None) -> str:
         task = self.tasks.find("save", f"saving step {step}", self.facts.world_size)
@@ -409,10 +410,6 @@ class DashboardModel:
                                  snapshot.device_peak_bytes, snapshot.device_total_bytes, snapshot.rss_bytes, tracked)
         return MemoryReading("cpu", snapshot.rss_bytes, 0, max(snapshot.rss_peak_bytes, snapshot.rss_bytes),
                              self.facts.host_total_bytes, snapshot.rss_bytes, tracked)
-
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.1f}"
 
 
 def _duration(seconds: float) -> str:

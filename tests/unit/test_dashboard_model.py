@@ -216,7 +216,7 @@ def test_save_line_says_bytes_written_then_how_long_it_took():
     for rank in (0, 1):
         model.observe(_save_progress(rank, 10))
     model.observe(_gpu(0, 1, checkpoint=_view(latest=4, served=1, saving=7)))
-    assert model.save_text == "saving step 7: 20.0 of 80.0 MiB"
+    assert model.save_text == "saving step 7: 20.0 MiB of 80.0 MiB"
     model.observe(_gpu(0, 1, checkpoint=_view(latest=7, served=1, steps=(2, 4, 7))))
     assert model.save_pending  # committed, but the ranks' last progress events are still on their way
     for rank in (0, 1):
