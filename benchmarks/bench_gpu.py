@@ -191,7 +191,8 @@ num_taken = snapshots._memory.snapshots.num_taken - taken
 sync(); started = time.perf_counter()
 snapshots.load("memory"); sync()
 restore_s = time.perf_counter() - started
-held = sum(t.numel() * t.element_size() for t in snapshots._memory.snapshots._live_tensors(snapshots._tracked).values())
+from fsdp2nb.checkpoint.snapshot_layout import live_tensors
+held = sum(t.numel() * t.element_size() for t in live_tensors(model, optimizer).values())
 if dist.get_rank() == 0:
     print("RESULT " + json.dumps(dict(plain_step_s=statistics.median(p for p, _ in pairs),
                                       snapshot_step_s=statistics.median(s for _, s in pairs),
