@@ -22,11 +22,19 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ckpt = fsdp2nb.Checkpointer(ckpt_dir).track(model=model, optimizer=optimizer)
 """
 
+# The ranks agree on when to stop: one that saw the flag a step before another would leave that
+# one alone in the step's collectives.
 TRAIN_UNTIL_FLAG = """%%fsdp2 --bg --name training
 import os, time
 deadline = time.monotonic() + 180
+
+def flag_seen_by_any_rank():
+    seen = torch.tensor([float(os.path.exists(flag) or time.monotonic() > deadline)])
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return bool(seen.item())
+
 step = 0
-while not os.path.exists(flag) and time.monotonic() < deadline:
+while not flag_seen_by_any_rank():
     model(torch.randn(8, 64)).pow(2).mean().backward()
     optimizer.step()
     optimizer.zero_grad()
