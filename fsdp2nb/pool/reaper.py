@@ -22,7 +22,7 @@ import psutil
 from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.errors import UnsafeDirectory
 from fsdp2nb.wire import memory_store
-from fsdp2nb.wire.persisting import persisting_until
+from fsdp2nb.wire.persisting import AGENT_GIVES_UP_WITHIN_S, persisting_bound, persisting_until
 from fsdp2nb.wire.process_identity import ProcessKey, is_same_process
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,10 @@ _PERSIST_POLL_S = 0.1
 
 def _wait_while_persisting(owner: ProcessKey, processes: list[ProcessKey]) -> float | None:
     """The ranks of a kernel that died may be writing its newest snapshot to disk (their agent
-    marked its store: wire/persisting.py): wait until they end or their time is up, so that the
-    new pool's `load("latest")` finds what they wrote. Returns the seconds waited; None: no wait."""
+    marked its store: wire/persisting.py): wait until they end, so that the new pool's
+    `load("latest")` finds what they wrote. Once their time is up their agent ends them and logs
+    why; only where it has not within `AGENT_GIVES_UP_WITHIN_S` are they killed here.
+    Returns the seconds waited; None: no wait."""
     store = memory_store.session_store(*owner)
     until = persisting_until(store)
     if until is None or not any(map(is_alive, processes)):
@@ -101,7 +103,7 @@ def _wait_while_persisting(owner: ProcessKey, processes: list[ProcessKey]) -> fl
     logger.info("waiting up to %.0f s for the ranks of kernel %d to write its snapshot to disk",
                 until - time.time(), owner[0])
     started = time.monotonic()
-    while persisting_until(store) is not None and any(map(is_alive, processes)):
+    while any(map(is_alive, processes)) and time.time() < (persisting_bound(store) or 0) + AGENT_GIVES_UP_WITHIN_S:
         time.sleep(_PERSIST_POLL_S)
     return time.monotonic() - started
 

@@ -23,6 +23,9 @@ Read by the host agent, which inherits the kernel's environment when it starts."
 DEFAULT_PERSIST_TIMEOUT_S = 60.0
 _MARK = "persisting"
 """In a store: the wall-clock time (seconds) until which its ranks may write it to disk."""
+AGENT_GIVES_UP_WITHIN_S = 5.0
+"""Once the bound has passed, the agent ends the ranks still writing (SIGTERM, then SIGKILL after
+a grace of a few seconds) and logs why: a reaper leaves it this long to do so itself."""
 
 
 def persist_timeout_s(environ: Mapping[str, str] = os.environ) -> tuple[float, str]:
@@ -47,8 +50,13 @@ def mark_persisting(store: str | os.PathLike, until: float) -> None:
 
 def persisting_until(store: str | os.PathLike) -> float | None:
     """Until when the ranks of `store` may still write it to disk; None when they are not at it."""
+    until = persisting_bound(store)
+    return until if until is not None and until > time.time() else None
+
+
+def persisting_bound(store: str | os.PathLike) -> float | None:
+    """The wall-clock time its mark gave the ranks of `store`, passed or not; None: no mark."""
     try:
-        until = float((Path(store) / _MARK).read_text())
+        return float((Path(store) / _MARK).read_text())
     except (OSError, ValueError):
         return None
-    return until if until > time.time() else None

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 from fsdp2nb.pool import reaper
 from fsdp2nb.wire import memory_store
@@ -63,4 +64,39 @@ def test_ranks_writing_a_dead_kernels_snapshot_end_by_themselves_before_the_reap
         rank.wait()
         reaping.join(timeout=60)
         reaper.forget_pool("test-persisting")
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def test_once_the_time_is_up_the_agent_ends_its_ranks_itself_and_the_reaper_waits_for_that():
+    owner = _finished_process_key()
+    store = memory_store.session_store(*owner)
+    store.mkdir(mode=0o700)
+    # An "agent" still busy a second after the bound, as one that ends its ranks and logs why.
+    agent = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    heard = _Heard("to write its snapshot to disk")
+    reaper.logger.addHandler(heard)
+    level = reaper.logger.level
+    reaper.logger.setLevel(logging.INFO)
+    reaping = threading.Thread(target=reaper.reap_orphans)
+    try:
+        reaper.record_pool("test-persisting-bound", owner, [process_key(agent.pid)])
+        bound = time.time() + 0.5
+        mark_persisting(store, until=bound)
+        reaping.start()
+        assert heard.event.wait(timeout=60), "the reaper never said it waits"
+        while time.time() < bound + 1.0:
+            time.sleep(0.05)
+        assert agent.poll() is None, "the reaper killed the agent as soon as the bound had passed"
+        agent.stdin.close()  # the agent has ended its ranks and written its log line
+        reaping.join(timeout=60)
+        assert not reaping.is_alive()
+        assert agent.wait(timeout=10) == 0, "the agent ended by itself, not by the reaper's SIGKILL"
+    finally:
+        reaper.logger.removeHandler(heard)
+        reaper.logger.setLevel(level)
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
+        reaping.join(timeout=60)
+        reaper.forget_pool("test-persisting-bound")
         shutil.rmtree(store, ignore_errors=True)
