@@ -3,6 +3,8 @@ environment variable of the same meaning, for runs that do not go through this d
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 
@@ -16,6 +18,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="most actions of one session (env FSDP2NB_SESSION_ACTIONS; soak default 100)")
     group.addoption("--session-examples", type=int, default=None,
                     help="sessions per seed in the soak run (env FSDP2NB_SESSION_EXAMPLES, default 8)")
-    group.addoption("--session-shrink", action="store_true", default=None,
-                    help="let Hypothesis shrink a failing session to a short one (env FSDP2NB_SESSION_SHRINK=1)")
+    group.addoption("--session-shrink", action=argparse.BooleanOptionalAction, default=None,
+                    help="replay shorter variants of a failing session and report the shortest that fails "
+                         "(default on; env FSDP2NB_SESSION_SHRINK=0 turns it off)")
 

@@ -5,28 +5,30 @@ timeout and that nothing of the session is left over.
 
 A short seeded session runs with the suite; the soak variant (marked soak, `make soak`) runs several
 seeds of several sessions each and prints the counts. Seed, number of actions, sessions per seed
-and shrinking come from `--session-*` options or FSDP2NB_SESSION_* variables (tests/faults/conftest.py).
+and shrinking (on unless turned off) come from `--session-*` options or FSDP2NB_SESSION_* variables
+(tests/faults/conftest.py). Shrinking replays shorter sessions only after one failed, and Hypothesis
+bounds its time.
 """
 
 from __future__ import annotations
 
 import os
-import time
+import re
+import threading
 
 import pytest
-from hypothesis import HealthCheck, Phase, seed, settings
-from hypothesis.stateful import run_state_machine_as_test
 
 from fsdp2nb.checkpoint import layout
 from tests.support.kernel_client import CellRun
+from tests.support.rank_resources import MORE_PLAIN_THREADS
 from tests.support.session_model import (
     KNOWN_DEFECTS,
     InvariantBroken,
     Lineage,
     SavedStep,
     Session,
-    SessionMachine,
     Tally,
+    check_seeds,
 )
 
 
@@ -51,25 +53,6 @@ SHORT_ACTIONS = 6
 """About half a minute of actions on a 2-core machine, the kernel's and pool's start included."""
 
 
-def _run(first_seed: int, num_seeds: int, *, actions: int, examples: int, shrink: bool) -> tuple[Tally, list[str]]:
-    """Every seed's sessions; the failures, each with its seed (a later seed still runs)."""
-    tally = Tally()
-    failures: list[str] = []
-    phases = (Phase.explicit, Phase.generate, Phase.shrink) if shrink else (Phase.explicit, Phase.generate)
-    options = settings(max_examples=examples, stateful_step_count=actions, deadline=None, database=None,
-                       phases=phases, suppress_health_check=list(HealthCheck), print_blob=True)
-    for session_seed in range(first_seed, first_seed + num_seeds):
-        machine = type("SeededSessionMachine", (SessionMachine,), {"tally": tally, "seed": session_seed})
-        started = time.monotonic()
-        try:
-            run_state_machine_as_test(seed(session_seed)(machine), settings=options)
-        except Exception as error:  # Hypothesis wraps a replay that failed otherwise (flaky)
-            noted = [v for v in tally.violations if v.startswith(f"seed {session_seed},")]
-            failures.extend(noted or [f"seed {session_seed}: {type(error).__name__}: {error}"])
-        print(f"seed {session_seed}: {time.monotonic() - started:.0f} s; so far:\n{tally.table()}", flush=True)
-    return tally, failures
-
-
 def _report(tally: Tally, failures: list[str]) -> None:
     print(tally.table())
     if KNOWN_DEFECTS:
@@ -79,10 +62,11 @@ def _report(tally: Tally, failures: list[str]) -> None:
     assert not failures, "\n".join([tally.table(), *failures])
 
 
+@pytest.mark.timeout(900)  # a failure is replayed shorter for up to Hypothesis's 300 s of shrinking
 def test_a_short_seeded_session_keeps_saves_restores_and_leaves_nothing(pytestconfig):
-    tally, failures = _run(session_option(pytestconfig, "seed", SHORT_SEED), 1,
-                           actions=session_option(pytestconfig, "actions", SHORT_ACTIONS), examples=1,
-                           shrink=session_option(pytestconfig, "shrink", False))
+    tally, failures = check_seeds(session_option(pytestconfig, "seed", SHORT_SEED), 1,
+                                  actions=session_option(pytestconfig, "actions", SHORT_ACTIONS), examples=1,
+                                  shrink=session_option(pytestconfig, "shrink", True))
     _report(tally, failures)
     assert sum(tally.actions.values()) >= 1, tally.table()
     assert tally.cells > sum(tally.actions.values()), tally.table()  # every action ran cells
@@ -91,10 +75,11 @@ def test_a_short_seeded_session_keeps_saves_restores_and_leaves_nothing(pytestco
 @pytest.mark.soak
 @pytest.mark.timeout(0)  # every cell has a timeout of its own
 def test_seeded_sessions_soak(pytestconfig):
-    tally, failures = _run(session_option(pytestconfig, "seed", SHORT_SEED), session_option(pytestconfig, "seeds", 5),
-                           actions=session_option(pytestconfig, "actions", 100),
-                           examples=session_option(pytestconfig, "examples", 8),
-                           shrink=session_option(pytestconfig, "shrink", False))
+    tally, failures = check_seeds(session_option(pytestconfig, "seed", SHORT_SEED),
+                                  session_option(pytestconfig, "seeds", 5),
+                                  actions=session_option(pytestconfig, "actions", 100),
+                                  examples=session_option(pytestconfig, "examples", 8),
+                                  shrink=session_option(pytestconfig, "shrink", True))
     _report(tally, failures)
 
 
@@ -139,4 +124,34 @@ def test_a_failed_save_said_two_cells_late_breaks_an_invariant():
             session._note_save_failures(failed)
         assert session.saves[0].outcome == "failed"
     finally:
+        session.close()
+
+
+def test_a_rank_holding_more_threads_and_descriptors_than_after_its_set_up_breaks_an_invariant():
+    """Measured from outside, on a process standing in for a rank (this one)."""
+    session = _session_without_kernel()
+    release = threading.Event()
+    threads = [threading.Thread(target=release.wait) for _ in range(MORE_PLAIN_THREADS + 1)]
+    pipes: list[int] = []
+    try:
+        session.rank_pids = {0: os.getpid()}
+        session._take_baselines()
+        with open(session.ckpt_dir / "in-flight.distcp", "wb"):
+            session.check_resources()  # one file of a save in flight is allowed
+        for thread in threads:
+            thread.start()
+        pipes.extend(os.pipe())
+        with pytest.raises(InvariantBroken) as broken:
+            session.check_resources()
+        message = str(broken.value)
+        assert f"rank 0 (pid {os.getpid()}) grew" in message
+        assert "other threads" in message and "sockets, pipes and epolls" in message
+        assert re.search(r"now \d+ threads \(.*\) and \d+ fds \(.*pipe \d+", message), message
+    finally:
+        release.set()
+        for thread in threads:
+            if thread.is_alive():
+                thread.join()
+        for fd in pipes:
+            os.close(fd)
         session.close()

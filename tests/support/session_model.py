@@ -6,7 +6,8 @@ and synchronous saves; loads of LATEST, of an older step and of memory; snapshot
 rank raising inside a collective; the stop button while ranks wait in one; a rank SIGKILLed inside a
 cell and between cells; the host agent killed; `%fsdp2 restart`; a loop rewound to step 0; a
 background run; detach and attach of a kept pool). Hypothesis picks the actions from its seed and
-shrinks a failing sequence to a short one.
+shrinks a failing sequence to a short one: `check_seeds` reports the first failing sequence and the
+shortest one that failed.
 
 `Session` keeps the reference of what the state must be. Every training step is seeded by its step
 number, so the state after a sequence of steps is a pure function of that sequence: the lineage is
@@ -21,6 +22,8 @@ restore) must give the same digest on every rank. After every action the invaria
 - a restore (disk or memory) gives exactly the digest of the node it restores, never one of an
   abandoned run;
 - no cell runs past its timeout;
+- no rank holds more threads or open file descriptors than after its set-up, beyond what comes and
+  goes (tests/support/rank_resources.py), read from /proc after every action and at the end;
 - at the end no process, private directory, socket or snapshot file of the session is left over.
 
 Actions that hit a defect still open are listed in `KNOWN_DEFECTS` (the action, the invariant it
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import shutil
 import signal
@@ -44,11 +46,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from hypothesis import HealthCheck, Phase, assume, seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from fsdp2nb.checkpoint import layout
 from tests.support.kernel_client import WITHOUT_GPUS, CellRun, Kernel
+from tests.support.rank_resources import Holdings, read_holdings, settled_growth
 
 WIDTH, KEEP = 32, 3
 """The MLP's width (two hidden blocks, each sharded) and the checkpoints kept on disk."""
@@ -281,6 +285,18 @@ class SavedStep:
     outcome: str = "pending"  # pending, done, failed, unknown (a process died before it was said)
 
 
+@dataclass(frozen=True)
+class Violation:
+    """An invariant broken: the seed, every action of the session up to it, and what broke."""
+
+    seed: int
+    actions: tuple[str, ...]
+    error: str
+
+    def __str__(self) -> str:
+        return f"seed {self.seed}, after {len(self.actions)} actions ({' / '.join(self.actions)}): {self.error}"
+
+
 @dataclass
 class Tally:
     """What the runs did, summed over examples and seeds."""
@@ -293,8 +309,8 @@ class Tally:
     """Actions skipped, by the known defect they would have met."""
     cells: int = 0
     sessions: int = 0
-    violations: list[str] = field(default_factory=list)
-    """Each invariant broken: the seed, the actions that led to it, what broke."""
+    violations: list[Violation] = field(default_factory=list)
+    """Each invariant broken, shrinking's tries included."""
     wall_s: float = 0.0
 
     def table(self) -> str:
@@ -344,6 +360,8 @@ class Session:
         self.saves: list[SavedStep] = []
         self.num_cells = 0
         self.rank_pids: dict[int, int] = {}
+        self.baselines: dict[int, Holdings] = {}
+        """Each rank's threads and descriptors once set up; taken again for fresh ranks."""
         self.background_runs = 0
         self.done: list[str] = []
         """The actions so far, as the log shows them."""
@@ -504,12 +522,31 @@ class Session:
         run = self.execute(SETUP_CELL.format(width=WIDTH, ckpt_dir=str(self.ckpt_dir), keep=KEEP,
                                              memory_every=1 if self.snapshots_on else None))
         step, seen = self._one_state(run, f"the set-up after {why}")
+        self._take_baselines()
         if step is None:
             self.current = 0
             self.lineage.observe(0, seen, f"the set-up after {why} (nothing restored)")
             return
         self.tally.restores["memory (set-up)"] += 1
         self._restored_from_memory(step, seen, f"the set-up after {why} restored step {step}")
+
+    def _take_baselines(self) -> None:
+        for rank, pid in self.rank_pids.items():
+            holdings = read_holdings(pid)
+            if holdings is not None:
+                self.baselines[rank] = holdings
+
+    def check_resources(self) -> None:
+        """No rank holds more threads or descriptors than its baseline allows; ranks replaced
+        without a set-up since are left to the other invariants."""
+        for rank, pid in sorted(self.rank_pids.items()):
+            baseline = self.baselines.get(rank)
+            if baseline is None or baseline.pid != pid:
+                continue
+            now, exceeded = settled_growth(baseline, snapshot_dir=self.snapshot_dir, ckpt_dir=self.ckpt_dir)
+            if now is not None and exceeded:
+                raise InvariantBroken(f"rank {rank} (pid {pid}) grew: {'; '.join(exceeded)}. After its set-up it held "
+                                      f"{baseline.describe()}; now {now.describe()}")
 
     def _restored_from_memory(self, step: int, seen: dict[int, str], what: str) -> None:
         """A snapshot restored: it must be one written by the current run, of that step, and whole."""
@@ -881,28 +918,27 @@ SAVE_MODES = ("none", "async", "async_wait", "sync")
 
 
 class SessionMachine(RuleBasedStateMachine):
-    """Random sessions. The test sets `tally` (sums what every example did) and `seed`.
+    """Random sessions. The test sets `tally` (sums what every example did) and `seed`;
+    `session_type` is what drives the notebook (`Session`, or a stand-in for checking the checker).
 
-    Every choice is an index drawn by Hypothesis plus an offset hashed from the seed, the choice's
-    name and its count: Hypothesis's first example draws only zeros, and the offsets make that one a
-    varied session of its own seed; in the examples after it the draws are uniform as they are."""
+    Every choice is an index drawn by Hypothesis as it is, so that its shrinker can delete an action
+    without changing the ones after it. Hypothesis's first example draws only zeros: it would be the
+    same session for every seed (the first option again and again), so `start` rejects it before any
+    kernel starts, and every session run is one of the seed's own random ones."""
 
     tally = Tally()
     seed = 0
+    session_type = Session
 
     def __init__(self) -> None:
         super().__init__()
         self.session: Session | None = None
         self.started = time.monotonic()
-        self.choices: Counter = Counter()
 
-    def pick(self, data, options, name: str):
-        """One of `options`, drawn (see the class docstring)."""
+    @staticmethod
+    def pick(data, options, name: str):
         options = list(options)
-        drawn = data.draw(st.integers(0, len(options) - 1), label=name)
-        self.choices[name] += 1
-        offset = random.Random(f"{self.seed}/{name}/{self.choices[name]}").randrange(len(options))
-        return options[(drawn + offset) % len(options)]
+        return options[data.draw(st.integers(0, len(options) - 1), label=name)]
 
     @contextlib.contextmanager
     def _noting_violations(self):
@@ -912,13 +948,14 @@ class SessionMachine(RuleBasedStateMachine):
             yield
         except InvariantBroken as error:
             done = self.session.done if self.session is not None else []
-            self.tally.violations.append(f"seed {self.seed}, after {' / '.join(done[-8:])}: {error}")
+            self.tally.violations.append(Violation(self.seed, tuple(done), str(error)))
             raise
 
     @initialize(data=st.data())
     def start(self, data) -> None:
+        assume(data.draw(st.integers(0, 255), label="not the all-zero example") != 0)  # see the class docstring
         with self._noting_violations():
-            self.session = Session(self.tally, kept=self.pick(data, (False, True), "kept pool"))
+            self.session = self.session_type(self.tally, kept=self.pick(data, (False, True), "kept pool"))
 
     def actions(self) -> list[str]:
         """What a user may do now."""
@@ -968,13 +1005,24 @@ class SessionMachine(RuleBasedStateMachine):
     @invariant()
     def disk_agrees(self) -> None:
         if self.session is not None:
-            self.session.check_disk()
+            with self._noting_violations():
+                self.session.check_disk()
+
+    @invariant()
+    def ranks_hold_no_more(self) -> None:
+        if self.session is not None:
+            with self._noting_violations():
+                self.session.check_resources()
 
     def teardown(self) -> None:
         if self.session is None:
             return
-        leftovers = self.session.close()
-        self.tally.wall_s += time.monotonic() - self.started
+        try:
+            with self._noting_violations():
+                self.session.check_resources()  # at the end, before the ranks stop
+        finally:
+            leftovers = self.session.close()
+            self.tally.wall_s += time.monotonic() - self.started
         if leftovers:
             with self._noting_violations():
                 raise InvariantBroken(f"left over after the session: {leftovers}")
@@ -999,3 +1047,43 @@ ACTIONS = {
     "detach and attach": lambda session, _, __: session.detach_attach(),
 }
 """Every action by name: what the machine calls with (session, its argument, via the magic)."""
+
+
+# ---- running seeds ------------------------------------------------------------------------------
+
+def check_seeds(first_seed: int, num_seeds: int, *, actions: int, examples: int, shrink: bool,
+                session_type: type = Session) -> tuple[Tally, list[str]]:
+    """Run `examples` sessions of up to `actions` actions for each seed; the failures, one per
+    failing seed (a later seed still runs). With `shrink`, Hypothesis replays shorter variants of a
+    failing session; each failure names the first sequence that failed and the shortest one."""
+    tally = Tally()
+    failures: list[str] = []
+    phases = (Phase.explicit, Phase.generate, Phase.shrink) if shrink else (Phase.explicit, Phase.generate)
+    options = settings(max_examples=examples, stateful_step_count=actions, deadline=None, database=None,
+                       phases=phases, suppress_health_check=list(HealthCheck), print_blob=True)
+    for session_seed in range(first_seed, first_seed + num_seeds):
+        machine = type("SeededSessionMachine", (SessionMachine,),
+                       {"tally": tally, "seed": session_seed, "session_type": session_type})
+        started = time.monotonic()
+        try:
+            run_state_machine_as_test(seed(session_seed)(machine), settings=options)
+        except Exception as error:  # Hypothesis wraps a replay that failed otherwise (flaky)
+            failures.append(describe_failure(session_seed, tally.violations, error))
+        print(f"seed {session_seed}: {time.monotonic() - started:.0f} s; so far:\n{tally.table()}", flush=True)
+    return tally, failures
+
+
+def shortest_violation(session_seed: int, violations: list[Violation]) -> Violation | None:
+    """The failing sequence of that seed with the fewest actions (the first of them if several)."""
+    noted = [violation for violation in violations if violation.seed == session_seed]
+    return min(noted, key=lambda violation: len(violation.actions)) if noted else None
+
+
+def describe_failure(session_seed: int, violations: list[Violation], error: BaseException) -> str:
+    shortest = shortest_violation(session_seed, violations)
+    if shortest is None:
+        return f"seed {session_seed}: {type(error).__name__}: {error}"
+    first = next(violation for violation in violations if violation.seed == session_seed)
+    if first == shortest:
+        return str(first)
+    return f"{first}\n  shrunk to {len(shortest.actions)} actions: {shortest}"
