@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Literal
 from fsdp2nb.errors import Fsdp2nbError, InvalidValue, NoSuchRun, RankError
 from fsdp2nb.frontend.cell_transform import notebook_execution_count
 from fsdp2nb.frontend.errors import alarm
-from fsdp2nb.pool.kept import describe_ranks
+from fsdp2nb.pool.kept.holder import describe_ranks
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.notebook_input import PromptRelay

@@ -11,7 +11,7 @@ from IPython.core.magic_arguments import MagicArgumentParser
 
 from fsdp2nb.errors import InvalidValue
 from fsdp2nb.pool.handle import PoolHandle
-from fsdp2nb.pool.kept import DEFAULT_KEEP_FOR_S, KeepOptions, default_pool_name, parse_keep_for
+from fsdp2nb.pool.kept.holder import DEFAULT_KEEP_FOR_S, KeepOptions, default_pool_name, parse_keep_for
 from fsdp2nb.pool.spec import HostOptions, PoolSpec, default_spec, spec_from_options
 
 COMMANDS = ("start", "stop", "restart", "status", "push", "pull", "save", "load", "dashboard", "metrics",

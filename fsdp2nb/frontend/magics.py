@@ -27,7 +27,7 @@ from fsdp2nb.frontend.profiles import ProfileCollector, describe_stacks
 from fsdp2nb.frontend.rank_clocks import ClockOffsets, estimate_offsets, spans_hosts
 from fsdp2nb.frontend.session import RESTORE_HINT, NotebookSession
 from fsdp2nb.pool.handle import PoolHandle
-from fsdp2nb.pool.kept import (
+from fsdp2nb.pool.kept.holder import (
     KeepOptions,
     describe_deaths,
     describe_ranks,
@@ -209,12 +209,12 @@ class FSDP2Magics(Magics):
 
     def _command_pools(self, options):
         """This user's kept pools: a list (`x = %fsdp2 pools`) that shows as one line per pool."""
-        from fsdp2nb.pool.kept_listing import list_pools
+        from fsdp2nb.pool.kept.listing import list_pools
 
         return list_pools()
 
     def _command_attach(self, options) -> None:
-        from fsdp2nb.pool.kept import log_tails
+        from fsdp2nb.pool.kept.holder import log_tails
 
         pool, run = self.session.attach(options.name, take=options.take)
         assert pool.keep is not None, "an attached pool is kept"

@@ -38,8 +38,8 @@ from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.output import write_to_kernel
 from fsdp2nb.frontend.pool_requests import PoolRequests
 from fsdp2nb.pool.handle import BusyListener, PoolHandle, SnapshotListener
-from fsdp2nb.pool.kept import KeepOptions
-from fsdp2nb.pool.kept_listing import list_pools
+from fsdp2nb.pool.kept.holder import KeepOptions
+from fsdp2nb.pool.kept.listing import list_pools
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 from fsdp2nb.pool.held_output import HeldOutput
-from fsdp2nb.pool.kept import KeepOptions, NotedRun
+from fsdp2nb.pool.kept.directory import RankWork
+from fsdp2nb.pool.kept.holder import KeepOptions, NotedRun
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.profile_analysis import ProfileAnalysis
 from fsdp2nb.wire.events import (
@@ -24,7 +25,6 @@ from fsdp2nb.wire.events import (
     RankStacks,
     TaskProgress,
 )
-from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.requests import ControlMessage
 
 PoolState = Literal["stopped", "starting", "ready", "broken"]
@@ -40,7 +40,7 @@ class PoolHandle(Protocol):
 
     spec: PoolSpec
     keep: KeepOptions | None
-    """Set for a kept pool, which outlives this kernel (pool/kept.py)."""
+    """Set for a kept pool, which outlives this kernel (pool/kept/holder.py)."""
     state: PoolState
     broken_reason: str | None
     """Why the pool can run no more cells, besides a rank's exit."""

@@ -2,7 +2,7 @@
 
 How the ranks come up and join is pool/rank_start.py's; the ranks' events are read as they
 arrive, by the thread waiting for them or else a receiving thread (pool/event_reader.py), and
-sorted (pool/rank_events.py); a kept pool's directory is its `KeptHold` (pool/kept_pool.py); the
+sorted (pool/rank_events.py); a kept pool's directory is its `KeptHold` (pool/kept/hold.py); the
 ranks as processes of this host are pool/rank_processes.py's. The notebook side uses what
 pool/handle.py declares.
 """
@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 
 from fsdp2nb.errors import LaunchError, PoolStartError
-from fsdp2nb.pool import kept, ray_kept, reaper
+from fsdp2nb.pool import reaper
 from fsdp2nb.pool.busy_ranks import BusyRanks
 from fsdp2nb.pool.event_reader import EventReader
 from fsdp2nb.pool.handle import BusyListener, PoolState, SnapshotListener
-from fsdp2nb.pool.kept import KeepOptions
-from fsdp2nb.pool.kept_pool import ATTACH_TIMEOUT_S, KeptHold, first_save_request_id
+from fsdp2nb.pool.kept import holder, on_ray
+from fsdp2nb.pool.kept.directory import RankWork
+from fsdp2nb.pool.kept.hold import ATTACH_TIMEOUT_S, KeptHold, first_save_request_id
+from fsdp2nb.pool.kept.holder import KeepOptions
 from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, Launcher, describe_agent_exit, launch_plan
 from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
 from fsdp2nb.pool.rank_events import RankEvents
@@ -34,7 +36,6 @@ from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.events import EventMessage, RankExited, StreamOutput
-from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.process_identity import own_process_key, process_key
 from fsdp2nb.wire.requests import FOR_CONTROL_THREAD, ControlMessage, RequestSave, Shutdown
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
@@ -51,7 +52,7 @@ class WorkerPool:
                  memory_dir: str = "") -> None:
         self.spec = spec
         self.keep = keep
-        """Set for a kept pool: it outlives this kernel (pool/kept.py)."""
+        """Set for a kept pool: it outlives this kernel (pool/kept/holder.py)."""
         self.memory_dir = str(memory_store.kept_store(keep.name)) if keep is not None else memory_dir
         """The snapshot store of its Checkpointers (wire/memory_store.py): the session's, which
         outlives its pools; a kept pool's own. Empty: none."""
@@ -76,7 +77,7 @@ class WorkerPool:
         """Where this kernel's socket lives: the runtime directory, except for a kept pool, whose
         runtime directory (the process group's store) outlives every kernel."""
         self._kept: KeptHold | None = None
-        """A kept pool's directory, once made or opened (pool/kept_pool.py)."""
+        """A kept pool's directory, once made or opened (pool/kept/hold.py)."""
         self._signer: Signer | None = None
         self._stalled_frame_s = stalled_frame_s
         self._log: logging.Logger | None = None
@@ -223,21 +224,21 @@ class WorkerPool:
         agent = process_key(launched.process_ids()[0])
         if agent is None:
             return  # it ended already: the start fails on that
-        listen = ray_kept.listen_host(address) if self.spec.placement is not None else ""
+        listen = on_ray.listen_host(address) if self.spec.placement is not None else ""
         hold.write_meta(spec=self.spec, pool_id=self.pool_id, agent=agent, log_dir=self.log_dir, listen=listen)
 
     @classmethod
     def attach(cls, name: str, *, take: bool = False, timeout_s: float = ATTACH_TIMEOUT_S,
                stalled_frame_s: float = STALLED_FRAME_S) -> WorkerPool:
-        """This kernel takes the kept pool `name` (see pool/kept.py); a UsageMistake (NoSuchPool,
+        """This kernel takes the kept pool `name` (see pool/kept/holder.py); a UsageMistake (NoSuchPool,
         PoolHeldError, ...: one line each) when it cannot, with nothing changed."""
         hold, meta = KeptHold.open(name)
         key = hold.key_to_take(meta, take)
-        pool = cls(meta.spec, launcher=kept.AttachOnly(), stalled_frame_s=stalled_frame_s, keep=hold.keep)
+        pool = cls(meta.spec, launcher=holder.AttachOnly(), stalled_frame_s=stalled_frame_s, keep=hold.keep)
         pool._attach(hold, meta, key, take, timeout_s)
         return pool
 
-    def _attach(self, hold: KeptHold, meta: kept.KeptMeta, key: bytes, take: bool, timeout_s: float) -> None:
+    def _attach(self, hold: KeptHold, meta: holder.KeptMeta, key: bytes, take: bool, timeout_s: float) -> None:
         self._kept, self.pool_id, self.log_dir, self._runtime_dir = hold, meta.pool_id, meta.log_dir, meta.runtime_dir
         self.state = "starting"
         try:
@@ -245,14 +246,14 @@ class WorkerPool:
             log = self._log = open_pool_log(os.path.join(self.log_dir, "pool.log"))
             address, certificate = os.path.join(self._socket_dir, "pool.sock"), None
             if meta.listen:  # across hosts: TCP with the pool's certificate, the driver for an agent
-                address, certificate = ray_kept.attach_endpoint(meta.listen, meta.runtime_dir)
+                address, certificate = on_ray.attach_endpoint(meta.listen, meta.runtime_dir)
             signer, channels = self._listen(key, address, certificate, log)
-            self._launched = (ray_kept.KeptRayDriver if meta.listen else kept.KeptAgent)(meta.agent)
+            self._launched = (on_ray.KeptRayDriver if meta.listen else holder.KeptAgent)(meta.agent)
             record = hold.hold(signer, channels.address, take=take)
             self._save_request_ids = itertools.count(first_save_request_id(record))
             self.work_at_attach, died = hold.ranks_at_attach()
             self._events.ranks_to_join = self.world_size - len(died)
-            kept.wake_agent(meta)
+            holder.wake_agent(meta)
             self._wait_until_ready(timeout_s)
         except BaseException:
             hold.let_go()
@@ -261,7 +262,7 @@ class WorkerPool:
         self.state = "ready"
         if died:
             self.exited.update(died)
-            self.mark_broken(kept.describe_deaths(died.values()) + " while no kernel held the pool")
+            self.mark_broken(holder.describe_deaths(died.values()) + " while no kernel held the pool")
 
     def held_here(self) -> bool:
         """Whether this kernel still holds its kept pool (always, for a pool that is not kept)."""
@@ -276,7 +277,7 @@ class WorkerPool:
         if self._kept is not None:
             self._kept.note_run(cell_id, execution_count, name)
 
-    def noted_background_run(self, cell_id: int) -> kept.NotedRun | None:
+    def noted_background_run(self, cell_id: int) -> holder.NotedRun | None:
         """What the kernel that started the background run `cell_id` of a kept pool noted of it."""
         return self._kept.noted_run(cell_id) if self._kept is not None else None
 

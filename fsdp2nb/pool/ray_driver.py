@@ -17,7 +17,7 @@ child in a session of its own. The kernel speaks to it in JSON lines on stdin an
 A kept pool (its plan names a kept directory) is the exception: the driver, in a session of its
 own, outlives the kernel that started it, and the pool lives as long as it does (the actors and
 placement group are the driver's job's, so Ray frees them when it ends, however it ends). It
-stands in for the holding kernel on every host (ray_kept.py): it watches the holder's pid, and
+stands in for the holding kernel on every host (pool/kept/on_ray.py): it watches the holder's pid, and
 on SIGUSR1 (a kernel attached) or the holder's end it copies the attach record into each host's
 directory through the actors, which wake their agents. It ends the pool on `{"stop"}`, SIGTERM,
 or when any agent ends (`--keep-for` ran out while no kernel held the pool).
@@ -37,8 +37,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp2nb.errors import LaunchError
+from fsdp2nb.pool.kept.directory import ACTIVITY_FILE, RECORD_FILE
 from fsdp2nb.pool.launcher import DEFAULT_GRACE_S, describe_exit_code, end_process_group, write_and_close
-from fsdp2nb.wire.kept import ACTIVITY_FILE, RECORD_FILE
 
 RAY_NAMESPACE = "fsdp2nb"
 """Where a pool's placement group and actors are named (`ray_names`), so `ray list actors` and
@@ -68,14 +68,14 @@ class AgentHost:
     def __init__(self) -> None:
         self.process: subprocess.Popen | None = None
         self.kept_dir = ""
-        """A kept pool's directory on this host (wire/kept.py: host_kept_dir); empty otherwise."""
+        """A kept pool's directory on this host (pool/kept/directory.py: host_kept_dir); empty otherwise."""
 
     def start(self, request: str, node: int, threads_per_rank: int, log_dir: str, record: bytes = b"") -> dict:
         import ray
 
         os.makedirs(log_dir, mode=0o700, exist_ok=True)
         if record:  # a kept pool: its agent and ranks read this host's copy of the attach record
-            from fsdp2nb.pool.ray_kept import prepare_host_dir
+            from fsdp2nb.pool.kept.on_ray import prepare_host_dir
 
             self.kept_dir = prepare_host_dir(request, node, record)
         env = dict(os.environ, FSDP2NB_NODE=str(node), OMP_NUM_THREADS=str(threads_per_rank),
@@ -101,7 +101,7 @@ class AgentHost:
 
     def follow(self, record: bytes) -> None:
         """A kept pool's new attach record: into this host's directory, then wake the agent."""
-        from fsdp2nb.pool.ray_kept import write_private
+        from fsdp2nb.pool.kept.on_ray import write_private
 
         write_private(os.path.join(self.kept_dir, RECORD_FILE), record)
         if self.process is not None and self.process.poll() is None:
@@ -198,7 +198,7 @@ class Driver:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's stop button is not for this process
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a kept pool's wake-up (ray_kept.py) must never end it
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a kept pool's wake-up (pool/kept/on_ray.py) must never end it
     setup = json.loads(sys.stdin.readline())
     driver = None
     keeper = None
@@ -228,9 +228,9 @@ def stop_grace(line: str) -> float:
     return float(json.loads(line)["stop"]) if line.strip() else DEFAULT_GRACE_S
 
 
-def kept_watch(driver: Driver, request: str):  # ray_kept.KeptWatch, imported only here
-    """The watch of a kept pool (ray_kept.py), or None for a pool that ends with its kernel."""
-    from fsdp2nb.pool.ray_kept import KeptWatch
+def kept_watch(driver: Driver, request: str):  # on_ray.KeptWatch, imported only here
+    """The watch of a kept pool (pool/kept/on_ray.py), or None for a pool that ends with its kernel."""
+    from fsdp2nb.pool.kept.on_ray import KeptWatch
     from fsdp2nb.wire.launch_plan import LaunchPlan
 
     plan, key = LaunchPlan.decode(request.encode())

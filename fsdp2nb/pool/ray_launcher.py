@@ -2,7 +2,7 @@
 
 The kernel never imports Ray. It starts the driver as a child process (its own session, so the
 stop button does not reach it; its stdin closes when the kernel dies, which ends it and, through
-it, the actors and agents, unless the pool is kept: see ray_kept.py), reads the driver's address
+it, the actors and agents, unless the pool is kept: see pool/kept/on_ray.py), reads the driver's address
 on the cluster network, listens there with TLS, and hands the driver the launch request: the
 plan and the pool key travel on the driver's stdin and in actor arguments, never on a command line.
 """

@@ -126,7 +126,7 @@ def _prune_old_logs(max_age_s: float = LOG_RETENTION_S) -> None:
 
 
 def _kept_pool_ids() -> set[str]:
-    """Kept pools (pool/kept.py) are in no registry: their logs are kept while they run."""
+    """Kept pools (pool/kept/holder.py) are in no registry: their logs are kept while they run."""
     ids = set()
     for meta in (state_dir() / "kept").glob("*/pool.json"):
         try:

@@ -1,5 +1,5 @@
 """Waking a poll() when a process ends, through a pidfd: how the host agent waits for its kernel
-(worker/agent.py) and a kept Ray pool's driver for the kernel that holds it (pool/ray_kept.py)."""
+(worker/agent.py) and a kept Ray pool's driver for the kernel that holds it (pool/kept/on_ray.py)."""
 
 from __future__ import annotations
 

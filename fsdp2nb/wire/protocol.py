@@ -83,7 +83,7 @@ class AttachRecord:
     """Which kernel holds a kept pool and where its ranks connect (kernel -> agent and ranks).
 
     Written, signed with the pool's key, into the pool's directory by the kernel that starts,
-    attaches or detaches; the agent and the ranks read it when woken (worker/kept.py)."""
+    attaches or detaches; the agent and the ranks read it when woken (pool/kept/keeper.py)."""
 
     serial: int
     """Grows with every record: a rank reconnects only to a newer one."""

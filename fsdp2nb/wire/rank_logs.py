@@ -4,7 +4,7 @@ Each rank tees its output into `rank-N.log` in the pool's log directory (worker/
 is moved aside to `rank-N.log.1` when it grows past `RANK_LOG_MAX_BYTES`, so a rank that prints
 for weeks keeps at most twice that on disk; its host agent appends what a dead rank left unsent
 and reports the log's last lines with its exit (worker/forked_ranks.py); a kernel that
-attaches a kept pool shows each log's last lines (pool/kept.py).
+attaches a kept pool shows each log's last lines (pool/kept/holder.py).
 """
 
 from __future__ import annotations

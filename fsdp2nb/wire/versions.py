@@ -3,7 +3,7 @@
 A kept pool outlives upgrades: a kernel with a newer fsdp2nb may attach to ranks started by an
 older one, and ranks on another host may run another install. The two ends compare versions
 before anything else crosses: in every connection's greeting and hello (wire/admission.py,
-wire/channels.py) and in a kept pool's attach record (wire/kept.py). A version is
+wire/channels.py) and in a kept pool's attach record (pool/kept/directory.py). A version is
 `PROTOCOL_VERSION` (protocol.py, raised by hand with every change of a message) and the schema
 fingerprint, a hash of the module, name and field names of every message type and record that
 crosses (`schema_fingerprint`), so that a change whose version was not raised is refused too.

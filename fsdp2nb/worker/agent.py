@@ -29,15 +29,15 @@ import traceback
 from pathlib import Path
 
 from fsdp2nb.checkpoint.layout import read_latest
+from fsdp2nb.pool.kept.directory import host_kept_dir
+from fsdp2nb.pool.kept.keeper import AgentKeeper
 from fsdp2nb.wire.channels import RankChannels
-from fsdp2nb.wire.kept import host_kept_dir
 from fsdp2nb.wire.launch_plan import LaunchPlan
 from fsdp2nb.wire.memory_store import KeptSnapshot, kept_snapshots, remove_store
 from fsdp2nb.wire.persisting import PERSIST_TIMEOUT_ENV, mark_persisting, persist_timeout_s
 from fsdp2nb.wire.pid_watch import PidWatch
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.forked_ranks import ForkedRanks
-from fsdp2nb.worker.kept import AgentKeeper
 
 _WATCH_INTERVAL_S = 0.05
 _KERNEL_CHECK_S = 1.0
@@ -76,7 +76,7 @@ class Agent:
         self.pool_ended = False
         """Its kernel is gone (a kept pool: its time is up): nobody will restore its snapshots."""
         self.keeper: AgentKeeper | None = None
-        """A kept pool's holder, wake pipes and keep-for clock (worker/kept.py)."""
+        """A kept pool's holder, wake pipes and keep-for clock (pool/kept/keeper.py)."""
         self.persisting: _Persisting | None = None
         """Set once the kernel is gone: the ranks' time to write its newest snapshot to disk."""
 

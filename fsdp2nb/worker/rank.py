@@ -25,9 +25,10 @@ import traceback
 from fsdp2nb.checkpoint.requests import process_failures
 from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.errors import UnknownRequest
+from fsdp2nb.pool.kept.directory import ActivitySlot, host_kept_dir
+from fsdp2nb.pool.kept.keeper import RankFollower
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.events import CellFinished, RankClock, RankReady, RichKind, RichOutput, StreamOutput
-from fsdp2nb.wire.kept import ActivitySlot, host_kept_dir
 from fsdp2nb.wire.launch_plan import LaunchPlan, RankPlan
 from fsdp2nb.wire.process_identity import own_process_key
 from fsdp2nb.wire.rank_logs import RotatingLog, rank_log_path
@@ -52,7 +53,6 @@ from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import OutputSync, line_buffered_streams
 from fsdp2nb.worker.error_kinds import error_kind
-from fsdp2nb.worker.kept import RankFollower
 from fsdp2nb.worker.profiling import recording
 from fsdp2nb.worker.rank_setup import (
     capture_output,
@@ -88,7 +88,7 @@ class Rank:
                                       kept=bool(plan.kept_dir))
         self._activity: ActivitySlot | None = None
         self._follower: RankFollower | None = None
-        if plan.kept_dir:  # a kept pool: outlive the kernel, follow the next one (worker/kept.py)
+        if plan.kept_dir:  # a kept pool: outlive the kernel, follow the next one (pool/kept/keeper.py)
             assert wake_fd is not None, "the agent gives every rank of a kept pool a wake pipe"
             directory = host_kept_dir(plan.kept_dir, rank_plan.node, plan.multi_host)
             self._activity = ActivitySlot(directory, self.rank)

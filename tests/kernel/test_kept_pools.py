@@ -72,7 +72,7 @@ def _sigkill(kernel: Kernel) -> None:
 def _until_detached(root: str, name: str, timeout_s: float = 30) -> None:
     """Until the agent has noted that no kernel holds the pool: it rewrites the attach record
     when the holder's pidfd says the kernel is gone."""
-    from fsdp2nb.wire.kept import read_attach_record
+    from fsdp2nb.pool.kept.directory import read_attach_record
     from fsdp2nb.wire.signing import Signer
 
     directory = os.path.join(root, f"fsdp2nb-{os.getuid()}", "kept", name)
@@ -162,7 +162,7 @@ def test_a_pool_of_another_wire_version_is_refused_in_one_line_and_left_alone(ke
     types) is refused by a kernel that attaches, which writes nothing there."""
     import pickle
 
-    from fsdp2nb.wire.kept import read_attach_record
+    from fsdp2nb.pool.kept.directory import read_attach_record
     from fsdp2nb.wire.protocol import PROTOCOL_VERSION
     from fsdp2nb.wire.signing import Signer
 
@@ -598,9 +598,9 @@ for reach in (lambda: os.listdir(pool_dir), lambda: open(os.path.join(pool_dir, 
         print("denied")
 # A pool directory of this user's own that names the other user's agent: its key is refused.
 import json
-from fsdp2nb.pool import kept
+from fsdp2nb.pool.kept import holder
 from fsdp2nb.wire.process_identity import process_key
-mine = kept.kept_dir(name)
+mine = holder.kept_dir(name)
 mine.mkdir(mode=0o700)
 json.dump(dict(name=name, pool_id="x", devices=["cpu"], collective_timeout_s=60.0, keep_for_s=None,
                agent=list(process_key(agent)), log_dir=str(mine), runtime_dir=str(mine),

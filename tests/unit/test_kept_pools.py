@@ -10,10 +10,8 @@ import time
 import pytest
 
 from fsdp2nb.errors import KeptPoolUnreadable
-from fsdp2nb.pool import kept, kept_listing
-from fsdp2nb.wire.channels import KernelChannels, RankChannels
-from fsdp2nb.wire.events import RankExited, StreamOutput
-from fsdp2nb.wire.kept import (
+from fsdp2nb.pool.kept import holder, listing
+from fsdp2nb.pool.kept.directory import (
     ActivitySlot,
     create_activity_board,
     mark_rank_ended,
@@ -24,6 +22,8 @@ from fsdp2nb.wire.kept import (
     write_attach_record,
     write_exit_report,
 )
+from fsdp2nb.wire.channels import KernelChannels, RankChannels
+from fsdp2nb.wire.events import RankExited, StreamOutput
 from fsdp2nb.wire.protocol import AttachRecord
 from fsdp2nb.wire.signing import Signer
 
@@ -31,20 +31,20 @@ from fsdp2nb.wire.signing import Signer
 @pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("2h", 7200), ("1d", 86400),
                                                ("1.5h", 5400), ("none", None), ("None", None)])
 def test_keep_for_durations(text, seconds):
-    assert kept.parse_keep_for(text) == seconds
+    assert holder.parse_keep_for(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["5 parsecs", "5", "0s", "-3m", "", "1w", "s"])
 def test_keep_for_refuses_what_is_no_duration_in_one_line(text):
     with pytest.raises(ValueError, match="is not a duration") as caught:
-        kept.parse_keep_for(text)
+        holder.parse_keep_for(text)
     assert "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize("name", ["../x", ".hidden", "a/b", "", "x" * 65, "sp ace"])
 def test_pool_names_cannot_leave_the_kept_directory(name):
     with pytest.raises(ValueError, match="is not a pool name"):
-        kept.check_pool_name(name)
+        holder.check_pool_name(name)
 
 
 def _record(serial: int = 1) -> AttachRecord:
@@ -64,12 +64,12 @@ def test_attach_record_verifies_only_under_the_pool_key(tmp_path):
 
 
 def test_the_key_file_must_be_private(tmp_path):
-    kept.write_key(tmp_path, b"k" * 32)
+    holder.write_key(tmp_path, b"k" * 32)
     assert stat.S_IMODE(os.stat(tmp_path / "key").st_mode) == 0o600
-    assert kept.read_key(tmp_path) == b"k" * 32
+    assert holder.read_key(tmp_path) == b"k" * 32
     os.chmod(tmp_path / "key", 0o644)
     with pytest.raises(KeptPoolUnreadable, match="0600"):
-        kept.read_key(tmp_path)
+        holder.read_key(tmp_path)
 
 
 def test_hold_refuses_a_live_holder_unless_taken(tmp_path):
@@ -79,14 +79,14 @@ def test_hold_refuses_a_live_holder_unless_taken(tmp_path):
 
     write_attach_record(str(tmp_path), Signer(key), AttachRecord(
         serial=4, address="/a", holder_pid=parent, holder_start_time=process_key(parent)[1], since=time.time()))
-    with pytest.raises(kept.PoolHeldError, match=f"held by kernel {parent}.*--take"):
-        kept.hold(tmp_path, Signer(key), "/b", take=False, name="p")
+    with pytest.raises(holder.PoolHeldError, match=f"held by kernel {parent}.*--take"):
+        holder.hold(tmp_path, Signer(key), "/b", take=False, name="p")
     assert read_attach_record(str(tmp_path), Signer(key)).address == "/a"  # nothing changed
-    record = kept.hold(tmp_path, Signer(key), "/b", take=True, name="p")
+    record = holder.hold(tmp_path, Signer(key), "/b", take=True, name="p")
     assert (record.serial, record.holder_pid, record.address) == (5, os.getpid(), "/b")
-    assert kept.let_go(tmp_path, Signer(key))
+    assert holder.let_go(tmp_path, Signer(key))
     assert read_attach_record(str(tmp_path), Signer(key)).holder_pid == 0
-    assert not kept.let_go(tmp_path, Signer(key))  # not held here any more: nothing written
+    assert not holder.let_go(tmp_path, Signer(key))  # not held here any more: nothing written
 
 
 def test_activity_board_tells_running_and_idle(tmp_path):
@@ -97,7 +97,7 @@ def test_activity_board_tells_running_and_idle(tmp_path):
     work = read_activity(str(tmp_path))
     assert work[1].running_cell_id == 7 and work[1].execution_count == 3 and work[0].running_cell_id is None
     assert pool_is_idle_since(str(tmp_path)) is None
-    assert kept_listing.describe_run(work).startswith("In[3] running on rank 1")
+    assert listing.describe_run(work).startswith("In[3] running on rank 1")
     slots[1].ended()
     work = read_activity(str(tmp_path))
     assert work[1].running_cell_id is None and work[1].last_cell_id == 7
@@ -170,12 +170,12 @@ def test_the_board_says_which_ranks_wait_for_input_and_a_dead_rank_runs_nothing(
     for slot in slots:
         slot.started(9, 4)
     slots[0].waiting_for_input(True)
-    line = kept_listing.describe_run(read_activity(str(tmp_path)))
+    line = listing.describe_run(read_activity(str(tmp_path)))
     assert line.startswith("In[4] running on ranks 0-2 for ") and line.endswith(", rank 0 waiting for input")
     mark_rank_ended(str(tmp_path), 1)  # the agent, for a rank that died
     work = read_activity(str(tmp_path))
     assert work[1].running_cell_id is None and work[1].last_cell_id == 9 and work[0].waiting_for_input
-    assert kept_listing.describe_run(work).startswith("In[4] running on ranks 0, 2 for ")
+    assert listing.describe_run(work).startswith("In[4] running on ranks 0, 2 for ")
     slots[0].waiting_for_input(False)
     assert not read_activity(str(tmp_path))[0].waiting_for_input
 
@@ -187,15 +187,15 @@ def test_exit_reports_are_read_only_under_the_pool_key(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "exited-1").st_mode) == 0o600
     assert read_exit_reports(str(tmp_path), Signer(key)) == {1: report}
     assert read_exit_reports(str(tmp_path), Signer(secrets.token_bytes(32))) == {}
-    assert kept.describe_deaths([report]) == "rank 1 died (exit code 3)"
+    assert holder.describe_deaths([report]) == "rank 1 died (exit code 3)"
 
 
 def test_a_noted_run_is_read_back_and_only_the_last_few_are_kept(tmp_path):
     for cell_id in range(1, 21):
-        kept.note_run(tmp_path, cell_id, kept.NotedRun(execution_count=cell_id + 2, name="train", kernel_pid=7,
+        holder.note_run(tmp_path, cell_id, holder.NotedRun(execution_count=cell_id + 2, name="train", kernel_pid=7,
                                                        started=100.0))
-    runs = kept.noted_runs(tmp_path)
+    runs = holder.noted_runs(tmp_path)
     assert sorted(runs) == list(range(5, 21))
-    assert runs[20] == kept.NotedRun(execution_count=22, name="train", kernel_pid=7, started=100.0)
-    (tmp_path / kept.RUNS_FILE).write_text("not json")
-    assert kept.noted_runs(tmp_path) == {}
+    assert runs[20] == holder.NotedRun(execution_count=22, name="train", kernel_pid=7, started=100.0)
+    (tmp_path / holder.RUNS_FILE).write_text("not json")
+    assert holder.noted_runs(tmp_path) == {}

@@ -7,9 +7,9 @@ import pytest
 
 from fsdp2nb.errors import InvalidValue, NothingToDebug
 from fsdp2nb.frontend.pool_requests import PoolRequests
+from fsdp2nb.pool.kept.directory import RankWork
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.events import CellFinished
-from fsdp2nb.wire.kept import RankWork
 from fsdp2nb.wire.requests import PullValue
 from tests.support.fake_pools import FakePool
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from fsdp2nb.errors import WireVersionMismatch
-from fsdp2nb.pool import kept, kept_listing
+from fsdp2nb.pool.kept import holder, listing
+from fsdp2nb.pool.kept.directory import RECORD_FILE, read_attach_record, write_attach_record
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.admission import CHALLENGE_BYTES
 from fsdp2nb.wire.channels import KernelChannels, RankChannels
 from fsdp2nb.wire.framing import Link
-from fsdp2nb.wire.kept import RECORD_FILE, read_attach_record, write_attach_record
 from fsdp2nb.wire.protocol import PROTOCOL_VERSION, WIRE_TYPES, AttachRecord, ChannelHello
 from fsdp2nb.wire.requests import RunCell
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
@@ -181,9 +181,9 @@ def test_a_rank_refuses_a_kernel_of_another_version_and_tells_it(tmp_path, kerne
     assert heard[0].version == ours()  # its hello went out first, so the kernel can say so too
 
 
-def _pool_dir(tmp_path: Path, key: bytes) -> kept.KeptMeta:
-    kept.write_key(tmp_path, key)
-    meta = kept.KeptMeta(keep=kept.KeepOptions(name="lab", keep_for_s=None), spec=PoolSpec(devices=("cpu", "cpu")),
+def _pool_dir(tmp_path: Path, key: bytes) -> holder.KeptMeta:
+    holder.write_key(tmp_path, key)
+    meta = holder.KeptMeta(keep=holder.KeepOptions(name="lab", keep_for_s=None), spec=PoolSpec(devices=("cpu", "cpu")),
                          pool_id="p", agent=(os.getpid(), 0.0), log_dir=str(tmp_path), runtime_dir="",
                          created=time.time())
     meta.write(tmp_path)
@@ -195,22 +195,22 @@ def test_a_kept_pool_of_another_version_is_refused_before_anything_is_written(tm
     meta, signer = _pool_dir(tmp_path, key), Signer(key)
     record = AttachRecord(serial=4, address="/old.sock", holder_pid=0, holder_start_time=0.0, since=1.0)
     write_attach_record(str(tmp_path), signer, record)
-    kept.check_wire_version(tmp_path, signer, meta)  # this version's: nothing to say
+    holder.check_wire_version(tmp_path, signer, meta)  # this version's: nothing to say
     assert read_attach_record(str(tmp_path), signer) == record
 
     old = pickle.dumps((23, tuple(vars(record).values())))  # AttachRecord's place in the old tuple
     (tmp_path / RECORD_FILE).write_bytes(signer._sign(old) + old)
     with pytest.raises(WireVersionMismatch) as refused:
-        kept.check_wire_version(tmp_path, signer, meta)
+        holder.check_wire_version(tmp_path, signer, meta)
     assert str(refused.value) == (
         "kept pool 'lab' speaks wire protocol 0 (an fsdp2nb from before protocol versions), this kernel "
         f"speaks {ours().describe(BEFORE_VERSIONS)}: attach it from a kernel with the fsdp2nb that started it, "
         f"or end it with `kill {os.getpid()}` (its host agent; rank state is lost)")
     assert read_attach_record(str(tmp_path), signer) is None  # agent and ranks follow no such record
-    pool = kept_listing._describe(tmp_path, meta)
+    pool = listing._describe(tmp_path, meta)
     assert str(pool) == ("lab: --cpu 2, speaks wire protocol 0 (an fsdp2nb from before protocol versions), "
                          f"this kernel {ours().describe(BEFORE_VERSIONS)}: it cannot be attached here")
 
     (tmp_path / RECORD_FILE).write_bytes(_envelope_frame(signer, FUTURE, record))
     with pytest.raises(WireVersionMismatch, match=r"install fsdp2nb 9\.9\.9 \(`pip install -e \.` in a checkout of it\) and restart the kernel"):
-        kept.check_wire_version(tmp_path, signer, meta)
+        holder.check_wire_version(tmp_path, signer, meta)

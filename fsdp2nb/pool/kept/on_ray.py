@@ -1,6 +1,6 @@
 """A kept pool on Ray hosts (`%fsdp2 start --ray ... --keep`): what differs from one kept on this host.
 
-The pool's directory stays on the kernel's host (pool/kept.py), but its agents and ranks run
+The pool's directory stays on the kernel's host (pool/kept/holder.py), but its agents and ranks run
 elsewhere and cannot read it, nor watch the holding kernel's pid. The Ray driver, which the
 kernel starts in a session of its own and which outlives it for a kept pool, bridges the two:
 
@@ -9,7 +9,7 @@ kernel starts in a session of its own and which outlives it for a kept pool, bri
 - `KeptWatch` (in the driver) watches the holding kernel's pid; when it ends, or when a kernel
   that attached sends SIGUSR1, it copies this host's activity boards in (what `%fsdp2 pools` and
   the attaching kernel read: the running request, the last cell id) and the signed record out to
-  every host, whose agent follows it as on one host (worker/kept.py);
+  every host, whose agent follows it as on one host (pool/kept/keeper.py);
 - the pool ends with the driver: on `%fsdp2 stop` (`{"stop"}` from the kernel that started it,
   SIGTERM from one that attached), or when an agent ends (`--keep-for` ran out).
 
@@ -32,10 +32,8 @@ from pathlib import Path
 
 from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.errors import UnsafeDirectory
-from fsdp2nb.pool import kept
-from fsdp2nb.pool.launcher import DEFAULT_GRACE_S
-from fsdp2nb.wire.endpoints import split_tcp_address, tcp_address
-from fsdp2nb.wire.kept import (
+from fsdp2nb.pool.kept import holder
+from fsdp2nb.pool.kept.directory import (
     ACTIVITY_FILE,
     META_FILE,
     RECORD_FILE,
@@ -45,6 +43,8 @@ from fsdp2nb.wire.kept import (
     host_kept_dir,
     write_attach_record,
 )
+from fsdp2nb.pool.launcher import DEFAULT_GRACE_S
+from fsdp2nb.wire.endpoints import split_tcp_address, tcp_address
 from fsdp2nb.wire.launch_plan import LaunchPlan
 from fsdp2nb.wire.pid_watch import PidWatch
 from fsdp2nb.wire.protocol import AttachRecord
@@ -71,7 +71,7 @@ def attach_endpoint(listen: str, runtime_dir: str) -> tuple[str, PoolCertificate
     return tcp_address(listen, 0), load_pool_certificate(runtime_dir)
 
 
-class KeptRayDriver(kept.KeptAgent):
+class KeptRayDriver(holder.KeptAgent):
     """The Ray driver of a kept pool, seen from a kernel that attached: ending it ends the pool."""
 
     def terminate(self, grace_s: float) -> None:
@@ -189,7 +189,7 @@ class KeptWatch:
         self._holder = record if record is not None and record.holder_pid else None
         if self._holder is None:
             return
-        if not kept.holder_alive(self._holder) or not self._holder_watch.watch(self._holder.holder_pid):
+        if not holder.holder_alive(self._holder) or not self._holder_watch.watch(self._holder.holder_pid):
             self._holder_ended()  # it ended before it could be watched
 
     def _holder_ended(self) -> None:
@@ -201,8 +201,8 @@ class KeptWatch:
         self._watch_holder(None)
         print(f"fsdp2nb driver: kernel {ended.holder_pid} is gone; the pool keeps running", file=sys.stderr, flush=True)
         try:
-            with kept.holder_lock(self._directory):
-                current = kept.read_attach_record(str(self._directory), self._signer)
+            with holder.holder_lock(self._directory):
+                current = holder.read_attach_record(str(self._directory), self._signer)
                 if current is not None and current.holder_pid == ended.holder_pid:
                     write_attach_record(str(self._directory), self._signer, AttachRecord(
                         serial=current.serial + 1, address="", holder_pid=0, holder_start_time=0.0,

@@ -1,5 +1,5 @@
 """`%fsdp2 pools`: this user's kept pools on this host, one line each, read from their directories
-(pool/kept.py) without holding any; the directory of a pool whose agent is gone is removed."""
+(pool/kept/holder.py) without holding any; the directory of a pool whose agent is gone is removed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp2nb.pool.kept import (
+from fsdp2nb.pool.kept.directory import (
+    RankWork,
+    read_activity,
+    read_attach_envelope,
+    read_attach_record,
+    read_exit_reports,
+)
+from fsdp2nb.pool.kept.holder import (
     KeptMeta,
     agent_alive,
     describe_deaths,
@@ -16,13 +23,6 @@ from fsdp2nb.pool.kept import (
     holder_alive,
     kept_root,
     read_key,
-)
-from fsdp2nb.wire.kept import (
-    RankWork,
-    read_activity,
-    read_attach_envelope,
-    read_attach_record,
-    read_exit_reports,
 )
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.versions import WireVersion, ours

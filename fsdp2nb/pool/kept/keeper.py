@@ -1,6 +1,6 @@
 """A kept pool's ranks and agent: they outlive their kernel and follow the next one that attaches.
 
-The kernel that attaches writes a signed `AttachRecord` into the pool's directory (wire/kept.py)
+The kernel that attaches writes a signed `AttachRecord` into the pool's directory (pool/kept/directory.py)
 and sends the agent SIGUSR1. The agent reads the record, reconnects its own events connection,
 starts watching the new holder's pid, and writes a byte into each rank's wake pipe. A rank's
 control thread sleeps on that pipe and its control connection; woken, it reads the record and,
@@ -30,9 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from fsdp2nb.wire.channels import RankChannels
-from fsdp2nb.wire.events import RankExited
-from fsdp2nb.wire.kept import (
+from fsdp2nb.pool.kept.directory import (
     META_FILE,
     mark_rank_ended,
     pool_is_idle_since,
@@ -41,6 +39,8 @@ from fsdp2nb.wire.kept import (
     write_attach_record,
     write_exit_report,
 )
+from fsdp2nb.wire.channels import RankChannels
+from fsdp2nb.wire.events import RankExited
 from fsdp2nb.wire.launch_plan import LaunchPlan
 from fsdp2nb.wire.protocol import AttachRecord
 from fsdp2nb.wire.signing import Signer
@@ -106,7 +106,7 @@ class AgentKeeper:
     def __init__(self, plan: LaunchPlan, signer: Signer, channels: RankChannels, directory: str) -> None:
         self.plan = plan
         self.directory = directory
-        """This host's kept directory (wire/kept.py: host_kept_dir)."""
+        """This host's kept directory (pool/kept/directory.py: host_kept_dir)."""
         self.watches_holder = not plan.multi_host
         """Whether the holder's pid is a process of this host, which the agent watches."""
         self._signer = signer

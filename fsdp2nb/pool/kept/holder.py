@@ -1,7 +1,7 @@
 """Kept pools on the kernel's side: their directories, who holds them, and handing over (what
-`%fsdp2 pools` lists is pool/kept_listing.py's).
+`%fsdp2 pools` lists is pool/kept/listing.py's).
 
-A kept pool (`%fsdp2 start --keep`) lives in `<state dir>/kept/<name>/` (0700; see wire/kept.py
+A kept pool (`%fsdp2 start --keep`) lives in `<state dir>/kept/<name>/` (0700; see pool/kept/directory.py
 for what the directory holds). Only this user can read its key, so only this user can list or
 attach it. One kernel holds a pool at a time: the attach record names it, and every change of
 holder happens under an exclusive lock on the directory's `lock` file.
@@ -26,16 +26,16 @@ import psutil
 from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.errors import InvalidValue, KeptPoolUnreadable, LaunchError, PoolHeldError, WireVersionMismatch
 from fsdp2nb.pool import reaper
-from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, describe_exit
-from fsdp2nb.pool.spec import Placement, PoolSpec
-from fsdp2nb.wire.events import RankExited
-from fsdp2nb.wire.kept import (
+from fsdp2nb.pool.kept.directory import (
     KEY_FILE,
     META_FILE,
     read_attach_envelope,
     read_attach_record,
     write_attach_record,
 )
+from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, describe_exit
+from fsdp2nb.pool.spec import Placement, PoolSpec
+from fsdp2nb.wire.events import RankExited
 from fsdp2nb.wire.launch_plan import LaunchPlan
 from fsdp2nb.wire.process_identity import own_process_key
 from fsdp2nb.wire.protocol import AttachRecord
@@ -120,7 +120,7 @@ class KeptMeta:
     runtime_dir: str
     created: float
     listen: str = ""
-    """A pool across hosts: the address kernels that attach listen on (pool/ray_kept.py)."""
+    """A pool across hosts: the address kernels that attach listen on (pool/kept/on_ray.py)."""
 
     @property
     def name(self) -> str:
