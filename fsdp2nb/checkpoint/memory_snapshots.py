@@ -2,7 +2,7 @@
 
 Every N steps `maybe_save` copies this rank's shards of the tracked state (trainable parameters,
 persistent buffers, optimizer state) into one of two slot files of the pool's snapshot store on a
-tmpfs (wire/memory_store.py; a rank's slots: snapshot_slots.py), and its other state (step, RNG,
+tmpfs (host/memory_store.py; a rank's slots: snapshot_slots.py), and its other state (step, RNG,
 scheduler, optimizer hyperparameters, extras) into a small file beside it. The copy runs on a thread: the next forward
 and backward only read what it copies, and the tracked optimizer's next step waits for it, as for
 an async save. Buffers are the exception: a forward updates running statistics in place, so they
@@ -61,9 +61,9 @@ from fsdp2nb.collectives import (
     post_all_max,
 )
 from fsdp2nb.errors import Fsdp2nbError, MemorySnapshotRefused
+from fsdp2nb.host import memory_store
 from fsdp2nb.host_memory import available_bytes
 from fsdp2nb.sizes import size
-from fsdp2nb.wire import memory_store
 
 logger = logging.getLogger(__name__)
 
@@ -404,7 +404,7 @@ def open_snapshots(store: str, directory: Path, *, wanted: bool, rank: int, worl
                    group: dist.ProcessGroup | None) -> MemorySnapshots | None:
     """Collective: a Checkpointer's snapshots in `store`, on every rank when `wanted` (memory_every)
     or when any rank's host holds some of `directory` (a pool restarted after a death); else None
-    on every rank. The store's folders are made or checked on every host alike (wire/memory_store.py),
+    on every rank. The store's folders are made or checked on every host alike (host/memory_store.py),
     and a folder refused on one rank fails every rank."""
     folder = memory_store.checkpointer_folder(store, directory)
     if not wanted and not all_max((int(folder.is_dir()),), group)[0]:

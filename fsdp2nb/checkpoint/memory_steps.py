@@ -22,7 +22,7 @@ from fsdp2nb.checkpoint.memory_snapshots import MemorySnapshots, open_snapshots,
 from fsdp2nb.checkpoint.rank_file import Tracked
 from fsdp2nb.checkpoint.state import snapshot_training_state
 from fsdp2nb.errors import CheckpointLoadError, UsageMistake
-from fsdp2nb.wire.memory_store import MEMORY_DIR_ENV
+from fsdp2nb.host.memory_store import MEMORY_DIR_ENV
 
 
 def snapshot_store(memory_every: int | None) -> str | None:

@@ -6,7 +6,7 @@ Every rank of a pool that is not kept calls `persist_at_kernel_exit` once its re
 the kernel gone (a running cell is interrupted first: worker/rank.py). It is collective, as a
 save is: the ranks agree on the newest step they all hold and write it only where it is newer
 than the disk's newest checkpoint, committed as every save is (LATEST names it, retention
-applies). The host agent bounds the time it may take (wire/persisting.py) and frees the store
+applies). The host agent bounds the time it may take (host/persisting.py) and frees the store
 after it either way.
 """
 

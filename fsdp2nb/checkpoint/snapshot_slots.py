@@ -1,7 +1,7 @@
 """A rank's two slots of one Checkpointer's snapshots in host memory: their files mapped as
 tensors, and which step each holds whole.
 
-A slot is one file of the store (wire/memory_store.py), filled at the offsets its layout gives
+A slot is one file of the store (host/memory_store.py), filled at the offsets its layout gives
 (snapshot_layout.py), with the rank's other state in a small file beside it. The store's board
 says, per rank and slot, the step the slot holds whole, and the rank's manifest each slot's
 layout. The slot written next is never the one that holds the newest complete step, and a slot is
@@ -20,8 +20,8 @@ import torch
 
 from fsdp2nb.checkpoint.snapshot_layout import Entry, layout_bytes
 from fsdp2nb.errors import MemorySnapshotRefused
-from fsdp2nb.wire import memory_store
-from fsdp2nb.wire.memory_store import MANIFEST_VERSION, Board, complete_steps, read_board
+from fsdp2nb.host import memory_store
+from fsdp2nb.host.memory_store import MANIFEST_VERSION, Board, complete_steps, read_board
 
 _PEER_POLL_S = 0.0005
 _PEER_WAIT_S = 120.0

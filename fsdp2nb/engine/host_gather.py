@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2nb.collectives import all_gathered
 from fsdp2nb.engine.model_census import rows_per_rank
-from fsdp2nb.wire.memory_store import SHARED_MEMORY_DIR_ENV as SHARED_MEMORY_DIR_ENV  # the one tmpfs setting
-from fsdp2nb.wire.memory_store import shared_memory_dir
+from fsdp2nb.host.memory_store import SHARED_MEMORY_DIR_ENV as SHARED_MEMORY_DIR_ENV  # the one tmpfs setting
+from fsdp2nb.host.memory_store import shared_memory_dir
 
 logger = logging.getLogger(__name__)
 

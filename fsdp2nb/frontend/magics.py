@@ -26,6 +26,7 @@ from fsdp2nb.frontend.pool_requests import SentCell
 from fsdp2nb.frontend.profiles import ProfileCollector, describe_stacks
 from fsdp2nb.frontend.rank_clocks import ClockOffsets, estimate_offsets, spans_hosts
 from fsdp2nb.frontend.session import RESTORE_HINT, NotebookSession
+from fsdp2nb.host.rank_logs import rank_log_path
 from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.pool.kept.holder import (
     KeepOptions,
@@ -33,7 +34,6 @@ from fsdp2nb.pool.kept.holder import (
     describe_ranks,
 )
 from fsdp2nb.pool.spec import PoolSpec, default_spec, parse_rank_list
-from fsdp2nb.wire.rank_logs import rank_log_path
 from fsdp2nb.wire.requests import (
     LoadCheckpoint,
     RankCommand,

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from fsdp2nb.errors import Fsdp2nbError
-from fsdp2nb.wire.sigint import sigint_raises
+from fsdp2nb.host.sigint import sigint_raises
 
 AskLine = Callable[[str, bool], str]
 """(prompt, password) -> the line typed."""

@@ -35,6 +35,7 @@ from fsdp2nb.frontend.output import notebook_color_scheme
 from fsdp2nb.frontend.rank_prompts import AskInput
 from fsdp2nb.frontend.released_collectives import GroupsNotReformed
 from fsdp2nb.frontend.request_wait import Recover, RequestWait, StopPresses
+from fsdp2nb.host.sigint import drop_late_presses, sigint_noted
 from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.wire.events import CellFinished
 from fsdp2nb.wire.requests import (
@@ -46,7 +47,6 @@ from fsdp2nb.wire.requests import (
     RunCell,
     RunCommand,
 )
-from fsdp2nb.wire.sigint import drop_late_presses, sigint_noted
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,14 +37,14 @@ from fsdp2nb.frontend.background import BackgroundRun
 from fsdp2nb.frontend.errors import alarm
 from fsdp2nb.frontend.output import write_to_kernel
 from fsdp2nb.frontend.pool_requests import PoolRequests
+from fsdp2nb.host import memory_store
+from fsdp2nb.host.process_identity import own_process_key
 from fsdp2nb.pool.handle import BusyListener, PoolHandle, SnapshotListener
 from fsdp2nb.pool.kept.holder import KeepOptions
 from fsdp2nb.pool.kept.listing import list_pools
 from fsdp2nb.pool.launcher import LocalLauncher, describe_exit
 from fsdp2nb.pool.pool import WorkerPool
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire import memory_store
-from fsdp2nb.wire.process_identity import own_process_key
 
 if TYPE_CHECKING:
     from fsdp2nb.frontend.dashboard_link import DashboardLink
@@ -83,7 +83,7 @@ class NotebookSession:
         """Called when a request to a pool's ranks starts or ends; shared with every pool as above."""
         self._listeners_lock = threading.Lock()
         self.memory_dir = ""
-        """The snapshot store of this session's pools (wire/memory_store.py), made with the first
+        """The snapshot store of this session's pools (host/memory_store.py), made with the first
         pool and kept across restarts; removed by `stop()` (and the kernel's exit)."""
         self.dashboard: DashboardLink | None = None
         """The dashboard's link to this session's pools, once one was asked for (`dashboard_link`)."""

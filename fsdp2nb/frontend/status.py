@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from fsdp2nb.host.memory_store import kept_snapshots
 from fsdp2nb.pool.handle import PoolHandle
 from fsdp2nb.sizes import mib
-from fsdp2nb.wire.memory_store import kept_snapshots
 
 
 def status_table(pool: PoolHandle | None) -> str:

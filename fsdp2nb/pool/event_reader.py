@@ -15,10 +15,10 @@ import logging
 import threading
 import time
 
+from fsdp2nb.host.sigint import sigint_deferred
 from fsdp2nb.pool.rank_events import RankEvents
 from fsdp2nb.wire.channels import KernelChannels
 from fsdp2nb.wire.events import EventMessage
-from fsdp2nb.wire.sigint import sigint_deferred
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ class PoolHandle(Protocol):
     """Why the pool can run no more cells, besides a rank's exit."""
     log_dir: str
     memory_dir: str
-    """The snapshot store of the ranks' Checkpointers (wire/memory_store.py); empty: none."""
+    """The snapshot store of the ranks' Checkpointers (host/memory_store.py); empty: none."""
     ranks: dict[int, RankReady]
     """Each rank as it joined (pid, device, log file)."""
     snapshots: dict[int, RankSnapshot]

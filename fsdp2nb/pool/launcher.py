@@ -26,12 +26,12 @@ import sys
 from dataclasses import dataclass
 from typing import Protocol
 
+from fsdp2nb.host.pid_watch import PidWatch
+from fsdp2nb.host.process_identity import own_process_key, process_key
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.events import RankExited
 from fsdp2nb.wire.launch_plan import LaunchPlan, RankPlan
-from fsdp2nb.wire.pid_watch import PidWatch
-from fsdp2nb.wire.process_identity import own_process_key, process_key
 
 logger = logging.getLogger(__name__)
 

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 from fsdp2nb.errors import LaunchError, PoolStartError
+from fsdp2nb.host import memory_store
+from fsdp2nb.host.process_identity import own_process_key, process_key
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.busy_ranks import BusyRanks
 from fsdp2nb.pool.event_reader import EventReader
@@ -33,10 +35,8 @@ from fsdp2nb.pool.rank_events import RankEvents
 from fsdp2nb.pool.rank_processes import end_leftover_ranks, rank_process_state
 from fsdp2nb.pool.rank_start import DEFAULT_START_TIMEOUT_S, launcher_for, pool_certificate, wait_until_joined
 from fsdp2nb.pool.spec import PoolSpec
-from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.channels import STALLED_FRAME_S, KernelChannels, peer_name
 from fsdp2nb.wire.events import EventMessage, RankExited, StreamOutput
-from fsdp2nb.wire.process_identity import own_process_key, process_key
 from fsdp2nb.wire.requests import FOR_CONTROL_THREAD, ControlMessage, RequestSave, Shutdown
 from fsdp2nb.wire.signing import KEY_BYTES, Signer
 from fsdp2nb.wire.tls import PoolCertificate
@@ -54,7 +54,7 @@ class WorkerPool:
         self.keep = keep
         """Set for a kept pool: it outlives this kernel (pool/kept/holder.py)."""
         self.memory_dir = str(memory_store.kept_store(keep.name)) if keep is not None else memory_dir
-        """The snapshot store of its Checkpointers (wire/memory_store.py): the session's, which
+        """The snapshot store of its Checkpointers (host/memory_store.py): the session's, which
         outlives its pools; a kept pool's own. Empty: none."""
         self.pool_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.state: PoolState = "stopped"

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 
 import psutil
 
+from fsdp2nb.host.process_identity import is_same_process
 from fsdp2nb.wire.events import RankReady
-from fsdp2nb.wire.process_identity import is_same_process
 
 logger = logging.getLogger(__name__)
 

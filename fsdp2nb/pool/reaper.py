@@ -1,7 +1,7 @@
 """A registry of running pools, so processes orphaned by a crashed kernel can be ended safely.
 
 Each pool writes its owner (the kernel) and its processes as (pid, start time) pairs
-(wire/process_identity.py); so does a standby agent waiting for the next launch
+(host/process_identity.py); so does a standby agent waiting for the next launch
 (pool/launcher.py), under its own id. A pid alone could have been reused by an unrelated process;
 the pair cannot, so only exact matches are killed.
 """
@@ -21,9 +21,9 @@ import psutil
 
 from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.errors import UnsafeDirectory
-from fsdp2nb.wire import memory_store
-from fsdp2nb.wire.persisting import AGENT_GIVES_UP_WITHIN_S, persisting_bound, persisting_until
-from fsdp2nb.wire.process_identity import ProcessKey, is_same_process
+from fsdp2nb.host import memory_store
+from fsdp2nb.host.persisting import AGENT_GIVES_UP_WITHIN_S, persisting_bound, persisting_until
+from fsdp2nb.host.process_identity import ProcessKey, is_same_process
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ _PERSIST_POLL_S = 0.1
 
 def _wait_while_persisting(owner: ProcessKey, processes: list[ProcessKey]) -> float | None:
     """The ranks of a kernel that died may be writing its newest snapshot to disk (their agent
-    marked its store: wire/persisting.py): wait until they end, so that the new pool's
+    marked its store: host/persisting.py): wait until they end, so that the new pool's
     `load("latest")` finds what they wrote. Once their time is up their agent ends them and logs
     why; only where it has not within `AGENT_GIVES_UP_WITHIN_S` are they killed here.
     Returns the seconds waited; None: no wait."""

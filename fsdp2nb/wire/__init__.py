@@ -1,1 +1,1 @@
-"""What the kernel and its ranks share: message types, signed framing over sockets, SIGINT handling. No torch."""
+"""What the kernel and its ranks share: message types, signed framing over sockets, channels. No torch."""

@@ -25,7 +25,7 @@ class RankReady:
     rank: int
     pid: int
     start_time: float
-    """When the rank's process started, in seconds after boot (wire/process_identity.py)."""
+    """When the rank's process started, in seconds after boot (host/process_identity.py)."""
     device: str
     hostname: str
     log_path: str

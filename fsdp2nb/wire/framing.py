@@ -19,7 +19,7 @@ import threading
 import time
 
 from fsdp2nb.errors import Fsdp2nbError
-from fsdp2nb.wire.sigint import sigint_deferred
+from fsdp2nb.host.sigint import sigint_deferred
 
 _LENGTH = struct.Struct("!Q")
 _ONE_WRITE_BYTES = 64 * 1024

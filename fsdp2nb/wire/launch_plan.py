@@ -49,7 +49,7 @@ class LaunchPlan:
     keep_for_s: float | None = None
     """A kept pool that no kernel holds and that runs nothing ends after this long; None: never."""
     memory_dir: str = ""
-    """The snapshot store of the pool's Checkpointers (wire/memory_store.py), kept across its
+    """The snapshot store of the pool's Checkpointers (host/memory_store.py), kept across its
     restarts; removed by the agent when its kernel is gone (a kept pool's: when the pool expires)."""
 
     @property

@@ -4,7 +4,7 @@ It imports torch and IPython once, then forks each rank from itself (forked_rank
 ranks cost one heavy import instead of N. The agent never touches CUDA or opens sockets before
 forking, which keeps the fork safe. Afterwards it tells the kernel of each rank's exit and ends
 every rank when the kernel that started it goes away, once they have written the newest
-snapshot in host memory to disk (within a bound: wire/persisting.py). This module is the
+snapshot in host memory to disk (within a bound: host/persisting.py). This module is the
 agent's side of the kernel: its connection, the kernel's end, a kept pool's holder.
 
 Run as `python -m fsdp2nb.worker.agent`; the launch plan and pool key arrive as JSON on stdin,
@@ -29,13 +29,13 @@ import traceback
 from pathlib import Path
 
 from fsdp2nb.checkpoint.layout import read_latest
+from fsdp2nb.host.memory_store import KeptSnapshot, kept_snapshots, remove_store
+from fsdp2nb.host.persisting import PERSIST_TIMEOUT_ENV, mark_persisting, persist_timeout_s
+from fsdp2nb.host.pid_watch import PidWatch
 from fsdp2nb.pool.kept.directory import host_kept_dir
 from fsdp2nb.pool.kept.keeper import AgentKeeper
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.launch_plan import LaunchPlan
-from fsdp2nb.wire.memory_store import KeptSnapshot, kept_snapshots, remove_store
-from fsdp2nb.wire.persisting import PERSIST_TIMEOUT_ENV, mark_persisting, persist_timeout_s
-from fsdp2nb.wire.pid_watch import PidWatch
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.forked_ranks import ForkedRanks
 

@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from fsdp2nb.wire.sigint import sigint_deferred
+from fsdp2nb.host.sigint import sigint_deferred
 
 _READ_SIZE = 1 << 16
 
 
 class LogSink(Protocol):
-    """Where captured bytes are teed: the rank's rotating log (wire/rank_logs.py), or any binary file."""
+    """Where captured bytes are teed: the rank's rotating log (host/rank_logs.py), or any binary file."""
 
     def write(self, data: bytes, /) -> int | None: ...
 

@@ -14,10 +14,10 @@ import signal
 import time
 from collections.abc import Iterable, Iterator
 
+from fsdp2nb.host.rank_logs import rank_log_path, read_tail
 from fsdp2nb.host_memory import kernel_log_names_oom_kill, oom_kill_count
 from fsdp2nb.wire.events import RankExited
 from fsdp2nb.wire.launch_plan import LaunchPlan, RankPlan
-from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
 from fsdp2nb.worker.capture import drain_pipe
 
 _STOP_POLL_S = 0.005

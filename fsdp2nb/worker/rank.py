@@ -25,13 +25,14 @@ import traceback
 from fsdp2nb.checkpoint.requests import process_failures
 from fsdp2nb.checkpoint.tracking import current_checkpointer
 from fsdp2nb.errors import UnknownRequest
+from fsdp2nb.host.process_identity import own_process_key
+from fsdp2nb.host.rank_logs import RotatingLog, rank_log_path
+from fsdp2nb.host.sigint import SigintGate, sigint_deferred
 from fsdp2nb.pool.kept.directory import ActivitySlot, host_kept_dir
 from fsdp2nb.pool.kept.keeper import RankFollower
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.events import CellFinished, RankClock, RankReady, RichKind, RichOutput, StreamOutput
 from fsdp2nb.wire.launch_plan import LaunchPlan, RankPlan
-from fsdp2nb.wire.process_identity import own_process_key
-from fsdp2nb.wire.rank_logs import RotatingLog, rank_log_path
 from fsdp2nb.wire.records import ErrorInfo
 from fsdp2nb.wire.requests import (
     AnswerInput,
@@ -49,7 +50,6 @@ from fsdp2nb.wire.requests import (
     RunCommand,
     Shutdown,
 )
-from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import OutputSync, line_buffered_streams
 from fsdp2nb.worker.error_kinds import error_kind

@@ -16,9 +16,9 @@ from typing import Any
 
 from fsdp2nb import progress
 from fsdp2nb.collectives import COLLECTIVE_TIMEOUT_ENV
+from fsdp2nb.host.memory_store import MEMORY_DIR_ENV
 from fsdp2nb.wire.channels import RankChannels
 from fsdp2nb.wire.launch_plan import LaunchPlan, RankPlan
-from fsdp2nb.wire.memory_store import MEMORY_DIR_ENV
 from fsdp2nb.worker import profiling
 from fsdp2nb.worker.capture import FdCapture, LogSink
 from fsdp2nb.worker.progress_sender import ProgressSender

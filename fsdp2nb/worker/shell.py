@@ -24,9 +24,9 @@ from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, Intera
 from traitlets import TraitError
 from traitlets.config import Config
 
+from fsdp2nb.host.sigint import SigintGate
 from fsdp2nb.wire.events import RichKind
 from fsdp2nb.wire.records import ErrorInfo, ErrorKind
-from fsdp2nb.wire.sigint import SigintGate
 from fsdp2nb.worker.error_kinds import error_kind
 from fsdp2nb.worker.memory_failure import shortage_of
 from fsdp2nb.worker.stdin import InputUnavailable, InterruptedAtPrompt

@@ -13,7 +13,7 @@ import torch
 from fsdp2nb.checkpoint import Checkpointer
 from fsdp2nb.checkpoint.memory_snapshots import MemorySnapshotFailed
 from fsdp2nb.errors import MemorySnapshotRefused
-from fsdp2nb.wire import memory_store
+from fsdp2nb.host import memory_store
 from tests.support.checkpoint_helpers import (
     assert_same,
     build,

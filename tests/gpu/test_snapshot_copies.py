@@ -12,7 +12,7 @@ from torch import nn
 from fsdp2nb.checkpoint.host_copy import DeviceToHostCopier, queued_work_of
 from fsdp2nb.checkpoint.memory_snapshots import MemorySnapshots
 from fsdp2nb.checkpoint.rank_file import Tracked
-from fsdp2nb.wire import memory_store
+from fsdp2nb.host import memory_store
 
 pytestmark = [
     pytest.mark.gpu,

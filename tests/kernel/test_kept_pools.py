@@ -599,7 +599,7 @@ for reach in (lambda: os.listdir(pool_dir), lambda: open(os.path.join(pool_dir, 
 # A pool directory of this user's own that names the other user's agent: its key is refused.
 import json
 from fsdp2nb.pool.kept import holder
-from fsdp2nb.wire.process_identity import process_key
+from fsdp2nb.host.process_identity import process_key
 mine = holder.kept_dir(name)
 mine.mkdir(mode=0o700)
 json.dump(dict(name=name, pool_id="x", devices=["cpu"], collective_timeout_s=60.0, keep_for_s=None,
@@ -642,7 +642,7 @@ def other_user():
 IMPORTED_TOP_LEVELS = """
 import importlib, pkgutil, sys
 import IPython.core.interactiveshell, psutil
-for package in ("fsdp2nb.frontend", "fsdp2nb.pool", "fsdp2nb.wire", "fsdp2nb.widgets"):
+for package in ("fsdp2nb.frontend", "fsdp2nb.pool", "fsdp2nb.wire", "fsdp2nb.host", "fsdp2nb.widgets"):
     for module in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
         importlib.import_module(module.name)
 for module in list(sys.modules.values()):

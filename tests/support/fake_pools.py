@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from fsdp2nb.host.rank_logs import rank_log_path
 from fsdp2nb.pool.handle import BusyListener, PoolHandle, PoolState, SnapshotListener
 from fsdp2nb.pool.held_output import HeldOutput
 from fsdp2nb.pool.kept.directory import RankWork
 from fsdp2nb.pool.kept.holder import KeepOptions, NotedRun
 from fsdp2nb.pool.spec import PoolSpec
 from fsdp2nb.wire.events import EventMessage, RankExited, RankReady, RankSnapshot
-from fsdp2nb.wire.rank_logs import rank_log_path
 from fsdp2nb.wire.requests import ControlMessage
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 from fsdp2nb.checkpoint import layout
-from fsdp2nb.wire import memory_store
+from fsdp2nb.host import memory_store
 from tests.support.fault_cells import (
     ARMED_LOAD_CELL,
     BATCH,

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import psutil
 
+from fsdp2nb.host import rank_logs
 from fsdp2nb.pool import pool_log
-from fsdp2nb.wire import rank_logs
 from tests.support.kernel_client import WITHOUT_GPUS, Kernel
 
 SETUP_CELL = """%%fsdp2

@@ -75,7 +75,7 @@ def test_the_key_file_must_be_private(tmp_path):
 def test_hold_refuses_a_live_holder_unless_taken(tmp_path):
     key = secrets.token_bytes(32)
     parent = os.getppid()  # a live process other than this one
-    from fsdp2nb.wire.process_identity import process_key
+    from fsdp2nb.host.process_identity import process_key
 
     write_attach_record(str(tmp_path), Signer(key), AttachRecord(
         serial=4, address="/a", holder_pid=parent, holder_start_time=process_key(parent)[1], since=time.time()))

@@ -12,10 +12,10 @@ import sys
 import psutil
 import pytest
 
+from fsdp2nb.host.process_identity import process_key
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.launcher import LocalLauncher
 from fsdp2nb.wire.launch_plan import LaunchPlan, RankPlan
-from fsdp2nb.wire.process_identity import process_key
 
 # Stands in for `python -m fsdp2nb.worker.agent`: reads its request as the agent does (only once it
 # has "imported"), then writes "<pid> <request>" where the test can read it.

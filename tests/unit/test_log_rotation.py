@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
+from fsdp2nb.host.rank_logs import RotatingLog, read_tail, rotated_path
 from fsdp2nb.pool.pool_log import close_pool_log, open_pool_log
-from fsdp2nb.wire.rank_logs import RotatingLog, read_tail, rotated_path
 
 
 def _bytes_on_disk(directory) -> int:

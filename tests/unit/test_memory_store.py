@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from fsdp2nb.wire import memory_store
+from fsdp2nb.host import memory_store
 
 
 @pytest.fixture()

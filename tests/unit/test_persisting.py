@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fsdp2nb.wire.persisting import (
+from fsdp2nb.host.persisting import (
     DEFAULT_PERSIST_TIMEOUT_S,
     PERSIST_TIMEOUT_ENV,
     mark_persisting,

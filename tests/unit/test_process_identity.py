@@ -9,11 +9,11 @@ import psutil
 import psutil._pslinux
 import pytest
 
+from fsdp2nb.host import memory_store
+from fsdp2nb.host.process_identity import is_same_process, own_process_key, process_key, start_time
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.rank_processes import rank_process_state
-from fsdp2nb.wire import memory_store
 from fsdp2nb.wire.events import RankReady
-from fsdp2nb.wire.process_identity import is_same_process, own_process_key, process_key, start_time
 
 
 def _step_the_clock(monkeypatch) -> None:

@@ -4,8 +4,8 @@ import subprocess
 import sys
 import time
 
+from fsdp2nb.host.process_identity import process_key
 from fsdp2nb.pool import reaper
-from fsdp2nb.wire.process_identity import process_key
 
 
 def _finished_process_key():

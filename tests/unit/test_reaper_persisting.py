@@ -9,10 +9,10 @@ import sys
 import threading
 import time
 
+from fsdp2nb.host import memory_store
+from fsdp2nb.host.persisting import mark_persisting
+from fsdp2nb.host.process_identity import process_key
 from fsdp2nb.pool import reaper
-from fsdp2nb.wire import memory_store
-from fsdp2nb.wire.persisting import mark_persisting
-from fsdp2nb.wire.process_identity import process_key
 
 
 class _Heard(logging.Handler):

@@ -8,7 +8,7 @@ def test_sigint_is_held_back_until_the_block_ends():
     import signal
     import threading
 
-    from fsdp2nb.wire.sigint import sigint_deferred
+    from fsdp2nb.host.sigint import sigint_deferred
 
     reached_end_of_block = False
     with pytest.raises(KeyboardInterrupt):
@@ -28,7 +28,7 @@ def test_a_failing_block_keeps_its_own_error():
     import os
     import signal
 
-    from fsdp2nb.wire.sigint import sigint_deferred
+    from fsdp2nb.host.sigint import sigint_deferred
 
     with pytest.raises(ValueError, match="the block's own error"):
         with sigint_deferred():
@@ -41,7 +41,7 @@ def test_sigint_only_takes_note_inside_a_noted_block_and_nested_blocks_share_it(
     import os
     import signal
 
-    from fsdp2nb.wire.sigint import sigint_deferred, sigint_noted
+    from fsdp2nb.host.sigint import sigint_deferred, sigint_noted
 
     with sigint_noted() as notes:
         assert not notes.take()
@@ -57,7 +57,7 @@ def test_a_gate_handler_holds_sigint_without_swapping_handlers():
     import os
     import signal
 
-    from fsdp2nb.wire.sigint import SigintGate, sigint_deferred
+    from fsdp2nb.host.sigint import SigintGate, sigint_deferred
 
     delivered = []
     gate = SigintGate(lambda signum, frame: delivered.append(signum))
@@ -85,7 +85,7 @@ def test_a_press_just_after_an_interrupted_cell_is_dropped_and_a_later_one_acts(
     import signal
     import time
 
-    from fsdp2nb.wire.sigint import drop_late_presses
+    from fsdp2nb.host.sigint import drop_late_presses
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     drop_late_presses(seconds=0.3)
@@ -102,7 +102,7 @@ def test_a_drop_asked_for_inside_a_noted_block_starts_where_the_block_ends():
     import signal
     import time
 
-    from fsdp2nb.wire.sigint import drop_late_presses, sigint_noted
+    from fsdp2nb.host.sigint import drop_late_presses, sigint_noted
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with sigint_noted() as notes:

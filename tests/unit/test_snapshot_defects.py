@@ -22,7 +22,7 @@ from fsdp2nb.checkpoint.host_copy import DeviceToHostCopier, QueuedWork
 from fsdp2nb.checkpoint.memory_snapshots import MemorySnapshots
 from fsdp2nb.checkpoint.rank_file import Tracked
 from fsdp2nb.errors import MemorySnapshotRefused, UnsafeDirectory
-from fsdp2nb.wire import memory_store
+from fsdp2nb.host import memory_store
 
 NOBODY = 65534
 

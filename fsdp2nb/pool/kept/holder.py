@@ -25,6 +25,8 @@ import psutil
 
 from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.errors import InvalidValue, KeptPoolUnreadable, LaunchError, PoolHeldError, WireVersionMismatch
+from fsdp2nb.host.process_identity import own_process_key
+from fsdp2nb.host.rank_logs import rank_log_path, read_tail
 from fsdp2nb.pool import reaper
 from fsdp2nb.pool.kept.directory import (
     KEY_FILE,
@@ -37,9 +39,7 @@ from fsdp2nb.pool.launcher import AgentExit, LaunchedRanks, describe_exit
 from fsdp2nb.pool.spec import Placement, PoolSpec
 from fsdp2nb.wire.events import RankExited
 from fsdp2nb.wire.launch_plan import LaunchPlan
-from fsdp2nb.wire.process_identity import own_process_key
 from fsdp2nb.wire.protocol import AttachRecord
-from fsdp2nb.wire.rank_logs import rank_log_path, read_tail
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.versions import ours
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from fsdp2nb.atomic_files import replace_atomically
 from fsdp2nb.errors import UnsafeDirectory
+from fsdp2nb.host.pid_watch import PidWatch
 from fsdp2nb.pool.kept import holder
 from fsdp2nb.pool.kept.directory import (
     ACTIVITY_FILE,
@@ -46,7 +47,6 @@ from fsdp2nb.pool.kept.directory import (
 from fsdp2nb.pool.launcher import DEFAULT_GRACE_S
 from fsdp2nb.wire.endpoints import split_tcp_address, tcp_address
 from fsdp2nb.wire.launch_plan import LaunchPlan
-from fsdp2nb.wire.pid_watch import PidWatch
 from fsdp2nb.wire.protocol import AttachRecord
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.wire.tls import PoolCertificate, load_pool_certificate

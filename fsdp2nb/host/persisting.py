@@ -1,7 +1,7 @@
 """Persisting at the breakpoint: how long the ranks of a kernel that died may take to write its
 newest snapshot in host memory to disk, and the mark that says they are at it (no torch).
 
-When a kernel dies, its session's snapshot store (wire/memory_store.py) must be freed, but its
+When a kernel dies, its session's snapshot store (host/memory_store.py) must be freed, but its
 ranks are still alive: the host agent gives them up to `FSDP2NB_PERSIST_ON_EXIT_S` seconds to
 write the newest snapshot as an ordinary checkpoint (checkpoint/persist_on_exit.py) before it ends
 them and frees the store. Meanwhile a mark in the store tells a new kernel's reaper

@@ -110,7 +110,7 @@ def read_private_file(path: Path) -> bytes:
 
 
 def session_store(pid: int, start_time: float) -> Path:
-    """The store of the kernel (pid, start time after boot: wire/process_identity.py): its pools'
+    """The store of the kernel (pid, start time after boot: host/process_identity.py): its pools'
     snapshots survive their restarts."""
     return stores_root() / f"session-{pid}-{int(start_time * 1000)}"
 
