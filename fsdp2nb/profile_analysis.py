@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections import defaultdict
-from collections.abc import Iterable, Iterator
+import itertools
+import operator
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from fsdp2nb.profile_records import (
@@ -176,15 +178,15 @@ def summarise(profile: RankProfile, flat_records: list[int]) -> RankProfile:
     """The profile with the summary of its records (given flat, as `pack` takes them) filled in."""
     names, lanes, kinds, starts, durations = (flat_records[field::5] for field in range(5))
     main_lane = profile.main_lane
-    compute = _merge((starts[i], starts[i] + durations[i]) for i, kind in enumerate(kinds)
-                     if (kind == OP and lanes[i] == main_lane) or kind == GPU_KERNEL)
+    computing = [i for i, (kind, lane) in enumerate(zip(kinds, lanes, strict=True))
+                 if (kind == OP and lane == main_lane) or kind == GPU_KERNEL]
+    compute = _merge((starts[i], starts[i] + durations[i]) for i in computing)
     collectives = [value for i, kind in enumerate(kinds) if kind in (COLLECTIVE, GPU_COLLECTIVE)
                    for value in (names[i], lanes[i], kind, starts[i], durations[i])]
-    calls: dict[int, int] = defaultdict(int)
-    self_ns: dict[int, int] = defaultdict(int)
-    total_ns: dict[int, int] = defaultdict(int)
+    calls = Counter(names)
+    self_ns = dict.fromkeys(calls, 0)
+    total_ns = dict.fromkeys(calls, 0)
     for name, own, duration in zip(names, _self_times(lanes, starts, durations), durations, strict=True):
-        calls[name] += 1
         self_ns[name] += own
         total_ns[name] += duration
     return replace(profile, summarised=True, compute=pack_ints([edge for interval in compute for edge in interval]),
@@ -276,23 +278,27 @@ def _top_ops(per_rank: Iterable[dict[str, tuple[int, int, int]]]) -> tuple[TopOp
 
 
 def _self_times(lanes: list[int], starts: list[int], durations: list[int]) -> list[int]:
-    """Each op's time less that of the ops nested in it on its own lane (by the ops' order given)."""
+    """Each op's time less that of the ops nested in it on its own lane."""
     own = list(durations)
-    open_ends: list[int] = []
-    open_ops: list[int] = []
-    current_lane = None
-    longest_first = [-duration for duration in durations]  # an op before the ops nested in it
-    for lane, start, _, i in sorted(zip(lanes, starts, longest_first, range(len(starts)), strict=True)):
-        if lane != current_lane:
-            current_lane, open_ends, open_ops = lane, [], []
-        while open_ends and open_ends[-1] <= start:
-            open_ends.pop()
-            open_ops.pop()
-        if open_ops:
-            own[open_ops[-1]] -= durations[i]
-        open_ends.append(start + durations[i])
-        open_ops.append(i)
+    open_ops: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    """lane -> (end, index) of the ops enclosing the current one, innermost last."""
+    for i in _outer_first(starts, durations):
+        start, enclosing = starts[i], open_ops[lanes[i]]
+        while enclosing and enclosing[-1][0] <= start:
+            enclosing.pop()
+        if enclosing:
+            own[enclosing[-1][1]] -= durations[i]
+        enclosing.append((start + durations[i], i))
     return [time if time > 0 else 0 for time in own]
+
+
+def _outer_first(starts: list[int], durations: list[int]) -> Sequence[int]:
+    """The ops' indices by start, the longer first at one start (an op before those nested in it).
+    The profiler gives them in that order already: checked, then kept, without sorting."""
+    keys = list(zip(starts, map(operator.neg, durations), strict=True))
+    if all(map(operator.le, keys, itertools.islice(keys, 1, None))):
+        return range(len(keys))
+    return sorted(range(len(keys)), key=keys.__getitem__)
 
 
 # --- intervals ----------------------------------------------------------------------------------
@@ -310,11 +316,13 @@ def _clipped(merged: list[Interval], window: Interval) -> list[Interval]:
 def _merge(intervals: Iterable[Interval]) -> list[Interval]:
     """Sorted, disjoint intervals covering the same time (empty ones dropped)."""
     merged: list[Interval] = []
-    for start, end in sorted(interval for interval in intervals if interval[1] > interval[0]):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if not merged or start > merged[-1][1]:
             merged.append((start, end))
+        elif end > merged[-1][1]:  # most ops end inside the one they are nested in
+            merged[-1] = (merged[-1][0], end)
     return merged
 
 

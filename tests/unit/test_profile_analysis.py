@@ -74,6 +74,15 @@ def test_self_time_leaves_out_nested_ops():
     assert ops["aten::add"].self_s == pytest.approx(0.003)
 
 
+def test_self_time_is_the_same_whatever_order_the_ops_come_in():
+    """Ops nested on two lanes, given inner first and lanes interleaved, as a GPU rank's may come."""
+    ops = [(1, MAIN, OP, 2 * MS, 3 * MS), (1, GLOO, OP, 1 * MS, 1 * MS), (0, MAIN, OP, 2 * MS, 10 * MS),
+           (0, GLOO, OP, 0, 4 * MS)]
+    top = {op.name: op for op in analyse([_profile(0, ops)]).top_ops}
+    assert top["aten::mm"].self_s == pytest.approx(0.007 + 0.003) and top["aten::mm"].total_s == pytest.approx(0.014)
+    assert top["aten::add"].self_s == pytest.approx(0.004) and top["aten::add"].calls == 2
+
+
 def test_clock_offsets_put_the_ranks_on_one_clock():
     """Rank 1's clock runs 1 s ahead: with its offset the collective's ends line up."""
     collective = [(2, GLOO, COLLECTIVE, 10 * MS, 5 * MS)]
