@@ -5,16 +5,23 @@ The cell trains a few steps of the engine-loaded tiny Llama (fp32, CPU ranks). E
 it once plain and once with `--profile`, in alternating order; the wall time is the notebook's
 (from the execute request to its reply: the profile's table and timeline included). The first
 profiled cell is reported apart: it pays for loading the profiler once per rank.
+
+Then each rank times the parts of a profile itself, the same steps run plain and profiled in one
+cell (medians over the rounds, wall time on the rank): recording while the steps run, stopping
+the profiler (torch builds its results), reading and summing the events (`rank_profile`), and
+the bytes the rank sends.
 Run: .venv/bin/python benchmarks/bench_profile.py [--ranks 2] [--rounds 10] [--steps 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,6 +41,44 @@ for step in range({steps}):
     optimizer.step()
     optimizer.zero_grad()
 """
+
+PARTS = """%%fsdp2
+import json, pickle, statistics, time
+from torch.autograd.profiler import profile as _autograd_profile, record_function as _record_function
+from fsdp2nb.profile_analysis import collector_paused as _collector_paused
+from fsdp2nb.worker.profiling import WINDOW_NAME as _WINDOW, ProfileSink as _Sink, rank_profile as _rank_profile
+
+def _train():
+{train}
+_parts = []
+for _ in range({rounds}):
+    _started = time.perf_counter()
+    _train()
+    _plain = time.perf_counter() - _started
+    _profiler = _autograd_profile(use_cpu=True, use_kineto=True)
+    _started = time.perf_counter()
+    _profiler.__enter__()
+    with _record_function(_WINDOW):
+        _train()
+    _ran = time.perf_counter()
+    _profiler.__exit__(None, None, None)
+    _stopped = time.perf_counter()
+    with _collector_paused():
+        _recorded = _rank_profile(_Sink(rank, "cpu", print, lambda: None), _profiler.kineto_results)
+    _parts.append(dict(plain_ms=_plain * 1e3, recording_ms=(_ran - _started) * 1e3,
+                       stop_ms=(_stopped - _ran) * 1e3, read_and_sum_ms=(time.perf_counter() - _stopped) * 1e3,
+                       events=len(_recorded.ops) // 40, sent_kb=len(pickle.dumps(_recorded)) / 1e3))
+print(json.dumps({{key: statistics.median(part[key] for part in _parts) for key in _parts[0]}}))
+"""
+
+
+def rank_parts(kernel: Kernel, train: str, rounds: int) -> dict[str, dict[str, float]]:
+    """rank -> the medians of its profile's parts (PARTS)."""
+    run = kernel.execute(PARTS.format(train=textwrap.indent(train.strip(), "    "), rounds=rounds), timeout=600)
+    if run.status != "ok":
+        raise RuntimeError(run.traceback_text or run.stderr)
+    return {line.split("] ", 1)[0].lstrip("["): json.loads(line.split("] ", 1)[1])
+            for line in run.stdout.splitlines() if line.startswith("[")}
 
 
 def cell_s(kernel: Kernel, code: str) -> float:
@@ -67,6 +112,7 @@ def main() -> None:
             order = [("plain", "%%fsdp2"), ("profiled", "%%fsdp2 --profile")]
             for name, line in order if round_index % 2 == 0 else order[::-1]:
                 (plain if name == "plain" else profiled).append(cell_s(kernel, line + train))
+        parts = rank_parts(kernel, train, args.rounds)
     finally:
         kernel.stop()
     plain_s, profiled_s = statistics.median(plain), statistics.median(profiled)
@@ -78,6 +124,9 @@ def main() -> None:
           f"{min(profiled) / min(plain):>8.2f}")
     print(f"median of paired ratios: {statistics.median(ratios):.2f}")
     print(f"first profiled cell (loads the profiler on each rank): {first_profiled * 1e3:.1f} ms")
+    print("on each rank, medians (ms; events and kB per profile):")
+    for rank, medians in sorted(parts.items()):
+        print(f"  rank {rank}: " + ", ".join(f"{key} {value:.1f}" for key, value in medians.items()))
 
 
 if __name__ == "__main__":
