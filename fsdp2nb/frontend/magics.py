@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import sys
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
@@ -53,6 +54,11 @@ _STACKS_WAIT_S = 10.0
 """How long `%fsdp2 stacks` waits for the ranks' control threads before naming those that did not answer."""
 _REFUSALS_IN_ONE_LINE = frozenset(("NoTrackedCheckpointer", "CheckpointLoadError", "MemorySnapshotRefused"))
 """Errors of `%fsdp2 save`/`load` that changed nothing and say what to do: shown without tracebacks."""
+
+
+def _exited_ranks(pool: PoolHandle) -> Collection[int]:
+    """The ranks that will send nothing more: those that exited, or all once the pool is not ready."""
+    return pool.exited.keys() if pool.state == "ready" else range(pool.world_size)
 
 
 @magics_class
@@ -128,11 +134,32 @@ class FSDP2Magics(Magics):
         if starting and not options.no_dashboard:
             self._dashboard().show()  # under the cell that starts the pool, above its output
         self._profiles.take_new()  # a background run's, ended before this cell: `%fsdp2 profile` has them
-        try:
-            self.session.requests.run_cell(pool, cell, ranks, profile=options.profile)
-        finally:  # a cell that failed shows what ran until then
-            self._show_new_profiles(pool)
+        if options.profile:
+            self._run_profiled_cell(pool, cell, ranks)
+        else:
+            try:
+                self.session.requests.run_cell(pool, cell, ranks)
+            finally:  # a cell that failed shows what ran until then
+                self._show_new_profiles(pool)
         self._serve_dashboard_save(pool)
+
+    def _run_profiled_cell(self, pool: PoolHandle, cell: str, ranks: tuple[int, ...]) -> None:
+        """`%%fsdp2 --profile`: the ranks send their profiles after their replies, so the cell
+        ends with a placeholder that the profile replaces once every rank's has come."""
+        from fsdp2nb.frontend.cell_transform import notebook_execution_count
+        from fsdp2nb.frontend.profile_display import show_when_complete
+
+        sent = self.session.requests.send_cell(pool, cell, ranks, notebook_execution_count(), profile=True)
+        pending = self._profiles.expect(sent.wait.cell_id, ranks)
+        try:
+            self.session.requests.finish_cell(sent)
+        finally:  # a cell that failed or was stopped shows what ran until then
+            pending.clock_offsets = self._clock_offsets(pool)
+            show_when_complete(self._profiles, pending, lambda: _exited_ranks(pool), self._tell_dashboard)
+
+    def _tell_dashboard(self, analysis) -> None:
+        for listener in list(self.session.snapshot_listeners):
+            listener(analysis)
 
     def _finish_cell_sent_ahead(self, sent: SentCell) -> None:
         try:
@@ -151,8 +178,7 @@ class FSDP2Magics(Magics):
         for profile in profiles:
             display(profile)
         if profiles:
-            for listener in list(self.session.snapshot_listeners):
-                listener(profiles[-1].analysis)
+            self._tell_dashboard(profiles[-1].analysis)
 
     def _run_in_background(self, options, cell: str, keep: KeepOptions | None = None):
         """`%%fsdp2 --bg`: start the run and return its handle (bound to --name if given)."""
@@ -367,7 +393,9 @@ class FSDP2Magics(Magics):
         return self._offsets
 
     def _command_profile(self, options):
-        """`prof = %fsdp2 profile`: the last profile (of a cell, a block or a background run)."""
+        """`prof = %fsdp2 profile`: the last profile (of a cell, a block or a background run);
+        a profiled cell's that its ranks are still sending is waited for."""
+        self._profiles.wait_for_pending()
         self._profiles.take_new()
         if self._profiles.last is None:
             raise UsageMistake("no profile yet: run a cell with `%%fsdp2 --profile`, or `with fsdp2nb.profile():` in one")

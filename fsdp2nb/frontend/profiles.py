@@ -10,6 +10,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable, Collection
 from dataclasses import replace
 
 from fsdp2nb.frontend.profile_view import render_html, render_text
@@ -76,6 +77,34 @@ class Profile:
         return render_text(self.analysis)
 
 
+class PendingProfile:
+    """A profiled cell's profile, which its ranks send after their replies: complete once every
+    rank's has come, or short of the ranks that died first (`missing`)."""
+
+    def __init__(self, cell_id: int, ranks: tuple[int, ...]) -> None:
+        self.cell_id = cell_id
+        self.ranks = ranks
+        self.arrived: dict[int, RankProfile] = {}
+        self.missing: tuple[int, ...] = ()
+        """Ranks whose profile will not come (they exited before sending it)."""
+        self.clock_offsets: dict[int, tuple[int, int]] | None = None
+        """rank -> its clock's offset and bound (ns), for ranks on other hosts."""
+        self.done = threading.Event()
+        self.profile: Profile | None = None
+        """What arrived, once done (None when no rank's did)."""
+
+    @property
+    def complete(self) -> bool:
+        return set(self.ranks) <= set(self.arrived)
+
+    def note(self) -> str:
+        """One line under the view for ranks whose profile did not come; "" when all did."""
+        if not self.missing:
+            return ""
+        ranks = ", ".join(str(rank) for rank in self.missing)
+        return f"the profile is missing for rank{'s' if len(self.missing) > 1 else ''} {ranks}: it exited (or its pool stopped) before sending it"
+
+
 class ProfileCollector:
     """Hears the ranks' profiles and stacks on the thread that reads their events."""
 
@@ -87,13 +116,22 @@ class ProfileCollector:
         self._clocks: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
         """request id -> rank -> (the rank's clock, this kernel's clock when the answer was heard)."""
         self._trace_dir: str | None = None
+        self._pending: dict[int, PendingProfile] = {}
+        """cell id -> the profiled cell whose ranks send their profiles after their replies."""
+        self._deferred: set[int] = set()
+        """Every cell id ever expected: their profiles are never shown under another cell."""
         self.last: Profile | None = None
 
     def hear(self, event: object) -> None:
         """A pool listener: keeps profiles and stacks, ignores everything else."""
         if isinstance(event, RankProfile):
             with self._lock:
-                self._arrived.append(event)
+                pending = self._pending.get(event.cell_id) if event.cell_id is not None else None
+                if pending is not None and not pending.done.is_set():
+                    pending.arrived[event.rank] = event
+                elif event.cell_id not in self._deferred:  # one that came after its cell gave up is dropped
+                    self._arrived.append(event)
+                self._lock.notify_all()
         elif isinstance(event, RankStacks):
             with self._lock:
                 self._stacks[event.request_id][event.rank] = event
@@ -109,10 +147,7 @@ class ProfileCollector:
         `clock_offsets` (rank -> offset and bound, ns) puts ranks of other hosts on this clock."""
         with self._lock:
             arrived, self._arrived = self._arrived, []
-        if clock_offsets:
-            arrived = [replace(profile, clock_offset_ns=clock_offsets[profile.rank][0],
-                               clock_error_ns=clock_offsets[profile.rank][1])
-                       if profile.rank in clock_offsets else profile for profile in arrived]
+        arrived = _on_common_clock(arrived, clock_offsets)
         groups: dict[tuple[int | None, int], list[RankProfile]] = {}
         count: dict[tuple[int | None, int], int] = defaultdict(int)
         for profile in arrived:  # a cell with several profile() blocks sends each rank's in order
@@ -123,6 +158,45 @@ class ProfileCollector:
         if made:
             self.last = made[-1]
         return made
+
+    def expect(self, cell_id: int, ranks: tuple[int, ...]) -> PendingProfile:
+        """The profile of cell `cell_id`, which its ranks send after their replies (`%%fsdp2 --profile`)."""
+        pending = PendingProfile(cell_id, ranks)
+        with self._lock:
+            self._pending[cell_id] = pending
+            self._deferred.add(cell_id)
+            for event in [event for event in self._arrived if event.cell_id == cell_id]:  # came before this call
+                self._arrived.remove(event)
+                pending.arrived[event.rank] = event
+        return pending
+
+    def wait_for(self, pending: PendingProfile, exited: Callable[[], Collection[int]], poll_s: float = 0.5) -> None:
+        """Until every rank's profile came or the ranks yet to send one have exited (`exited`:
+        the pool's exited ranks, looked at every `poll_s`: an exit is no event of this listener)."""
+        try:
+            with self._lock:
+                while not pending.complete:
+                    gone = set(exited())
+                    if gone and not set(pending.ranks) - gone - set(pending.arrived):
+                        break
+                    self._lock.wait(poll_s)
+                pending.missing = tuple(rank for rank in pending.ranks if rank not in pending.arrived)
+                arrived = [pending.arrived[rank] for rank in pending.ranks if rank in pending.arrived]
+            if arrived:
+                pending.profile = Profile(_on_common_clock(arrived, pending.clock_offsets), self._directory())
+                with self._lock:
+                    self.last = pending.profile
+        finally:
+            with self._lock:
+                self._pending.pop(pending.cell_id, None)
+            pending.done.set()
+
+    def wait_for_pending(self) -> None:
+        """Until the profiles cells are waiting for have come (or will not)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for each in pending:
+            each.done.wait()
 
     def has_new(self) -> bool:
         """Whether profiles came since the last take."""
@@ -145,6 +219,13 @@ class ProfileCollector:
         if self._trace_dir is None:
             self._trace_dir = tempfile.mkdtemp(prefix="fsdp2nb-profiles-")  # 0700: this user's
         return self._trace_dir
+
+
+def _on_common_clock(profiles: list[RankProfile], clock_offsets: dict[int, tuple[int, int]] | None) -> list[RankProfile]:
+    if not clock_offsets:
+        return profiles
+    return [replace(profile, clock_offset_ns=clock_offsets[profile.rank][0], clock_error_ns=clock_offsets[profile.rank][1])
+            if profile.rank in clock_offsets else profile for profile in profiles]
 
 
 def describe_stacks(stacks: dict[int, RankStacks], world_size: int) -> str:

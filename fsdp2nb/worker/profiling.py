@@ -73,12 +73,29 @@ def profile() -> Iterator[None]:
         yield
 
 
+@dataclass(frozen=True, slots=True)
+class _StoppedAfterReply:
+    """A cell's profiler, still running once the cell ended: the rank stops it after its reply."""
+
+    sink: ProfileSink
+    profiler: object
+    cell_id: int | None
+
+
+_after_reply: _StoppedAfterReply | None = None
+
+
 @contextlib.contextmanager
-def recording(sink: ProfileSink, active: bool) -> Iterator[None]:
-    """Record what the block runs and send it, whether the block returns or raises."""
+def recording(sink: ProfileSink, active: bool, *, after_reply: bool = False) -> Iterator[None]:
+    """Record what the block runs and send it, whether the block returns or raises.
+
+    `after_reply`: the profiler is stopped, and its events read and sent, by
+    `send_after_reply`, so that the cell's reply does not wait for them."""
+    global _after_reply
     if not active or not _recording.acquire(blocking=False):
         yield
         return
+    deferred = False
     try:
         # torch.autograd's profiler, which torch.profiler.profile drives: the latter's first start
         # imports torch._inductor, seconds at which the ranks would start their cells far apart.
@@ -93,12 +110,33 @@ def recording(sink: ProfileSink, active: bool) -> Iterator[None]:
             with record_function(WINDOW_NAME):
                 yield
         finally:
-            profiler.__exit__(None, None, None)
-            with collector_paused():
-                recorded = rank_profile(sink, profiler.kineto_results, _save_kineto_trace(sink, profiler.kineto_results))
-            sink.send_event(recorded)
+            if after_reply:
+                _after_reply, deferred = _StoppedAfterReply(sink, profiler, sink.current_cell_id()), True
+            else:
+                _stop_and_send(sink, profiler, sink.current_cell_id())
+    finally:
+        if not deferred:
+            _recording.release()
+
+
+def send_after_reply() -> None:
+    """Stop the profiler of the cell just replied to and send its profile; nothing without one."""
+    global _after_reply
+    stopped, _after_reply = _after_reply, None
+    if stopped is None:
+        return
+    try:
+        _stop_and_send(stopped.sink, stopped.profiler, stopped.cell_id)
     finally:
         _recording.release()
+
+
+def _stop_and_send(sink: ProfileSink, profiler, cell_id: int | None) -> None:
+    profiler.__exit__(None, None, None)
+    with collector_paused():
+        results = profiler.kineto_results
+        recorded = rank_profile(sink, results, _save_kineto_trace(sink, results), cell_id=cell_id)
+    sink.send_event(recorded)
 
 
 def _note_distributed_info() -> None:
@@ -120,8 +158,9 @@ def _save_kineto_trace(sink: ProfileSink, results) -> str:
     return path
 
 
-def rank_profile(sink: ProfileSink, results, kineto_trace: str = "") -> RankProfile:
-    """The profiler's events as one event for the kernel (`results`: torch's Kineto results).
+def rank_profile(sink: ProfileSink, results, kineto_trace: str = "", *, cell_id: int | None = None) -> RankProfile:
+    """The profiler's events as one event for the kernel (`results`: torch's Kineto results);
+    `cell_id`: the request profiled, when no longer the rank's current one.
 
     One pass over every op, so its loop body is kept lean: a step has thousands of ops."""
     from torch._C._autograd import DeviceType
@@ -146,7 +185,7 @@ def rank_profile(sink: ProfileSink, results, kineto_trace: str = "") -> RankProf
                 continue
             kind = COLLECTIVE if name.startswith(_HOST_COLLECTIVE_PREFIX) and event.is_user_annotation() else OP
         flat += (names.setdefault(name, len(names)), lane, kind, event.start_ns(), event.duration_ns())
-    recorded = RankProfile(rank=sink.rank, cell_id=sink.current_cell_id(), device=sink.device,
+    recorded = RankProfile(rank=sink.rank, cell_id=sink.current_cell_id() if cell_id is None else cell_id, device=sink.device,
                            start_ns=window[0], end_ns=window[1], names=tuple(names), ops=pack(flat),
                            main_lane=main_lane, kineto_trace=kineto_trace)
     return summarise(recorded, flat)

@@ -53,7 +53,7 @@ from fsdp2nb.wire.requests import (
 from fsdp2nb.wire.signing import Signer
 from fsdp2nb.worker.capture import OutputSync, line_buffered_streams
 from fsdp2nb.worker.error_kinds import error_kind
-from fsdp2nb.worker.profiling import recording
+from fsdp2nb.worker.profiling import recording, send_after_reply
 from fsdp2nb.worker.rank_setup import (
     capture_output,
     join_process_group,
@@ -189,6 +189,7 @@ class Rank:
                     self._activity.ended()
                 self._sampler.flush()  # what the request logged or began tracking goes before its reply
                 self._send_reply(finished)
+                send_after_reply()  # a profiled cell's: the cell ended at its reply; the next request waits
             self._sampler.refresh_tracked_sizes()  # here, not on the sampler's thread: see TrackedSizes
 
     def _run_request(self, request: RunCell | PushValues | PullValue | RunCommand | PostMortem) -> CellFinished:
@@ -231,7 +232,7 @@ class Rank:
 
     def _handle(self, request: RunCell | PushValues | PullValue | RunCommand | PostMortem) -> CellFinished:
         if isinstance(request, RunCell):
-            with recording(self._profile_sink, request.profile):
+            with recording(self._profile_sink, request.profile, after_reply=True):
                 error = self._run_cell(self.shell, request.code, request.transformed, request.execution_count,
                                        request.color_scheme)
             self._say_failed_save()

@@ -36,6 +36,8 @@ def test_a_profiled_cell_shows_its_table_and_timeline(lab, browser, shots):
         page.wait_done(1, timeout_ms=300_000)
         assert "profiled" in page.output(1), page.output(1)
         view = page.page.locator(".fsdp2nb-profile").first
+        view.wait_for(timeout=60_000)  # the ranks send their profiles after the cell: it replaces a placeholder
+        assert page.page.locator(".fsdp2nb-profile-pending").count() == 0
         assert "straggler: rank 1" in view.inner_text()
         rows = view.locator("table.fsdp2nb-profile-table").first.locator("tr")
         assert rows.count() == 4  # the header and one row per rank

@@ -7,12 +7,13 @@ what it must, so nothing here depends on timing."""
 
 import json
 import os
+import re
 import tempfile
 from collections import defaultdict
 
 import pytest
 
-from tests.support.kernel_client import WITHOUT_GPUS, Kernel
+from tests.support.kernel_client import WITHOUT_GPUS, Kernel, kernels_with_fsdp2nb
 
 SLEEP_S = 0.15
 NUM_COLLECTIVES = 4
@@ -44,6 +45,12 @@ def straggler_run(kernel):
     return run
 
 
+def _profile_view(kernel, run) -> str:
+    """The profile view that replaced the cell's placeholder (the ranks send it after their replies)."""
+    (display_id,) = run.display_ids
+    return kernel.display_update(run, display_id)["data"].get("text/html", "")
+
+
 def _values(kernel, expression: str):
     run = kernel.execute(f"import json as _json\nprint(_json.dumps({expression}))")
     assert run.status == "ok", run.traceback_text
@@ -51,7 +58,7 @@ def _values(kernel, expression: str):
 
 
 def test_the_rank_that_sleeps_is_the_straggler_and_the_others_wait_for_it(kernel, straggler_run):
-    shown = "".join(d["data"].get("text/html", "") for d in straggler_run.displays)
+    shown = _profile_view(kernel, straggler_run)
     assert "straggler: rank 1" in shown and "<svg" in shown, shown[:500]
     assert _values(kernel, "prof.straggler") == 1
     waiting = _values(kernel, "{row.rank: row.waiting_s for row in prof.ranks}")
@@ -107,8 +114,40 @@ def test_a_cell_without_profile_runs_without_the_profiler(kernel):
 def test_a_failing_cell_still_shows_what_ran(kernel):
     run = kernel.execute("%%fsdp2 --profile\ntorch.ones(64, 64) @ torch.ones(64, 64)\nraise ValueError('late')")
     assert run.status == "error" and "late" in run.traceback_text
-    shown = "".join(d["data"].get("text/html", "") for d in run.displays)
+    shown = _profile_view(kernel, run)
     assert "aten::mm" in shown, shown[:500]
+
+
+def test_the_cell_ends_with_a_placeholder_that_the_profile_replaces(kernel):
+    run = kernel.execute("%%fsdp2 --profile\nsummed = torch.ones(32, 32).cumsum(0)")
+    assert run.status == "ok", run.traceback_text
+    (placeholder,) = [d for d in run.displays if d.get("transient", {}).get("display_id")]
+    assert "fsdp2nb-profile-pending" in placeholder["data"]["text/html"], placeholder
+    assert kernel.execute("right_after = %fsdp2 profile").status == "ok"  # waits for the ranks' profiles
+    assert sorted(_values(kernel, "[row.rank for row in right_after.ranks]")) == [0, 1, 2]
+    assert "aten::cumsum" in _values(kernel, "[op.name for op in right_after.top_ops]")
+    shown = _profile_view(kernel, run)
+    assert "fsdp2nb-profile-pending" not in shown and "<svg" in shown and "aten::cumsum" in shown, shown[:500]
+
+
+def test_a_deferred_profile_shows_nothing_under_the_next_cell(kernel):
+    profiled = kernel.execute("%%fsdp2 --profile\ntorch.ones(16).cumprod(0)")
+    later = kernel.execute("%%fsdp2\nprint('next')")
+    assert later.stdout == "[all] next\n", later.stdout + later.traceback_text
+    assert "aten::cumprod" in _profile_view(kernel, profiled)
+    assert not any(m["msg_type"] in ("display_data", "update_display_data") for m in later.messages), later.messages
+
+
+def test_a_rank_that_dies_mid_profile_is_named_in_the_view():
+    with kernels_with_fsdp2nb(WITHOUT_GPUS) as start:
+        kernel = start()
+        assert kernel.execute("%fsdp2 start --cpu 2 --no-dashboard").status == "ok"
+        # rank 1 exits in the cell, so it never sends its profile: the view must not wait for it
+        run = kernel.execute("%%fsdp2 --profile\nimport os\ntorch.ones(8).cumsum(0)\nif rank == 1:\n    os._exit(3)")
+        assert run.status == "error" and "exit code 3" in run.traceback_text, run.traceback_text
+        shown = _profile_view(kernel, run)
+    missing = re.search(r"the profile is missing for ranks? ([0-9, ]+):", shown)
+    assert missing and "1" in missing.group(1).split(", "), shown[:500]
 
 
 def test_profile_block_profiles_only_the_block(kernel):

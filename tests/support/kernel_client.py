@@ -49,6 +49,11 @@ class CellRun:
         return [m["content"] for m in self.messages if m["msg_type"] in ("display_data", "execute_result")]
 
     @property
+    def display_ids(self) -> list[str]:
+        """The display ids of the run's displays that may be updated later."""
+        return [d["transient"]["display_id"] for d in self.displays if d.get("transient", {}).get("display_id")]
+
+    @property
     def result_text(self) -> str:
         """The text of the cell's value (`Out[n]`), or "" when it has none."""
         results = [m["content"]["data"].get("text/plain", "") for m in self.messages
@@ -159,6 +164,19 @@ class Kernel:
             except queue.Empty:
                 pass
 
+    def display_update(self, run: CellRun, display_id: str, timeout: float = 120) -> dict:
+        """The content of the `update_display_data` that replaced display `display_id` of `run`
+        (sent during the run or after it ended, as a reply to the run's request)."""
+        msg_id = run.reply["parent_header"]["msg_id"]
+
+        def updated(messages):
+            return any(_updates(m, display_id) for m in messages)
+
+        mine = [m for m in run.messages if _updates(m, display_id)]
+        if not mine:
+            mine = [m for m in self.messages_for(msg_id, updated, timeout) if _updates(m, display_id)]
+        return mine[-1]["content"]
+
     def execute_and_interrupt(self, code: str, when_printed: str, timeout: float = 100) -> CellRun:
         """Run `code` and press the stop button once its output first contains `when_printed`."""
         pressed = []
@@ -193,3 +211,8 @@ def kernels_with_fsdp2nb(env: dict[str, str], argv_prefix: list[str] | None = No
         for kernel in started:
             with contextlib.suppress(Exception):  # one that died already (the tests kill some)
                 kernel.stop()
+
+
+def _updates(message: dict, display_id: str) -> bool:
+    return (message["msg_type"] == "update_display_data"
+            and message["content"].get("transient", {}).get("display_id") == display_id)
