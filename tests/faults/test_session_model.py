@@ -20,7 +20,11 @@ import pytest
 
 from fsdp2nb.checkpoint import layout
 from tests.support.kernel_client import CellRun
-from tests.support.rank_resources import MORE_PLAIN_THREADS
+from tests.support.rank_resources import (
+    FDS_PER_GLOO_DEVICE,
+    MORE_PLAIN_THREADS,
+    REPLACED_CHECKPOINTER_DEVICES,
+)
 from tests.support.session_model import (
     KNOWN_DEFECTS,
     InvariantBroken,
@@ -140,7 +144,8 @@ def test_a_rank_holding_more_threads_and_descriptors_than_after_its_set_up_break
             session.check_resources()  # one file of a save in flight is allowed
         for thread in threads:
             thread.start()
-        pipes.extend(os.pipe())
+        for _ in range(REPLACED_CHECKPOINTER_DEVICES * FDS_PER_GLOO_DEVICE // 2 + 1):  # two fds each
+            pipes.extend(os.pipe())
         with pytest.raises(InvariantBroken) as broken:
             session.check_resources()
         message = str(broken.value)
