@@ -3,7 +3,8 @@ profiles after, so the cell ends with a placeholder under its output, replaced i
 (`update_display_data`, by its display id) once every rank's profile has come.
 
 The replacement is sent from a thread of this module, as a reply to the profiled cell's request:
-an update never adds an output, so nothing lands under a later cell."""
+an update never adds an output, so nothing lands under a later cell. A frontend that reads no
+message after its cell ended (nbclient) gets the view before the cell ends instead."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ def show_when_complete(collector: ProfileCollector, pending: PendingProfile, exi
     handle = display({"text/plain": PLACEHOLDER, "text/html": _html_line(PLACEHOLDER, "fsdp2nb-profile-pending")},
                      raw=True, display_id=True)
     cell_request = _current_parent()
-    thread = threading.Thread(target=_replace_when_complete, name="fsdp2nb-profile-view", daemon=True,
-                              args=(collector, pending, exited, handle, cell_request, on_profile))
-    thread.start()
+    replace = (collector, pending, exited, handle, cell_request, on_profile)
+    if not _frontend_updates_ended_cells():
+        _replace_when_complete(*replace)  # before the cell ends, where such a frontend still listens
+        return
+    threading.Thread(target=_replace_when_complete, args=replace, name="fsdp2nb-profile-view", daemon=True).start()
 
 
 def _replace_when_complete(collector: ProfileCollector, pending: PendingProfile,
@@ -62,6 +65,21 @@ def view_bundle(pending: PendingProfile) -> dict[str, str]:
 
 def _html_line(text: str, css_class: str) -> str:
     return f'<div class="{css_class}"><i>{escape(text)}</i></div>'
+
+
+def _frontend_updates_ended_cells() -> bool:
+    """Whether the frontend applies display updates that come after their cell ended.
+
+    JupyterLab and Notebook do, and ask with `allow_stdin` set; nbclient (`nbconvert --execute`)
+    reads only the running cell's messages, and asks without stdin: there the cell waits."""
+    from IPython import get_ipython
+
+    kernel = getattr(get_ipython(), "kernel", None)
+    get_parent = getattr(kernel, "get_parent", None)
+    request = get_parent() if get_parent is not None else None
+    if not request:
+        return False
+    return bool(request.get("content", {}).get("allow_stdin", False))
 
 
 def _current_parent() -> dict | None:

@@ -138,6 +138,15 @@ def test_a_deferred_profile_shows_nothing_under_the_next_cell(kernel):
     assert not any(m["msg_type"] in ("display_data", "update_display_data") for m in later.messages), later.messages
 
 
+def test_a_stopped_cell_still_shows_what_ran(kernel):
+    code = ("%%fsdp2 --profile\nimport time\ntorch.ones(8).cumsum(0)\nprint('looping', flush=True)\n"
+            "while True:\n    time.sleep(0.01)")
+    run = kernel.execute_and_interrupt(code, when_printed="looping")
+    assert run.status == "error" and "KeyboardInterrupt" in run.traceback_text, run.traceback_text
+    shown = _profile_view(kernel, run)
+    assert "aten::cumsum" in shown and "<svg" in shown, shown[:500]
+
+
 def test_a_rank_that_dies_mid_profile_is_named_in_the_view():
     with kernels_with_fsdp2nb(WITHOUT_GPUS) as start:
         kernel = start()
