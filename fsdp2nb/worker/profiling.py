@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -127,6 +128,10 @@ def send_after_reply() -> None:
         return
     try:
         _stop_and_send(stopped.sink, stopped.profiler, stopped.cell_id)
+    except OSError:
+        pass  # the kernel is gone: no one is left to show the profile to
+    except Exception as error:  # the cell has replied already: the rank's log is where this can go
+        print(f"fsdp2nb: rank {stopped.sink.rank} could not send its profile: {error!r}", file=sys.__stderr__, flush=True)
     finally:
         _recording.release()
 
