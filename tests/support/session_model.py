@@ -934,6 +934,8 @@ class SessionMachine(RuleBasedStateMachine):
         super().__init__()
         self.session: Session | None = None
         self.started = time.monotonic()
+        self.broken = False
+        """Whether an invariant broke: the end's check would only hide what broke first."""
 
     @staticmethod
     def pick(data, options, name: str):
@@ -949,6 +951,7 @@ class SessionMachine(RuleBasedStateMachine):
         except InvariantBroken as error:
             done = self.session.done if self.session is not None else []
             self.tally.violations.append(Violation(self.seed, tuple(done), str(error)))
+            self.broken = True
             raise
 
     @initialize(data=st.data())
@@ -1018,8 +1021,9 @@ class SessionMachine(RuleBasedStateMachine):
         if self.session is None:
             return
         try:
-            with self._noting_violations():
-                self.session.check_resources()  # at the end, before the ranks stop
+            if not self.broken:
+                with self._noting_violations():
+                    self.session.check_resources()  # at the end, before the ranks stop
         finally:
             leftovers = self.session.close()
             self.tally.wall_s += time.monotonic() - self.started
