@@ -64,7 +64,8 @@ def view_bundle(pending: PendingProfile) -> dict[str, str]:
 
 
 def _html_line(text: str, css_class: str) -> str:
-    return f'<div class="{css_class}"><i>{escape(text)}</i></div>'
+    lines = "<br>".join(escape(line) for line in text.splitlines())
+    return f'<div class="{css_class}"><i>{lines}</i></div>'
 
 
 def _frontend_updates_ended_cells() -> bool:

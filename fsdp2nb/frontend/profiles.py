@@ -98,11 +98,14 @@ class PendingProfile:
         return set(self.ranks) <= set(self.arrived)
 
     def note(self) -> str:
-        """One line under the view for ranks whose profile did not come; "" when all did."""
-        if not self.missing:
-            return ""
-        ranks = ", ".join(str(rank) for rank in self.missing)
-        return f"the profile is missing for rank{'s' if len(self.missing) > 1 else ''} {ranks}: it exited (or its pool stopped) before sending it"
+        """Lines under the view for ranks whose profile did not come or failed; "" when all came."""
+        lines = [f"the profile is missing for rank {rank}: {self.arrived[rank].failure}"
+                 for rank in self.ranks if rank in self.arrived and self.arrived[rank].failure]
+        if self.missing:
+            ranks = ", ".join(str(rank) for rank in self.missing)
+            lines.insert(0, f"the profile is missing for rank{'s' if len(self.missing) > 1 else ''} {ranks}: "
+                            "it exited (or its pool stopped) before sending it")
+        return "\n".join(lines)
 
 
 class ProfileCollector:
@@ -181,7 +184,8 @@ class ProfileCollector:
                         break
                     self._lock.wait(poll_s)
                 pending.missing = tuple(rank for rank in pending.ranks if rank not in pending.arrived)
-                arrived = [pending.arrived[rank] for rank in pending.ranks if rank in pending.arrived]
+                arrived = [pending.arrived[rank] for rank in pending.ranks
+                           if rank in pending.arrived and not pending.arrived[rank].failure]
             if arrived:
                 pending.profile = Profile(_on_common_clock(arrived, pending.clock_offsets), self._directory())
                 with self._lock:

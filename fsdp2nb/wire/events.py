@@ -227,6 +227,8 @@ class RankProfile:
     """The collectives of `ops`, packed the same way."""
     op_totals: bytes = b""
     """Packed int64 (name index, calls, self ns, total ns), one per op name."""
+    failure: str = ""
+    """Why the rank could not make its profile (the error); then it holds no ops."""
 
 
 EventMessage = (RankReady | StreamOutput | RichOutput | CellFinished | RankSnapshot | RankExited | TaskProgress

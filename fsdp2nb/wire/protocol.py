@@ -52,7 +52,7 @@ from fsdp2nb.wire.requests import (
     Shutdown,
 )
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """The version of the schema, exchanged with its fingerprint in every connection's greeting and
 hello and in a kept pool's attach record; ends that differ are refused in one line naming both
 (wire/versions.py). Raise it with every change of the schema's types:

@@ -26,7 +26,7 @@ class RunCell:
     """The notebook's IPython colour scheme (`InteractiveShell.colors`), so rank tracebacks are
     coloured as a plain cell's and stay readable on the notebook's light or dark theme."""
     profile: bool = False
-    """`%%fsdp2 --profile`: run the cell under torch.profiler and send a `RankProfile` before the reply."""
+    """`%%fsdp2 --profile`: run the cell under torch.profiler; its `RankProfile` is sent after the reply."""
 
 
 @dataclass(frozen=True)

@@ -130,10 +130,18 @@ def send_after_reply() -> None:
         _stop_and_send(stopped.sink, stopped.profiler, stopped.cell_id)
     except OSError:
         pass  # the kernel is gone: no one is left to show the profile to
-    except Exception as error:  # the cell has replied already: the rank's log is where this can go
+    except Exception as error:  # the cell has replied already: the kernel's view waits for this rank
         print(f"fsdp2nb: rank {stopped.sink.rank} could not send its profile: {error!r}", file=sys.__stderr__, flush=True)
+        with contextlib.suppress(Exception):
+            stopped.sink.send_event(_failed_profile(stopped.sink, stopped.cell_id, error))
     finally:
         _recording.release()
+
+
+def _failed_profile(sink: ProfileSink, cell_id: int | None, error: Exception) -> RankProfile:
+    """In place of a profile the rank could not make, so the kernel stops waiting and says why."""
+    return RankProfile(rank=sink.rank, cell_id=cell_id, device=sink.device, start_ns=0, end_ns=0, names=(),
+                       ops=b"", main_lane=0, failure=f"{type(error).__name__}: {error}")
 
 
 def _stop_and_send(sink: ProfileSink, profiler, cell_id: int | None) -> None:

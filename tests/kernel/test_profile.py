@@ -95,7 +95,8 @@ def test_the_merged_trace_has_a_process_per_rank_and_collectives_end_together(ke
     spreads = sorted(max(by_rank.values()) - min(by_rank.values()) for by_rank in all_reduces)
     # A wrong clock offset would move every end; a rank descheduled on a busy host just after one
     # collective moves that one only, and by far less than the straggler's sleep moves the starts.
-    assert spreads[len(spreads) // 2] < 5_000, spreads  # the median within 5 ms
+    # Three ranks on two cores wake from a collective a scheduler tick or two apart under load.
+    assert spreads[len(spreads) // 2] < 10_000, spreads  # the median within 10 ms
     assert spreads[-1] < SLEEP_S * 1e6 / 3, spreads
 
 

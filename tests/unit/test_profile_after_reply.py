@@ -42,3 +42,25 @@ def test_send_after_reply_without_a_profiled_cell_sends_nothing_and_the_next_pro
     with recording(_sink(sent, [1]), True):  # a block: sent when it ends
         torch.ones(4).sum()
     assert len(sent) == 1
+
+
+def test_a_profile_the_rank_cannot_make_is_sent_as_a_failure_and_ends_the_kernels_wait(monkeypatch):
+    from fsdp2nb.frontend.profiles import ProfileCollector
+    from fsdp2nb.worker import profiling
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no events")
+
+    sent: list = []
+    with recording(_sink(sent, [5]), True, after_reply=True):
+        torch.ones(4).sum()
+    monkeypatch.setattr(profiling, "rank_profile", broken)
+    send_after_reply()
+    (failed,) = sent
+    assert failed.cell_id == 5 and failed.failure == "RuntimeError: no events" and not failed.ops
+    collector = ProfileCollector()
+    pending = collector.expect(5, (0,))
+    collector.hear(failed)
+    collector.wait_for(pending, exited=lambda: ())  # returns: the failure counts as the rank's answer
+    assert pending.profile is None
+    assert pending.note() == "the profile is missing for rank 0: RuntimeError: no events"

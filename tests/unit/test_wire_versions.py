@@ -37,7 +37,8 @@ from tests.support.channels import wait_until
 
 SCHEMAS = {1: "d553d414a6717092", 2: "fc6e6598dd546d43", 3: "fa82194cc008491d", 4: "84d9f9b794046348",
            5: "f8858efd28ebed7f", 6: "f5c898d35b74ffba", 7: "ffbd6d67d50a47a6",
-           8: "9c47fdb83e2c2617", 9: "06ec384c12166044", 10: "05dedf7760739fb3"}
+           8: "9c47fdb83e2c2617", 9: "06ec384c12166044", 10: "05dedf7760739fb3",
+           11: "5189db933b5f33b0"}
 """Each protocol version's schema fingerprint. A change to the schema's types (wire/protocol.py and
 its SCHEMA_MODULES) changes the fingerprint: raise PROTOCOL_VERSION with it and add the new pair
 here (never edit an old one)."""
