@@ -1,6 +1,17 @@
 """The stop button never tears a frame: SIGINT is noted or held back, then delivered."""
 
+import signal
+
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def default_sigint_handler():
+    """Python's own SIGINT handler during each test, as in a kernel: a process started in the
+    background of a non-interactive shell inherits SIGINT ignored, and Python then keeps it so."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 def test_sigint_is_held_back_until_the_block_ends():
